@@ -1,0 +1,110 @@
+"""Where analyze and pack get sample lengths from.
+
+Two sources, one result:
+
+- a tokenized dataset folder (``meta.json`` + ``lengths.npy``, written by ``tokenize``):
+  only the lengths array is read, memory-mapped; the shards are never touched;
+- a what-if lengths file: ``.npy`` (any integer dtype) or text with one integer per line.
+
+Sample ids are positions in the returned array. The returned :class:`LengthSource` carries
+a fingerprint that plans and manifests record, so a plan can never be applied to other data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import FormatError, InputError
+from .fileio import fingerprint_array, load_npy, read_json
+
+DATASET_FORMAT = "dflash-prep/dataset"
+DATASET_VERSIONS = (1,)
+LENGTHS_FILE = "lengths.npy"
+META_FILE = "meta.json"
+
+
+@dataclass(frozen=True)
+class LengthSource:
+    """Lengths plus where they came from.
+
+    Attributes:
+        lengths: int32 array, one entry per sample id (may be a read-only memmap).
+        kind: ``"dataset"`` (a tokenized folder) or ``"lengths"`` (a what-if file).
+        path: the folder or file, as given.
+        fingerprint: the dataset fingerprint from ``meta.json``, or the lengths array's own.
+    """
+
+    lengths: np.ndarray
+    kind: str
+    path: str
+    fingerprint: str
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.lengths.sum(dtype=np.int64))
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "path": self.path, "fingerprint": self.fingerprint,
+                "num_samples": self.num_samples, "total_tokens": self.total_tokens}
+
+
+def read_dataset_lengths(folder: str | Path) -> LengthSource:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InputError(f"{folder}: dataset folder not found; run `dflash-prep tokenize` first or pass --lengths FILE")
+    meta = read_json(folder / META_FILE, format=DATASET_FORMAT, versions=DATASET_VERSIONS)
+    lengths = load_npy(folder / LENGTHS_FILE)
+    n = meta.get("counts", {}).get("samples")
+    if n is not None and int(n) != lengths.shape[0]:
+        raise FormatError(f"{folder / LENGTHS_FILE}: holds {lengths.shape[0]} lengths but meta.json says {n} samples; "
+                          "the folder is corrupt, re-run `dflash-prep tokenize --overwrite`")
+    return LengthSource(_check(lengths, folder / LENGTHS_FILE), "dataset", str(folder), str(meta["fingerprint"]))
+
+
+def read_lengths_file(path: str | Path) -> LengthSource:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: lengths file not found; pass a .npy array or a text file with one integer per line")
+    if path.suffix == ".npy":
+        arr = load_npy(path, mmap=False)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise InputError(f"{path}: expected a 1-D integer array, found shape {arr.shape} dtype {arr.dtype}")
+    else:
+        vals = []
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                s = line.strip()
+                if not s:
+                    continue
+                try:
+                    vals.append(int(s))
+                except ValueError:
+                    raise InputError(f"{path}:{i}: {s[:40]!r} is not an integer; the file needs one length per line") from None
+        arr = np.asarray(vals, dtype=np.int64)
+    arr = _check(arr, path)
+    return LengthSource(arr, "lengths", str(path), fingerprint_array(arr))
+
+
+def _check(arr: np.ndarray, where) -> np.ndarray:
+    if arr.shape[0] == 0:
+        raise InputError(f"{where}: no samples; nothing to analyze or pack")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 1:
+        raise InputError(f"{where}: found a length of {lo}; every sample needs at least one token")
+    if hi > np.iinfo(np.int32).max:
+        raise InputError(f"{where}: found a length of {hi}, beyond int32")
+    return arr.astype(np.int32, copy=False)
+
+
+def load(data: str | Path | None = None, lengths_file: str | Path | None = None) -> LengthSource:
+    """Load lengths from exactly one of a dataset folder or a lengths file."""
+    if (data is None) == (lengths_file is None):
+        raise InputError("give exactly one of a dataset folder or --lengths FILE")
+    return read_dataset_lengths(data) if data is not None else read_lengths_file(lengths_file)
