@@ -1,0 +1,129 @@
+"""Atomic, versioned checkpoints that refuse to resume under a different plan.
+
+A checkpoint (format ``dflash-prep/train-checkpoint`` version 1, one ``torch.save`` file
+written to a temp path and renamed into place) holds:
+
+- ``model``, ``optimizer``: state dicts (parameters are identical on every rank: gradients
+  are all-reduced before every optimizer step);
+- ``schedule``: the LR schedule's fields (:class:`train.schedule.Schedule`);
+- ``rng``: per rank, the torch CPU (and CUDA) generator, NumPy's and Python's global states;
+- ``cursor``: ``epoch``, ``step`` (the next step inside that epoch) and ``global_step``;
+- ``run_key``: what fixes the data order: the plan's identity and fingerprint, the dataset
+  fingerprint, and the manifest's layout, world size and accumulation;
+- ``model_config``: the decoder's shape.
+
+Resume is exact: with the loader a pure function of (manifest, cursor) and no dropout,
+``k`` steps + save + load + ``N - k`` steps equals ``N`` straight steps bit for bit on CPU.
+Seed 2 restarted from scratch when the data flow changed, because a checkpoint trained on
+one batch mix continued on another is a different run. So :func:`check_run_key` refuses a
+checkpoint whose run key differs and names each difference; ``--from-scratch`` is the way
+to start a new run on the new plan.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_prep.errors import FingerprintMismatch, FormatError
+from dflash_prep.fileio import atomic_write_bytes
+
+CKPT_FORMAT = "dflash-prep/train-checkpoint"
+CKPT_VERSION = 1
+CKPT_FILE = "checkpoint.pt"
+
+
+class PlanChanged(FingerprintMismatch):
+    """The checkpoint was trained under another plan, dataset or manifest shape."""
+
+
+def rng_state() -> dict:
+    """This process's RNG states, as tensors and plain values (loadable with weights_only)."""
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    st = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached": float(np_state[4])},
+        "python": {"version": py_state[0], "state": list(py_state[1]), "gauss": py_state[2]},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    torch.set_rng_state(st["torch"])
+    n = st["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    p = st["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])
+
+
+def save(path: str | Path, *, model, optimizer, schedule: dict, rng: list[dict], cursor: dict, run_key: dict,
+         model_config: dict, extra: dict | None = None) -> Path:
+    """Write the checkpoint atomically (call on rank 0 only)."""
+    obj = {"format": CKPT_FORMAT, "version": CKPT_VERSION, "model": model.state_dict(),
+           "optimizer": optimizer.state_dict(), "schedule": dict(schedule), "rng": list(rng),
+           "cursor": dict(cursor), "run_key": dict(run_key), "model_config": dict(model_config),
+           "extra": dict(extra or {})}
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    atomic_write_bytes(path, buf.getvalue())
+    return Path(path)
+
+
+def load(path: str | Path) -> dict:
+    """Read and check a checkpoint (format, version, required keys)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FormatError(f"{path}: checkpoint not found")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for truncated / foreign files
+        raise FormatError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e}); "
+                          "delete it or pass --from-scratch") from e
+    if not isinstance(obj, dict) or obj.get("format") != CKPT_FORMAT:
+        raise FormatError(f"{path}: not a '{CKPT_FORMAT}' file; pass --out to a run folder of this trainer "
+                          "or --from-scratch")
+    if obj.get("version") != CKPT_VERSION:
+        raise FormatError(f"{path}: checkpoint version {obj.get('version')!r} is not supported "
+                          f"(supports {CKPT_VERSION}); resume with the dflash-prep that wrote it or --from-scratch")
+    missing = {"model", "optimizer", "schedule", "rng", "cursor", "run_key", "model_config"} - set(obj)
+    if missing:
+        raise FormatError(f"{path}: checkpoint lacks {sorted(missing)}; it is corrupt, pass --from-scratch")
+    return obj
+
+
+def _describe(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def check_run_key(saved: dict, current: dict, *, path: str | Path) -> None:
+    """Refuse to resume when anything that fixes the data order changed; name each change."""
+    diffs = []
+    for k in sorted(set(saved) | set(current)):
+        if saved.get(k) != current.get(k):
+            diffs.append(f"  {k}: checkpoint {_describe(saved.get(k))} -> now {_describe(current.get(k))}")
+    if diffs:
+        raise PlanChanged(
+            f"{path}: refusing to resume: the checkpoint was trained under a different data plan.\n"
+            + "\n".join(diffs) + "\n"
+            "Changing how data flows (boundaries, budget, seed, window, layout, world size, accumulation or the "
+            "dataset) changes the run, so continuing this checkpoint would mix two batch orders. Either point "
+            "--plan/--manifests back at the plan the run started with, or pass --from-scratch to start a new "
+            "run on the new plan.")
+
+
+def check_model(saved: dict, current: dict, *, path: str | Path) -> None:
+    if saved != current:
+        diff = {k: (saved.get(k), current.get(k)) for k in set(saved) | set(current) if saved.get(k) != current.get(k)}
+        raise PlanChanged(f"{path}: the checkpoint's model shape differs from --model/[model] ({diff}); "
+                          "use the same preset to resume, or pass --from-scratch")

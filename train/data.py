@@ -1,0 +1,228 @@
+"""From manifest to tensors: one rank's micro-batches, in manifest order, prefetched FIFO.
+
+Data flow: the tokenized dataset (Arrow shards, memory-mapped; ``ds.sample(i)`` returns
+zero-copy ``int32`` ids and ``uint8`` loss mask) + the epoch manifest
+(``m.microbatches(rank, start_step)``, manifest order) -> :func:`iter_steps` groups one
+rank's micro-batches by optimizer step -> :class:`Prefetcher` builds them on a background
+thread -> the training loop.
+
+Labels (exact semantics, both layouts): for a sample with ids ``x[0..n-1]`` and loss mask
+``m[0..n-1]``, position ``t`` predicts ``x[t+1]`` and its label is ``x[t+1]`` when
+``m[t+1] == 1``, else ``-100`` (ignored). The last position of every sample has label
+``-100``, so no label ever crosses a document boundary, padded or concatenated; padding
+positions are ``-100`` too. ``n_targets`` counts the labels that are not ``-100``: the
+real target tokens the loss is normalised by.
+
+The loader is a pure function of (dataset, manifest, rank, start step): that is what lets a
+resumed run see exactly the batches a straight run would have seen.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from dflash_prep.errors import FormatError
+
+IGNORE = -100
+
+
+@dataclass
+class Batch:
+    """One micro-batch as tensors (CPU, pinned when the trainer runs on CUDA).
+
+    Padded: ``input_ids``/``labels`` are ``(B, L)`` int64, ``lengths`` is ``(B,)`` int32.
+    Varlen: ``input_ids``/``labels``/``position_ids`` are ``(T,)`` int64, ``cu_seqlens`` is
+    ``(N + 1,)`` int32 and ``max_seqlen`` the longest sample.
+    """
+
+    layout: str
+    step: int
+    accum: int
+    sample_ids: np.ndarray
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    n_targets: int
+    real_tokens: int
+    padded_tokens: int
+    lengths: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    max_seqlen: int = 0
+
+    def to(self, device: torch.device) -> "Batch":
+        """Copy tensors to ``device`` (non-blocking from pinned memory)."""
+        def mv(t):
+            return None if t is None else t.to(device, non_blocking=True)
+        return Batch(self.layout, self.step, self.accum, self.sample_ids, mv(self.input_ids), mv(self.labels),
+                     self.n_targets, self.real_tokens, self.padded_tokens, mv(self.lengths), mv(self.cu_seqlens),
+                     mv(self.position_ids), self.max_seqlen)
+
+    def model_inputs(self) -> dict:
+        if self.layout == "varlen":
+            return {"cu_seqlens": self.cu_seqlens, "max_seqlen": self.max_seqlen, "position_ids": self.position_ids}
+        return {"lengths": self.lengths}
+
+
+@dataclass
+class StepBatches:
+    """Everything one rank feeds into one optimizer step (may be empty on a short step)."""
+
+    epoch: int
+    step: int
+    micro: list[Batch] = field(default_factory=list)
+
+
+def shifted_labels(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Labels for one sample: ``ids[t+1]`` where ``mask[t+1]``, else -100; last is -100."""
+    out = np.full(ids.shape[0], IGNORE, np.int64)
+    if ids.shape[0] > 1:
+        out[:-1] = np.where(mask[1:] != 0, ids[1:], IGNORE)
+    return out
+
+
+def _read(ds, sid: int, expect_len: int | None, where: str) -> tuple[np.ndarray, np.ndarray]:
+    ids, mask = ds.sample(int(sid))
+    if ids.shape[0] != mask.shape[0]:
+        raise FormatError(f"{where}: sample {sid} has {ids.shape[0]} ids but {mask.shape[0]} mask entries; "
+                          "the dataset is corrupt, re-run `dflash-prep tokenize --overwrite`")
+    if expect_len is not None and ids.shape[0] > expect_len:
+        raise FormatError(f"{where}: sample {sid} has {ids.shape[0]} tokens but the manifest's max_len is "
+                          f"{expect_len}; the manifest belongs to other data, re-run `dflash-prep pack`")
+    return ids, mask
+
+
+def build_batch(ds, mb, layout: str, *, pad_id: int = 0, pin: bool = False) -> Batch:
+    """Tensors for one manifest micro-batch (attributes per the manifest contract)."""
+    sids = np.asarray(mb.sample_ids, np.int64)
+    where = f"epoch step {mb.step} rank {mb.rank} accum {mb.accum}"
+    if sids.shape[0] == 0:
+        raise FormatError(f"{where}: empty micro-batch; the manifest is corrupt, re-run `dflash-prep pack`")
+    samples = [_read(ds, s, int(mb.max_len) if layout == "padded" else None, where) for s in sids]
+    lens = np.fromiter((a.shape[0] for a, _ in samples), np.int64, len(samples))
+    real = int(lens.sum())
+    if layout == "padded":
+        B, L = len(samples), int(lens.max())
+        ids = np.full((B, L), pad_id, np.int64)  # (B, L)
+        lab = np.full((B, L), IGNORE, np.int64)  # (B, L)
+        for r, (a, m) in enumerate(samples):
+            ids[r, : a.shape[0]] = a
+            lab[r, : a.shape[0]] = shifted_labels(a, m)
+        out = dict(lengths=torch.from_numpy(lens.astype(np.int32)))
+        padded = B * L
+    elif layout == "varlen":
+        if real > np.iinfo(np.int32).max:
+            raise FormatError(f"{where}: {real} tokens overflow int32 cu_seqlens; lower the pack budget")
+        ids = np.concatenate([a for a, _ in samples]).astype(np.int64)  # (T,)
+        lab = np.concatenate([shifted_labels(a, m) for a, m in samples])  # (T,)
+        cu = np.zeros(len(samples) + 1, np.int32)
+        cu[1:] = np.cumsum(lens)  # fits: real <= int32 max was checked above
+        pos = np.arange(real, dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), lens)  # (T,) restarts per sample
+        out = dict(cu_seqlens=torch.from_numpy(cu), position_ids=torch.from_numpy(pos), max_seqlen=int(lens.max()))
+        padded = real
+    else:
+        raise FormatError(f"{where}: unknown manifest layout {layout!r} (expected 'padded' or 'varlen')")
+    ids_t, lab_t = torch.from_numpy(ids), torch.from_numpy(lab)
+    if pin:
+        ids_t, lab_t = ids_t.pin_memory(), lab_t.pin_memory()
+        out = {k: (v.pin_memory() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+    return Batch(layout=layout, step=int(mb.step), accum=int(mb.accum), sample_ids=sids, input_ids=ids_t,
+                 labels=lab_t, n_targets=int((lab != IGNORE).sum()), real_tokens=real, padded_tokens=int(padded), **out)
+
+
+def iter_steps(ds, manifest, rank: int, *, start_step: int = 0, pad_id: int = 0,
+               pin: bool = False) -> Iterator[StepBatches]:
+    """Yield one :class:`StepBatches` per step ``start_step .. num_steps-1``, in manifest order.
+
+    Every rank yields every step, even one where it holds no micro-batch, so all ranks
+    make the same collective calls and never deadlock on unequal counts.
+    """
+    n_steps = int(manifest.num_steps)
+    cur = StepBatches(int(manifest.epoch), int(start_step))
+    for mb in manifest.microbatches(rank, start_step=start_step):
+        s = int(mb.step)
+        if s < cur.step:
+            raise FormatError(f"manifest epoch {manifest.epoch}: rank {rank} micro-batch for step {s} comes after "
+                              f"step {cur.step}; the manifest is not in step order, re-run `dflash-prep pack`")
+        while cur.step < s:
+            yield cur
+            cur = StepBatches(cur.epoch, cur.step + 1)
+        cur.micro.append(build_batch(ds, mb, manifest.layout, pad_id=pad_id, pin=pin))
+    while cur.step < n_steps:
+        yield cur
+        cur = StepBatches(cur.epoch, cur.step + 1)
+
+
+class _Raised:
+    def __init__(self, exc: Exception):
+        self.exc = exc
+
+
+_END = object()
+
+
+class Prefetcher:
+    """Run an iterator on a background thread, ``depth`` items ahead, strictly FIFO.
+
+    One producer thread, one bounded ``queue.Queue``: items come out in exactly the order
+    the iterator produced them, never reordered by which is ready first (seed 2's bug). An
+    exception in the producer is re-raised in the consumer at the position it happened.
+    ``wait_s`` accumulates the time the consumer spent blocked (the data-wait figure).
+    """
+
+    def __init__(self, it: Iterable, depth: int = 4):
+        self._it = iter(it)
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self.wait_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="dflash-prefetch", daemon=True)
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            for item in self._it:
+                if not self._put(item):
+                    return
+        except Exception as e:  # handed to the consumer, re-raised there
+            self._put(_Raised(e))
+            return
+        self._put(_END)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t0 = time.perf_counter()
+        item = self._q.get()
+        self.wait_s += time.perf_counter() - t0
+        if item is _END:
+            self._q.put(_END)  # stay exhausted
+            raise StopIteration
+        if isinstance(item, _Raised):
+            raise item.exc
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,102 @@
+"""Process group, device and the three collectives the trainer makes.
+
+Launch is torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT`` in
+the environment); without those variables the trainer is one process and never touches
+``torch.distributed``. NCCL on CUDA, gloo on CPU. Every rank makes the same calls in the
+same order each step (one count all-reduce before backward, one gradient all-reduce, one
+stats all-reduce), even a rank whose share of a step is empty, so ranks never deadlock.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dflash_prep.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+
+def setup(device: str = "auto") -> Dist:
+    """Join the torchrun job (if any) and pick the device (``cuda:LOCAL_RANK`` or cpu)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but torch sees no CUDA GPU; use --device cpu")
+    if use_cuda:
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+    else:
+        dev = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                                device_id=dev if use_cuda else None)
+    return Dist(rank, world, local, dev)
+
+
+def teardown(d: Dist) -> None:
+    if d.active:
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    """In-place SUM across ranks (no-op for one process)."""
+    if d.active:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_grads(params: list[torch.nn.Parameter], d: Dist) -> None:
+    """SUM every gradient across ranks in one flat buffer.
+
+    A SUM, not an average: each rank's loss is already divided by the global target count
+    of the step, so the sum over ranks is the gradient of the step's per-token mean loss.
+    Parameters without a gradient (a rank with no micro-batch in this step) join with zeros.
+    """
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if not d.active:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    off = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[off:off + n].view_as(p.grad))
+        off += n
+
+
+def gather_objects(obj, d: Dist) -> list:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if not d.active:
+        return [obj]
+    out = [None] * d.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier(d: Dist) -> None:
+    if d.active:
+        dist.barrier()

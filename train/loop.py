@@ -1,0 +1,313 @@
+"""The training loop: one model, one optimizer, manifests in, JSONL out.
+
+Per optimizer step ``s`` of epoch ``e`` (this rank holds micro-batches ``mb_1..mb_a`` of it,
+``a`` usually the manifest's grad_accum, possibly 0 on a short last step):
+
+1. ``N = all_reduce_sum(sum of n_targets over this rank's micro-batches)``: the real target
+   tokens of the whole step, every rank and every accumulation micro-batch;
+2. for each micro-batch: ``(sum of token losses / N).backward()`` (gradients accumulate);
+3. all-reduce the gradients with SUM (so the step's gradient is that of the per-token mean
+   over the whole step, never a mean of per-micro-batch means), clip, AdamW step.
+
+So 2 ranks x A=1 and 1 rank x A=2 over the same micro-batches give the same gradient (up to
+fp32 summation order); ``tests/train/test_loss_norm.py`` checks it. A step whose ``N`` is 0
+(no target tokens anywhere) leaves parameters and optimizer state untouched.
+
+Determinism: CPU runs use ``torch.use_deterministic_algorithms``, fp32, no dropout, and a
+loader that is a pure function of (manifest, cursor), so resume is bitwise
+(``tests/train/test_resume.py``). CUDA runs use bf16 autocast and the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+import kernels
+from dflash_prep.errors import ConfigError, FormatError
+from dflash_prep.fileio import atomic_write_json
+
+from . import checkpoint as ckpt
+from . import distributed
+from .config import TrainConfig
+from .data import Prefetcher, StepBatches, iter_steps
+from .model import Decoder, token_loss_sum
+from .schedule import Schedule
+from .source import tokenizer_field
+
+LOG_FORMAT = "dflash-prep/train-log"
+SUMMARY_FORMAT = "dflash-prep/train-summary"
+FORMAT_VERSION = 1
+
+
+def build_optimizer(model: Decoder, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices and embeddings only (not RMSNorm gains)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=1e-8, foreach=False)
+
+
+def train_step(model: Decoder, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float, grad_clip: float,
+               d: distributed.Dist, autocast) -> dict:
+    """One optimizer step over this rank's micro-batches of step ``sb.step`` (module docstring)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt.zero_grad(set_to_none=True)
+    counts = torch.tensor([sum(b.n_targets for b in sb.micro), sum(b.real_tokens for b in sb.micro),
+                           sum(b.padded_tokens for b in sb.micro)], dtype=torch.int64, device=d.device)
+    distributed.all_reduce_sum(counts, d)
+    n_targets, real, padded = (int(x) for x in counts.tolist())
+    loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
+    denom = float(max(n_targets, 1))
+    for b in sb.micro:
+        b = b.to(d.device)
+        with autocast():
+            logits = model(b.input_ids, **b.model_inputs())
+        ls = token_loss_sum(logits, b.labels)
+        (ls / denom).backward()
+        loss_sum += ls.detach().double()
+    distributed.all_reduce_grads(params, d)
+    distributed.all_reduce_sum(loss_sum, d)
+    if grad_clip > 0:
+        gnorm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=False))
+    else:
+        gnorm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+    if n_targets > 0:
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.step()
+    return {"loss": float(loss_sum) / denom if n_targets else float("nan"), "grad_norm": gnorm,
+            "targets": n_targets, "real_tokens": real, "padded_tokens": padded, "skipped": n_targets == 0}
+
+
+def _autocast_for(device: torch.device, bf16: bool):
+    if device.type == "cuda" and bf16:
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def _set_determinism(device: torch.device) -> None:
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True)
+    else:  # cuBLAS needs a fixed workspace for determinism; warn rather than fail on other ops
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+class RunLog:
+    """Append-only JSONL on rank 0: a header record (format, version, config) then one per step.
+
+    Each line is written and flushed whole, so a crash loses at most the line in flight; a
+    resumed run appends below (records carry ``global_step``), ``--from-scratch`` starts a
+    new file.
+    """
+
+    def __init__(self, path: Path, header: dict, *, fresh: bool, enabled: bool):
+        self.f = None
+        if not enabled:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if fresh or not path.exists():
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps({"format": LOG_FORMAT, "version": FORMAT_VERSION, **header}) + "\n")
+            os.replace(tmp, path)
+        self.f = open(path, "a")
+
+    def write(self, rec: dict) -> None:
+        if self.f:
+            self.f.write(json.dumps(rec) + "\n")
+            self.f.flush()
+
+    def close(self) -> None:
+        if self.f:
+            self.f.close()
+
+
+def _wandb(cfg: TrainConfig, d: distributed.Dist):
+    if not cfg.wandb or not d.is_main:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        print("warning: --wandb was given but wandb is not installed (pip install wandb); logging to JSONL only",
+              file=sys.stderr)
+        return None
+    return wandb.init(project=cfg.wandb, config=asdict(cfg))
+
+
+def _progress(enabled: bool, total: int):
+    if not enabled:
+        return None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    p = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                 TimeRemainingColumn(), transient=False)
+    p.start()
+    p.add_task("train", total=total, info="")
+    return p
+
+
+def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = None) -> dict:
+    """Run (or resume) training as ``cfg`` says; returns the final summary (rank 0's view).
+
+    ``source`` defaults to :class:`train.source.FileSource` over ``cfg.data``/``plan``/
+    ``manifests``; tests pass any object with the same members.
+    """
+    d = dist_ctx or distributed.setup(cfg.device)
+    if cfg.attn == "triton" and d.device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels first imports triton
+    _set_determinism(d.device)
+    if source is None:
+        from .source import FileSource
+        source = FileSource(cfg.data, cfg.plan, cfg.manifests, pack_missing=cfg.pack_missing, dist=d)
+    ds = source.dataset
+    out = Path(cfg.out)
+    ckpt_path = out / ckpt.CKPT_FILE
+
+    first = source.manifest(0)
+    _check_manifest_shape(first, d)
+    run_key = {**source.run_identity(), "layout": first.layout, "world_size": int(first.world_size),
+               "grad_accum": int(first.grad_accum)}
+
+    torch.manual_seed(cfg.seed)
+    mcfg = cfg.model_config(int(tokenizer_field(ds, "vocab_size", 0)))
+    model = Decoder(mcfg).to(d.device)
+    opt = build_optimizer(model, cfg)
+    # Cosine horizon: epochs x the first epoch's steps (epochs differ by a step or two; past the
+    # horizon the LR stays at its floor). Not max_steps, which only stops early: so a run cut
+    # short and resumed follows the same schedule as a straight one.
+    total = cfg.epochs * int(first.num_steps)
+    sched = Schedule(peak=cfg.lr, warmup=cfg.warmup_steps, total=max(1, total), min_ratio=cfg.min_lr_ratio)
+    epoch, step, gstep = 0, 0, 0
+    resumed = False
+    if ckpt_path.exists() and cfg.resume and not cfg.from_scratch:
+        state = ckpt.load(ckpt_path)
+        ckpt.check_run_key(state["run_key"], run_key, path=ckpt_path)
+        ckpt.check_model(state["model_config"], asdict(mcfg), path=ckpt_path)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched = Schedule.from_state(state["schedule"])
+        rngs = state["rng"]
+        if len(rngs) != d.world_size:
+            raise FormatError(f"{ckpt_path}: holds RNG state for {len(rngs)} ranks but this job has {d.world_size}")
+        ckpt.set_rng_state(rngs[d.rank])
+        epoch, step, gstep = (int(state["cursor"][k]) for k in ("epoch", "step", "global_step"))
+        resumed = True
+
+    pad_id = int(tokenizer_field(ds, "pad_id", 0))
+    header = {"config": asdict(cfg), "model": asdict(mcfg), "params": model.num_parameters(),
+              "run_key": run_key, "world_size": d.world_size, "device": str(d.device),
+              "resumed_from": {"epoch": epoch, "step": step, "global_step": gstep} if resumed else None}
+    log = RunLog(out / "log.jsonl", header, fresh=not resumed, enabled=d.is_main)
+    wb = _wandb(cfg, d)
+    autocast = _autocast_for(d.device, cfg.bf16)
+    attn_ctx = (lambda: kernels.force_backend(cfg.attn)) if cfg.attn != "auto" else contextlib.nullcontext
+    pin = d.device.type == "cuda"
+    limit = cfg.max_steps or None
+    bar = _progress(cfg.progress and d.is_main, (limit or total) - gstep)
+    totals = {"steps": 0, "real_tokens": 0, "padded_tokens": 0, "targets": 0, "time_s": 0.0, "wait_s": 0.0}
+    losses: list[float] = []
+
+    def save():
+        rng_all = distributed.gather_objects(ckpt.rng_state(), d)
+        if d.is_main:
+            ckpt.save(ckpt_path, model=model, optimizer=opt, schedule=sched.state(), rng=rng_all,
+                      cursor={"epoch": epoch, "step": step, "global_step": gstep}, run_key=run_key,
+                      model_config=asdict(mcfg), extra={"config": asdict(cfg)})
+        distributed.barrier(d)
+
+    try:
+        while epoch < cfg.epochs and (limit is None or gstep < limit):
+            m = first if epoch == 0 else source.manifest(epoch)
+            _check_manifest_shape(m, d)
+            shape = {"layout": m.layout, "world_size": int(m.world_size), "grad_accum": int(m.grad_accum)}
+            if any(run_key[k] != v for k, v in shape.items()):
+                raise FormatError(f"epoch {epoch} manifest has {shape}, but epoch 0 was packed with layout "
+                                  f"{run_key['layout']!r}, world size {run_key['world_size']}, accumulation "
+                                  f"{run_key['grad_accum']}; pack every epoch with the same options")
+            with Prefetcher(iter_steps(ds, m, d.rank, start_step=step, pad_id=pad_id, pin=pin), cfg.prefetch) as pf:
+                while limit is None or gstep < limit:
+                    t0 = time.perf_counter()
+                    w0 = pf.wait_s
+                    sb = next(pf, None)
+                    if sb is None:
+                        break
+                    with attn_ctx():
+                        st = train_step(model, opt, sb, lr=sched(gstep), grad_clip=cfg.grad_clip, d=d, autocast=autocast)
+                    if d.device.type == "cuda":
+                        torch.cuda.synchronize(d.device)
+                    dt = time.perf_counter() - t0
+                    wait = pf.wait_s - w0
+                    step, gstep = sb.step + 1, gstep + 1
+                    _accumulate(totals, st, dt, wait)
+                    if not st["skipped"]:
+                        losses.append(st["loss"])
+                    rec = {"epoch": epoch, "step": sb.step, "global_step": gstep, "loss": st["loss"],
+                           "lr": sched(gstep - 1), "grad_norm": st["grad_norm"], "targets": st["targets"],
+                           "real_tokens": st["real_tokens"], "padded_tokens": st["padded_tokens"],
+                           "efficiency": st["real_tokens"] / max(1, st["padded_tokens"]),
+                           "tokens_per_s": st["real_tokens"] / dt, "step_time_s": dt, "data_wait_s": wait,
+                           "data_wait_share": wait / dt if dt > 0 else 0.0}
+                    if gstep % cfg.log_every == 0:
+                        log.write(rec)
+                        if wb is not None:
+                            wb.log(rec, step=gstep)
+                    if bar is not None:
+                        bar.update(bar.task_ids[0], advance=1,
+                                   info=f"loss {st['loss']:.3f}  {rec['tokens_per_s']:,.0f} tok/s")
+                    if cfg.ckpt_every and gstep % cfg.ckpt_every == 0:
+                        save()
+            if step >= int(m.num_steps):
+                epoch, step = epoch + 1, 0
+        save()
+    finally:
+        if bar is not None:
+            bar.stop()
+        log.close()
+
+    summary = _summary(totals, losses, epoch, step, gstep, model, d)
+    if d.is_main:
+        atomic_write_json(out / "summary.json", summary, format=SUMMARY_FORMAT, version=FORMAT_VERSION)
+        if wb is not None:
+            wb.summary.update(summary)
+            wb.finish()
+    return summary
+
+
+def _check_manifest_shape(m, d: distributed.Dist) -> None:
+    if int(m.world_size) != d.world_size:
+        raise ConfigError(f"manifest epoch {m.epoch} was packed for world size {m.world_size}, but this job has "
+                          f"{d.world_size} process(es); launch torchrun with --nproc_per_node/--nnodes giving "
+                          f"{m.world_size} ranks, or re-pack with `dflash-prep pack --world-size {d.world_size}`")
+    if m.layout not in ("padded", "varlen"):
+        raise FormatError(f"manifest epoch {m.epoch}: unknown layout {m.layout!r}")
+
+
+def _accumulate(totals: dict, st: dict, dt: float, wait: float) -> None:
+    totals["steps"] += 1
+    totals["real_tokens"] += st["real_tokens"]
+    totals["padded_tokens"] += st["padded_tokens"]
+    totals["targets"] += st["targets"]
+    totals["time_s"] += dt
+    totals["wait_s"] += wait
+
+
+def _summary(totals, losses, epoch, step, gstep, model, d) -> dict:
+    """Run totals; ``loss_fell`` compares the mean loss of the first and last 5 steps of this run."""
+    t = max(totals["time_s"], 1e-9)
+    k = max(1, min(5, len(losses) // 2))
+    head = sum(losses[:k]) / k if losses else None
+    tail = sum(losses[-k:]) / k if losses else None
+    return {"steps": totals["steps"], "global_step": gstep, "cursor": {"epoch": epoch, "step": step},
+            "loss_first": head, "loss_last": tail, "loss_fell": bool(len(losses) >= 2 and tail < head),
+            "real_tokens": totals["real_tokens"], "padded_tokens": totals["padded_tokens"],
+            "targets": totals["targets"], "efficiency": totals["real_tokens"] / max(1, totals["padded_tokens"]),
+            "tokens_per_s": totals["real_tokens"] / t, "data_wait_share": totals["wait_s"] / t,
+            "time_s": totals["time_s"], "params": model.num_parameters(), "world_size": d.world_size,
+            "device": str(d.device)}

@@ -1,0 +1,91 @@
+"""Where the trainer's data comes from: the tokenized dataset, the plan and the manifests.
+
+:class:`FileSource` opens the outputs of ``tokenize``, ``analyze`` and ``pack`` through
+their public loaders (``dflash_prep.dataset.open_dataset``, ``dflash_prep.plan.load``,
+``dflash_prep.manifest.open``). Shards stay memory-mapped; each rank reads only the
+samples of its own micro-batches. A missing epoch manifest is packed on the fly by rank 0
+with ``dflash_prep.pack.pack_epochs`` (the code behind ``dflash-prep pack``) while the
+other ranks wait, or, with ``pack_missing=False``, is an error that names the command.
+
+The trainer talks to any object with the same four members (``dataset``,
+``plan_fingerprint``, ``run_identity``, ``manifest(epoch)``), which is how tests feed it
+small in-memory data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash_prep.errors import ConfigError, FingerprintMismatch
+
+from . import distributed
+
+
+def tokenizer_field(ds, name: str, default=None):
+    """``ds.tokenizer_info[name]`` whether tokenizer_info is a dict or an object."""
+    info = getattr(ds, "tokenizer_info", None)
+    if isinstance(info, dict):
+        val = info.get(name, default)
+    else:
+        val = getattr(info, name, default)
+    return default if val is None else val
+
+
+class FileSource:
+    """The real pipeline outputs on disk."""
+
+    def __init__(self, data: str | Path, plan: str | Path, manifests: str | Path, *,
+                 pack_missing: bool = True, dist: distributed.Dist | None = None):
+        from dflash_prep import plan as plan_mod
+        from dflash_prep.dataset import open_dataset
+
+        self.root = Path(manifests)
+        self.plan_path = Path(plan)
+        self.data_path = Path(data)
+        self.pack_missing = pack_missing
+        self.dist = dist
+        self.dataset = open_dataset(self.data_path)
+        self.plan = plan_mod.load(self.plan_path)
+        if str(self.plan.data["fingerprint"]) != str(self.dataset.fingerprint):
+            raise FingerprintMismatch(
+                f"{self.plan_path} was made for data {self.plan.data['fingerprint']} but {self.data_path} has "
+                f"fingerprint {self.dataset.fingerprint}; run `dflash-prep analyze {self.data_path}` to re-plan")
+
+    @property
+    def plan_fingerprint(self) -> str:
+        return str(self.plan.fingerprint)
+
+    def run_identity(self) -> dict:
+        """The plan fields that fix the batches (checked on resume, with the manifest's shape)."""
+        return {"plan": self.plan.identity(), "plan_fingerprint": self.plan_fingerprint,
+                "data_fingerprint": str(self.dataset.fingerprint)}
+
+    def manifest(self, epoch: int):
+        from dflash_prep import manifest as man
+
+        folder = man.epoch_dir(self.root, epoch)
+        if not Path(folder).exists():
+            cmd = (f"dflash-prep pack {self.data_path} --plan {self.plan_path} --out {self.root} --epoch {epoch}")
+            if not self.pack_missing:
+                raise ConfigError(f"{folder}: no manifest for epoch {epoch}. Pack it first:\n  {cmd}\n"
+                                  "(or drop --no-pack-missing to pack it on the fly)")
+            self._pack(epoch)
+        m = man.open(folder)
+        if str(m.plan_fingerprint) != self.plan_fingerprint:
+            raise FingerprintMismatch(
+                f"{folder}: manifest was packed under plan {m.plan_fingerprint}, but --plan {self.plan_path} is "
+                f"{self.plan_fingerprint}; re-pack with `dflash-prep pack ... --epoch {epoch} --overwrite` or point "
+                "--plan at the plan the manifests came from")
+        if str(m.data_fingerprint) != str(self.dataset.fingerprint):
+            raise FingerprintMismatch(f"{folder}: manifest belongs to data {m.data_fingerprint}, not "
+                                      f"{self.data_path} ({self.dataset.fingerprint}); re-run `dflash-prep pack`")
+        return m
+
+    def _pack(self, epoch: int) -> None:
+        from dflash_prep.pack import pack_epochs
+
+        d = self.dist
+        if d is None or d.is_main:
+            pack_epochs(data=self.data_path, plan=self.plan_path, out=self.root, epochs=[epoch])
+        if d is not None:
+            distributed.barrier(d)
