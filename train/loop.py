@@ -172,8 +172,7 @@ def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = 
 
     first = source.manifest(0)
     _check_manifest_shape(first, d)
-    run_key = {**source.run_identity(), "layout": first.layout, "world_size": int(first.world_size),
-               "grad_accum": int(first.grad_accum)}
+    run_key = {**source.run_identity(), **_manifest_key(first)}
 
     torch.manual_seed(cfg.seed)
     mcfg = cfg.model_config(int(tokenizer_field(ds, "vocab_size", 0)))
@@ -226,11 +225,10 @@ def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = 
         while epoch < cfg.epochs and (limit is None or gstep < limit):
             m = first if epoch == 0 else source.manifest(epoch)
             _check_manifest_shape(m, d)
-            shape = {"layout": m.layout, "world_size": int(m.world_size), "grad_accum": int(m.grad_accum)}
+            shape = _manifest_key(m)
             if any(run_key[k] != v for k, v in shape.items()):
-                raise FormatError(f"epoch {epoch} manifest has {shape}, but epoch 0 was packed with layout "
-                                  f"{run_key['layout']!r}, world size {run_key['world_size']}, accumulation "
-                                  f"{run_key['grad_accum']}; pack every epoch with the same options")
+                raise FormatError(f"epoch {epoch} manifest was packed with {shape}, epoch 0 with "
+                                  f"{ {k: run_key[k] for k in shape} }; pack every epoch with the same options")
             with Prefetcher(iter_steps(ds, m, d.rank, start_step=step, pad_id=pad_id, pin=pin), cfg.prefetch) as pf:
                 while limit is None or gstep < limit:
                     t0 = time.perf_counter()
@@ -278,6 +276,13 @@ def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = 
             wb.summary.update(summary)
             wb.finish()
     return summary
+
+
+def _manifest_key(m) -> dict:
+    """What a manifest adds to the run key: layout, W, A, and the pack options and budget."""
+    meta = getattr(m, "meta", {}) or {}
+    return {"layout": m.layout, "world_size": int(m.world_size), "grad_accum": int(m.grad_accum),
+            "pack_options": meta.get("options"), "pack_budget": meta.get("budget")}
 
 
 def _check_manifest_shape(m, d: distributed.Dist) -> None:

@@ -56,7 +56,7 @@ class FileSource:
         return str(self.plan.fingerprint)
 
     def run_identity(self) -> dict:
-        """The plan fields that fix the batches (checked on resume, with the manifest's shape)."""
+        """The plan fields that fix the batches (the trainer adds the manifest's shape and options)."""
         return {"plan": self.plan.identity(), "plan_fingerprint": self.plan_fingerprint,
                 "data_fingerprint": str(self.dataset.fingerprint)}
 
@@ -81,11 +81,29 @@ class FileSource:
                                       f"{self.data_path} ({self.dataset.fingerprint}); re-run `dflash-prep pack`")
         return m
 
+    def _pack_options(self) -> dict:
+        """Options of an epoch already packed under this root (so a new epoch matches it), else defaults."""
+        from dflash_prep import manifest as man
+
+        for folder in sorted(self.root.glob("epoch-*")):
+            try:
+                h = man.read_header(folder)
+            except Exception:  # an unreadable neighbour is reported when its own epoch is opened
+                continue
+            o = h.get("options", {})
+            return {"world_size": int(h["world_size"]), "grad_accum": int(h["grad_accum"]), "layout": h["layout"],
+                    "schedule": o.get("schedule", "class-aware"), "window": o.get("window"),
+                    "drop_last": bool(o.get("drop_last", False)), "open_bins": int(o.get("open_bins", 4))}
+        return {"world_size": self.dist.world_size if self.dist else 1}
+
     def _pack(self, epoch: int) -> None:
+        """Rank 0 packs the epoch with ``pack_epochs`` (as ``dflash-prep pack``); the others wait."""
         from dflash_prep.pack import pack_epochs
 
         d = self.dist
         if d is None or d.is_main:
-            pack_epochs(data=self.data_path, plan=self.plan_path, out=self.root, epochs=[epoch])
+            opts = self._pack_options()
+            print(f"packing missing epoch {epoch} into {self.root} ({opts})", flush=True)
+            pack_epochs(plan=self.plan, epochs=[epoch], out=self.root, data=self.data_path, **opts)
         if d is not None:
             distributed.barrier(d)
