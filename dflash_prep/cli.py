@@ -55,6 +55,76 @@ def command(*args, **kwargs):
 
 
 # --- pack / inspect / verify (dflash_prep.pack, dflash_prep.manifest) ----------------
+_SUMMARY_KEYS = ("efficiency", "fill", "microbatches", "steps", "step_mix", "rank_imbalance", "repeat_pair_rate",
+                 "dropped_samples", "predicted_efficiency")
+
+
+def _print_summaries(rows: list[tuple[str, dict]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("metric", *(name for name, _ in rows))
+    for k in _SUMMARY_KEYS:
+        table.add_row(k, *("-" if s.get(k) is None else f"{s[k]:.4f}" if isinstance(s[k], float) else str(s[k])
+                           for _, s in rows))
+    Console().print(table)
+
+
+@command("pack")
+def pack_cmd(
+    plan: Annotated[Path, typer.Option(help="plan.json (or its folder) written by `dflash-prep analyze`")],
+    out: Annotated[Path, typer.Option(help="manifest root; epoch N goes to OUT/epoch-000N")],
+    epoch: Annotated[Optional[int], typer.Option(help="the epoch to pack (>= 0)")] = None,
+    epochs: Annotated[Optional[str], typer.Option(help="several epochs: '0-9' or '0,2,5'")] = None,
+    world_size: Annotated[int, typer.Option(help="W: ranks per optimizer step")] = 1,
+    grad_accum: Annotated[int, typer.Option(help="A: accumulation micro-batches per rank per step")] = 1,
+    layout: Annotated[str, typer.Option(help="padded (bucketed, n*max_len <= T) or varlen (cu_seqlens, sum L <= T)")] = "padded",
+    schedule: Annotated[str, typer.Option(help="step schedule: class-aware, stratified or random")] = "class-aware",
+    window: Annotated[Optional[int], typer.Option(help="sort window in samples (padded); default: the plan's")] = None,
+    drop_last: Annotated[bool, typer.Option(help="drop the last partial step instead of splitting micro-batches")] = False,
+    open_bins: Annotated[int, typer.Option(help="open bins of the varlen first-fit")] = 4,
+    budget_unit: Annotated[Optional[str], typer.Option(help="override the plan's budget unit: tokens or cost")] = None,
+    budget: Annotated[Optional[float], typer.Option(help="override the plan's budget value (T or C)")] = None,
+    model_dim: Annotated[Optional[int], typer.Option(help="override d_model of the cost model (alpha = 1/(12 d))")] = None,
+    data: Annotated[Optional[Path], typer.Option(help="tokenized dataset folder (default: the plan's)")] = None,
+    lengths: Annotated[Optional[Path], typer.Option(help="what-if lengths file (.npy or one int per line)")] = None,
+    overwrite: Annotated[bool, typer.Option(help="replace epochs built from other inputs")] = False,
+):
+    """Pack deterministic per-epoch manifests (batches, steps, ranks) from a plan."""
+    from . import manifest
+    from .pack import budget_override, pack_epochs, parse_epochs
+
+    from .plan import load as load_plan
+
+    p = load_plan(plan)
+    dirs = pack_epochs(plan=p, epochs=parse_epochs(epoch, epochs), out=out, world_size=world_size,
+                       grad_accum=grad_accum, layout=layout, schedule=schedule, window=window, drop_last=drop_last,
+                       open_bins=open_bins, budget=budget_override(p.budget, budget_unit, budget, model_dim),
+                       data=data, lengths=lengths, overwrite=overwrite)
+    _print_summaries([(d.name, manifest.open(d).summary) for d in dirs])
+
+
+@command("inspect")
+def inspect_cmd(path: Annotated[Path, typer.Argument(help="an epoch folder, or a manifest root (all its epochs)")]):
+    """Print the summary metrics of one epoch or of every epoch under a root."""
+    from . import manifest
+
+    _print_summaries([(d.name, manifest.open(d).summary) for d in manifest.find_epochs(path)])
+
+
+@command("verify")
+def verify_cmd(
+    path: Annotated[Path, typer.Argument(help="an epoch folder, or a manifest root (all its epochs)")],
+    data: Annotated[Optional[Path], typer.Option(help="dataset folder (default: the one the manifest records)")] = None,
+    lengths: Annotated[Optional[Path], typer.Option(help="lengths file (default: the one the manifest records)")] = None,
+):
+    """Recompute every epoch from its arrays and the lengths; exit 1 on any violation."""
+    from . import manifest
+
+    rows = [(d.name, manifest.verify(d, data=data, lengths=lengths)) for d in manifest.find_epochs(path)]
+    _print_summaries(rows)
+    typer.secho(f"ok: {len(rows)} epoch(s) verified", fg=typer.colors.GREEN)
+
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -24,8 +24,8 @@ One folder per epoch, ``<root>/epoch-000N/`` (:func:`epoch_dir`), written atomic
 Every row of a step has the same ``world_size * grad_accum`` micro-batches, so row
 ``m`` is step ``m // (W*A)``, rank ``(m % (W*A)) // A``, accum ``m % A``.
 :func:`open` memory-maps the arrays and checks format, version, shapes and (optionally)
-fingerprints; ``dflash-prep verify`` (:mod:`dflash_prep.verify`) re-hashes and
-recomputes everything.
+fingerprints; :func:`verify` (``dflash-prep verify``) re-hashes every array and
+recomputes everything from the lengths with :mod:`dflash_prep.metrics`.
 
 World size is not elastic: a manifest packed for ``W x A`` is refused under any other
 ``W' x A'`` (:meth:`Manifest.check_world`), because its steps were balanced for ``W``
@@ -41,6 +41,8 @@ from typing import Iterator
 
 import numpy as np
 
+from . import lengths as lengths_mod
+from . import metrics
 from .errors import ConfigError, FingerprintMismatch, FormatError
 from .fileio import atomic_dir, atomic_save_npy, atomic_write_json, fingerprint_array, fingerprint_json, load_npy, read_json
 
@@ -209,3 +211,122 @@ def open(path: str | Path, *, plan_fingerprint: str | None = None, data_fingerpr
         raise FingerprintMismatch(f"{path}: packed for data {m.data_fingerprint}, not for data {data_fingerprint}; "
                                   "re-run analyze and pack for this dataset")
     return m
+
+
+# ----------------------------------------------------------------------------- verify
+def _summary_metrics(m: Manifest, lens: np.ndarray, order: np.ndarray, offsets: np.ndarray) -> dict:
+    """Every summary metric, recomputed from scratch with :mod:`dflash_prep.metrics`."""
+    t = m.table
+    varlen = m.layout == "varlen"
+    b = m.header["budget"]
+    cost = metrics.batch_cost(lens, order, offsets, float(b["cost_alpha"]), varlen=varlen)
+    eff = 1.0 if varlen else metrics.efficiency(lens, order, offsets)
+    return {"efficiency": eff, "fill": metrics.fill(lens, order, offsets, float(b["value"]), varlen=varlen),
+            "microbatches": int(len(t)), "steps": int(len(t) // (m.world_size * m.grad_accum)),
+            "samples": int(len(order)), "dropped_samples": int(len(m.dropped_ids)),
+            "step_mix": metrics.step_mix(lens, order, offsets, t[:, COL["step"]]),
+            "rank_imbalance": metrics.rank_imbalance(cost, t[:, COL["step"]], t[:, COL["rank"]], m.world_size)}
+
+
+def verify(path: str | Path, *, data: str | Path | None = None, lengths: str | Path | None = None,
+           plan_fingerprint: str | None = None) -> dict:
+    """Recompute an epoch from its arrays and the lengths; raise on any violation.
+
+    Checks, in order: format and version; every array's SHA-256 and the epoch fingerprint
+    (corrupt or truncated files); the data fingerprint (the lengths are found by the path
+    the manifest records, or ``data`` / ``lengths``); exactly-once coverage of every
+    sample id apart from the listed drops; stored lengths, maxima and token counts; the
+    budget and ``max_batch_size``; the step/rank/accum layout with equal counts per rank;
+    ``cu_seqlens``; and every summary metric against :mod:`dflash_prep.metrics` (and the
+    repeat-pair rate when the previous epoch is beside this one). Returns the recomputed
+    metrics; raises :class:`FormatError` / :class:`FingerprintMismatch` listing problems.
+    """
+    path = Path(path)
+    m = open(path, plan_fingerprint=plan_fingerprint)
+    bad = [f"{name}.npy: contents do not match the SHA-256 in {MANIFEST_FILE}"
+           for name, a in m.arrays.items() if fingerprint_array(a) != m.header["arrays"][name]["sha256"]]
+    if epoch_fingerprint(m.header) != m.fingerprint:
+        bad.append(f"{MANIFEST_FILE}: header fields do not match the epoch fingerprint (edited by hand?)")
+    if bad:
+        raise FormatError(f"{path}: corrupt manifest: " + "; ".join(bad) + ". Re-pack the epoch with --overwrite")
+    if data is None and lengths is None:
+        d = m.header["data"]
+        data, lengths = (d["path"], None) if d.get("kind") == "dataset" else (None, d["path"])
+    src = lengths_mod.load(data=data, lengths_file=lengths)
+    if src.fingerprint != m.data_fingerprint:
+        raise FingerprintMismatch(f"{path}: packed for data {m.data_fingerprint}, but {src.path} has fingerprint "
+                                  f"{src.fingerprint}; pass the right --data/--lengths or re-pack for this data")
+    lens = np.asarray(src.lengths, np.int64)
+    t = np.asarray(m.table)
+    ids = np.asarray(m.sample_ids)
+    count = t[:, COL["count"]]
+    offsets = np.concatenate([[0], np.cumsum(count)]).astype(np.int64)
+    problems = []
+    if (count < 1).any() or not np.array_equal(t[:, COL["start"]], offsets[:-1]) or offsets[-1] != len(ids):
+        raise FormatError(f"{path}: micro-batch start/count columns do not tile sample_ids; re-pack the epoch")
+    if len(ids) and (ids.min() < 0 or ids.max() >= len(lens)):
+        raise FormatError(f"{path}: sample ids outside 0..{len(lens) - 1}; the manifest belongs to other data")
+    seen = np.bincount(np.concatenate([ids, m.dropped_ids]), minlength=len(lens))
+    if (seen != 1).any():
+        miss, dup = np.flatnonzero(seen == 0), np.flatnonzero(seen > 1)
+        problems.append(f"{len(miss)} samples missing (e.g. {miss[:5].tolist()}) and {len(dup)} appear more than once "
+                        f"(e.g. {dup[:5].tolist()})")
+    if not np.array_equal(np.asarray(m.sample_lens, np.int64), lens[ids]):
+        problems.append("sample_lens.npy does not match the dataset's lengths")
+    counts, real, mx = metrics.batch_stats(lens, ids, offsets)
+    varlen = m.layout == "varlen"
+    padded = real if varlen else counts * mx
+    sq = np.add.reduceat(lens[ids] ** 2, offsets[:-1]) if len(ids) else np.zeros(0, np.int64)
+    for col, want in (("max_len", mx), ("real_tokens", real), ("padded_tokens", padded), ("sum_sq_len", sq)):
+        if not np.array_equal(t[:, COL[col]], want):
+            problems.append(f"column {col} disagrees with the lengths in {int((t[:, COL[col]] != want).sum())} micro-batches")
+    b = m.header["budget"]
+    used = metrics.batch_cost(lens, ids, offsets, float(b["packing_alpha"]), varlen=varlen)
+    over = np.flatnonzero(used > float(b["value"]) * (1 + 1e-12))
+    if len(over):
+        problems.append(f"{len(over)} micro-batches exceed the budget {b['value']} {b['unit']} (e.g. row {over[0]}: "
+                        f"{used[over[0]]:.1f})")
+    if b.get("max_batch_size") and (count > int(b["max_batch_size"])).any():
+        problems.append(f"micro-batches exceed max_batch_size {b['max_batch_size']}")
+    s = m.world_size * m.grad_accum
+    pos = np.arange(len(t), dtype=np.int64)
+    if len(t) % s or len(t) // s != m.num_steps:
+        problems.append(f"{len(t)} micro-batches do not make {m.num_steps} whole steps of {s}")
+    elif not (np.array_equal(t[:, COL["step"]], pos // s) and np.array_equal(t[:, COL["rank"]], pos % s // m.grad_accum)
+              and np.array_equal(t[:, COL["accum"]], pos % m.grad_accum)):
+        problems.append("step/rank/accum columns break the layout (step, then rank, then accum): ranks get unequal counts")
+    if varlen:
+        cu = np.asarray(m.arrays["cu_seqlens"], np.int64)
+        want = np.zeros(len(ids) + len(t), np.int64)
+        if len(ids):
+            csum = np.cumsum(lens[ids])
+            rows = np.repeat(pos, count)
+            want[np.arange(len(ids)) + rows + 1] = csum - np.repeat(csum[offsets[:-1]] - lens[ids][offsets[:-1]], count)
+        if not np.array_equal(cu, want):
+            problems.append("cu_seqlens.npy does not match the sample lengths")
+    if problems:
+        raise FormatError(f"{path}: verify failed: " + "; ".join(problems))
+    got = _summary_metrics(m, lens, ids, offsets)
+    summ = m.summary
+    prev = epoch_dir(path.parent, m.epoch - 1) if m.epoch > 0 else None
+    if summ.get("repeat_pair_rate") is not None and prev is not None and (prev / MANIFEST_FILE).is_file():
+        p = open(prev, data_fingerprint=m.data_fingerprint)
+        p_off = np.concatenate([[0], np.cumsum(p.table[:, COL["count"]])]).astype(np.int64)
+        got["repeat_pair_rate"] = metrics.repeat_pair_rate(np.asarray(p.sample_ids), p_off, ids, offsets, len(lens))
+    wrong = [f"{k}: summary {summ.get(k)!r} vs recomputed {v!r}" for k, v in got.items()
+             if summ.get(k) is None or abs(float(summ[k]) - float(v)) > 1e-9]
+    if wrong:
+        raise FormatError(f"{path}: summary disagrees with the arrays: " + "; ".join(wrong) + ". Re-pack the epoch")
+    return got
+
+
+def find_epochs(path: str | Path) -> list[Path]:
+    """``path`` itself if it is an epoch folder, else the ``epoch-*`` folders under it, in order."""
+    path = Path(path)
+    if (path / MANIFEST_FILE).is_file():
+        return [path]
+    found = sorted(p for p in path.glob("epoch-*") if (p / MANIFEST_FILE).is_file()) if path.is_dir() else []
+    if not found:
+        raise FormatError(f"{path}: no manifest here (expected {MANIFEST_FILE} or epoch-000N/ folders); "
+                          "run `dflash-prep pack --out ROOT` first")
+    return found

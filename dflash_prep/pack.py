@@ -337,3 +337,29 @@ def pack_epochs(*, plan: Plan | str | Path, epochs, out: str | Path, world_size:
         prev = (res.arrays["microbatches"], res.arrays["sample_ids"])
         del res
     return written
+
+
+def parse_epochs(epoch: int | None, epochs: str | None) -> list[int]:
+    """``--epoch N`` or ``--epochs 0-9`` / ``0,2,5`` -> a list of epochs (each >= 0)."""
+    if (epoch is None) == (epochs is None):
+        raise ConfigError("give exactly one of --epoch N or --epochs A-B")
+    if epoch is not None:
+        out = [int(epoch)]
+    else:
+        out = []
+        for part in epochs.split(","):
+            a, sep, b = part.strip().partition("-")
+            try:
+                out += list(range(int(a), int(b) + 1)) if sep else [int(a)]
+            except ValueError:
+                raise ConfigError(f"--epochs {epochs!r}: write a range like 0-9 or a list like 0,2,5") from None
+    if not out or min(out) < 0:
+        raise ConfigError(f"epochs must be >= 0, got {epoch if epoch is not None else epochs}")
+    return out
+
+
+def budget_override(base: Budget, unit: str | None, value: float | None, model_dim: int | None) -> Budget | None:
+    """The plan's budget with the given fields replaced, or None when nothing is given."""
+    if unit is None and value is None and model_dim is None:
+        return None
+    return replace(base, **{k: v for k, v in (("unit", unit), ("value", value), ("model_dim", model_dim)) if v is not None})
