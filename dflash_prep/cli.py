@@ -49,6 +49,49 @@ def command(*args, **kwargs):
 
 
 # --- synth / tokenize (dflash_prep.synth, dflash_prep.tokenize) -----------------------
+@command("synth")
+def synth_cmd(
+    out: Annotated[Path, typer.Option(help="Output folder: chat.jsonl + synth.json.")] = Path("demo/corpus"),
+    n: Annotated[int, typer.Option(help="Number of conversations.")] = 10_000,
+    profile: Annotated[str, typer.Option(help="Length profile: seedlike, bimodal, heavytail, uniform.")] = "seedlike",
+    seed: Annotated[int, typer.Option(help="Keys lengths and text; same seed, same bytes.")] = 0,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+):
+    """Write a reproducible multi-turn chat corpus whose byte-level token lengths follow a profile."""
+    from .synth import SynthConfig, synth
+
+    s = synth(SynthConfig(out=out, profile=profile, n=n, seed=seed, overwrite=overwrite))
+    typer.echo(f"wrote {out}/{s['file']}: {s['n']:,} conversations, {s['messages']:,} messages, "
+               f"{s['target_tokens']:,} byte-level tokens ({s['profile']}, seed {s['seed']})")
+
+
+@command("tokenize")
+def tokenize_cmd(
+    inputs: Annotated[list[str], typer.Argument(help="JSONL/JSON/Parquet/Arrow files, globs, folders, or save_to_disk folders.")],
+    out: Annotated[Path, typer.Option(help="Output dataset folder.")] = Path("demo/data"),
+    tokenizer: Annotated[str, typer.Option(help="'byte' (built-in) or a local tokenizer folder / tokenizer.json.")] = "byte",
+    format: Annotated[str, typer.Option("--format", help="auto, messages, sharegpt or text.")] = "auto",
+    text_field: Annotated[str, typer.Option(help="Text column for --format text.")] = "text",
+    max_len: Annotated[int, typer.Option(help="Longest sample kept, in tokens.")] = 8192,
+    on_overflow: Annotated[str, typer.Option(help="truncate (keep the first max-len tokens) or drop.")] = "truncate",
+    on_error: Annotated[str, typer.Option(help="fail at the first bad record, or skip and count it.")] = "fail",
+    num_proc: Annotated[int, typer.Option(help="Worker processes.")] = 1,
+    shard_mb: Annotated[float, typer.Option(help="Upper bound of one Arrow shard, MiB.")] = 256,
+    overwrite: Annotated[bool, typer.Option(help="Rebuild even if the output is up to date.")] = False,
+):
+    """Tokenize a corpus into Arrow shards, lengths.npy and meta.json (loss mask on assistant tokens)."""
+    from .tokenize import TokenizeConfig, summary_rows, tokenize
+
+    cfg = TokenizeConfig(inputs=tuple(inputs), out=out, tokenizer=tokenizer, format=format, text_field=text_field,
+                         max_len=max_len, on_overflow=on_overflow, on_error=on_error, num_proc=num_proc,
+                         shard_mb=shard_mb, overwrite=overwrite)
+    meta = tokenize(cfg, progress=sys.stderr.isatty())
+    if meta["up_to_date"]:
+        typer.echo(f"{out} is up to date (same inputs, tokenizer and options); pass --overwrite to rebuild")
+        return
+    typer.echo(f"wrote {out}")
+    for k, v in summary_rows(meta):
+        typer.echo(f"  {k:<15} {v}")
 
 
 # --- analyze (dflash_prep.analyze) ---------------------------------------------------
