@@ -109,3 +109,66 @@ class FakeSource:
         bs = packed_batches(self.dataset, epoch=epoch, seed=self.seed, budget=self.budget, boundaries=self.boundaries)
         return FakeManifest(self.dataset, bs, world_size=self.world_size, grad_accum=self.grad_accum,
                             layout=self.layout, epoch=epoch, plan_fingerprint=self.plan_fingerprint)
+
+
+# ----------------------------------------------------------------------------- spawned workers
+def gloo_worker(rank: int, world: int, init_file: str, out_dir: str, kind: str) -> None:
+    """Entry point for ``torch.multiprocessing.spawn``: join a gloo group, then do ``kind``.
+
+    ``grads``: one optimizer step of :class:`FakeSource` (W=world, A=1) with no clipping;
+    rank 0 saves the summed gradients. ``train``: a short :func:`train.loop.train` run; every
+    rank saves its summary and a parameter checksum.
+    """
+    import contextlib
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from train.config import TrainConfig
+    from train.distributed import Dist
+    from train.loop import train, train_step
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    d = Dist(rank, world, 0, torch.device("cpu"))
+    out = Path(out_dir)
+    try:
+        if kind == "grads":
+            model, opt, sb = grads_setup(world, 1, rank)
+            train_step(model, opt, sb, lr=1e-3, grad_clip=0.0, d=d, autocast=contextlib.nullcontext)
+            if rank == 0:
+                torch.save({n: p.grad.clone() for n, p in model.named_parameters()}, out / "grads.pt")
+        elif kind == "train":
+            cfg = TrainConfig(out=str(out / "run"), model="tiny", model_overrides=SMALL_MODEL, progress=False,
+                              max_steps=4, warmup_steps=1, lr=1e-2, device="cpu", prefetch=2)
+            summary = train(cfg, source=FakeSource(n=48, world_size=world), dist_ctx=d)
+            model_sum = sum(float(v.double().sum()) for v in
+                            torch.load(out / "run" / "checkpoint.pt", weights_only=True)["model"].values()) \
+                if rank == 0 else None
+            torch.save({"summary": summary, "model_sum": model_sum}, out / f"rank{rank}.pt")
+        else:
+            raise ValueError(kind)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+SMALL_MODEL = dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
+
+
+def grads_setup(world: int, accum: int, rank: int):
+    """Model, optimizer and step-0 batches of rank ``rank`` for W x A over the same micro-batches."""
+    import torch
+
+    from train.config import ModelConfig, TrainConfig
+    from train.data import iter_steps
+    from train.loop import build_optimizer
+    from train.model import Decoder
+
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(vocab_size=VOCAB, n_layers=2, **SMALL_MODEL))
+    opt = build_optimizer(model, TrainConfig(device="cpu"))
+    src = FakeSource(n=48, world_size=world, grad_accum=accum)
+    sb = next(iter(iter_steps(src.dataset, src.manifest(0), rank)))
+    return model, opt, sb
