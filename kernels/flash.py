@@ -87,6 +87,9 @@ def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_triton(q: torch.Tensor, prob: Problem) -> None:
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ConfigError(f"the Triton attention takes float16, bfloat16 or float32, got {q.dtype}; "
+                          "cast the inputs or use backend 'reference'")
     if prob.head_dim not in HEAD_DIMS:
         raise ConfigError(
             f"the Triton attention supports head dims {HEAD_DIMS}, got {prob.head_dim}; "

@@ -23,7 +23,7 @@ import torch
 
 from dflash_prep.errors import ConfigError, InputError
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: reference only
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> Non
         if not isinstance(t, torch.Tensor):
             raise ConfigError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in DTYPES:
-            raise ConfigError(f"{what}: {name} has dtype {t.dtype}; use float16, bfloat16 or float32")
+            raise ConfigError(f"{what}: {name} has dtype {t.dtype}; use float16, bfloat16 or float32 (float64 on the reference backend)")
     if not (q.dtype == k.dtype == v.dtype):
         raise ConfigError(f"{what}: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
     if not (q.device == k.device == v.device):

@@ -30,8 +30,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
             scale: float, upcast: bool) -> torch.Tensor:
     """softmax(scale q k^T masked by ``allowed``) v over the last two dims; heads at dim -3."""
     dtype = q.dtype
-    if upcast:
-        q, k, v = q.float(), k.float(), v.float()
+    if upcast:  # fp32 for 16-bit inputs; float64 stays float64
+        wide = torch.promote_types(dtype, torch.float32)
+        q, k, v = q.to(wide), k.to(wide), v.to(wide)
     group = q.shape[-3] // k.shape[-3]
     if group > 1:  # GQA: (.., Hkv, L, D) -> (.., Hq, L, D)
         k = k.repeat_interleave(group, dim=-3)
