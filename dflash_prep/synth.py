@@ -33,7 +33,7 @@ SYNTH_FORMAT = "dflash-prep/synth"
 SYNTH_VERSION = 1
 CORPUS_FILE = "chat.jsonl"
 META_FILE = "synth.json"
-POOL_CHARS = 1 << 21  # 2 MiB of distinct text per seed; slices of it make every message
+POOL_CHARS = 1 << 20  # 1 MiB of distinct text per seed; slices of it make every message
 
 _WORDS = (
     "the of and to in is that it for on with as was be by this are from at or an have not which "
@@ -55,10 +55,18 @@ _CODE = (
 
 
 def _pool(seed: int) -> str:
-    """Plausible ASCII text: prose paragraphs, lists and fenced code, keyed by ``seed``."""
+    """Plausible ASCII text: prose paragraphs, lists and fenced code, keyed by ``seed``.
+
+    Word choices are drawn in one vectorized call (Zipf weights) and consumed in order, so
+    building the ~1 MiB pool takes a fraction of a second.
+    """
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x7E47]))
     zipf = 1.0 / np.arange(1, len(_WORDS) + 1)
-    p = zipf / zipf.sum()
+    stream = iter(rng.choice(len(_WORDS), size=POOL_CHARS // 2, p=zipf / zipf.sum()).tolist())
+
+    def words(k: int) -> list[str]:
+        return [_WORDS[next(stream)] for _ in range(k)]
+
     out: list[str] = []
     size = 0
     while size < POOL_CHARS:
@@ -66,25 +74,23 @@ def _pool(seed: int) -> str:
         if kind < 0.7:  # a prose paragraph
             sents = []
             for _ in range(int(rng.integers(2, 7))):
-                ws = [_WORDS[i] for i in rng.choice(len(_WORDS), int(rng.integers(5, 18)), p=p)]
+                ws = words(int(rng.integers(5, 18)))
                 if rng.random() < 0.3:
                     ws.insert(int(rng.integers(1, len(ws))), str(int(rng.integers(2, 9000))))
                 if rng.random() < 0.25:
-                    k = int(rng.integers(1, len(ws)))
-                    ws[k - 1] += ","
+                    ws[int(rng.integers(0, len(ws) - 1))] += ","
                 s = " ".join(ws)
-                sents.append(s[0].upper() + s[1:] + str(rng.choice([".", ".", ".", "?", "!", ":"])))
+                sents.append(s[0].upper() + s[1:] + ".?!:."[int(rng.integers(0, 5))])
             block = " ".join(sents)
         elif kind < 0.85:  # a markdown list
-            items = [" ".join(_WORDS[i] for i in rng.choice(len(_WORDS), int(rng.integers(3, 9)), p=p))
-                     for _ in range(int(rng.integers(2, 6)))]
+            items = [" ".join(words(int(rng.integers(3, 9)))) for _ in range(int(rng.integers(2, 6)))]
             block = "\n".join(f"{j + 1}. {it}" if rng.random() < 0.5 else f"- {it}" for j, it in enumerate(items))
         else:  # fenced code
             lines = []
             for _ in range(int(rng.integers(2, 9))):
-                w = _WORDS[int(rng.integers(len(_WORDS)))]
+                w = words(1)[0]
                 n, m = int(rng.integers(1, 1000)), int(rng.integers(2, 17))
-                lines.append(str(rng.choice(_CODE)).format(w=w, W=w.capitalize(), n=n, m=m))
+                lines.append(_CODE[int(rng.integers(len(_CODE)))].format(w=w, W=w.capitalize(), n=n, m=m))
             block = "```python\n" + "\n".join(lines) + "\n```"
         out.append(block)
         size += len(block) + 2

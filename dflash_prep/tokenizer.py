@@ -191,7 +191,7 @@ class HFTokenizer:
         encs = self.tok.encode_batch(texts, add_special_tokens=not chat)
         eos_id = self.info.eos_id
         out = []
-        for segs, enc in zip(batch, encs):
+        for segs, enc, text_all in zip(batch, encs, texts):
             ids = np.array(enc.ids, np.int32)
             if not chat:
                 mask = np.ones(ids.shape[0], np.uint8)  # plain text: every token is trained on
@@ -205,15 +205,23 @@ class HFTokenizer:
             for text, trainable in segs:
                 end = pos + len(text)
                 if trainable and end > pos:
-                    lo, hi = _token_range(enc, pos, end)
+                    lo, hi = _token_range(enc, pos, end, len(text_all))
                     mask[lo:hi] = 1
                 pos = end
             out.append((ids, mask))
         return out
 
 
-def _token_range(enc, start: int, end: int) -> tuple[int, int]:
-    """Token index range covering characters [start, end) of the encoded text."""
+def _token_range(enc, start: int, end: int, n_chars: int) -> tuple[int, int]:
+    """Token index range ``[lo, hi)`` of the tokens that overlap characters ``[start, end)``.
+
+    ``lo`` is the first token of the first character that has one. ``hi`` is the first
+    token of the first character at or after ``end``, plus one when that token starts
+    before ``end`` (it straddles the border); without such a character, the token count.
+    Per-character lookups, not per-token work: a character split over several byte-level
+    tokens maps to its first token, and its later tokens are covered because ``hi`` is
+    found from the next character.
+    """
     lo = None
     for c in range(start, end):
         lo = enc.char_to_token(c)
@@ -221,12 +229,11 @@ def _token_range(enc, start: int, end: int) -> tuple[int, int]:
             break
     if lo is None:  # the span produced no tokens (e.g. removed by the normalizer)
         return 0, 0
-    hi = None
-    for c in range(end - 1, start - 1, -1):
-        hi = enc.char_to_token(c)
-        if hi is not None:
-            break
-    return lo, hi + 1
+    for c in range(end, n_chars):
+        t = enc.char_to_token(c)
+        if t is not None:
+            return lo, t + 1 if enc.token_to_chars(t)[0] < end else t
+    return lo, len(enc)
 
 
 def _token_str(v) -> str | None:
