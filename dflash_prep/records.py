@@ -67,6 +67,7 @@ class Source:
     rows: object
     lines: list[int] | None = None
     bad_lines: int = 0
+    bad_examples: list[str] = field(default_factory=list)
     first_record: int = 0
     _line_map: list[int] | None = field(default=None, repr=False)
 
@@ -148,11 +149,11 @@ def detect_schema(path: str, columns: list[str], fmt: str, text_field: str) -> t
         for schema in ("messages", "sharegpt", "text"):
             if wanted[schema] in columns:
                 return schema, wanted[schema]
-        raise InputError(f"{path}: cannot tell the schema; found fields {', '.join(columns) or '(none)'} but need "
+        raise InputError(f"{path}: cannot tell the schema; found fields {', '.join(sorted(columns)) or '(none)'} but need "
                          f"'messages', 'conversations' or '{text_field}'. Pass --format and/or --text-field")
     if wanted[fmt] not in columns:
         raise InputError(f"{path}: --format {fmt} needs a '{wanted[fmt]}' field; found fields "
-                         f"{', '.join(columns) or '(none)'}")
+                         f"{', '.join(sorted(columns)) or '(none)'}")
     return fmt, wanted[fmt]
 
 
@@ -161,7 +162,8 @@ def load(path: str, kind: str, *, fmt: str, text_field: str, on_error: str, cach
     import datasets
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its load errors are ours to report
     try:
         if kind == "disk":
             ds = datasets.load_from_disk(path)
@@ -181,6 +183,8 @@ def load(path: str, kind: str, *, fmt: str, text_field: str, on_error: str, cach
             raise InputError(f"{path}: cannot read this {kind} input ({type(e).__name__}: {_short(e)}); "
                              "the file is corrupt or not in that format, re-export it") from e
         return _load_json_lines(path, fmt=fmt, text_field=text_field, on_error=on_error)
+    finally:
+        datasets.logging.set_verbosity(level)
     schema, col = detect_schema(path, list(ds.column_names), fmt, text_field)
     return Source(path, kind, schema, col, ds.select_columns([col]).with_format(None))
 
@@ -198,7 +202,7 @@ def _load_arrow(path: str):
 
 
 def _load_json_lines(path: str, *, fmt: str, text_field: str, on_error: str) -> Source:
-    rows, lines, bad = [], [], 0
+    rows, lines, bad, examples = [], [], 0, []
     with open(path, encoding="utf-8", errors="strict") as f:
         try:
             text = f.read()
@@ -220,13 +224,15 @@ def _load_json_lines(path: str, *, fmt: str, text_field: str, on_error: str) -> 
             except json.JSONDecodeError as e:
                 if on_error == "skip":
                     bad += 1
+                    if len(examples) < 5:
+                        examples.append(str(RecordError(path, len(rows), f"malformed JSON ({e.msg}, column {e.colno})", i)))
                     continue
                 raise RecordError(path, len(rows), f"malformed JSON ({e.msg}, column {e.colno})", line=i) from e
             rows.append(obj)
             lines.append(i)
     columns = sorted({k for r in rows if isinstance(r, dict) for k in r})
     schema, col = detect_schema(path, columns, fmt, text_field)
-    return Source(path, "json", schema, col, rows, lines=lines, bad_lines=bad)
+    return Source(path, "json", schema, col, rows, lines=lines, bad_lines=bad, bad_examples=examples)
 
 
 def _short(e: Exception) -> str:

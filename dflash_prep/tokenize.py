@@ -301,7 +301,7 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
     writer = _ShardWriter(tmp, int(cfg.shard_mb * 2**20), key)
     stats = {"truncated": 0, "dropped": 0, "skipped": sum(s.bad_lines for s in sources), "no_loss": 0,
              "cut_tokens": 0, "dropped_tokens": 0}
-    examples: list[str] = []
+    examples: list[str] = [e for s in sources for e in s.bad_examples][:MAX_EXAMPLES]
     lengths, loss_tokens = [], 0
     _STATE.clear()
     _STATE.update(sources=sources, cfg=cfg, tokenizer=cfg.tokenizer, tok=tok)

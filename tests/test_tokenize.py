@@ -1,0 +1,227 @@
+"""tokenize: every input format and schema, masks, overflow, bad input, atomicity, idempotence."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_prep.dataset import open_dataset
+from dflash_prep.errors import ConfigError, InputError
+from dflash_prep.lengths import read_dataset_lengths
+from dflash_prep.tokenize import TokenizeConfig, tokenize
+from dflash_prep.tokenizer import ByteTokenizer, load_tokenizer, render_chat
+
+from .assets.fixtures import CHATS, train_bpe, write_jsonl
+
+SHAREGPT = [{"conversations": [{"from": "human" if m["role"] == "user" else
+                                {"assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]}
+                               for m in c]} for c in CHATS]
+TEXTS = ["plain text one.", "Second text, a bit longer: café.", "x"]
+
+
+def run(tmp_path: Path, inputs, name="out", **kw) -> dict:
+    return tokenize(TokenizeConfig(inputs=tuple(str(i) for i in inputs), out=tmp_path / name, **kw))
+
+
+def byte_chat(messages):
+    tok = ByteTokenizer()
+    return tok.encode_segments_batch([render_chat(tok, messages)], chat=True)[0]
+
+
+def samples(folder):
+    ds = open_dataset(folder)
+    return [ds.sample(i) for i in range(len(ds))]
+
+
+def assert_no_leftovers(tmp_path: Path, keep=()):
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
+    assert left == [], f"temp files left behind: {left}"
+    assert not (tmp_path / "out").exists() or "out" in keep
+
+
+# ----------------------------------------------------------------------------- formats
+def test_messages_jsonl_ids_and_masks(tmp_path):
+    f = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS])
+    meta = run(tmp_path, [f])
+    assert meta["source"]["schemas"] == ["messages"] and meta["counts"]["samples"] == len(CHATS)
+    for c, (ids, mask) in zip(CHATS, samples(tmp_path / "out")):
+        want_ids, want_mask = byte_chat(c)
+        assert np.array_equal(ids, want_ids) and np.array_equal(mask, want_mask)
+        # alignment: the trained positions hold exactly the assistant bytes and turn ends
+        want = [b for m in c if m["role"] == "assistant" for b in list(m["content"].encode()) + [258]]
+        assert ids[mask == 1].tolist() == want
+    assert meta["tokens"]["loss"] == sum(int(m.sum()) for _, m in samples(tmp_path / "out"))
+
+
+def test_sharegpt_json_array_equals_messages(tmp_path):
+    (tmp_path / "sg.json").write_text(json.dumps(SHAREGPT))
+    write_jsonl(tmp_path / "m.jsonl", [{"messages": c} for c in CHATS])
+    a = run(tmp_path, [tmp_path / "sg.json"], name="a")
+    b = run(tmp_path, [tmp_path / "m.jsonl"], name="b")
+    assert a["source"]["schemas"] == ["sharegpt"]
+    assert np.array_equal(np.load(tmp_path / "a/lengths.npy"), np.load(tmp_path / "b/lengths.npy"))
+    for (i1, m1), (i2, m2) in zip(samples(tmp_path / "a"), samples(tmp_path / "b")):
+        assert np.array_equal(i1, i2) and np.array_equal(m1, m2)
+
+
+def test_text_parquet_arrow_and_save_to_disk(tmp_path):
+    import datasets
+
+    table = pa.table({"body": TEXTS, "other": [1, 2, 3]})
+    pq.write_table(table, tmp_path / "t.parquet")
+    with pa.OSFile(str(tmp_path / "t.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    datasets.Dataset.from_dict({"body": TEXTS}).save_to_disk(str(tmp_path / "disk"))
+    want = [list(t.encode()) + [256] for t in TEXTS]
+    for name, src in (("p", "t.parquet"), ("a", "t.arrow"), ("d", "disk")):
+        meta = run(tmp_path, [tmp_path / src], name=name, text_field="body")
+        assert meta["source"]["schemas"] == ["text"]
+        got = samples(tmp_path / name)
+        assert [ids.tolist() for ids, _ in got] == want, name
+        assert all(m.all() for _, m in got), "plain text is trained on in full"
+    with pytest.raises(InputError, match="found fields body, other"):
+        run(tmp_path, [tmp_path / "t.parquet"], name="x", format="messages")
+
+
+def test_globs_folders_and_global_record_ids(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    write_jsonl(d / "a.jsonl", [{"messages": c} for c in CHATS[:2]])
+    write_jsonl(d / "b.jsonl", [{"messages": c} for c in CHATS[2:]])
+    run(tmp_path, [d / "*.jsonl"], name="g")
+    run(tmp_path, [d], name="f")
+    for name in ("g", "f"):
+        ds = open_dataset(tmp_path / name)
+        assert len(ds) == 3 and [ds.sample(i)[0].tolist() for i in range(3)] == [byte_chat(c)[0].tolist() for c in CHATS]
+
+
+def test_hf_tokenizer_through_the_stage(tmp_path):
+    bpe = train_bpe(tmp_path / "bpe")
+    f = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS])
+    meta = run(tmp_path, [f], tokenizer=str(bpe))
+    tok = load_tokenizer(str(bpe))
+    assert meta["tokenizer"]["fingerprint"] == tok.info.fingerprint and meta["tokenizer"]["eos_id"] == tok.info.eos_id
+    for c, (ids, mask) in zip(CHATS, samples(tmp_path / "out")):
+        assert tok.tok.decode(ids[mask == 1].tolist(), skip_special_tokens=False) == \
+            "".join(m["content"] + "<|im_end|>" for m in c if m["role"] == "assistant")
+
+
+def test_num_proc_gives_identical_output(tmp_path):
+    rows = [{"messages": CHATS[i % 3]} for i in range(40)]
+    f = write_jsonl(tmp_path / "c.jsonl", rows)
+    run(tmp_path, [f], name="one", chunk_rows=7, shard_mb=0.001)
+    run(tmp_path, [f], name="two", chunk_rows=7, shard_mb=0.001, num_proc=2)
+    one = json.loads((tmp_path / "one/meta.json").read_text())
+    assert len(one["shards"]) > 1  # bounded shards: a few hundred bytes each here
+    assert all(s["bytes"] <= 0.001 * 2**20 for s in one["shards"])
+    for s in one["shards"]:
+        assert (tmp_path / "one" / s["file"]).read_bytes() == (tmp_path / "two" / s["file"]).read_bytes()
+    assert (tmp_path / "one/lengths.npy").read_bytes() == (tmp_path / "two/lengths.npy").read_bytes()
+
+
+# ----------------------------------------------------------------------------- overflow
+@pytest.mark.parametrize("mode", ["truncate", "drop"])
+def test_overflow(tmp_path, mode):
+    f = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CHATS])
+    full = [len(byte_chat(c)[0]) for c in CHATS]
+    max_len = sorted(full)[1]  # exactly one sample is longer
+    meta = run(tmp_path, [f], max_len=max_len, on_overflow=mode)
+    lengths = read_dataset_lengths(tmp_path / "out").lengths
+    long_i = int(np.argmax(full))
+    if mode == "truncate":
+        assert meta["counts"]["truncated"] == 1 and meta["counts"]["dropped"] == 0
+        assert lengths.tolist() == [min(n, max_len) for n in full]
+        assert meta["tokens"]["cut_by_truncation"] == full[long_i] - max_len
+        ids, mask = open_dataset(tmp_path / "out").sample(long_i)
+        want_ids, want_mask = byte_chat(CHATS[long_i])
+        assert np.array_equal(ids, want_ids[:max_len]) and np.array_equal(mask, want_mask[:max_len])
+    else:
+        assert meta["counts"]["dropped"] == 1 and meta["counts"]["truncated"] == 0
+        assert lengths.tolist() == [n for n in full if n <= max_len]
+        assert meta["tokens"]["in_dropped"] == full[long_i]
+        assert open_dataset(tmp_path / "out").sample(0)[0].shape[0] == lengths[0]
+
+
+# ----------------------------------------------------------------------------- bad input
+GOOD = json.dumps({"messages": CHATS[2]})
+BAD_CASES = {
+    "malformed": ([GOOD, GOOD, '{"messages": [oops'], r"bad\.jsonl:3: malformed JSON"),
+    "missing field": ([GOOD, {"messages": [{"role": "user", "text": "hi"}, {"role": "assistant", "text": "x"}]}],
+                      r"bad\.jsonl:2: message 0 has no 'content' field \(found fields: role, text\)"),
+    "empty conversation": ([GOOD, {"messages": []}], r"bad\.jsonl:2: empty conversation"),
+    "non-string content": ([{"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "a"}]}, GOOD],
+                           r"bad\.jsonl:1: message 0: 'content' is a int, not a string"),
+    "unknown role": ([GOOD, GOOD, {"messages": [{"role": "robot", "content": "a"}]}],
+                     r"bad\.jsonl:3: message 0: unknown role 'robot'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_record_fails_with_location_and_leaves_nothing(tmp_path, case):
+    rows, pattern = BAD_CASES[case]
+    f = write_jsonl(tmp_path / "bad.jsonl", [""] + rows if case == "unknown role" else rows)  # a blank line too
+    if case == "unknown role":
+        pattern = pattern.replace("jsonl:3", "jsonl:4")
+    with pytest.raises(InputError, match=pattern):
+        run(tmp_path, [f])
+    assert_no_leftovers(tmp_path)
+    meta = run(tmp_path, [f], on_error="skip")
+    assert meta["counts"]["skipped"] == 1 and meta["counts"]["samples"] == len(rows) - 1
+    assert len(meta["skipped_examples"]) == 1
+
+
+def test_missing_schema_field_lists_found_fields(tmp_path):
+    f = write_jsonl(tmp_path / "x.jsonl", [{"prompt": "a", "answer": "b"}])
+    with pytest.raises(InputError, match="found fields answer, prompt"):
+        run(tmp_path, [f])
+
+
+def test_corrupt_parquet(tmp_path):
+    pq.write_table(pa.table({"text": TEXTS}), tmp_path / "ok.parquet")
+    data = (tmp_path / "ok.parquet").read_bytes()
+    (tmp_path / "bad.parquet").write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputError, match=r"bad\.parquet: cannot read this parquet input"):
+        run(tmp_path, [tmp_path / "bad.parquet"])
+    assert_no_leftovers(tmp_path)
+
+
+def test_failure_midway_leaves_no_output(tmp_path):
+    rows = [GOOD] * 30 + ['{"messages": [{"role": "user", "content": ["not", "text"]}]}']
+    f = write_jsonl(tmp_path / "late.jsonl", rows)
+    with pytest.raises(InputError, match=r"late\.jsonl:31"):
+        run(tmp_path, [f], chunk_rows=4, num_proc=2)  # several chunks are written before the failure
+    assert_no_leftovers(tmp_path)
+
+
+def test_bad_options():
+    for kw, pat in (({"max_len": 0}, "--max-len"), ({"on_overflow": "cut"}, "--on-overflow"),
+                    ({"on_error": "ignore"}, "--on-error"), ({"num_proc": 0}, "--num-proc"),
+                    ({"format": "alpaca"}, "--format")):
+        with pytest.raises(ConfigError, match=pat):
+            TokenizeConfig(inputs=("x",), out=Path("y"), **kw)
+
+
+def test_missing_input(tmp_path):
+    with pytest.raises(InputError, match="no such file"):
+        run(tmp_path, [tmp_path / "nope.jsonl"])
+
+
+# ----------------------------------------------------------------------------- idempotence
+def test_up_to_date_then_overwrite(tmp_path):
+    f = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CHATS])
+    first = run(tmp_path, [f])
+    stamp = (tmp_path / "out/meta.json").stat().st_mtime_ns
+    again = run(tmp_path, [f])
+    assert again["up_to_date"] and again["fingerprint"] == first["fingerprint"]
+    assert (tmp_path / "out/meta.json").stat().st_mtime_ns == stamp  # nothing rewritten
+    with pytest.raises(ConfigError, match="--overwrite"):
+        run(tmp_path, [f], max_len=50)
+    redo = run(tmp_path, [f], max_len=50, overwrite=True)
+    assert not redo["up_to_date"] and redo["counts"]["truncated"] == 3
+    assert open_dataset(tmp_path / "out").lengths.max() == 50
+    assert_no_leftovers(tmp_path, keep=("out",))
