@@ -86,7 +86,7 @@ class EpochResult:
 
 # ----------------------------------------------------------------------------- numba helpers
 @nb.njit(cache=True)
-def _gather(order, offsets, perm, lens, out_ids, out_lens, out_start):
+def _gather(order, olens, offsets, perm, out_ids, out_lens, out_start):
     # Copy micro-batch perm[j] of (order, offsets) to position j of the manifest arrays.
     p = 0
     for j in range(perm.shape[0]):
@@ -94,7 +94,7 @@ def _gather(order, offsets, perm, lens, out_ids, out_lens, out_start):
         out_start[j] = p
         for i in range(offsets[b], offsets[b + 1]):
             out_ids[p] = order[i]
-            out_lens[p] = lens[order[i]]
+            out_lens[p] = olens[i]
             p += 1
 
 
@@ -147,8 +147,12 @@ def repeat_pair_rate(prev_table: np.ndarray, prev_ids: np.ndarray, cur_table: np
 
 
 # ----------------------------------------------------------------------------- one epoch
-def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int) -> EpochResult:
-    """Pack one epoch in memory (module docstring); nothing is written."""
+def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges: np.ndarray | None = None) -> EpochResult:
+    """Pack one epoch in memory (module docstring); nothing is written.
+
+    ``edges`` are the step-mix classes, :func:`metrics.class_edges` of ``lens`` (computed
+    here when not given; :func:`pack_epochs` computes them once for all its epochs).
+    """
     if epoch < 0:
         raise ConfigError(f"--epoch must be >= 0, got {epoch}")
     budget = cfg.budget or plan.budget
@@ -156,11 +160,11 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int) -> Ep
     alpha_pack, alpha_cost = budget.packing_alpha, budget.alpha
     where = f"epoch {epoch}"
     if cfg.layout == "padded":
-        order, offsets, bucket = packing.pack_padded_epoch(
+        order, offsets, bucket, olens = packing.pack_padded(
             lens, plan.boundaries, seed=plan.seed, epoch=epoch, budget=budget.value, alpha=alpha_pack,
             max_batch_size=budget.max_batch_size, window=window)
     else:
-        order, offsets = packing.pack_varlen_epoch(
+        order, offsets, olens = packing.pack_varlen(
             lens, seed=plan.seed, epoch=epoch, budget=budget.value, alpha=alpha_pack,
             max_batch_size=budget.max_batch_size, open_bins=cfg.open_bins)
         bucket = np.full(len(offsets) - 1, -1, np.int64)
@@ -169,8 +173,8 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int) -> Ep
     if n_split:                        # split micro-batches keep their bucket
         bucket = bucket[np.searchsorted(offsets, split[:-1], side="right") - 1]
         offsets = split
-    edges = metrics.class_edges(lens)
-    real, mx, sq, class_tok = packing.microbatch_stats(lens, order, offsets, edges)
+    edges = metrics.class_edges(lens) if edges is None else edges
+    real, mx, sq, class_tok = packing.microbatch_stats(olens, offsets, edges)
     count = np.diff(offsets)
     classes = schedule.microbatch_classes(real, sq, edges)
     sched = schedule.order_microbatches(cfg.schedule, classes=classes, buckets=bucket, n_buckets=plan.num_buckets,
@@ -191,10 +195,12 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int) -> Ep
     ids = np.empty(n_used, np.int64)
     slens = np.empty(n_used, np.int32)
     start = np.empty(len(mb), np.int64)
-    _gather(order, offsets, mb, lens, ids, slens, start)
+    _gather(order, olens, offsets, mb, ids, slens, start)
+    del olens
     table = np.stack([start, count[mb], step, rank, accum, bucket[mb], mx[mb], real[mb], padded[mb], sq[mb]], axis=1)
     dropped = np.sort(np.concatenate([order[offsets[b]:offsets[b + 1]] for b in dropped_mb])
                       if len(dropped_mb) else np.empty(0, np.int64))
+    del order
     arrays = {"microbatches": np.ascontiguousarray(table, np.int64), "sample_ids": ids, "sample_lens": slens,
               "dropped_ids": dropped.astype(np.int64)}
     if cfg.layout == "varlen":
@@ -309,6 +315,7 @@ def pack_epochs(*, plan: Plan | str | Path, epochs, out: str | Path, world_size:
     src = resolve_lengths(plan, data=data, lengths=lengths)
     lens = np.asarray(src.lengths)
     out = Path(out)
+    edges = metrics.class_edges(lens)
     written, prev = [], None
     for e in sorted(set(epochs)):
         path = manifest.epoch_dir(out, e)
@@ -325,7 +332,7 @@ def pack_epochs(*, plan: Plan | str | Path, epochs, out: str | Path, world_size:
             if not overwrite:
                 raise ConfigError(f"{path} already holds a manifest built from other inputs (plan, options or data); "
                                   "pass --overwrite to replace it, or --out another folder")
-        res = build_epoch(lens, plan, cfg, e)
+        res = build_epoch(lens, plan, cfg, e, edges)
         before = prev if prev is not None else previous_epoch(out, e, src.fingerprint)
         if before is not None:
             res.header["summary"]["repeat_pair_rate"] = repeat_pair_rate(

@@ -148,6 +148,108 @@ def check_budget(lengths: np.ndarray, budget: float, alpha: float) -> None:
                           f"but the budget is {budget:.0f}; raise --budget or truncate with tokenize --max-len")
 
 
+@nb.njit(cache=True)
+def _group_by_bucket(lens, bnds, n_buckets, order, starts):
+    # Stable counting sort of sample ids by bucket into ``order``; starts has K + 1 entries.
+    counts = np.zeros(n_buckets + 1, np.int64)
+    for i in range(lens.shape[0]):
+        counts[np.searchsorted(bnds, lens[i], side="right") + 1] += 1
+    for k in range(n_buckets):
+        counts[k + 1] += counts[k]
+    starts[:] = counts
+    for i in range(lens.shape[0]):
+        k = np.searchsorted(bnds, lens[i], side="right")
+        order[counts[k]] = i
+        counts[k] += 1
+
+
+@nb.njit(cache=True)
+def _sort_windows(order, lens, s, e, window, olens):
+    # Longest first inside each window of order[s:e]; ties keep their shuffled order. The key
+    # (max_len - L) << 32 | position is unique, so an unstable sort is exact and stable.
+    top = np.int64(0)
+    for i in range(s, e):
+        if lens[order[i]] > top:
+            top = lens[order[i]]
+    w = min(window, e - s) if window > 1 else 1
+    key = np.empty(max(w, 1), np.int64)
+    ids = np.empty(max(w, 1), np.int64)
+    for a in range(s, e, max(w, 1)):
+        b = min(a + w, e)
+        if w > 1:
+            for t in range(b - a):
+                ids[t] = order[a + t]
+                key[t] = ((top - np.int64(lens[ids[t]])) << np.int64(32)) | np.int64(t)
+            ks = np.sort(key[: b - a])
+            for t in range(b - a):
+                order[a + t] = ids[ks[t] & np.int64(0xFFFFFFFF)]
+        for t in range(a, b):
+            olens[t] = lens[order[t]]
+
+
+@nb.njit(cache=True)
+def _greedy_lens(olens, s, e, budget, alpha, max_bs, out, m):
+    # Greedy over contiguous lengths olens[s:e]; writes batch end positions to out (if any).
+    n_open = 0
+    mx = 0
+    for i in range(s, e):
+        L = olens[i]
+        new_mx = mx if mx > L else L
+        c = new_mx + alpha * new_mx * new_mx
+        if n_open > 0 and ((n_open + 1) * c > budget or n_open + 1 > max_bs):
+            if out.shape[0] > 0:
+                out[m] = i
+            m += 1
+            n_open = 1
+            mx = L
+        else:
+            n_open += 1
+            mx = new_mx
+    if n_open > 0:
+        if out.shape[0] > 0:
+            out[m] = e
+        m += 1
+    return m
+
+
+def pack_padded(lengths: np.ndarray, boundaries, *, seed: int, epoch: int, budget: float, alpha: float = 0.0,
+                max_batch_size: int | None = None, window: int = 0):
+    """:func:`pack_padded_epoch` plus ``olens``, the lengths in ``order`` (int32).
+
+    O(N) memory beyond the outputs: a counting sort groups ids by bucket, each bucket is
+    shuffled and window-sorted in place, and the greedy pass runs twice over the contiguous
+    ``olens`` (count, then write) so offsets take ``M + 1`` entries, not ``N + 1``.
+    """
+    lengths = np.asarray(lengths)
+    check_budget(lengths, budget, alpha)
+    n = lengths.shape[0]
+    bnds = np.asarray(boundaries, dtype=lengths.dtype if np.issubdtype(lengths.dtype, np.integer) else np.int64)
+    n_buckets = len(boundaries) + 1
+    order = np.empty(n, np.int64)
+    starts = np.empty(n_buckets + 1, np.int64)
+    _group_by_bucket(lengths, bnds, n_buckets, order, starts)
+    olens = np.empty(n, np.int32)
+    mbs = np.int64(max_batch_size) if max_batch_size else np.int64(2**62)
+    none = np.empty(0, np.int64)
+    per_bucket = []
+    for k in range(n_buckets):
+        s, e = int(starts[k]), int(starts[k + 1])
+        if e > s:
+            _shuffle_inplace(order[s:e], np.uint64(mix_key(seed, epoch, k)))
+            _sort_windows(order, lengths, s, e, int(window), olens)
+        per_bucket.append(_greedy_lens(olens, s, e, float(budget), float(alpha), mbs, none, 0) if e > s else 0)
+    m = int(sum(per_bucket))
+    offsets = np.empty(m + 1, np.int64)
+    offsets[0] = 0
+    batch_bucket = np.repeat(np.arange(n_buckets, dtype=np.int64), per_bucket)
+    got = 0
+    for k in range(n_buckets):
+        if per_bucket[k]:
+            got = _greedy_lens(olens, int(starts[k]), int(starts[k + 1]), float(budget), float(alpha), mbs,
+                               offsets[1:], got)
+    return order, offsets, batch_bucket, olens
+
+
 def pack_padded_epoch(lengths: np.ndarray, boundaries, *, seed: int, epoch: int, budget: float,
                       alpha: float = 0.0, max_batch_size: int | None = None, window: int = 0):
     """One epoch of the bucketed shuffle (module docstring).
@@ -156,32 +258,9 @@ def pack_padded_epoch(lengths: np.ndarray, boundaries, *, seed: int, epoch: int,
     (int64, ``M + 1``), and the bucket of each micro-batch. Batches come bucket by bucket;
     the step schedule in :mod:`dflash_prep.schedule` decides their final order.
     """
-    lengths = np.asarray(lengths)
-    check_budget(lengths, budget, alpha)
-    lens64 = lengths.astype(np.int64, copy=False)
-    bk = bucket_index(lens64, boundaries)
-    n_buckets = len(boundaries) + 1
-    by_bucket = np.argsort(bk, kind="stable")
-    counts = np.bincount(bk, minlength=n_buckets)
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    order = np.empty(lengths.shape[0], np.int64)
-    offsets = np.empty(lengths.shape[0] + 1, np.int64)
-    offsets[0] = 0
-    batch_bucket = np.empty(lengths.shape[0], np.int64)
-    mbs = np.int64(max_batch_size) if max_batch_size else np.int64(2**62)
-    m = 0
-    for k in range(n_buckets):
-        s, e = int(starts[k]), int(starts[k + 1])
-        if e == s:
-            continue
-        ids = shuffle_keyed(by_bucket[s:e], seed, epoch, k)
-        if window and window > 1:
-            ids = window_sort(ids, lens64, window)
-        order[s:e] = ids
-        got = _greedy(ids, lens64, float(budget), float(alpha), mbs, offsets[1 + m:], s)
-        batch_bucket[m:m + got] = k
-        m += got
-    return order, offsets[: m + 1].copy(), batch_bucket[:m].copy()
+    order, offsets, batch_bucket, _ = pack_padded(lengths, boundaries, seed=seed, epoch=epoch, budget=budget,
+                                                  alpha=alpha, max_batch_size=max_batch_size, window=window)
+    return order, offsets, batch_bucket
 
 
 # ----------------------------------------------------------------------------- varlen
@@ -239,7 +318,7 @@ def _first_fit(ids, lens, budget, alpha, max_bs, n_open, gen_of, close_rank):
 
 
 @nb.njit(cache=True)
-def _group_by_batch(ids, gen_of, close_rank, m, order, offsets):
+def _group_by_batch(ids, lens, gen_of, close_rank, m, order, offsets, olens):
     # Stable counting sort of positions by batch: batch members keep their arrival order.
     counts = np.zeros(m + 1, np.int64)
     for i in range(ids.shape[0]):
@@ -251,11 +330,20 @@ def _group_by_batch(ids, gen_of, close_rank, m, order, offsets):
     for i in range(ids.shape[0]):
         b = close_rank[gen_of[i]]
         order[counts[b]] = ids[i]
+        olens[counts[b]] = lens[ids[i]]
         counts[b] += 1
 
 
 def pack_varlen_epoch(lengths: np.ndarray, *, seed: int, epoch: int, budget: float, alpha: float = 0.0,
                       max_batch_size: int | None = None, open_bins: int = 4):
+    """:func:`pack_varlen` without ``olens``: ``(order, offsets)``."""
+    order, offsets, _ = pack_varlen(lengths, seed=seed, epoch=epoch, budget=budget, alpha=alpha,
+                                    max_batch_size=max_batch_size, open_bins=open_bins)
+    return order, offsets
+
+
+def pack_varlen(lengths: np.ndarray, *, seed: int, epoch: int, budget: float, alpha: float = 0.0,
+                max_batch_size: int | None = None, open_bins: int = 4):
     """One epoch of the varlen layout: random order, first-fit into a few open bins.
 
     Sequences are concatenated (``cu_seqlens``), so a micro-batch holds samples whose
@@ -269,7 +357,7 @@ def pack_varlen_epoch(lengths: np.ndarray, *, seed: int, epoch: int, budget: flo
     0.985 of ``M * T``, 2 bins 0.994, 4 bins 0.9975, 8 bins 0.9983; ~0.025 s warm. More bins
     add little and let a short sample wait longer behind later ones.
 
-    Returns ``(order, offsets)`` like :func:`pack_padded_epoch`, without buckets.
+    Returns ``(order, offsets, olens)``: like :func:`pack_padded`, without buckets.
     """
     if open_bins < 1:
         raise ConfigError(f"--open-bins must be at least 1, got {open_bins}")
@@ -278,39 +366,41 @@ def pack_varlen_epoch(lengths: np.ndarray, *, seed: int, epoch: int, budget: flo
     n = lengths.shape[0]
     ids = np.arange(n, dtype=np.int64)
     _shuffle_inplace(ids, np.uint64(mix_key(seed, epoch, PURPOSE_VARLEN)))
-    gen_of = np.empty(n, np.int64)
-    close_rank = np.empty(n, np.int64)
+    idx = np.int32 if n < 2**31 else np.int64      # bin generations < n: int32 halves the memory
+    gen_of = np.empty(n, idx)
+    close_rank = np.empty(n, idx)
     mbs = np.int64(max_batch_size) if max_batch_size else np.int64(2**62)
     m = _first_fit(ids, lengths, float(budget), float(alpha), mbs, int(open_bins), gen_of, close_rank)
     order = np.empty(n, np.int64)
     offsets = np.empty(m + 1, np.int64)
-    _group_by_batch(ids, gen_of, close_rank, m, order, offsets)
-    return order, offsets
+    olens = np.empty(n, np.int32)
+    _group_by_batch(ids, lengths, gen_of, close_rank, m, order, offsets, olens)
+    return order, offsets, olens
 
 
 # ----------------------------------------------------------------------------- per-batch stats
 @nb.njit(cache=True)
-def _batch_stats(order, offsets, lens, edges, real, mx, sum_sq, class_tok):
+def _batch_stats(olens, offsets, edges, real, mx, sum_sq, class_tok):
     for b in range(offsets.shape[0] - 1):
         r = np.int64(0)
         m = np.int64(0)
         q = np.int64(0)
         for i in range(offsets[b], offsets[b + 1]):
-            L = np.int64(lens[order[i]])
+            L = np.int64(olens[i])
             r += L
             q += L * L
             if L > m:
                 m = L
-            c = np.searchsorted(edges, L, side="right")
-            class_tok[b, c] += L
+            class_tok[b, np.searchsorted(edges, L, side="right")] += L
         real[b] = r
         mx[b] = m
         sum_sq[b] = q
 
 
-def microbatch_stats(lengths: np.ndarray, order: np.ndarray, offsets: np.ndarray, edges: np.ndarray):
-    """Per micro-batch, in one O(N) pass: real tokens, max length, sum of L^2 (int64) and
-    the real tokens in each length class ``[edges[c-1], edges[c])`` (int64, ``(M, C)``).
+def microbatch_stats(olens: np.ndarray, offsets: np.ndarray, edges: np.ndarray):
+    """Per micro-batch, in one sequential O(N) pass over ``olens = lengths[order]``: real
+    tokens, max length, sum of L^2 (int64) and the real tokens in each length class
+    ``[edges[c-1], edges[c])`` (int64, ``(M, C)``).
 
     The same quantities as :func:`dflash_prep.metrics.batch_stats` and the step-mix class
     shares, fused so that 100M samples need no N-sized temporaries; ``verify`` recomputes
@@ -320,5 +410,5 @@ def microbatch_stats(lengths: np.ndarray, order: np.ndarray, offsets: np.ndarray
     edges = np.asarray(edges, np.int64)
     real, mx, sq = (np.zeros(m, np.int64) for _ in range(3))
     class_tok = np.zeros((m, len(edges) + 1), np.int64)
-    _batch_stats(np.asarray(order, np.int64), np.asarray(offsets, np.int64), lengths, edges, real, mx, sq, class_tok)
+    _batch_stats(olens, np.asarray(offsets, np.int64), edges, real, mx, sq, class_tok)
     return real, mx, sq, class_tok

@@ -73,7 +73,7 @@ def test_padded_epoch_budget_buckets_and_determinism(seedlike):
 def test_microbatch_stats_match_metrics(seedlike):
     order, offsets, _ = packing.pack_padded_epoch(seedlike, K6, seed=0, epoch=0, budget=T, window=256)
     edges = metrics.class_edges(seedlike)
-    real, mx, sq, class_tok = packing.microbatch_stats(seedlike, order, offsets, edges)
+    real, mx, sq, class_tok = packing.microbatch_stats(seedlike[order], offsets, edges)
     counts, real_ref, mx_ref = metrics.batch_stats(seedlike, order, offsets)
     lens = seedlike[order].astype(np.int64)
     assert np.array_equal(real, real_ref) and np.array_equal(mx, mx_ref)
@@ -91,3 +91,24 @@ def test_full_seedlike_varlen_fill_target():
     lens = profiles.make_lengths("seedlike")
     order, offsets = packing.pack_varlen_epoch(lens, seed=0, epoch=0, budget=T)
     assert metrics.fill(lens, order, offsets, T, varlen=True) >= 0.997
+
+
+@pytest.mark.parametrize("window,alpha,mbs", [(0, 0.0, None), (64, 0.0, 9), (1000, metrics.alpha_for(768), None)])
+def test_padded_epoch_matches_plain_reference(window, alpha, mbs):
+    """The numba core equals the definition: keyed shuffle, stable longest-first windows, greedy."""
+    lens = profiles.make_lengths("bimodal", n=6000, seed=4)
+    budget = 20000.0 if alpha else 16384
+    order, offsets, bucket = packing.pack_padded_epoch(lens, (300, 450, 2500), seed=5, epoch=7, budget=budget,
+                                                       alpha=alpha, max_batch_size=mbs, window=window)
+    bk = packing.bucket_index(lens, (300, 450, 2500))
+    ref_order, ref_off, ref_bucket = [], [0], []
+    for k in range(4):
+        ids = packing.shuffle_keyed(np.flatnonzero(bk == k), 5, 7, k)
+        if window > 1:
+            ids = np.concatenate([c[np.argsort(-lens[c], kind="stable")] for c in np.array_split(ids, range(window, len(ids), window))])
+        off = packing.greedy_offsets(ids, lens, budget, alpha=alpha, max_batch_size=mbs)
+        ref_off += list(off[1:] + sum(len(o) for o in ref_order))
+        ref_order.append(ids)
+        ref_bucket += [k] * (len(off) - 1)
+    assert np.array_equal(order, np.concatenate(ref_order))
+    assert np.array_equal(offsets, np.asarray(ref_off)) and np.array_equal(bucket, ref_bucket)
