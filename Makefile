@@ -26,5 +26,12 @@ test: venv
 test-slow: venv
 	$(BIN)/python -m pytest -q -m "slow"
 
+# GPU benchmarks, <= 5 min each: attention kernels vs SDPA/Flex (results/kernels-bench.*),
+# then the trainer's benchmark when train/bench.py exists.
+bench-gpu: venv
+	$(BIN)/python -m kernels.bench --out results/
+	@if $(BIN)/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('train.bench') is None)"; then \
+		$(BIN)/python -m train.bench --gpu; else echo "bench-gpu: train.bench not present, skipped"; fi
+
 clean:
 	rm -rf $(DEMO) .pytest_cache .numba_cache
