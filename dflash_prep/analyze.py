@@ -1,0 +1,338 @@
+"""``dflash-prep analyze``: choose bucket boundaries, compare strategies, write ``plan.json``.
+
+Pipeline: lengths (dataset folder or what-if file) -> histogram -> exact boundary search
+(:mod:`dflash_prep.optimize`) -> strategy table, Pareto tables -> ``plan.json`` (+ PNG and a
+JSON report, rendered by :mod:`dflash_prep.report`).
+
+What is predicted and what is simulated:
+
+- Window 0 figures for any boundaries come from the per-bucket model in
+  :mod:`dflash_prep.optimize` (expected padded tokens under shuffle + greedy packing).
+- Every strategy row is also *simulated*: ``pack_padded_epoch`` (the exact procedure
+  ``pack`` runs) over ``epochs`` epochs (>= 3), efficiency / fill / micro-batches averaged,
+  repeat-pair rate measured between consecutive epochs with :mod:`dflash_prep.metrics`.
+- The Pareto table over K = 1..max_k uses the model for efficiency and analytic estimates
+  for repeat-pair rate (two co-batched samples of bucket b meet again with probability
+  ``(n_b - 1) / (N_b - 1)``) and within-batch spread (``(E[max] - E[min]) / E[max]`` of ~n_b
+  i.i.d. draws); their measured error is in ``bench/analyze_accuracy.py``. The Pareto table
+  over windows is simulated.
+- ``plan.predicted`` is for the plan's window: the model when the window is 0, the mean of
+  the simulated epochs otherwise; the window-0 model prediction is kept beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numba as nb
+import numpy as np
+
+from . import metrics
+from . import plan as plan_mod
+from .errors import ConfigError
+from .lengths import LengthSource, load
+from .optimize import Histogram, Model, PackModel, SearchResult, histogram
+from .packing import greedy_offsets, pack_padded_epoch
+
+WINDOWS = (0, 1024, 2048, 4096)   # local sort windows the Pareto table simulates
+MAX_K = 32
+
+
+@dataclass(frozen=True)
+class AnalyzeConfig:
+    """Options of ``dflash-prep analyze`` (one field per CLI flag)."""
+
+    data: Path | None = None
+    """Tokenized dataset folder (only ``lengths.npy`` is read)."""
+    lengths_file: Path | None = None
+    """What-if lengths: ``.npy`` or text with one integer per line (instead of ``data``)."""
+    out: Path | None = None
+    """Where plan.json, the PNG and the JSON report go (default: the dataset folder, or the
+    lengths file's folder)."""
+    budget: float = 65536
+    """Token budget T per micro-batch (or cost budget C with ``budget_unit='cost'``)."""
+    budget_unit: str = "tokens"
+    """``tokens``: ``n * max_len <= T``; ``cost``: ``n * (max_len + alpha max_len^2) <= C``."""
+    model_dim: int | None = None
+    """d_model for ``alpha = 1 / (12 d_model)`` (needed by the cost unit)."""
+    max_batch_size: int | None = None
+    """Optional cap on samples per micro-batch."""
+    buckets: int | None = None
+    """Number of buckets K (default 6 unless ``target_efficiency`` is given)."""
+    target_efficiency: float | None = None
+    """Pick the smallest K <= 32 whose predicted efficiency reaches this (instead of K)."""
+    seed: int = 0
+    """Shuffle seed recorded in the plan (simulations use it too)."""
+    window: int = 2048
+    """Local sort window recorded in the plan (0 disables)."""
+    epochs: int = 3
+    """Epochs simulated per strategy row (at least 3)."""
+    plot: bool = True
+    """Write the PNG (histogram with boundaries, efficiency per K)."""
+
+    def __post_init__(self):
+        if (self.data is None) == (self.lengths_file is None):
+            raise ConfigError("give exactly one of a dataset folder (DATA) or --lengths FILE")
+        if self.buckets is not None and self.target_efficiency is not None:
+            raise ConfigError("give --buckets K or --target-efficiency E, not both")
+        if self.buckets is not None and self.buckets < 1:
+            raise ConfigError(f"--buckets must be at least 1, got {self.buckets}")
+        if self.target_efficiency is not None and not 0 < self.target_efficiency <= 1:
+            raise ConfigError(f"--target-efficiency must be in (0, 1], got {self.target_efficiency}")
+        if self.window < 0:
+            raise ConfigError(f"--window must be >= 0 (0 disables), got {self.window}")
+        if self.epochs < 3:
+            raise ConfigError(f"--epochs must be at least 3 (a simulated figure is a mean over >= 3), got {self.epochs}")
+        self.budget_spec  # validates unit / model_dim / max_batch_size
+
+    @property
+    def budget_spec(self) -> plan_mod.Budget:
+        return plan_mod.Budget(unit=self.budget_unit, value=float(self.budget), model_dim=self.model_dim,
+                               max_batch_size=self.max_batch_size)
+
+    @property
+    def out_dir(self) -> Path:
+        if self.out is not None:
+            return Path(self.out)
+        return Path(self.data) if self.data is not None else Path(self.lengths_file).parent
+
+
+# ----------------------------------------------------------------------------- boundaries
+def equal_count_boundaries(hist: Histogram, k: int) -> tuple[int, ...]:
+    """K buckets of about N/K samples: cut at the lengths of sample ranks ceil(i N / K)."""
+    cum = np.cumsum(hist.counts)
+    ranks = [-(-i * int(cum[-1]) // k) for i in range(1, k)]  # ceil, int64-exact
+    idx = np.searchsorted(cum, np.asarray(ranks, np.int64), side="right")
+    return _clean(hist, hist.values[np.minimum(idx, len(hist.values) - 1)])
+
+
+@nb.njit(cache=True)
+def _lhotse_bins(values, counts, per_bucket):
+    # Lhotse estimate_duration_bins over sorted samples, run-length encoded: walk the samples
+    # and, whenever the running mass exceeds per_bucket, open a bin at the current length.
+    out = np.empty(values.shape[0], np.int64)
+    m = 0
+    tot = 0.0
+    for t in range(values.shape[0]):
+        v = float(values[t])
+        left = counts[t]
+        while left > 0:
+            if tot > per_bucket:
+                out[m] = values[t]
+                m += 1
+                tot = 0.0
+            # add copies until the running mass exceeds per_bucket (or the run ends)
+            need = int((per_bucket - tot) // v) + 1 if tot <= per_bucket else 1
+            take = need if need < left else left
+            tot += take * v
+            left -= take
+    return out[:m]
+
+
+def equal_mass_boundaries(hist: Histogram, k: int) -> tuple[int, ...]:
+    """Lhotse ``estimate_duration_bins`` semantics: about 1/K of all tokens per bucket.
+
+    Samples sorted by length are walked with a running token sum; when it exceeds
+    total/K, the current sample's length becomes a boundary (it opens the next bucket) and
+    the sum restarts. Repeated lengths yield one boundary.
+    """
+    if k <= 1:
+        return ()
+    return _clean(hist, _lhotse_bins(hist.values, hist.counts, hist.total_tokens / k))
+
+
+def _clean(hist: Histogram, b) -> tuple[int, ...]:
+    b = np.unique(np.asarray(b, np.int64))
+    return tuple(int(x) for x in b if hist.values[0] < x <= hist.values[-1])
+
+
+# ----------------------------------------------------------------------------- simulation
+@dataclass
+class Simulated:
+    """Means over the simulated epochs."""
+
+    efficiency: float
+    fill: float
+    microbatches: float
+    repeat_pair: float
+    spread: float
+    per_bucket_microbatches: list = field(default_factory=list)
+
+
+def simulate(lengths: np.ndarray, boundaries, cfg: AnalyzeConfig, *, window: int) -> Simulated:
+    """Run ``pack_padded_epoch`` for ``cfg.epochs`` epochs; average the DESIGN.md metrics."""
+    b = cfg.budget_spec
+    effs, fills, mbs, rps, sps = [], [], [], [], []
+    per_bucket = np.zeros(len(boundaries) + 1)
+    prev = None
+    for ep in range(cfg.epochs):
+        order, offsets, bb = pack_padded_epoch(lengths, boundaries, seed=cfg.seed, epoch=ep, budget=b.value,
+                                               alpha=b.packing_alpha, max_batch_size=b.max_batch_size,
+                                               window=window)
+        effs.append(metrics.efficiency(lengths, order, offsets))
+        fills.append(_fill(lengths, order, offsets, b))
+        mbs.append(len(offsets) - 1)
+        per_bucket += np.bincount(bb, minlength=len(per_bucket))
+        if ep < 2:  # one epoch pair is enough for the repeat-pair rate; keep the rest cheap
+            sps.append(metrics.within_batch_spread(lengths, order, offsets))
+            if prev is not None:
+                rps.append(metrics.repeat_pair_rate(prev[0], prev[1], order, offsets, len(lengths)))
+            prev = (order, offsets)
+    return Simulated(float(np.mean(effs)), float(np.mean(fills)), float(np.mean(mbs)), float(np.mean(rps)),
+                     float(np.mean(sps)), (per_bucket / cfg.epochs).tolist())
+
+
+def _fill(lengths, order, offsets, b: plan_mod.Budget) -> float:
+    if b.unit == "tokens":
+        return metrics.fill(lengths, order, offsets, b.value)
+    cost = metrics.batch_cost(lengths, order, offsets, b.packing_alpha)
+    return float(cost.sum()) / ((len(offsets) - 1) * b.value)
+
+
+def sorted_static(lengths: np.ndarray, b: plan_mod.Budget) -> dict:
+    """Global sort by length, fixed greedy batches: deterministic, so exact (not simulated)."""
+    ids = np.argsort(lengths, kind="stable")
+    offsets = greedy_offsets(ids, lengths, b.value, alpha=b.packing_alpha, max_batch_size=b.max_batch_size)
+    eff = metrics.efficiency(lengths, ids, offsets)
+    return {"efficiency_pred": eff, "efficiency_sim": eff, "fill": _fill(lengths, ids, offsets, b),
+            "microbatches": float(len(offsets) - 1), "repeat_pair": 1.0,
+            "spread": metrics.within_batch_spread(lengths, ids, offsets), "how": "exact (deterministic)"}
+
+
+# ----------------------------------------------------------------------------- analytic diversity
+def analytic_diversity(model: Model, boundaries) -> tuple[float, float]:
+    """(repeat-pair rate, mean within-batch spread) estimated from the histogram (window 0)."""
+    h = model.hist
+    pairs = rep = 0.0
+    spread_w = spread_n = 0.0
+    for i, j in model.index_ranges(boundaries):
+        bk = model.bucket(i, j)
+        nb_, n, mb = bk["count"], bk["batch_size"], bk["microbatches"]
+        p = nb_ * max(n - 1.0, 0.0) / 2.0
+        pairs += p
+        if nb_ > 1:
+            rep += p * max(n - 1.0, 0.0) / (nb_ - 1.0)
+        # E[min] of ~n i.i.d. draws: lo + sum_t gap_t * P(all > v_t)
+        v = h.values[i:j + 1].astype(np.float64)
+        c = h.counts[i:j + 1].astype(np.float64)
+        above = 1.0 - np.cumsum(c)[:-1] / nb_
+        e_min = v[0] + float((np.diff(v) * np.power(np.clip(above, 0.0, 1.0), n)).sum())
+        e_max = bk["mean_max"]
+        spread_w += mb * (e_max - min(e_min, e_max)) / e_max
+        spread_n += mb
+    return (rep / pairs if pairs else 0.0), (spread_w / spread_n if spread_n else 0.0)
+
+
+# ----------------------------------------------------------------------------- the stage
+def length_stats(hist: Histogram) -> dict:
+    """count, total tokens, min/p1/p50/p90/p99/max and the pile at the longest length."""
+    cum = np.cumsum(hist.counts)
+    n = int(cum[-1])
+
+    def q(p):
+        return int(hist.values[min(np.searchsorted(cum, int(np.ceil(p * n)), side="left"), len(cum) - 1)])
+
+    pile = int(hist.counts[-1])
+    return {"count": n, "total_tokens": hist.total_tokens, "mean": hist.total_tokens / n,
+            "min": int(hist.values[0]), "p1": q(0.01), "p50": q(0.50), "p90": q(0.90), "p99": q(0.99),
+            "max": hist.max_len, "distinct": int(len(hist.values)),
+            "pile_at_max": {"length": hist.max_len, "count": pile, "share": pile / n}}
+
+
+def choose_k(cfg: AnalyzeConfig, result: SearchResult) -> int:
+    if cfg.target_efficiency is None:
+        return min(cfg.buckets or 6, len(result.boundaries))
+    k = result.smallest_k_reaching(cfg.target_efficiency)
+    if k is None:
+        best = result.efficiency(len(result.boundaries))
+        raise ConfigError(f"no K <= {len(result.boundaries)} reaches a predicted efficiency of "
+                          f"{cfg.target_efficiency:.3f} (best {best:.4f} at K = {len(result.boundaries)}); "
+                          "lower --target-efficiency, raise --budget, or use --window to sort inside buckets")
+    return k
+
+
+def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
+    """Analyze, write ``plan.json`` (+ report JSON and PNG) and return the report dict."""
+    from . import report  # matplotlib / rich stay out of library imports that do not report
+
+    src = source or load(data=cfg.data, lengths_file=cfg.lengths_file)
+    lengths = src.lengths
+    b = cfg.budget_spec
+    hist = histogram(lengths)
+    model = Model(hist, PackModel(b.value, b.packing_alpha, b.max_batch_size))  # checks the budget fits
+    k_search = max(MAX_K, cfg.buckets or 0)
+    result = model.search(k_search)
+    k = choose_k(cfg, result)
+    bounds = result.boundaries[k - 1]
+
+    strategies = [sorted_static(lengths, b)]
+    strategies[0]["name"] = "sorted-static"
+    rows = [("full random", ()), (f"equal-count K={k}", equal_count_boundaries(hist, k)),
+            (f"equal-mass K={k}", equal_mass_boundaries(hist, k)), (f"optimal K={k}", bounds)]
+    for name, bd in rows:
+        pred = model.predict(bd)
+        sim = simulate(lengths, bd, cfg, window=0)
+        strategies.append({"name": name, "boundaries": list(bd), "efficiency_pred": pred["efficiency"],
+                           "efficiency_sim": sim.efficiency, "fill": sim.fill, "microbatches": sim.microbatches,
+                           "repeat_pair": sim.repeat_pair, "spread": sim.spread, "how": f"model + {cfg.epochs} epochs"})
+
+    windows = sorted(set(WINDOWS) | {cfg.window})
+    pareto_w = []
+    for w in windows:
+        if w == 0:
+            row = strategies[-1]
+            pareto_w.append({"window": 0, "efficiency": row["efficiency_sim"], "fill": row["fill"],
+                             "microbatches": row["microbatches"], "repeat_pair": row["repeat_pair"],
+                             "spread": row["spread"], "how": "sim"})
+            continue
+        sim = simulate(lengths, bounds, cfg, window=w)
+        pareto_w.append({"window": w, "efficiency": sim.efficiency, "fill": sim.fill, "microbatches": sim.microbatches,
+                         "repeat_pair": sim.repeat_pair, "spread": sim.spread, "how": "sim",
+                         "per_bucket_microbatches": sim.per_bucket_microbatches})
+        if w == cfg.window:
+            strategies.append({"name": f"optimal K={k} + window {w}", "boundaries": list(bounds),
+                               "efficiency_pred": sim.efficiency, "efficiency_sim": sim.efficiency, "fill": sim.fill,
+                               "microbatches": sim.microbatches, "repeat_pair": sim.repeat_pair,
+                               "spread": sim.spread, "how": f"{cfg.epochs} epochs (simulated)"})
+
+    pareto_k = []
+    for kk in range(1, len(result.boundaries) + 1):
+        bd = result.boundaries[kk - 1]
+        pred = model.predict(bd)
+        rp, sp = analytic_diversity(model, bd)
+        pareto_k.append({"k": kk, "boundaries": list(bd), "efficiency": pred["efficiency"], "fill": pred["fill"],
+                         "microbatches": pred["microbatches"], "repeat_pair": rp, "spread": sp,
+                         "equal_mass_efficiency": model.predict(equal_mass_boundaries(hist, kk))["efficiency"],
+                         "how": "model + analytic"})
+
+    pred0 = model.predict(bounds)
+    w0 = {"efficiency": pred0["efficiency"], "fill": pred0["fill"], "microbatches": pred0["microbatches"],
+          "window": 0, "how": "model"}
+    if cfg.window == 0:
+        predicted = dict(w0)
+    else:
+        row = next(r for r in pareto_w if r["window"] == cfg.window)
+        predicted = {"efficiency": row["efficiency"], "fill": row["fill"], "microbatches": row["microbatches"],
+                     "window": cfg.window, "how": f"simulated, mean of {cfg.epochs} epochs"}
+    predicted["window0"] = w0
+    per_bucket_mb = (next(r for r in pareto_w if r["window"] == cfg.window)["per_bucket_microbatches"]
+                     if cfg.window else [bk["microbatches"] for bk in pred0["buckets"]])
+    edges = [0, *bounds, hist.max_len + 1]  # bucket t holds [edges[t], edges[t+1])
+    buckets = []
+    for t, bk in enumerate(pred0["buckets"]):
+        buckets.append({"lo": edges[t], "hi": edges[t + 1], "count": bk["count"], "tokens": bk["tokens"],
+                        "expected_microbatches": float(per_bucket_mb[t]),
+                        "expected_microbatches_window0": bk["microbatches"]})
+    plan = plan_mod.Plan(data=src.describe(), boundaries=tuple(bounds), budget=b, seed=cfg.seed, window=cfg.window,
+                         buckets=tuple(buckets), predicted=predicted)
+    out = cfg.out_dir
+    plan_path = plan_mod.save(plan, out)
+    rep = {"data": src.describe(), "stats": length_stats(hist), "budget": {"unit": b.unit, "value": b.value,
+           "alpha": b.packing_alpha, "max_batch_size": b.max_batch_size}, "k": k, "boundaries": list(bounds),
+           "strategies": strategies, "pareto_k": pareto_k, "pareto_window": [
+               {kk: vv for kk, vv in r.items() if kk != "per_bucket_microbatches"} for r in pareto_w],
+           "predicted": predicted, "plan": str(plan_path), "fingerprint": plan_mod.load(plan_path).fingerprint}
+    rep["report"] = str(report.write_json(rep, out))
+    rep["png"] = str(report.plot(hist, rep, out)) if cfg.plot else None
+    return rep

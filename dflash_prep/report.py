@@ -1,0 +1,116 @@
+"""How ``analyze`` shows its result: rich tables, a versioned JSON report, and a PNG.
+
+The report dict is built by :func:`dflash_prep.analyze.run`; this module only renders it.
+``analyze-report.json`` (format ``dflash-prep/analyze-report`` v1) is the same dict that
+``--json`` prints. The PNG (matplotlib, Agg backend, no display needed) has two panels:
+the length histogram with the chosen boundaries, and predicted efficiency per K for the
+optimal and the equal-mass boundaries.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .fileio import atomic_write_bytes, atomic_write_json, canonical_json
+
+REPORT_FORMAT = "dflash-prep/analyze-report"
+REPORT_VERSION = 1
+REPORT_FILE = "analyze-report.json"
+PNG_FILE = "analyze.png"
+
+
+def write_json(rep: dict, out: Path) -> Path:
+    path = Path(out) / REPORT_FILE
+    atomic_write_json(path, rep, format=REPORT_FORMAT, version=REPORT_VERSION)
+    return path
+
+
+def to_json(rep: dict) -> str:
+    """The report as one JSON document (what ``--json`` prints)."""
+    return canonical_json({"format": REPORT_FORMAT, "version": REPORT_VERSION, **rep})
+
+
+def plot(hist, rep: dict, out: Path) -> Path:
+    """Histogram with boundaries + efficiency per K; written atomically, path returned."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    ax1.bar(hist.values, hist.counts, width=1.0, color="#4c72b0", linewidth=0)
+    for b in rep["boundaries"]:
+        ax1.axvline(b, color="#c44e52", lw=1)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("length (tokens)")
+    ax1.set_ylabel("samples")
+    ax1.set_title(f"{rep['stats']['count']:,} samples; K={rep['k']} optimal boundaries")
+    ks = [r["k"] for r in rep["pareto_k"]]
+    ax2.plot(ks, [r["efficiency"] for r in rep["pareto_k"]], "o-", ms=3, label="optimal (model)")
+    ax2.plot(ks, [r["equal_mass_efficiency"] for r in rep["pareto_k"]], "s--", ms=3, label="equal-mass (model)")
+    ax2.axvline(rep["k"], color="#c44e52", lw=1)
+    ax2.set_xlabel("buckets K")
+    ax2.set_ylabel("padding efficiency (window 0)")
+    ax2.set_title(f"budget {rep['budget']['value']:.0f} {rep['budget']['unit']}")
+    ax2.grid(alpha=0.3)
+    ax2.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    path = Path(out) / PNG_FILE
+    atomic_write_bytes(path, buf.getvalue())
+    return path
+
+
+def render(rep: dict, console=None) -> None:
+    """Print the stats, strategy and Pareto tables and the output paths."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = console or Console()
+    s = rep["stats"]
+    t = Table(title=f"lengths: {rep['data']['path']}")
+    for c in ("count", "total tokens", "min", "p1", "p50", "p90", "p99", "max", f"pile at {s['max']}"):
+        t.add_column(c, justify="right")
+    pile = s["pile_at_max"]
+    t.add_row(f"{s['count']:,}", f"{s['total_tokens']:,}", *(str(s[k]) for k in ("min", "p1", "p50", "p90", "p99", "max")),
+              f"{pile['count']:,} ({100 * pile['share']:.2f}%)")
+    con.print(t)
+
+    b = rep["budget"]
+    t = Table(title=f"strategies at budget {b['value']:.0f} {b['unit']} (pred = model; sim = mean of simulated epochs)")
+    for c in ("strategy", "eff pred", "eff sim", "fill", "micro-batches", "repeat-pair", "spread", "how"):
+        t.add_column(c, justify="left" if c in ("strategy", "how") else "right")
+    for r in rep["strategies"]:
+        t.add_row(r["name"], f"{r['efficiency_pred']:.4f}", f"{r['efficiency_sim']:.4f}", f"{r['fill']:.4f}",
+                  f"{r['microbatches']:,.0f}", f"{r['repeat_pair']:.5f}", f"{r['spread']:.3f}", r["how"])
+    con.print(t)
+
+    t = Table(title="Pareto over K (window 0): efficiency = model; repeat-pair, spread = analytic estimates")
+    for c in ("K", "efficiency", "equal-mass", "micro-batches", "repeat-pair", "spread"):
+        t.add_column(c, justify="right")
+    t.add_column("boundaries", no_wrap=True, overflow="ellipsis", max_width=48)
+    for r in rep["pareto_k"]:
+        t.add_row(str(r["k"]), f"{r['efficiency']:.4f}", f"{r['equal_mass_efficiency']:.4f}",
+                  f"{r['microbatches']:,.0f}", f"{r['repeat_pair']:.5f}", f"{r['spread']:.3f}",
+                  ", ".join(map(str, r["boundaries"])))
+    con.print(t)
+
+    t = Table(title=f"Pareto over the local sort window, K={rep['k']} optimal (simulated)")
+    for c in ("window", "efficiency", "fill", "micro-batches", "repeat-pair", "spread"):
+        t.add_column(c, justify="right")
+    for r in rep["pareto_window"]:
+        t.add_row(str(r["window"]), f"{r['efficiency']:.4f}", f"{r['fill']:.4f}", f"{r['microbatches']:,.0f}",
+                  f"{r['repeat_pair']:.5f}", f"{r['spread']:.3f}")
+    con.print(t)
+
+    p = rep["predicted"]
+    con.print(f"K={rep['k']} boundaries {rep['boundaries']}; window {p['window']}: predicted efficiency "
+              f"{p['efficiency']:.4f} ({p['how']}); window 0: {p['window0']['efficiency']:.4f} (model)")
+    con.print(f"plan: {rep['plan']}")
+    con.print(f"report: {rep['report']}")
+    if rep.get("png"):
+        con.print(f"plot: {rep['png']}")
