@@ -95,6 +95,36 @@ def tokenize_cmd(
 
 
 # --- analyze (dflash_prep.analyze) ---------------------------------------------------
+@command("analyze")
+def analyze_cmd(
+    data: Annotated[Optional[Path], typer.Argument(help="tokenized dataset folder (only lengths.npy is read)")] = None,
+    lengths: Annotated[Optional[Path], typer.Option("--lengths", help="what-if lengths: .npy or one integer per line")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="output folder (default: the dataset folder)")] = None,
+    budget: Annotated[float, typer.Option(help="token budget T per micro-batch (cost budget C with --budget-unit cost)")] = 65536,
+    budget_unit: Annotated[str, typer.Option(help="tokens | cost")] = "tokens",
+    model_dim: Annotated[Optional[int], typer.Option(help="d_model for alpha = 1/(12 d_model); needed by --budget-unit cost")] = None,
+    max_batch_size: Annotated[Optional[int], typer.Option(help="cap on samples per micro-batch")] = None,
+    buckets: Annotated[Optional[int], typer.Option(help="number of buckets K (default 6)")] = None,
+    target_efficiency: Annotated[Optional[float], typer.Option(help="pick the smallest K whose predicted efficiency reaches this")] = None,
+    seed: Annotated[int, typer.Option(help="shuffle seed recorded in the plan")] = 0,
+    window: Annotated[int, typer.Option(help="local sort window recorded in the plan; 0 disables")] = 2048,
+    epochs: Annotated[int, typer.Option(help="epochs simulated per strategy row (>= 3)")] = 3,
+    json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON instead of tables")] = False,
+    plot: Annotated[bool, typer.Option(help="write analyze.png")] = True,
+):
+    """Search exact optimal bucket boundaries, compare strategies, and write plan.json."""
+    from .analyze import AnalyzeConfig, run
+    from .report import render, to_json
+
+    cfg = AnalyzeConfig(data=data, lengths_file=lengths, out=out, budget=budget, budget_unit=budget_unit,
+                        model_dim=model_dim, max_batch_size=max_batch_size, buckets=buckets,
+                        target_efficiency=target_efficiency, seed=seed, window=window, epochs=epochs, plot=plot)
+    rep = run(cfg)
+    if json_out:
+        typer.echo(to_json(rep))
+    else:
+        render(rep)
+
 
 
 # --- pack / inspect / verify (dflash_prep.pack, dflash_prep.manifest) ----------------
