@@ -114,7 +114,9 @@ _STATE: dict = {}
 def _init_worker(state: dict | None) -> None:
     if state is not None:  # spawn start method: nothing inherited
         _STATE.update(state)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # processes already parallelize
+    # Processes are the parallelism here; a rayon pool inherited through fork is also a
+    # known deadlock when the parent has used it (e.g. TOKENIZERS_PARALLELISM=true).
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if "tok" not in _STATE:
         _STATE["tok"] = load_tokenizer(_STATE["tokenizer"])
 

@@ -328,20 +328,13 @@ def _compiled(tokenizer: HFTokenizer):
         return fn
     kwargs = {k: v for k, v in tokenizer.special_map.items() if v is not None}
     try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        template = _compile_jinja_template(tokenizer.chat_template)
-    except ImportError:
-        import jinja2.sandbox
-
-        def _raise(msg):
-            raise jinja2.exceptions.TemplateError(msg)
-
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        template = env.from_string(tokenizer.chat_template)
-    except Exception as e:
-        raise InputError(f"{tokenizer.info.name}: its chat template does not compile ({e}); fix tokenizer_config.json") from e
+        template = _compile(tokenizer.chat_template)
+    except ImportError as e:
+        raise ConfigError(f"{tokenizer.info.name} has a chat template, which needs jinja2: "
+                          "pip install 'dflash-prep[chat]'") from e
+    except Exception as e:  # jinja2's TemplateSyntaxError and friends
+        raise InputError(f"{tokenizer.info.name}: its chat template does not compile ({e}); "
+                         "fix tokenizer_config.json or chat_template.jinja") from e
 
     def fn(messages):
         try:
@@ -351,3 +344,19 @@ def _compiled(tokenizer: HFTokenizer):
 
     tokenizer._render_fn = fn
     return fn
+
+
+def _compile(source: str):
+    """transformers' own compiler when installed ({% generation %}, raise_exception), else jinja2's sandbox."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        import jinja2.sandbox
+
+        def _raise(msg):
+            raise jinja2.exceptions.TemplateError(msg)
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        return env.from_string(source)
+    return _compile_jinja_template(source)
