@@ -173,7 +173,7 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
     if n_split:                        # split micro-batches keep their bucket
         bucket = bucket[np.searchsorted(offsets, split[:-1], side="right") - 1]
         offsets = split
-    edges = metrics.class_edges(lens) if edges is None else edges
+    edges = packing.class_edges(lens) if edges is None else edges
     real, mx, sq, class_tok = packing.microbatch_stats(olens, offsets, edges)
     count = np.diff(offsets)
     classes = schedule.microbatch_classes(real, sq, edges)
@@ -315,7 +315,7 @@ def pack_epochs(*, plan: Plan | str | Path, epochs, out: str | Path, world_size:
     src = resolve_lengths(plan, data=data, lengths=lengths)
     lens = np.asarray(src.lengths)
     out = Path(out)
-    edges = metrics.class_edges(lens)
+    edges = packing.class_edges(lens)
     written, prev = [], None
     for e in sorted(set(epochs)):
         path = manifest.epoch_dir(out, e)

@@ -112,3 +112,10 @@ def test_padded_epoch_matches_plain_reference(window, alpha, mbs):
         ref_bucket += [k] * (len(off) - 1)
     assert np.array_equal(order, np.concatenate(ref_order))
     assert np.array_equal(offsets, np.asarray(ref_off)) and np.array_equal(bucket, ref_bucket)
+
+
+@pytest.mark.parametrize("profile", ["seedlike", "bimodal", "heavytail", "uniform"])
+def test_class_edges_histogram_equals_metrics(profile):
+    lens = profiles.make_lengths(profile, n=20_000, seed=2)
+    assert np.array_equal(packing.class_edges(lens), metrics.class_edges(lens))
+    assert np.array_equal(packing.class_edges(lens[:7]), metrics.class_edges(lens[:7]))
