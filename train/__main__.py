@@ -1,0 +1,77 @@
+"""``python -m train``: parse options, build a :class:`TrainConfig`, call :func:`train.loop.train`.
+
+Launch one process per GPU with torchrun (``make train`` does)::
+
+    torchrun --nproc_per_node 8 -m train --data D --plan P --manifests M --model 100m
+    # multi-node: the same on every node, plus torchrun's rendezvous flags, e.g.
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \\
+        --rdzv_id RUN -m train ...
+
+Options override a TOML ``--config`` file, which overrides the defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dflash_prep.errors import DflashError
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+
+@app.command()
+def main(
+    config: Annotated[Optional[Path], typer.Option(help="TOML file of TrainConfig fields ([model] table for the model)")] = None,
+    data: Annotated[Optional[str], typer.Option(help="tokenized dataset folder")] = None,
+    plan: Annotated[Optional[str], typer.Option(help="plan.json from `dflash-prep analyze`")] = None,
+    manifests: Annotated[Optional[str], typer.Option(help="manifest root (epoch-000N folders)")] = None,
+    out: Annotated[Optional[str], typer.Option(help="run folder: checkpoint.pt, log.jsonl, summary.json")] = None,
+    model: Annotated[Optional[str], typer.Option(help="model preset: tiny or 100m")] = None,
+    epochs: Annotated[Optional[int], typer.Option(help="epochs to train")] = None,
+    max_steps: Annotated[Optional[int], typer.Option(help="stop after this many optimizer steps (0 = all)")] = None,
+    pack_missing: Annotated[Optional[bool], typer.Option(help="pack a missing epoch on the fly")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="peak learning rate")] = None,
+    warmup_steps: Annotated[Optional[int], typer.Option(help="linear warmup steps")] = None,
+    grad_clip: Annotated[Optional[float], typer.Option(help="global grad-norm clip (0 = off)")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="model init seed")] = None,
+    attn: Annotated[Optional[str], typer.Option(help="attention: auto, reference, triton (CPU: interpreter)")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda")] = None,
+    bf16: Annotated[Optional[bool], typer.Option(help="bf16 autocast on CUDA")] = None,
+    prefetch: Annotated[Optional[int], typer.Option(help="steps the FIFO prefetch thread builds ahead")] = None,
+    ckpt_every: Annotated[Optional[int], typer.Option(help="checkpoint every N steps (0 = at the end)")] = None,
+    resume: Annotated[Optional[bool], typer.Option(help="resume from OUT/checkpoint.pt when present")] = None,
+    from_scratch: Annotated[Optional[bool], typer.Option("--from-scratch", help="ignore an existing checkpoint: new run on the current plan")] = None,
+    progress: Annotated[Optional[bool], typer.Option(help="progress bar on rank 0")] = None,
+    wandb: Annotated[Optional[str], typer.Option(help="Weights & Biases project (needs wandb installed)")] = None,
+):
+    """Train the small decoder on the manifests, exactly in manifest order."""
+    from . import config as config_mod
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = config_mod.build(config, data=data, plan=plan, manifests=manifests, out=out, model=model, epochs=epochs,
+                               max_steps=max_steps, pack_missing=pack_missing, lr=lr, warmup_steps=warmup_steps,
+                               grad_clip=grad_clip, seed=seed, attn=attn, device=device, bf16=bf16,
+                               prefetch=prefetch, ckpt_every=ckpt_every, resume=resume, from_scratch=from_scratch,
+                               progress=progress, wandb=wandb)
+        from .loop import train
+
+        s = train(cfg)
+    except DflashError as e:
+        typer.secho(f"error (rank {rank}): {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+    if rank == 0:
+        typer.echo(f"done: {s['steps']} steps (global {s['global_step']}), loss {s['loss_first']:.4f} -> "
+                   f"{s['loss_last']:.4f} ({'fell' if s['loss_fell'] else 'did NOT fall'}), "
+                   f"{s['tokens_per_s']:,.0f} real tok/s, efficiency {s['efficiency']:.3f}, "
+                   f"data wait {100 * s['data_wait_share']:.1f}%, summary in {Path(cfg.out) / 'summary.json'}"
+                   if s["steps"] else f"nothing to do: the run is already at epoch {s['cursor']['epoch']} "
+                   f"(global step {s['global_step']}); raise --epochs/--max-steps or pass --from-scratch")
+
+
+if __name__ == "__main__":
+    app()
