@@ -18,6 +18,10 @@ document boundary. Padded query rows (position >= length) output zeros and get z
 gradients, never NaN. GQA: Hq must be a multiple of Hkv. Triton supports D in {32, 64, 128}
 and float16/bfloat16/float32 with fp32 accumulation.
 
+Under ``torch.autocast`` the inputs are first cast to the autocast dtype, as torch SDPA
+does (so fp32 q/k after RoPE and a bf16 v are fine there); outside autocast q, k and v
+must share one dtype.
+
 The Triton module is imported only when the Triton path first runs, so importing this
 package does not compile anything, and CPU-only users never import triton.
 """
@@ -33,6 +37,15 @@ from .reference import attention_padded_reference, attention_varlen_reference
 __all__ = ["attention_varlen", "attention_padded", "force_backend"]
 
 
+def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Cast floating q, k, v to the autocast dtype when autocast is on for their device."""
+    dev = q.device.type
+    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        return tuple(t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
+    return q, k, v
+
+
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                      max_seqlen: int, causal: bool = True, scale: float | None = None) -> torch.Tensor:
     """Attention over documents packed back to back. q [T,Hq,D], k/v [T,Hkv,D] -> o [T,Hq,D].
@@ -41,6 +54,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     documents are allowed). ``max_seqlen`` bounds every document's length; it sizes the
     kernel grid, so pass the true maximum. ``scale`` defaults to 1/sqrt(D).
     """
+    q, k, v = _autocast(q, k, v)
     if resolve_backend(q.device) == "reference":
         return attention_varlen_reference(q, k, v, cu_seqlens, max_seqlen, causal, scale)
     from . import flash  # lazy: compiles/imports triton only on first use
@@ -57,6 +71,7 @@ def attention_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     the length are never attended and query rows past it output 0 with 0 gradient.
     No FLOPs are spent on tiles that lie entirely in the padding.
     """
+    q, k, v = _autocast(q, k, v)
     if resolve_backend(q.device) == "reference":
         return attention_padded_reference(q, k, v, lengths, causal, scale)
     from . import flash

@@ -37,11 +37,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     if group > 1:  # GQA: (.., Hkv, L, D) -> (.., Hq, L, D)
         k = k.repeat_interleave(group, dim=-3)
         v = v.repeat_interleave(group, dim=-3)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (.., Hq, Lq, Lk)
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).to(dtype)
+    with torch.autocast(q.device.type, enabled=False):  # the precision chosen above, not autocast's
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (.., Hq, Lq, Lk)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        return torch.matmul(probs, v).to(dtype)
 
 
 def attention_varlen_reference(q, k, v, cu_seqlens, max_seqlen, causal: bool = True,

@@ -124,3 +124,14 @@ def test_bad_shapes_and_types():
         attention_padded(qp, kp, vp, torch.tensor([4], dtype=torch.int32))
     with pytest.raises(ConfigError, match="shape \\[B\\]"):
         attention_padded(qp, kp, vp, torch.tensor([3, 3], dtype=torch.int32))
+
+
+def test_autocast_casts_inputs_like_sdpa():
+    q, k, v, _, cu, max_len = make_varlen([5, 3], 2, 1, 16, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = attention_varlen(q, k, v.to(torch.bfloat16), cu, max_len)  # mixed dtypes are fine here
+    assert o.dtype == torch.bfloat16
+    want = attention_varlen_reference(*(t.to(torch.bfloat16) for t in (q, k, v)), cu, max_len)
+    torch.testing.assert_close(o, want)
+    with pytest.raises(ConfigError, match="dtypes differ"):  # outside autocast they are not
+        attention_varlen(q, k, v.to(torch.bfloat16), cu, max_len)
