@@ -63,6 +63,17 @@ def _json_default(o: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- writing
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+def _publish_mode(path: Path, *, is_dir: bool) -> None:
+    """mkstemp/mkdtemp create 0600/0700; give the final file the mode a plain open() would."""
+    os.chmod(path, (0o777 if is_dir else 0o666) & ~_umask())
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -72,6 +83,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        _publish_mode(Path(tmp), is_dir=False)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -94,6 +106,7 @@ def atomic_save_npy(path: str | os.PathLike, arr: np.ndarray) -> None:
             np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
             f.flush()
             os.fsync(f.fileno())
+        _publish_mode(Path(tmp), is_dir=False)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -114,6 +127,7 @@ def atomic_dir(final: str | os.PathLike, *, overwrite: bool = False) -> Iterator
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         yield tmp
+        _publish_mode(tmp, is_dir=True)
         if final.exists():
             if not overwrite:
                 raise FormatError(f"{final} already exists; pass --overwrite to replace it")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 
 import numpy as np
 import pytest
@@ -43,6 +44,11 @@ def test_atomic_dir_leaves_nothing_on_failure(tmp_path):
         (d / "b").write_text("2")
     assert sorted(f.name for f in final.iterdir()) == ["b"]
     assert [f.name for f in tmp_path.iterdir()] == ["out"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert final.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
+    fileio.atomic_write_bytes(tmp_path / "f", b"x")
+    assert (tmp_path / "f").stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_truncated_npy_is_a_format_error(tmp_path):
