@@ -1,13 +1,17 @@
-"""Trainer tests: make ``train_fakes`` importable (also in spawned workers) and keep CPU use small.
+"""Trainer tests: make ``train_fakes`` importable (also in spawned workers), keep CPU use small.
 
 The fakes live beside the tests rather than in a package, so this folder goes on
 ``sys.path`` (spawned processes inherit ``sys.path`` from the parent).
 """
 
+import os
 import sys
 from pathlib import Path
 
 import torch
+
+# --attn triton on CPU runs Triton's interpreter, which must be chosen before triton is imported
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 HERE = str(Path(__file__).parent)
 if HERE not in sys.path:
