@@ -86,27 +86,25 @@ class EpochResult:
 
 # ----------------------------------------------------------------------------- numba helpers
 @nb.njit(cache=True)
-def _gather(order, olens, offsets, perm, out_ids, out_lens, out_start):
-    # Copy micro-batch perm[j] of (order, offsets) to position j of the manifest arrays.
+def _compact(order, olens, offsets, keep, new_start):
+    # Drop the micro-batches with keep[b] == 0 from order/olens in place (a stable, left-moving
+    # copy); new_start[b] = where kept micro-batch b now starts. Returns the samples kept.
     p = 0
-    for j in range(perm.shape[0]):
-        b = perm[j]
-        out_start[j] = p
-        for i in range(offsets[b], offsets[b + 1]):
-            out_ids[p] = order[i]
-            out_lens[p] = olens[i]
-            p += 1
+    for b in range(offsets.shape[0] - 1):
+        new_start[b] = p if keep[b] else -1
+        if keep[b]:
+            for i in range(offsets[b], offsets[b + 1]):
+                order[p] = order[i]
+                olens[p] = olens[i]
+                p += 1
+    return p
 
 
 @nb.njit(cache=True)
-def _cu_seqlens(sample_lens, start, count, out):
+def _batch_of(ids, start, count, out):
     for m in range(start.shape[0]):
-        base = start[m] + m
-        acc = np.int64(0)
-        out[base] = 0
-        for i in range(count[m]):
-            acc += sample_lens[start[m] + i]
-            out[base + i + 1] = acc
+        for i in range(start[m], start[m] + count[m]):
+            out[ids[i]] = m
 
 
 @nb.njit(cache=True)
@@ -140,7 +138,8 @@ def repeat_pair_rate(prev_table: np.ndarray, prev_ids: np.ndarray, cur_table: np
     """:func:`metrics.repeat_pair_rate` over two manifests' tables, in O(N) memory of int32."""
     c = manifest.COL
     batch_of = np.full(num_samples, -1, np.int64 if len(cur_table) >= 2**31 else np.int32)
-    batch_of[cur_ids] = np.repeat(np.arange(len(cur_table), dtype=batch_of.dtype), cur_table[:, c["count"]])
+    _batch_of(np.asarray(cur_ids), np.ascontiguousarray(cur_table[:, c["start"]]),
+              np.ascontiguousarray(cur_table[:, c["count"]]), batch_of)
     total, again = _repeat_pairs(np.asarray(prev_ids), np.ascontiguousarray(prev_table[:, c["start"]]),
                                  np.ascontiguousarray(prev_table[:, c["count"]]), batch_of)
     return float(again) / total if total else 0.0
@@ -191,21 +190,23 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
         padded = real
     perm, step, rank, accum = schedule.assign_ranks(cost[sched], cfg.world_size, cfg.grad_accum)
     mb = sched[perm]                                        # manifest row -> packed micro-batch
-    n_used = int(count[mb].sum())
-    ids = np.empty(n_used, np.int64)
-    slens = np.empty(n_used, np.int32)
-    start = np.empty(len(mb), np.int64)
-    _gather(order, olens, offsets, mb, ids, slens, start)
-    del olens
-    table = np.stack([start, count[mb], step, rank, accum, bucket[mb], mx[mb], real[mb], padded[mb], sq[mb]], axis=1)
+    # sample_ids stay in packing order (no N-sized gather); rows point into it by start/count
     dropped = np.sort(np.concatenate([order[offsets[b]:offsets[b + 1]] for b in dropped_mb])
                       if len(dropped_mb) else np.empty(0, np.int64))
-    del order
-    arrays = {"microbatches": np.ascontiguousarray(table, np.int64), "sample_ids": ids, "sample_lens": slens,
-              "dropped_ids": dropped.astype(np.int64)}
+    if len(dropped_mb):
+        keep = np.ones(len(count), np.uint8)
+        keep[dropped_mb] = 0
+        new_start = np.empty(len(count), np.int64)
+        n_used = _compact(order, olens, offsets, keep, new_start)
+        start = new_start[mb]
+    else:
+        n_used, start = len(order), offsets[:-1][mb]
+    table = np.stack([start, count[mb], step, rank, accum, bucket[mb], mx[mb], real[mb], padded[mb], sq[mb]], axis=1)
+    arrays = {"microbatches": np.ascontiguousarray(table, np.int64), "sample_ids": order[:n_used],
+              "sample_lens": olens[:n_used], "dropped_ids": dropped.astype(np.int64)}
     if cfg.layout == "varlen":
-        cu = np.empty(n_used + len(mb), np.int64)
-        _cu_seqlens(slens, start, count[mb], cu)
+        cu = np.zeros(n_used + 1, np.int64)
+        np.cumsum(olens[:n_used], out=cu[1:])
         arrays["cu_seqlens"] = cu
     # step mix from the per-class token counts; rank imbalance from per-batch costs
     steps_tok = class_tok[mb].reshape(-1, cfg.step_size, class_tok.shape[1]).sum(1).astype(np.float64)
@@ -217,7 +218,7 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
         "fill": used_padded / (len(mb) * float(budget.value)) if len(mb) else 1.0,
         "microbatches": int(len(mb)),
         "steps": int(len(mb) // cfg.step_size),
-        "samples": n_used,
+        "samples": int(n_used),
         "real_tokens": used_real,
         "padded_tokens": used_padded,
         "step_mix": float((0.5 * np.abs(shares - 1.0 / k).sum(1)).mean()) if len(shares) else 0.0,
@@ -240,7 +241,7 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
         "grad_accum": cfg.grad_accum,
         "num_steps": summary["steps"],
         "num_microbatches": summary["microbatches"],
-        "num_samples_used": n_used,
+        "num_samples_used": int(n_used),
         "budget": dict(asdict(budget), packing_alpha=alpha_pack, cost_alpha=alpha_cost),
         "options": {"schedule": cfg.schedule, "window": int(window), "drop_last": cfg.drop_last,
                     "open_bins": cfg.open_bins, "boundaries": [int(b) for b in plan.boundaries], "seed": int(plan.seed)},

@@ -72,9 +72,11 @@ def check(tmp: Path, plan_path: Path, lens: np.ndarray, opts: dict, *, repeat_li
         assert np.all(seen == 1), "a sample is missing or repeated"
         assert (len(m.dropped_ids) > 0) <= bool(opts.get("drop_last")), "drops without --drop-last"
         assert m.summary["dropped_samples"] == len(m.dropped_ids)
-        offs = np.concatenate([[0], np.cumsum(t[:, c["count"]])])
+        order = np.concatenate([mb.sample_ids for r in range(m.world_size) for mb in m.microbatches(r)])
+        offs = np.concatenate([[0], np.cumsum([mb.sample_ids.size for r in range(m.world_size) for mb in m.microbatches(r)])])
+        assert np.array_equal(np.sort(order), np.sort(m.sample_ids))   # the rows cover sample_ids exactly
         varlen = m.layout == "varlen"
-        used = metrics.batch_cost(lens, m.sample_ids, offs, budget.packing_alpha, varlen=varlen)
+        used = metrics.batch_cost(lens, order, offs, budget.packing_alpha, varlen=varlen)
         assert used.max() <= budget.value, "budget exceeded"
         if budget.max_batch_size:
             assert t[:, c["count"]].max() <= budget.max_batch_size
