@@ -115,6 +115,15 @@ def write(path: str | Path, header: dict, arrays: dict[str, np.ndarray], *, over
     return path
 
 
+def rows_to_batches(table: np.ndarray, sample_ids: np.ndarray):
+    """``(order, offsets)`` in manifest row order, the batching :mod:`dflash_prep.metrics`
+    takes: ``order[offsets[m]:offsets[m+1]]`` is row ``m``'s sample ids. One N-sized gather."""
+    start, count = table[:, COL["start"]], table[:, COL["count"]]
+    offsets = np.concatenate([[0], np.cumsum(count)]).astype(np.int64)
+    idx = np.repeat(start - offsets[:-1], count) + np.arange(offsets[-1], dtype=np.int64)
+    return np.asarray(sample_ids)[idx], offsets
+
+
 class Manifest:
     """A memory-mapped epoch manifest (see the module docstring for the format)."""
 

@@ -61,6 +61,9 @@ def test_contract(packed):
         assert [b.index for b in resumed] == [b.index for b in mbs[6:]]
     assert sum(m.step_real_tokens(s) for s in range(m.num_steps)) == m.summary["real_tokens"]
     assert len(np.concatenate(seen)) + len(m.dropped_ids) == 3000
+    order, offsets = manifest.rows_to_batches(m.table, m.sample_ids)
+    rows = [m.microbatch(i).sample_ids for i in range(m.num_microbatches)]
+    assert np.array_equal(order, np.concatenate(rows)) and np.array_equal(np.diff(offsets), [len(r) for r in rows])
 
 
 def test_open_errors(packed, tmp_path):
