@@ -51,20 +51,21 @@ def pick(configs, fixed):
 
 out = []
 for d in dims:
-    common = dict(HEAD_DIM=d, CAUSAL=True, UPCAST=False, PRECISION="ieee" if dtype == "fp32" else "tf32")
     jobs = [(attn_bwd_preprocess_kernel, dict(HEAD_DIM=d, BLOCK_M=flash.PREPROCESS_BLOCK_M), 4, 2)]
-    for kernel, configs, name in ((attn_fwd_kernel, flash.FWD_CONFIGS, "fwd"),
-                                  (attn_bwd_dkdv_kernel, flash.DKDV_CONFIGS, "dkdv"),
-                                  (attn_bwd_dq_kernel, flash.DQ_CONFIGS, "dq")):
-        fixed = (*flash.FIXED_BLOCKS[name], flash.FIXED_WARPS[name], 3)
-        for bm, bn, w, s in pick(configs, fixed):
-            jobs.append((kernel, dict(common, BLOCK_M=bm, BLOCK_N=bn), w, s))
+    for causal in ((True, False) if every_config else (True,)):
+        common = dict(HEAD_DIM=d, CAUSAL=causal, UPCAST=False, PRECISION="ieee" if dtype == "fp32" else "tf32")
+        for kernel, configs, name in ((attn_fwd_kernel, flash.FWD_CONFIGS, "fwd"),
+                                      (attn_bwd_dkdv_kernel, flash.DKDV_CONFIGS, "dkdv"),
+                                      (attn_bwd_dq_kernel, flash.DQ_CONFIGS, "dq")):
+            fixed = (*flash.FIXED_BLOCKS[name], flash.FIXED_WARPS[name], 3)
+            for bm, bn, w, s in pick(configs, fixed):
+                jobs.append((kernel, dict(common, BLOCK_M=bm, BLOCK_N=bn), w, s))
     for kernel, consts, warps, stages in jobs:
         src = ASTSource(fn=kernel, signature=signature(kernel, consts),
                         constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()})
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
         out.append(dict(kernel=kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, d=d,
-                        consts={k: v for k, v in consts.items() if k.startswith("BLOCK")},
+                        consts={k: v for k, v in consts.items() if k.startswith("BLOCK") or k == "CAUSAL"},
                         shared=compiled.metadata.shared, ptx="ld.global" in compiled.asm["ptx"]))
 print(json.dumps(out))
 """
@@ -93,5 +94,5 @@ def test_default_configs_compile_for_sm90_bf16():
 
 
 @pytest.mark.slow
-def test_every_autotune_config_compiles_for_sm90_bf16():
+def test_every_autotune_config_compiles_for_sm90_bf16_causal_and_not():
     _check(_compile("bf16", "64,128", "all"))
