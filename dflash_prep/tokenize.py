@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -278,8 +278,8 @@ def tokenize(cfg: TokenizeConfig, *, progress: bool = False) -> dict:
         if not cfg.overwrite:
             if old.get("inputs_fingerprint") == key:
                 return {**old, "up_to_date": True, "path": str(out)}
-            raise ConfigError(f"{out} exists and was built from other inputs, tokenizer or options; "
-                              "pass --overwrite to replace it or choose another --out")
+            what = "was built from other inputs, tokenizer or options" if old else "is not a dflash-prep dataset"
+            raise ConfigError(f"{out} exists and {what}; pass --overwrite to replace it or choose another --out")
     sources, cleanup = rec.open_all(files, fmt=cfg.format, text_field=cfg.text_field, on_error=cfg.on_error)
     try:
         with atomic_dir(out, overwrite=cfg.overwrite) as tmp:

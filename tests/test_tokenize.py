@@ -225,3 +225,22 @@ def test_up_to_date_then_overwrite(tmp_path):
     assert not redo["up_to_date"] and redo["counts"]["truncated"] == 3
     assert open_dataset(tmp_path / "out").lengths.max() == 50
     assert_no_leftovers(tmp_path, keep=("out",))
+
+
+# ----------------------------------------------------------------------------- CLI
+def test_cli_synth_tokenize_up_to_date_and_clean_errors(tmp_path):
+    from typer.testing import CliRunner
+
+    from dflash_prep.cli import app
+
+    r = CliRunner()
+    res = r.invoke(app, ["synth", "--out", str(tmp_path / "c"), "--n", "30", "--seed", "2"])
+    assert res.exit_code == 0, res.output
+    args = ["tokenize", str(tmp_path / "c"), "--out", str(tmp_path / "d"), "--max-len", "1000"]
+    res = r.invoke(app, args)
+    assert res.exit_code == 0 and "truncated" in res.output, res.output
+    assert "up to date" in r.invoke(app, args).output
+    bad = write_jsonl(tmp_path / "bad.jsonl", [GOOD, "{nope"])
+    res = r.invoke(app, ["tokenize", str(bad), "--out", str(tmp_path / "e")])
+    assert res.exit_code == 1 and "bad.jsonl:2: malformed JSON" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "e").exists()
