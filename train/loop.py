@@ -160,6 +160,14 @@ def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = 
     ``manifests``; tests pass any object with the same members.
     """
     d = dist_ctx or distributed.setup(cfg.device)
+    try:
+        return _train(cfg, source, d)
+    finally:
+        if dist_ctx is None:
+            distributed.teardown(d)
+
+
+def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
     if cfg.attn == "triton" and d.device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels first imports triton
     _set_determinism(d.device)
@@ -198,6 +206,8 @@ def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = 
         ckpt.set_rng_state(rngs[d.rank])
         epoch, step, gstep = (int(state["cursor"][k]) for k in ("epoch", "step", "global_step"))
         resumed = True
+        if d.is_main:
+            print(f"resuming {ckpt_path} at epoch {epoch} step {step} (global step {gstep})", flush=True)
 
     pad_id = int(tokenizer_field(ds, "pad_id", 0))
     header = {"config": asdict(cfg), "model": asdict(mcfg), "params": model.num_parameters(),

@@ -1,0 +1,15 @@
+"""A thin trainer that proves the pipeline: shards + manifests in, real tokens/s out.
+
+Data flow, one module per step::
+
+    source.py   dataset (mmap'd Arrow shards), plan.json, manifest.open(epoch)   [pack on the fly if missing]
+      -> data.py      this rank's micro-batches in manifest order -> tensors (labels shifted per sample)
+                      -> Prefetcher: one background thread, bounded FIFO queue
+      -> loop.py      per step: all-reduce target count, backward(sum / N), all-reduce grads, AdamW
+                      -> log.jsonl, progress bar, summary.json; checkpoint.py (atomic, run-key guarded)
+      -> model.py     Llama-style decoder; attention from kernels/ (Triton on CUDA, reference on CPU)
+
+``python -m train`` is the entry point (``make train`` runs it under torchrun);
+``python -m train.bench`` measures tokens/s per batching strategy. Importing ``dflash_prep``
+never imports this package, so the ``dflash-prep`` CLI stays free of torch.
+"""
