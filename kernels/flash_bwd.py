@@ -26,12 +26,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .flash_fwd import rounded
+from .flash_fwd import jit_counts, rounded
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit
+@jit_counts
 def attn_bwd_preprocess_kernel(
     O, DO, DELTA, STARTS, LENS,
     sob, soh, sot, sdb, sdh, sdt, slb, slh, slt,
@@ -86,7 +86,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqt, sdt, s
     return dk, dv
 
 
-@triton.jit
+@jit_counts
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA, STARTS, LENS,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
@@ -172,7 +172,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skt, svt, offs_m, offs_d, 
     return dq
 
 
-@triton.jit
+@jit_counts
 def attn_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, STARTS, LENS,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sdqb, sdqh, sdqt, slb, slh, slt,

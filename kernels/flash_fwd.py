@@ -82,7 +82,17 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, o
     return acc, l_i, m_i
 
 
-@triton.jit
+_COUNTS = ("num_seqs", "num_heads", "num_kv_heads", "max_seqlen", "group", "SEQLEN_KEY")
+
+
+def jit_counts(fn):
+    """``triton.jit`` that does not specialize the count arguments (a B=1 batch or an odd
+    max_seqlen would otherwise compile new variants); strides still are, for vector loads."""
+    names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
+    return triton.jit(fn, do_not_specialize=[a for a in _COUNTS if a in names])
+
+
+@jit_counts
 def attn_fwd_kernel(
     Q, K, V, O, LSE, STARTS, LENS,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, slb, slh, slt,
