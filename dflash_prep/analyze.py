@@ -32,7 +32,7 @@ from . import metrics
 from . import plan as plan_mod
 from .errors import ConfigError
 from .lengths import LengthSource, load
-from .optimize import Histogram, Model, PackModel, SearchResult, histogram
+from .optimize import Histogram, Model, PackModel, histogram
 from .packing import greedy_offsets, pack_padded_epoch
 
 WINDOWS = (0, 1024, 2048, 4096)   # local sort windows the Pareto table simulates
@@ -240,31 +240,39 @@ def length_stats(hist: Histogram) -> dict:
             "pile_at_max": {"length": hist.max_len, "count": pile, "share": pile / n}}
 
 
-def choose_k(cfg: AnalyzeConfig, result: SearchResult) -> int:
+def choose_k(cfg: AnalyzeConfig, model: Model, boundaries: list) -> int:
+    """K from --buckets, or the smallest K whose predicted efficiency reaches --target-efficiency."""
+    kmax = len(boundaries)
     if cfg.target_efficiency is None:
-        return min(cfg.buckets or 6, len(result.boundaries))
-    k = result.smallest_k_reaching(cfg.target_efficiency)
-    if k is None:
-        best = result.efficiency(len(result.boundaries))
-        raise ConfigError(f"no K <= {len(result.boundaries)} reaches a predicted efficiency of "
-                          f"{cfg.target_efficiency:.3f} (best {best:.4f} at K = {len(result.boundaries)}); "
-                          "lower --target-efficiency, raise --budget, or use --window to sort inside buckets")
-    return k
+        return min(cfg.buckets or 6, kmax)
+    best = 0.0
+    for k in range(1, kmax + 1):
+        best = model.predict(boundaries[k - 1])["efficiency"]
+        if best >= cfg.target_efficiency:
+            return k
+    raise ConfigError(f"no K <= {kmax} reaches a predicted efficiency of {cfg.target_efficiency:.3f} "
+                      f"(best {best:.4f} at K = {kmax}); lower --target-efficiency, raise --budget, "
+                      "or keep the local sort window (--window) that pack applies")
 
 
 def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
     """Analyze, write ``plan.json`` (+ report JSON and PNG) and return the report dict."""
     from . import report  # matplotlib / rich stay out of library imports that do not report
 
+    clock = _Clock()
     src = source or load(data=cfg.data, lengths_file=cfg.lengths_file)
     lengths = src.lengths
     b = cfg.budget_spec
     hist = histogram(lengths)
     model = Model(hist, PackModel(b.value, b.packing_alpha, b.max_batch_size))  # checks the budget fits
+    clock("load + histogram")
     k_search = max(MAX_K, cfg.buckets or 0)
     result = model.search(k_search)
-    k = choose_k(cfg, result)
-    bounds = result.boundaries[k - 1]
+    clock("search")
+    refined = [model.refine(bd) for bd in result.boundaries]  # the renewal chain has the last word
+    clock("refine")
+    k = choose_k(cfg, model, refined)
+    bounds = refined[k - 1]
 
     strategies = [sorted_static(lengths, b)]
     strategies[0]["name"] = "sorted-static"
@@ -277,6 +285,7 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
                            "efficiency_sim": sim.efficiency, "fill": sim.fill, "microbatches": sim.microbatches,
                            "repeat_pair": sim.repeat_pair, "spread": sim.spread, "how": f"model + {cfg.epochs} epochs"})
 
+    clock("strategies")
     windows = sorted(set(WINDOWS) | {cfg.window})
     pareto_w = []
     for w in windows:
@@ -296,9 +305,10 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
                                "microbatches": sim.microbatches, "repeat_pair": sim.repeat_pair,
                                "spread": sim.spread, "how": f"{cfg.epochs} epochs (simulated)"})
 
+    clock("pareto windows")
     pareto_k = []
-    for kk in range(1, len(result.boundaries) + 1):
-        bd = result.boundaries[kk - 1]
+    for kk in range(1, len(refined) + 1):
+        bd = refined[kk - 1]
         pred = model.predict(bd)
         rp, sp = analytic_diversity(model, bd)
         pareto_k.append({"k": kk, "boundaries": list(bd), "efficiency": pred["efficiency"], "fill": pred["fill"],
@@ -306,6 +316,7 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
                          "equal_mass_efficiency": model.predict(equal_mass_boundaries(hist, kk))["efficiency"],
                          "how": "model + analytic"})
 
+    clock("pareto K")
     pred0 = model.predict(bounds)
     w0 = {"efficiency": pred0["efficiency"], "fill": pred0["fill"], "microbatches": pred0["microbatches"],
           "window": 0, "how": "model"}
@@ -333,6 +344,24 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
            "strategies": strategies, "pareto_k": pareto_k, "pareto_window": [
                {kk: vv for kk, vv in r.items() if kk != "per_bucket_microbatches"} for r in pareto_w],
            "predicted": predicted, "plan": str(plan_path), "fingerprint": plan_mod.load(plan_path).fingerprint}
-    rep["report"] = str(report.write_json(rep, out))
     rep["png"] = str(report.plot(hist, rep, out)) if cfg.plot else None
+    clock("plan + plot")
+    rep["seconds"] = clock.laps
+    rep["report"] = str(report.write_json(rep, out))
     return rep
+
+
+class _Clock:
+    """Wall-clock laps of the stage's phases (reported, so the benchmark can break them down)."""
+
+    def __init__(self):
+        import time
+
+        self._now = time.perf_counter
+        self._t = self._now()
+        self.laps: dict[str, float] = {}
+
+    def __call__(self, name: str) -> None:
+        t = self._now()
+        self.laps[name] = t - self._t
+        self._t = t

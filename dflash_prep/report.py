@@ -40,7 +40,13 @@ def plot(hist, rep: dict, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
-    ax1.bar(hist.values, hist.counts, width=1.0, color="#4c72b0", linewidth=0)
+    import numpy as np
+
+    # one step per length (zeros included): a single path; bars would draw thousands of patches
+    lo, hi = int(hist.values[0]), int(hist.values[-1])
+    dense = np.zeros(hi - lo + 1)
+    dense[hist.values - lo] = hist.counts
+    ax1.stairs(dense, np.arange(lo, hi + 2, dtype=np.float64), fill=True, color="#4c72b0", baseline=0.5)
     for b in rep["boundaries"]:
         ax1.axvline(b, color="#c44e52", lw=1)
     ax1.set_yscale("log")
