@@ -69,6 +69,17 @@ def test_varlen_non_causal_fp32_gqa():
     _check_varlen([5, 0, 33], 4, 1, 32, torch.float32, causal=False)
 
 
+@pytest.mark.parametrize("blocks", [
+    {"fwd": (16, 16), "dkdv": (16, 16), "dq": (16, 16)},  # square tiles: diagonal band = one tile
+    {"fwd": (64, 32), "dkdv": (32, 64), "dq": (64, 32)},  # a tile wider than most documents
+])
+def test_other_tile_shapes(monkeypatch, blocks):
+    from kernels import flash
+
+    monkeypatch.setattr(flash, "INTERPRET_BLOCKS", blocks)
+    _check_varlen([17, 0, 1, 40], 4, 1, 32, torch.float32)
+
+
 def test_bitwise_deterministic_across_runs():
     q, k, v, do, cu, max_len = make_varlen([40, 1, 23], 4, 2, 32, torch.bfloat16, seed=3)
     with force_backend("triton"):
