@@ -1,0 +1,61 @@
+"""The trainer on real pipeline outputs: synth -> tokenize -> plan -> (pack on the fly) -> train."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_prep import lengths as lengths_mod
+from dflash_prep import plan as plan_mod
+from dflash_prep.errors import ConfigError, FingerprintMismatch
+from dflash_prep.synth import SynthConfig, synth
+from dflash_prep.tokenize import TokenizeConfig, tokenize
+from train.config import TrainConfig
+from train.loop import train
+from train.source import FileSource
+
+SMALL = dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipe")
+    synth(SynthConfig(out=root / "corpus", n=40, seed=0))
+    tokenize(TokenizeConfig(inputs=(str(root / "corpus" / "chat.jsonl"),), out=root / "data", max_len=128))
+    src = lengths_mod.load(data=root / "data")
+    plan_mod.save(plan_mod.Plan(data=src.describe(), boundaries=(64,), budget=plan_mod.Budget(value=512), seed=0),
+                  root / "plan")
+    return root
+
+
+def _cfg(root, **kw):
+    return TrainConfig(data=str(root / "data"), plan=str(root / "plan" / "plan.json"), manifests=str(root / "man"),
+                       out=str(root / "run"), model_overrides=SMALL, progress=False, device="cpu", **kw)
+
+
+def test_missing_manifest_is_an_error_naming_the_command(pipeline):
+    with pytest.raises(ConfigError, match=r"dflash-prep pack --plan .* --epoch 0 --world-size 1"):
+        train(_cfg(pipeline, pack_missing=False, max_steps=1))
+
+
+def test_missing_epochs_are_packed_on_the_fly_and_trained_in_manifest_order(pipeline):
+    from dflash_prep import manifest
+
+    s = train(_cfg(pipeline, epochs=2, max_steps=0))
+    for e in (0, 1):
+        assert (manifest.epoch_dir(pipeline / "man", e) / manifest.MANIFEST_FILE).is_file()
+    m0, m1 = (manifest.open(manifest.epoch_dir(pipeline / "man", e)) for e in (0, 1))
+    assert s["global_step"] == m0.num_steps + m1.num_steps
+    assert s["real_tokens"] == int(m0.table[:, 7].sum() + m1.table[:, 7].sum())  # every listed token, once
+    recs = [json.loads(x) for x in (pipeline / "run" / "log.jsonl").read_text().splitlines()[1:]]
+    assert [(r["epoch"], r["step"]) for r in recs] == \
+        [(0, i) for i in range(m0.num_steps)] + [(1, i) for i in range(m1.num_steps)]
+    assert [r["real_tokens"] for r in recs[:m0.num_steps]] == [m0.step_real_tokens(i) for i in range(m0.num_steps)]
+
+
+def test_plan_for_other_data_is_refused(pipeline, tmp_path):
+    other = lengths_mod.LengthSource(lengths_mod.load(data=pipeline / "data").lengths, "lengths", "x", "f" * 32)
+    plan_mod.save(plan_mod.Plan(data=other.describe(), boundaries=(64,), budget=plan_mod.Budget(value=512)), tmp_path)
+    with pytest.raises(FingerprintMismatch, match="analyze"):
+        FileSource(pipeline / "data", tmp_path / "plan.json", tmp_path / "man")
