@@ -28,11 +28,11 @@ import torch
 import triton
 from triton import knobs
 
+from dflash_prep.errors import ConfigError
+
 from .flash_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .flash_fwd import LOG2E, attn_fwd_kernel
 from .inputs import Problem
-
-from dflash_prep.errors import ConfigError
 
 HEAD_DIMS = (32, 64, 128)
 INTERPRETED = bool(knobs.runtime.interpret)  # fixed when the @triton.jit kernels were defined
