@@ -1,36 +1,38 @@
-"""Exact optimal bucket boundaries: a numba DP over the distinct lengths of a histogram.
+"""Optimal bucket boundaries: a numba DP over the distinct lengths of a length histogram.
 
 Objective. For boundaries ``b_1 < ... < b_{K-1}`` (bucket k holds ``[b_{k-1}, b_k)``), the
 expected padded tokens of one epoch of :func:`dflash_prep.packing.pack_padded_epoch`
-(window 0): each bucket shuffled, then packed greedily while ``n * cost(max) <= budget``.
-Real tokens are fixed, so minimising padded tokens maximises padding efficiency.
+(window 0): each bucket shuffled, then packed greedily while ``n * cost(max) <= budget``
+(``cost(L) = L + alpha*L^2``; ``alpha = 0`` for a token budget). Real tokens are fixed, so
+minimising padded tokens maximises padding efficiency.
 
-Per-bucket model (what the DP evaluates for every candidate bucket). A micro-batch holds
-``n`` consecutive samples of a shuffled bucket, so every sample is padded to the max of ~n
-i.i.d. draws from the bucket. Bucket padded tokens = ``N_b * E[max]`` with
+Two models of one bucket's packing, both from the histogram alone (cost independent of N):
 
-    E[max] = U - sum_{t in bucket, v_t < U} (v_{t+1} - v_t) * P(max <= v_t),
-    P(max <= v_t) ~= exp(-n * tail_t / N_b)        (tail_t = samples above v_t in the bucket)
-    n = budget / cost(E[max]) - 1/2                 (greedy closes at floor(budget/cost); the
-                                                     floor loses 1/2 on average)
+- The search's O(1) model (:func:`_mean_max`). Every sample is padded to the max of ~n
+  i.i.d. draws from its bucket, ``E[max] = U - sum_t (v_{t+1} - v_t) exp(-n tail_t / N_b)``
+  (tail_t: samples above v_t in the bucket), with ``n = budget / cost(E[max]) - 1/2``
+  solved as a fixed point (two evaluations and a secant step). The sum is O(1):
+  ``S_j(a) = sum_{t<j} g_t exp(-a (Q_j - Q_t))`` obeys ``S_{j+1}(a) = exp(-a c_{j+1})
+  (S_j(a) + g_j)`` and is tabulated once on a log-linear grid of ``a = n / N_b``; a bucket
+  starting at i subtracts ``exp(-a (Q_j - Q_i)) S_i(a)``. Good for narrow buckets holding
+  many samples per micro-batch; it misjudges wide buckets and micro-batches of a few
+  samples (``bench/analyze_accuracy.py``: 0.5-3.6 pp at T = 65536 for K <= 2, several pp
+  at T = 8192).
+- The renewal chain (:func:`dflash_prep.renewal.renewal`, :meth:`Model.bucket`): greedy packing of an i.i.d.
+  stream solved exactly over (samples so far, max so far) states, O(values x n_max) per
+  bucket. Measured against simulated ``pack_padded_epoch`` (3 epochs, K = 1..32, seedlike /
+  bimodal / heavytail, T = 65536 / 16384 / 8192): within 0.05 pp of efficiency. Every
+  prediction (``plan.predicted``, the tables) comes from it.
 
-solved as a fixed point (``cost(L) = L + alpha*L^2``, ``alpha = 0`` for a token budget;
-``n`` is capped by ``max_batch_size`` and a bucket of at most n samples is one batch padded
-to its top). The sum over the bucket is O(1): ``S_j(a) = sum_{t<j} g_t exp(-a (Q_j - Q_t))``
-obeys ``S_{j+1}(a) = exp(-a c_{j+1}) (S_j(a) + g_j)``, is tabulated once on a log grid of
-``a`` (256 points, linear interpolation), and a bucket starting at ``i`` subtracts
-``exp(-a (Q_j - Q_i)) S_i(a)``. Measured error of this model against simulated packing,
-``bench/analyze_accuracy.py``: within 0.3 pp of efficiency on seedlike, bimodal and
-heavytail at T = 65536 (it degrades when a micro-batch holds only a few samples: ~1-3 pp
-at T = 8192, where the prediction is best replaced by simulation).
-
-Search. Candidates are all distinct lengths, so the DP is exact for this model:
-``best[k][j] = min_i best[k-1][i-1] + cost(i, j)`` over buckets ``[v_i, v_j]``. Row ``j``
-of ``cost`` is computed once (warm-starting each fixed point from the neighbouring bucket)
-and reused by every k, so the work is O(D^2) model evaluations plus O(K D^2) additions for
-D distinct lengths, independent of the number of samples. One run for K gives the optimum
-for every k <= K. All counts and token sums are int64; padded tokens are float64 (exact to
-2^53, i.e. beyond 10^15 tokens).
+Search. Candidates are all D distinct lengths (no grid). ``best[k][j] = min_i best[k-1][i-1]
++ cost(i, j)`` over buckets ``[v_i, v_j]`` under the O(1) model; each layer is solved by
+divide and conquer on the monotone argmin (O(K D log D) evaluations; 7,476 distinct
+seedlike lengths: K = 6 in ~0.1 s of CPU). ``exhaustive=True`` runs the O(K D^2) DP; where
+near-ties break monotonicity the two differ by < 1e-6 of padded tokens (tests bound it).
+:meth:`Model.refine` then polishes the boundaries against the renewal chain wherever the
+two models disagree by more than 0.1 pp (pattern search per boundary, down to one
+distinct length). All counts and token sums are int64; padded tokens are float64 (exact
+integers to 2^53, beyond 10^15 tokens).
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ import numba as nb
 import numpy as np
 
 from .errors import ConfigError, InputError
+from .renewal import renewal
 
 _E_MAX = 6           # a = n / N_b >= 2**6 leaves every term below exp(-64): S(a) == 0
-MAX_DISTINCT = 32768  # O(D^2) search; beyond this lengths are coarsened (see histogram())
 
 
 @dataclass(frozen=True)
@@ -236,80 +238,6 @@ def _mean_max(i, j, values, P, ST, fbuf, ibuf, e0, budget, alpha, cap):
 
 
 @nb.njit(cache=True)
-def _renewal(vals, cnts, budget, alpha, cap, iters, tol):
-    """Greedy packing of an endless i.i.d. stream from one bucket, solved exactly.
-
-    State of the open micro-batch: (n samples, max value index t), distribution x_n[t].
-    The next sample u joins if ``(n+1) * cost(max(t, u)) <= budget`` (and n+1 <= cap);
-    otherwise the batch closes with n * v_t padded tokens and u opens the next one, so
-    the first-sample distribution pi of a batch is the stationary law of rejected
-    samples (power iteration from pi = p). Per layer n this is O(values) with prefix sums.
-    Returns (E[n * max], E[n], E[n * cost(max)]) per batch: padded tokens per sample is
-    the first over the second.
-    """
-    d = vals.shape[0]
-    tot = cnts.sum()
-    p = cnts / tot
-    F = np.cumsum(p)
-    cost = vals + alpha * vals * vals
-    pi = p.copy()
-    e_nm = 0.0
-    e_n = 1.0
-    e_nc = 0.0
-    for _ in range(iters):
-        x = pi.copy()
-        rej_all = 0.0            # rejected-sample mass spread over every u (as p[u])
-        rej_from = np.zeros(d + 1)  # mass spread over u >= index (difference array)
-        e_nm = 0.0
-        e_n = 0.0
-        e_nc = 0.0
-        top = d - 1  # highest index that can hold mass
-        n = 1
-        while top >= 0:
-            # lim: highest value index a batch of n+1 samples may have
-            lim = -1
-            if n + 1 <= cap:
-                lim = top
-                while lim >= 0 and (n + 1) * cost[lim] > budget:
-                    lim -= 1
-            a_hi = 0.0
-            a_lo = 0.0
-            cl_n = 0.0
-            cl_nm = 0.0
-            cl_nc = 0.0
-            for t in range(top + 1):
-                if t > lim:
-                    c = x[t]
-                    a_hi += x[t]
-                else:
-                    c = x[t] * (1.0 - F[lim])
-                    a_lo += x[t]
-                cl_n += c
-                cl_nm += c * vals[t]
-                cl_nc += c * cost[t]
-            e_n += n * cl_n
-            e_nm += n * cl_nm
-            e_nc += n * cl_nc
-            rej_all += a_hi
-            rej_from[lim + 1] += a_lo
-            # survivors: stay at t (u <= t) or move up to u (t < u <= lim)
-            run = 0.0
-            for t in range(lim + 1):
-                xt = x[t]
-                x[t] = xt * F[t] + p[t] * run
-                run += xt
-            top = lim
-            n += 1
-        rej = p * (rej_all + np.cumsum(rej_from)[:d])
-        rej /= rej.sum()
-        diff = np.abs(rej - pi).sum()
-        pi = rej
-        if diff < tol:
-            break
-    return e_nm, e_n, e_nc
-
-
-@nb.njit(cache=True)
 def _search(values, P, ST, fbuf, ibuf, e0, budget, alpha, cap, K):
     """Layered DP, each layer by divide and conquer on the monotone argmin.
 
@@ -417,7 +345,7 @@ class Model:
     def bucket(self, i: int, j: int) -> dict:
         """Prediction for the bucket of distinct-value indices ``i..j`` (inclusive).
 
-        Greedy packing of the shuffled bucket, solved as a renewal chain (``_renewal``):
+        Greedy packing of the shuffled bucket, solved as a renewal chain (:mod:`.renewal`):
         exact for an i.i.d. stream, so only finite-bucket effects remain (plus half a
         micro-batch for the bucket's last, partial one). A bucket that fits in one
         micro-batch is exact: one batch padded to its top.
@@ -431,7 +359,7 @@ class Model:
         if count * top_cost <= pk.budget and count <= pk.cap:
             m, n, mb, occ = top, float(count), 1.0, count * top_cost
         else:
-            e_nm, e_n, e_nc = _renewal(v, c, float(pk.budget), float(pk.alpha), float(pk.cap), 60, 1e-8)
+            e_nm, e_n, e_nc = renewal(v, c, float(pk.budget), float(pk.alpha), float(pk.cap), 60, 1e-8)
             m, n = e_nm / e_n, e_n
             mb = count / e_n + 0.5
             occ = count * e_nc / e_n

@@ -77,13 +77,25 @@ def test_predicted_efficiency_matches_simulation(profile, budget):
         assert abs(pred - sim) < 0.005, f"{profile} T={budget} K={k}: predicted {pred:.4f}, simulated {sim:.4f}"
 
 
+def test_refine_only_moves_when_the_models_disagree():
+    lengths = make_lengths("seedlike", 100_000, 4)
+    model = Model(histogram(lengths), PackModel(8192.0))  # few samples per micro-batch: the O(1) model is off
+    b = model.search(4).boundaries[3]
+    r = model.refine(b)
+    assert model.predict(r)["padded_tokens"] <= model.predict(b)["padded_tokens"]
+    assert model.refine(r) == r
+    narrow = Model(histogram(lengths), PackModel(float(T)))
+    b = narrow.search(24).boundaries[23]
+    assert narrow.refine(b) == b  # the models agree within 0.1 pp: nothing to polish
+
+
 def test_optimal_beats_equal_mass_at_every_k():
     lengths = make_lengths("seedlike", 200_000, 2)
     h = histogram(lengths)
     model = Model(h, PackModel(float(T)))
     res = model.search(32)
     for k in range(2, 33):
-        opt = model.predict(res.boundaries[k - 1])["efficiency"]
+        opt = model.predict(model.refine(res.boundaries[k - 1]))["efficiency"]
         em = model.predict(equal_mass_boundaries(h, k))["efficiency"]
         assert opt > em, f"K={k}: optimal {opt:.4f} <= equal-mass {em:.4f}"
 
@@ -95,7 +107,7 @@ def test_design_reference_figures_on_seedlike():
     model = Model(h, PackModel(float(T)))
     res = model.search(32)
     for k, floor in ((6, 0.8065), (8, 0.849), (16, 0.9205), (32, 0.9585)):  # DESIGN: .807/.849/.921/.959
-        sim = simulate(lengths, res.boundaries[k - 1], T)
+        sim = simulate(lengths, model.refine(res.boundaries[k - 1]), T)
         assert sim >= floor, f"K={k}: simulated {sim:.4f} below DESIGN's {floor}"
         em = simulate(lengths, equal_mass_boundaries(h, k), T)
         assert sim > em, f"K={k}: optimal {sim:.4f} <= equal-mass {em:.4f}"

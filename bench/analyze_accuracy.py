@@ -1,0 +1,88 @@
+"""How right analyze's predictions are: models against simulated ``pack_padded_epoch``.
+
+    NUMBA_CACHE_DIR=.numba_cache python -m bench.analyze_accuracy [--n 902087] [--epochs 3]
+
+For each profile (seedlike, bimodal, heavytail), budget and K, the optimal boundaries are
+packed for ``--epochs`` epochs and compared with:
+
+- ``chain``: the renewal-chain prediction that ``plan.predicted`` and every table use;
+- ``dp``: the O(1) model the boundary search scores buckets with;
+- the analytic repeat-pair rate and within-batch spread of the Pareto table.
+
+Prints one markdown row per (profile, budget) with the worst absolute error over K, and
+the overall worst; ``--json PATH`` writes every (profile, budget, K) row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+KS = (1, 2, 4, 6, 8, 16, 32)
+
+
+def main(argv=None) -> int:
+    from dflash_prep import metrics
+    from dflash_prep.analyze import analytic_diversity
+    from dflash_prep.optimize import Model, PackModel, histogram
+    from dflash_prep.packing import pack_padded_epoch
+    from dflash_prep.profiles import make_lengths
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=902_087)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--budgets", type=str, default="65536,16384,8192")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    rows, summary = [], []
+    for profile in ("seedlike", "bimodal", "heavytail"):
+        lengths = make_lengths(profile, args.n, 0)
+        hist = histogram(lengths)
+        for budget in (int(b) for b in args.budgets.split(",")):
+            model = Model(hist, PackModel(float(budget)))
+            res = model.search(max(KS))
+            worst = {"chain": 0.0, "dp": 0.0, "repeat_pair": 0.0, "spread": 0.0}
+            for k in KS:
+                b = model.refine(res.boundaries[k - 1])
+                chain = model.predict(b)["efficiency"]
+                dp = hist.total_tokens / sum(model.dp_cost(i, j) for i, j in model.index_ranges(b))
+                rp_a, sp_a = analytic_diversity(model, b)
+                effs, rps, sps, prev = [], [], [], None
+                for e in range(args.epochs):
+                    order, offsets, _ = pack_padded_epoch(lengths, b, seed=0, epoch=e, budget=budget)
+                    effs.append(metrics.efficiency(lengths, order, offsets))
+                    sps.append(metrics.within_batch_spread(lengths, order, offsets))
+                    if prev is not None:
+                        rps.append(metrics.repeat_pair_rate(*prev, order, offsets, len(lengths)))
+                    prev = (order, offsets)
+                row = {"profile": profile, "budget": budget, "k": k, "sim": float(np.mean(effs)), "chain": chain,
+                       "dp": dp, "repeat_pair_sim": float(np.mean(rps)), "repeat_pair_analytic": rp_a,
+                       "spread_sim": float(np.mean(sps)), "spread_analytic": sp_a}
+                rows.append(row)
+                worst["chain"] = max(worst["chain"], abs(chain - row["sim"]))
+                worst["dp"] = max(worst["dp"], abs(dp - row["sim"]))
+                worst["repeat_pair"] = max(worst["repeat_pair"], abs(rp_a - row["repeat_pair_sim"]))
+                worst["spread"] = max(worst["spread"], abs(sp_a - row["spread_sim"]))
+            summary.append((profile, budget, worst))
+
+    print(f"# analyze model accuracy, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, n={args.n:,}, "
+          f"{args.epochs} simulated epochs, K in {KS}\n")
+    print("| profile | budget | chain eff err (pp) | dp-model eff err (pp) | repeat-pair err | spread err |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for profile, budget, w in summary:
+        print(f"| {profile} | {budget} | {100 * w['chain']:.2f} | {100 * w['dp']:.2f} | {w['repeat_pair']:.5f} | "
+              f"{w['spread']:.3f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"format": "dflash-prep/bench-analyze-accuracy", "version": 1,
+                                         "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
