@@ -72,6 +72,7 @@ def make_inputs(folder: Path, n: int, window: int = packing.DEFAULT_WINDOW) -> P
 
 
 def strategy_table(plan: Path, out: Path) -> list[dict]:
+    shutil.rmtree(out / "strategies", ignore_errors=True)
     rows = []
     for name, opts in STRATEGIES:
         dirs = pack_epochs(plan=plan, epochs=[0, 1], out=out / "strategies", world_size=8, overwrite=True, **opts)
@@ -82,6 +83,7 @@ def strategy_table(plan: Path, out: Path) -> list[dict]:
 
 def warm_epochs(plan: Path, out: Path, repeats: int) -> dict:
     root = out / "warm"
+    shutil.rmtree(root, ignore_errors=True)       # an epoch already there with the same inputs is not re-packed
     pack_epochs(plan=plan, epochs=[0], out=root, world_size=8, overwrite=True)        # warm-up
     wall, cpu = [], []
     for e in range(1, repeats + 1):

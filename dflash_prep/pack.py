@@ -307,6 +307,8 @@ def pack_epochs(*, plan: Plan | str | Path, epochs, out: str | Path, world_size:
     """
     if not isinstance(plan, Plan):
         plan = load_plan(plan)
+    elif not plan.fingerprint:                    # a Plan built in code, never saved
+        plan = plan.with_fingerprint()
     cfg = PackConfig(world_size=world_size, grad_accum=grad_accum, layout=layout, schedule=schedule, window=window,
                      drop_last=drop_last, open_bins=open_bins, budget=budget)
     epochs = [int(e) for e in epochs]

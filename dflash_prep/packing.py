@@ -283,16 +283,17 @@ DEFAULT_WINDOW = 2048
 
 
 @nb.njit(cache=True)
-def _first_fit(ids, lens, budget, alpha, max_bs, n_open, gen_of, close_rank):
-    # First-fit over ``n_open`` open bins. gen_of[i] = generation (bin instance) of position i;
-    # close_rank[g] = index of generation g in closing order. Returns the number of bins.
+def _first_fit(packed, budget, alpha, max_bs, n_open, gen_of, close_rank):
+    # First-fit over ``n_open`` open bins; packed[i] = L << 32 | id in arrival order.
+    # gen_of[i] = generation (bin instance) of position i; close_rank[g] = index of
+    # generation g in closing order. Returns the number of bins.
     load = np.zeros(n_open, np.float64)
     cnt = np.zeros(n_open, np.int64)
     gen = np.full(n_open, -1, np.int64)
     n_gen = 0
     m = 0
-    for i in range(ids.shape[0]):
-        L = np.float64(lens[ids[i]])
+    for i in range(packed.shape[0]):
+        L = np.float64(packed[i] >> np.int64(32))
         c = L + alpha * L * L
         k = -1
         for s in range(n_open):
@@ -329,19 +330,19 @@ def _first_fit(ids, lens, budget, alpha, max_bs, n_open, gen_of, close_rank):
 
 
 @nb.njit(cache=True)
-def _group_by_batch(ids, lens, gen_of, close_rank, m, order, offsets, olens):
+def _group_by_batch(packed, gen_of, close_rank, m, order, offsets, olens):
     # Stable counting sort of positions by batch: batch members keep their arrival order.
     counts = np.zeros(m + 1, np.int64)
-    for i in range(ids.shape[0]):
+    for i in range(packed.shape[0]):
         counts[close_rank[gen_of[i]] + 1] += 1
     for b in range(m):
         counts[b + 1] += counts[b]
     for b in range(m + 1):
         offsets[b] = counts[b]
-    for i in range(ids.shape[0]):
+    for i in range(packed.shape[0]):
         b = close_rank[gen_of[i]]
-        order[counts[b]] = ids[i]
-        olens[counts[b]] = lens[ids[i]]
+        order[counts[b]] = packed[i] & np.int64(0xFFFFFFFF)
+        olens[counts[b]] = packed[i] >> np.int64(32)
         counts[b] += 1
 
 
@@ -375,17 +376,21 @@ def pack_varlen(lengths: np.ndarray, *, seed: int, epoch: int, budget: float, al
     lengths = np.asarray(lengths)
     check_budget(lengths, budget, alpha)
     n = lengths.shape[0]
-    ids = np.arange(n, dtype=np.int64)
+    if n >= 2**32:
+        raise ConfigError(f"the varlen packer handles up to 2^32 samples, got {n}; split the dataset")
+    # L << 32 | id: the same swaps as shuffling the ids, and no later pass reads lengths at random
+    ids = (lengths.astype(np.int64) << np.int64(32)) | np.arange(n, dtype=np.int64)
     _shuffle_inplace(ids, np.uint64(mix_key(seed, epoch, PURPOSE_VARLEN)))
     idx = np.int32 if n < 2**31 else np.int64      # bin generations < n: int32 halves the memory
     gen_of = np.empty(n, idx)
     close_rank = np.empty(n, idx)
     mbs = np.int64(max_batch_size) if max_batch_size else np.int64(2**62)
-    m = _first_fit(ids, lengths, float(budget), float(alpha), mbs, int(open_bins), gen_of, close_rank)
+    m = _first_fit(ids, float(budget), float(alpha), mbs, int(open_bins), gen_of, close_rank)
     order = np.empty(n, np.int64)
     offsets = np.empty(m + 1, np.int64)
     olens = np.empty(n, np.int32)
-    _group_by_batch(ids, lengths, gen_of, close_rank, m, order, offsets, olens)
+    del lengths
+    _group_by_batch(ids, gen_of, close_rank, m, order, offsets, olens)
     return order, offsets, olens
 
 

@@ -15,7 +15,7 @@ micro-batches, this module
      proportion to their sizes, so every run of ``W*A`` consecutive micro-batches holds each
      class's share to within one micro-batch. Sorting windows make micro-batches narrow
      in length, so this gives each step an even token mix. Seedlike, K=6, window 2048,
-     W=8, A=1: step mix 0.03 against 0.104 for a full random shuffle;
+     W=8, A=1: step mix 0.025 against 0.104 for a full random shuffle;
    - ``stratified``: the same interleave over the plan's buckets instead of length classes
      (DESIGN.md: 0.130 at K=6);
    - ``random``: a keyed permutation of the micro-batches (DESIGN.md: 0.278 at K=6).
