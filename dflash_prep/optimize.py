@@ -325,6 +325,7 @@ class Model:
         self.ST = _tail_table(hist.values, hist.counts, self.e0, n_grid)  # (n_grid, D)
         self._fbuf = np.zeros(1, np.float64)
         self._ibuf = self._fbuf.view(np.int64)
+        self._buckets: dict[tuple[int, int], dict] = {}  # renewal-chain results, by (i, j)
 
     def _args(self):
         return (self.hist.values, self.P, self.ST, self._fbuf, self._ibuf, self.e0,
@@ -350,6 +351,8 @@ class Model:
         micro-batch for the bucket's last, partial one). A bucket that fits in one
         micro-batch is exact: one batch padded to its top.
         """
+        if (i, j) in self._buckets:
+            return self._buckets[(i, j)]
         h, pk = self.hist, self.pack
         v = h.values[i:j + 1].astype(np.float64)
         c = h.counts[i:j + 1].astype(np.float64)
@@ -363,8 +366,10 @@ class Model:
             m, n = e_nm / e_n, e_n
             mb = count / e_n + 0.5
             occ = count * e_nc / e_n
-        return {"lo": int(v[0]), "hi": int(top) + 1, "count": count, "tokens": int(self.R[j + 1] - self.R[i]),
-                "mean_max": m, "padded": count * m, "batch_size": n, "microbatches": mb, "occupied": occ}
+        out = {"lo": int(v[0]), "hi": int(top) + 1, "count": count, "tokens": int(self.R[j + 1] - self.R[i]),
+               "mean_max": m, "padded": count * m, "batch_size": n, "microbatches": mb, "occupied": occ}
+        self._buckets[(i, j)] = out
+        return out
 
     def index_ranges(self, boundaries) -> list[tuple[int, int]]:
         """Distinct-value index range of every non-empty bucket for ``boundaries``."""
@@ -402,12 +407,9 @@ class Model:
         if len(ranges) < 2 or abs(total / fast - total / pred) <= tol:
             return tuple(int(b) for b in boundaries)
         starts = [i for i, _ in ranges] + [len(self.hist.values)]
-        cache: dict[tuple[int, int], float] = {}
 
         def cost(i, j):
-            if (i, j) not in cache:
-                cache[(i, j)] = self.bucket(i, j)["padded"]
-            return cache[(i, j)]
+            return self.bucket(i, j)["padded"]
 
         for _ in range(max_sweeps):
             moved = False
@@ -461,7 +463,11 @@ class Model:
 
 @dataclass(frozen=True)
 class SearchResult:
-    """Optimal boundaries for k = 1..len(boundaries) and their model padded tokens."""
+    """Optimal boundaries for k = 1..len(boundaries) and their padded tokens under the search's model.
+
+    ``len(boundaries)`` is ``min(requested, distinct lengths)``. :meth:`efficiency` is the
+    search's O(1)-model figure; :meth:`Model.predict` gives the renewal-chain prediction.
+    """
 
     requested: int
     boundaries: tuple[tuple[int, ...], ...]   # boundaries[k-1]: k-1 cuts for k buckets
@@ -470,9 +476,3 @@ class SearchResult:
 
     def efficiency(self, k: int) -> float:
         return self.total_tokens / self.padded[k - 1]
-
-    def smallest_k_reaching(self, target: float) -> int | None:
-        for k in range(1, len(self.padded) + 1):
-            if self.efficiency(k) >= target:
-                return k
-        return None
