@@ -142,9 +142,28 @@ def _wandb(cfg: TrainConfig, d: distributed.Dist):
     return wandb.init(project=cfg.wandb, config=asdict(cfg))
 
 
+class _Lines:
+    """Progress for a non-terminal (make, CI logs): one line per tenth of the run."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.every = total, 0, max(1, total // 10)
+        self.task_ids = [0]
+
+    def update(self, _task, advance: int, info: str) -> None:
+        self.done += advance
+        if self.done % self.every == 0 or self.done == self.total:
+            print(f"train {self.done}/{self.total}  {info}", flush=True)
+
+    def stop(self) -> None:
+        pass
+
+
 def _progress(enabled: bool, total: int):
+    """A rich progress bar on a terminal, periodic lines otherwise, None when disabled."""
     if not enabled:
         return None
+    if not sys.stdout.isatty():
+        return _Lines(total)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     p = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                  TimeRemainingColumn(), transient=False)
