@@ -147,6 +147,7 @@ def _print_summaries(rows: list[tuple[str, dict]]) -> None:
 def pack_cmd(
     plan: Annotated[Path, typer.Option(help="plan.json (or its folder) written by `dflash-prep analyze`")],
     out: Annotated[Path, typer.Option(help="manifest root; epoch N goes to OUT/epoch-000N")],
+    data: Annotated[Optional[Path], typer.Argument(help="tokenized dataset folder (default: the plan's)")] = None,
     epoch: Annotated[Optional[int], typer.Option(help="the epoch to pack (>= 0)")] = None,
     epochs: Annotated[Optional[str], typer.Option(help="several epochs: '0-9' or '0,2,5'")] = None,
     world_size: Annotated[int, typer.Option(help="W: ranks per optimizer step")] = 1,
@@ -159,7 +160,6 @@ def pack_cmd(
     budget_unit: Annotated[Optional[str], typer.Option(help="override the plan's budget unit: tokens or cost")] = None,
     budget: Annotated[Optional[float], typer.Option(help="override the plan's budget value (T or C)")] = None,
     model_dim: Annotated[Optional[int], typer.Option(help="override d_model of the cost model (alpha = 1/(12 d))")] = None,
-    data: Annotated[Optional[Path], typer.Option(help="tokenized dataset folder (default: the plan's)")] = None,
     lengths: Annotated[Optional[Path], typer.Option(help="what-if lengths file (.npy or one int per line)")] = None,
     overwrite: Annotated[bool, typer.Option(help="replace epochs built from other inputs")] = False,
 ):

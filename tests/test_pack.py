@@ -179,6 +179,12 @@ def test_cli_pack_inspect_verify(tmp_path):
     assert run(app, ["inspect", str(tmp_path / "m" / "epoch-0001")]).exit_code == 0
     r = run(app, ["verify", str(tmp_path / "m")])
     assert r.exit_code == 0 and "2 epoch(s) verified" in r.output, r.output
+    r = run(app, ["pack", "--plan", str(plan_path), "--epoch", "2", "--out", str(tmp_path / "m"), "--world-size", "2",
+                  "--lengths", str(tmp_path / "lengths.npy")])
+    assert r.exit_code == 0 and (tmp_path / "m" / "epoch-0002").is_dir(), r.output
+    r = run(app, ["pack", str(tmp_path / "no-such-dataset"), "--plan", str(plan_path), "--epoch", "3", "--out",
+                  str(tmp_path / "m")])
+    assert r.exit_code == 1 and "no-such-dataset" in r.output, r.output
     r = run(app, ["pack", "--plan", str(plan_path), "--epoch", "-2", "--out", str(tmp_path / "m")])
     assert r.exit_code == 1 and "epochs must be >= 0" in r.output and "Traceback" not in r.output
 
