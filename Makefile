@@ -51,5 +51,19 @@ bench-gpu: venv
 	@if $(BIN)/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('train.bench') is None)"; then \
 		$(BIN)/python -m train.bench --gpu; else echo "bench-gpu: train.bench not present, skipped"; fi
 
+# Side by side with the peers (bench/peers.py, README "bench-peers"): installs the `bench`
+# extra (lhotse, trl) first; <= ~15 min on 2 CPU cores. Writes results/bench/peers.{json,png}.
+BENCH_ARGS ?=
+bench: venv
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/python -m bench.peers $(BENCH_ARGS)
+
+# Does composition change what is learned? (bench/convergence.py, README "bench-convergence"):
+# 5 strategies x 3 seeds of the tiny model on CPU, <= ~20 min on 2 otherwise idle cores.
+# Writes results/convergence/convergence.{json,png}. Not part of `make test`.
+CONVERGENCE_ARGS ?=
+bench-convergence: venv
+	$(BIN)/python -m bench.convergence $(CONVERGENCE_ARGS)
+
 clean:
 	rm -rf $(DEMO) .pytest_cache .numba_cache

@@ -40,8 +40,9 @@ def _conversations(path: Path):
             yield json.loads(line)["messages"]
 
 
-def train_bpe(corpus: Path, out: Path, *, train_on: int) -> Path:
-    """Train a byte-level BPE on the first ``train_on`` conversations; write ``out/tokenizer.json``."""
+def train_bpe(corpus: Path, out: Path, *, train_on: int, vocab: int = VOCAB) -> Path:
+    """Train a byte-level BPE (``vocab`` ids) on the first ``train_on`` conversations of a
+    ``chat.jsonl``; write ``out/tokenizer.json`` and return ``out``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from dflash_prep.fileio import atomic_write_bytes
@@ -58,7 +59,7 @@ def train_bpe(corpus: Path, out: Path, *, train_on: int) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts(), trainer=trainer)
     atomic_write_bytes(out / "tokenizer.json", tok.to_str().encode())

@@ -329,7 +329,7 @@ class TrlBfd:
     def __init__(self, lengths: np.ndarray, *, budget: int, seed: int, chunk: int = 1000, use_trl: bool | None = None):
         if use_trl is None:
             try:
-                import trl  # noqa: F401
+                from trl.data_utils import _pack_bfd  # noqa: F401  (private: absent in some versions)
                 use_trl = True
             except ImportError:
                 use_trl = False
