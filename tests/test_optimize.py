@@ -89,6 +89,22 @@ def test_refine_only_moves_when_the_models_disagree():
     assert narrow.refine(b) == b  # the models agree within 0.1 pp: nothing to polish
 
 
+@pytest.mark.parametrize("budget,alpha,cap", [(T, 0.0, 16), (1.3 * T, 1 / (12 * 768), None), (1.3 * T, 1 / (12 * 768), 8)])
+def test_prediction_under_caps_and_cost_budgets(budget, alpha, cap):
+    lengths = make_lengths("seedlike", 100_000, 3)
+    model = Model(histogram(lengths), PackModel(budget, alpha, cap))
+    b = model.refine(model.search(6).boundaries[5])
+    pred = model.predict(b)
+    runs = [pack_padded_epoch(lengths, b, seed=0, epoch=e, budget=budget, alpha=alpha, max_batch_size=cap)
+            for e in range(3)]
+    eff = np.mean([metrics.efficiency(lengths, o, off) for o, off, _ in runs])
+    mbs = np.mean([len(off) - 1 for _, off, _ in runs])
+    fill = np.mean([metrics.batch_cost(lengths, o, off, alpha).sum() / ((len(off) - 1) * budget) for o, off, _ in runs])
+    assert abs(pred["efficiency"] - eff) < 0.005, (pred["efficiency"], eff)
+    assert abs(pred["microbatches"] - mbs) / mbs < 0.005, (pred["microbatches"], mbs)
+    assert abs(pred["fill"] - fill) < 0.005, (pred["fill"], fill)
+
+
 def test_optimal_beats_equal_mass_at_every_k():
     lengths = make_lengths("seedlike", 200_000, 2)
     h = histogram(lengths)
