@@ -112,7 +112,7 @@ def analyze_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON instead of tables")] = False,
     plot: Annotated[bool, typer.Option(help="write analyze.png")] = True,
 ):
-    """Search exact optimal bucket boundaries, compare strategies, and write plan.json."""
+    """Search bucket boundaries over every distinct length, compare strategies, write plan.json."""
     from .analyze import AnalyzeConfig, run
     from .report import render, to_json
 
