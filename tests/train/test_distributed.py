@@ -17,14 +17,17 @@ from train_fakes import gloo_worker, grads_setup
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 
-def _spawn(tmp_path, kind):
-    mp.spawn(gloo_worker, args=(2, str(tmp_path / "init"), str(tmp_path), kind), nprocs=2, join=True)
+@pytest.fixture(scope="module")
+def gloo_run(tmp_path_factory):
+    """One 2-process gloo job that does both the gradient step and the smoke run."""
+    out = tmp_path_factory.mktemp("gloo")
+    mp.spawn(gloo_worker, args=(2, str(out / "init"), str(out), "both"), nprocs=2, join=True)
+    return out
 
 
-def test_two_ranks_accum_1_equal_one_rank_accum_2(tmp_path):
+def test_two_ranks_accum_1_equal_one_rank_accum_2(gloo_run):
     """Same global step (2 micro-batches): W=2,A=1 over gloo == W=1,A=2, within fp32 tolerance."""
-    _spawn(tmp_path, "grads")
-    got = torch.load(tmp_path / "grads.pt", weights_only=True)
+    got = torch.load(gloo_run / "grads.pt", weights_only=True)
     model, opt, sb = grads_setup(1, 2, 0)
     assert len(sb.micro) == 2
     counts = [b.n_targets for b in sb.micro]
@@ -43,8 +46,8 @@ def test_two_ranks_accum_1_equal_one_rank_accum_2(tmp_path):
     assert not torch.allclose(wrong, want["embed.weight"], rtol=1e-3, atol=1e-6)
 
 
-def test_two_process_gloo_smoke_run(tmp_path):
-    _spawn(tmp_path, "train")
+def test_two_process_gloo_smoke_run(gloo_run):
+    tmp_path = gloo_run
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
     for r in (r0, r1):

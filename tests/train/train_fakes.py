@@ -117,7 +117,8 @@ def gloo_worker(rank: int, world: int, init_file: str, out_dir: str, kind: str) 
 
     ``grads``: one optimizer step of :class:`FakeSource` (W=world, A=1) with no clipping;
     rank 0 saves the summed gradients. ``train``: a short :func:`train.loop.train` run; every
-    rank saves its summary and a parameter checksum.
+    rank saves its summary and a parameter checksum. ``both``: one then the other, in one
+    spawn (starting processes is most of the cost on a small machine).
     """
     import contextlib
     from pathlib import Path
@@ -134,12 +135,14 @@ def gloo_worker(rank: int, world: int, init_file: str, out_dir: str, kind: str) 
     d = Dist(rank, world, 0, torch.device("cpu"))
     out = Path(out_dir)
     try:
-        if kind == "grads":
+        if kind not in ("grads", "train", "both"):
+            raise ValueError(kind)
+        if kind in ("grads", "both"):
             model, opt, sb = grads_setup(world, 1, rank)
             train_step(model, opt, sb, lr=1e-3, grad_clip=0.0, d=d, autocast=contextlib.nullcontext)
             if rank == 0:
                 torch.save({n: p.grad.clone() for n, p in model.named_parameters()}, out / "grads.pt")
-        elif kind == "train":
+        if kind in ("train", "both"):
             cfg = TrainConfig(out=str(out / "run"), model="tiny", model_overrides=SMALL_MODEL, progress=False,
                               max_steps=4, warmup_steps=1, lr=1e-2, device="cpu", prefetch=2)
             summary = train(cfg, source=FakeSource(n=48, world_size=world), dist_ctx=d)
@@ -147,8 +150,6 @@ def gloo_worker(rank: int, world: int, init_file: str, out_dir: str, kind: str) 
                             torch.load(out / "run" / "checkpoint.pt", weights_only=True)["model"].values()) \
                 if rank == 0 else None
             torch.save({"summary": summary, "model_sum": model_sum}, out / f"rank{rank}.pt")
-        else:
-            raise ValueError(kind)
         dist.barrier()
     finally:
         dist.destroy_process_group()
