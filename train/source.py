@@ -68,8 +68,7 @@ class FileSource:
             o = self._pack_options()
             flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in o.items()
                             if k in ("world_size", "grad_accum", "layout", "schedule"))
-            cmd = (f"dflash-prep pack --plan {self.plan_path} --data {self.data_path} --out {self.root} "
-                   f"--epoch {epoch}{flags}")
+            cmd = f"dflash-prep pack {self.data_path} --plan {self.plan_path} --out {self.root} --epoch {epoch}{flags}"
             if not self.pack_missing:
                 raise ConfigError(f"{folder}: no manifest for epoch {epoch}. Pack it first:\n  {cmd}\n"
                                   "(or drop --no-pack-missing to pack it on the fly)")

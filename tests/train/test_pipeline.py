@@ -35,7 +35,7 @@ def _cfg(root, **kw):
 
 
 def test_missing_manifest_is_an_error_naming_the_command(pipeline):
-    with pytest.raises(ConfigError, match=r"dflash-prep pack --plan .* --epoch 0 --world-size 1"):
+    with pytest.raises(ConfigError, match=r"dflash-prep pack \S+data --plan \S+plan.json --out \S+man --epoch 0 --world-size 1"):
         train(_cfg(pipeline, pack_missing=False, max_steps=1))
 
 
