@@ -50,6 +50,16 @@ def test_config_file_then_flags(tmp_path):
         TrainConfig(resume=False, from_scratch=True)
 
 
+def test_shipped_config_files_parse():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).parents[2] / "train" / "configs").glob("*.toml"))
+    assert files
+    for f in files:
+        cfg = build(f)
+        assert cfg.model_config(32000).vocab_size == 32000
+
+
 @pytest.mark.parametrize("layout", ["padded", "varlen"])
 def test_triton_interpreter_matches_reference_in_the_model(layout):
     """--attn triton on CPU runs the interpreter; the loss and gradients match the reference path."""
