@@ -106,12 +106,23 @@ def _describe(v) -> str:
     return s if len(s) <= 80 else s[:77] + "..."
 
 
+def _flatten(d, prefix: str = "") -> dict:
+    """Nested dicts as dotted keys, so a difference names the exact field (``plan.boundaries``)."""
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
 def check_run_key(saved: dict, current: dict, *, path: str | Path) -> None:
     """Refuse to resume when anything that fixes the data order changed; name each change."""
+    a, b = _flatten(saved), _flatten(current)
     diffs = []
-    for k in sorted(set(saved) | set(current)):
-        if saved.get(k) != current.get(k):
-            diffs.append(f"  {k}: checkpoint {_describe(saved.get(k))} -> now {_describe(current.get(k))}")
+    for k in sorted(set(a) | set(b)):
+        if a.get(k) != b.get(k):
+            diffs.append(f"  {k}: checkpoint {_describe(a.get(k))} -> now {_describe(b.get(k))}")
     if diffs:
         raise PlanChanged(
             f"{path}: refusing to resume: the checkpoint was trained under a different data plan.\n"

@@ -71,20 +71,21 @@ def test_log_and_summary_fields(tmp_path):
     assert summary["real_tokens"] == sum(r["real_tokens"] for r in recs)
 
 
-@pytest.mark.parametrize("change", [
-    dict(plan="plan-b", boundaries=(10, 30)),   # new boundaries -> new plan fingerprint
-    dict(plan="plan-c", seed=1),                # new seed
-    dict(budget=128),                           # budget
-    dict(layout="varlen"),                      # layout
-    dict(grad_accum=2),                         # accumulation (steps are not elastic)
+@pytest.mark.parametrize("change,field", [
+    (dict(plan="plan-b", boundaries=(10, 30)), "plan.boundaries"),  # new boundaries -> new plan fingerprint
+    (dict(plan="plan-c", seed=1), "plan.seed"),                     # new seed
+    (dict(budget=128), "plan.budget"),                              # budget
+    (dict(layout="varlen"), "layout"),                              # layout
+    (dict(grad_accum=2), "grad_accum"),                             # accumulation (steps are not elastic)
 ])
-def test_resume_under_a_changed_plan_is_refused_then_from_scratch_works(tmp_path, change):
+def test_resume_under_a_changed_plan_is_refused_then_from_scratch_works(tmp_path, change, field):
     train(_cfg(tmp_path, max_steps=2), source=FakeSource(n=48))
     before = (tmp_path / ckpt.CKPT_FILE).read_bytes()
     with pytest.raises(ckpt.PlanChanged) as ei:
         train(_cfg(tmp_path, max_steps=4), source=FakeSource(n=48, **change))
     msg = str(ei.value)
     assert "refusing to resume" in msg and "--from-scratch" in msg and "checkpoint" in msg
+    assert f"  {field}: checkpoint " in msg  # names the exact field that changed
     assert (tmp_path / ckpt.CKPT_FILE).read_bytes() == before  # nothing was overwritten
     s = train(_cfg(tmp_path, max_steps=3, from_scratch=True), source=FakeSource(n=48, **change))
     assert s["global_step"] == 3 and s["steps"] == 3  # a new run from step 0
