@@ -299,7 +299,7 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
         log.close()
 
     summary = _summary(totals, losses, epoch, step, gstep, model, d)
-    if d.is_main:
+    if d.is_main and totals["steps"]:  # a call with nothing left to do keeps the last run's summary
         atomic_write_json(out / "summary.json", summary, format=SUMMARY_FORMAT, version=FORMAT_VERSION)
         if wb is not None:
             wb.summary.update(summary)
