@@ -11,13 +11,15 @@ mask is 1 exactly when it comes from a trainable segment:
   becomes that one id; any other text is bytes, so content can never inject a control
   token. Segments are encoded on their own and concatenated, which for a byte-level code is
   identical to encoding the joined text (``to_tokenizers()`` builds the equivalent
-  ``tokenizers`` object; the tests check that the ids agree). Encoding is a NumPy view of
-  ``str.encode`` and runs at several hundred MB/s per core.
+  ``tokenizers`` object; the tests check that the ids agree). Each segment is one
+  ``str.encode`` plus a NumPy cast, a few microseconds of Python per segment; in
+  ``bench/tokenize_speed.py`` the whole stage with it outruns ``tokenizers``'
+  ``encode_batch`` with the equivalent byte-level tokenizer several-fold (README).
 - :class:`HFTokenizer` (a local folder with ``tokenizer.json``, or a bare
   ``tokenizer.json``): the joined text is encoded at once with ``encode_batch`` (Rust,
   all cores), so merges across segment borders happen exactly as at inference. The mask
-  marks tokens ``char_to_token(start) .. char_to_token(end - 1)`` of every trainable
-  character span: a token that straddles a border is trained on. That costs a few Python
+  marks every token that overlaps a trainable character span (``_token_range``): a token
+  that straddles a border is trained on. That costs a few ``char_to_token`` Python
   calls per span, not per token. A chat template comes from ``tokenizer_config.json``
   (``chat_template``) or ``chat_template.jinja`` beside it.
 
