@@ -76,12 +76,12 @@ class ConvConfig:
 
     work: Path = Path("results/convergence")
     n_train: int = 2000
-    n_val: int = 32
+    n_val: int = 24
     vocab: int = 1024
     max_len: int = 1024
     budget: int = 2048
-    grad_accum: int = 2
-    steps: int = 40
+    grad_accum: int = 1
+    steps: int = 30
     eval_every: int = 10
     k: int = 6
     window: int = 32
