@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import platform
 import tempfile
 import time

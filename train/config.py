@@ -100,7 +100,9 @@ class TrainConfig:
     epochs: int = 1
     """Epochs to train; epoch e reads ``manifests/epoch-e``."""
     max_steps: int = 0
-    """Stop after this many optimizer steps in total (0 = run every epoch to the end)."""
+    """Stop after this many optimizer steps in total (0 = run every epoch to the end). It only
+    stops: the cosine horizon stays ``epochs`` x the first epoch's steps, so a run cut short and
+    resumed follows the same LR schedule as a straight one."""
     pack_missing: bool = True
     """Pack a missing epoch's manifest on the fly (same code as ``dflash-prep pack``);
     when False a missing manifest is an error naming the command to run."""
