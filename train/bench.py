@@ -259,9 +259,13 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu", action="store_true", help="CUDA, 100m model, seedlike lengths unscaled, T=65536")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run of the same code path (tests use it)")
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
-    for f in ("n", "scale", "budget", "steps", "warmup", "window", "vocab", "prefetch", "seed"):
-        ap.add_argument(f"--{f}", type=int, default=None)
-    ap.add_argument("--model", default=None)
+    helps = {"n": "samples in the packed epoch", "scale": "divide seedlike lengths by this",
+             "budget": "token budget T", "steps": "timed steps per strategy (0 = the whole epoch)",
+             "warmup": "untimed steps first", "window": "sort window of bucketed-k6-window",
+             "vocab": "synthetic vocabulary", "prefetch": "prefetch depth in steps", "seed": "lengths, tokens, init"}
+    for f, h in helps.items():
+        ap.add_argument(f"--{f}", type=int, default=None, help=h)
+    ap.add_argument("--model", default=None, help="model preset (tiny, 100m)")
     ap.add_argument("--data", default=None, help="tokenized dataset folder instead of synthetic samples")
     ap.add_argument("--out", default=None, help="write the report JSON here")
     a = ap.parse_args(argv)
