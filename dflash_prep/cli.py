@@ -165,7 +165,7 @@ def pack_cmd(
 ):
     """Pack deterministic per-epoch manifests (batches, steps, ranks) from a plan."""
     from . import manifest
-    from .pack import budget_override, pack_epochs, parse_epochs
+    from .pack import budget_override, pack_epochs, parse_epochs, summary_warnings
 
     from .plan import load as load_plan
 
@@ -174,7 +174,10 @@ def pack_cmd(
                        grad_accum=grad_accum, layout=layout, schedule=schedule, window=window, drop_last=drop_last,
                        open_bins=open_bins, budget=budget_override(p.budget, budget_unit, budget, model_dim),
                        data=data, lengths=lengths, overwrite=overwrite)
-    _print_summaries([(d.name, manifest.open(d).summary) for d in dirs])
+    rows = [(d.name, manifest.open(d).summary) for d in dirs]
+    _print_summaries(rows)
+    for line in (w for name, s in rows for w in summary_warnings(name, s)):
+        typer.secho(f"warning: {line}", fg=typer.colors.YELLOW, err=True)
 
 
 @command("inspect")

@@ -375,3 +375,21 @@ def budget_override(base: Budget, unit: str | None, value: float | None, model_d
     if unit is None and value is None and model_dim is None:
         return None
     return replace(base, **{k: v for k, v in (("unit", unit), ("value", value), ("model_dim", model_dim)) if v is not None})
+
+
+#: Above this repeat-pair rate an epoch barely changes composition (sorted-static is 1.0).
+REPEAT_PAIR_WARN = 0.05
+
+
+def summary_warnings(name: str, summary: dict) -> list[str]:
+    """Plain-language warnings about an epoch's summary (printed by ``dflash-prep pack``)."""
+    out = []
+    rp = summary.get("repeat_pair_rate")
+    if rp is not None and rp > REPEAT_PAIR_WARN:
+        out.append(f"{name}: {rp:.1%} of co-batched pairs meet again (repeat-pair rate); batches barely change "
+                   "between epochs. The sort window covers too much of each bucket for this dataset: lower "
+                   "--window (or re-run analyze with a smaller --window)")
+    pred, eff = summary.get("predicted_efficiency"), summary.get("efficiency")
+    if pred is not None and eff is not None and abs(eff - pred) > 0.005:
+        out.append(f"{name}: efficiency {eff:.4f} differs from analyze's prediction {pred:.4f} by more than 0.5 pp")
+    return out

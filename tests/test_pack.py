@@ -199,3 +199,11 @@ def test_design_targets_full_seedlike(tmp_path):
     assert s["efficiency"] >= 0.97 and s["step_mix"] <= 0.104 and s["rank_imbalance"] <= 0.03, s
     s = manifest.open(pack_epochs(plan=plan_path, epochs=[0], out=tmp_path / "v", world_size=8, layout="varlen")[0]).summary
     assert s["fill"] >= 0.997, s
+
+
+def test_summary_warnings():
+    from dflash_prep.pack import summary_warnings
+
+    assert summary_warnings("e1", {"repeat_pair_rate": 0.004, "efficiency": 0.99, "predicted_efficiency": 0.991}) == []
+    w = summary_warnings("e1", {"repeat_pair_rate": 0.98, "efficiency": 0.97, "predicted_efficiency": 0.99})
+    assert len(w) == 2 and "--window" in w[0] and "0.5 pp" in w[1]
