@@ -39,6 +39,7 @@ from .packing import greedy_offsets, pack_padded_epoch
 
 WINDOWS = (0, 1024, 2048, 4096)   # local sort windows the Pareto table simulates
 MAX_K = 32
+MULTI_START_GAP = 0.005  # model disagreement (efficiency) above which refine also starts from the baselines
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,11 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
     k_search = max(MAX_K, cfg.buckets or 0)
     result = model.search(k_search)
     clock("search")
-    refined = [model.refine(bd) for bd in result.boundaries]  # the renewal chain has the last word
+    # the renewal chain has the last word; where the search's model is far off (small
+    # budgets), the equal-count and equal-mass cuts are polished too and the best wins
+    refined = [model.refine(bd, starts=(equal_count_boundaries(hist, kk), equal_mass_boundaries(hist, kk))
+                            if model.disagreement(bd) > MULTI_START_GAP else ())
+               for kk, bd in enumerate(result.boundaries, 1)]
     clock("refine")
     k = choose_k(cfg, model, refined)
     bounds = refined[k - 1]

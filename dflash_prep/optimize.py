@@ -390,21 +390,38 @@ class Model:
         return {"efficiency": self.hist.total_tokens / padded, "fill": occupied / (mb * self.pack.budget),
                 "microbatches": mb, "padded_tokens": padded, "buckets": buckets}
 
-    def refine(self, boundaries, *, tol: float = 1e-3, max_sweeps: int = 4) -> tuple[int, ...]:
+    def disagreement(self, boundaries) -> float:
+        """|efficiency under the search's O(1) model - efficiency under the renewal chain|."""
+        ranges = self.index_ranges(boundaries)
+        total = self.hist.total_tokens
+        fast = sum(self.dp_cost(i, j) for i, j in ranges)
+        return abs(total / fast - total / self.predict(boundaries)["padded_tokens"])
+
+    def refine(self, boundaries, *, tol: float = 1e-3, starts=(), max_sweeps: int = 4) -> tuple[int, ...]:
         """Polish searched boundaries against the renewal chain where the O(1) model is off.
 
-        The search's model is within ~0.1 pp for narrow buckets but misjudges wide ones (a
-        micro-batch of a few samples, or K = 1..2 over a long tail). When its efficiency for
-        ``boundaries`` differs from :meth:`predict`'s by more than ``tol``, each boundary
-        is moved by pattern search (steps halving to one distinct length) to the position
-        with the least predicted padded tokens of its two buckets, sweeping until nothing
-        moves. Returns the boundaries unchanged when the two models agree.
+        The search's model is within ~0.1 pp for narrow buckets holding many samples per
+        micro-batch but misjudges wide buckets and small budgets. When its efficiency for
+        ``boundaries`` differs from :meth:`predict`'s by more than ``tol``, each boundary is
+        moved by pattern search (steps halving to one distinct length) to the position with
+        the least predicted padded tokens of its two buckets, sweeping until nothing moves.
+        The same polish is run from every boundary set in ``starts`` with as many cuts, and
+        the best result by the chain wins. Returns ``boundaries`` unchanged when the two
+        models agree.
         """
+        if len(boundaries) == 0 or self.disagreement(boundaries) <= tol:
+            return tuple(int(b) for b in boundaries)
+        best, best_pad = None, np.inf
+        for cand in (boundaries, *(s for s in starts if len(s) == len(boundaries))):
+            got = self._polish(cand, max_sweeps)
+            pad = self.predict(got)["padded_tokens"]
+            if pad < best_pad * (1 - 1e-12):
+                best, best_pad = got, pad
+        return best
+
+    def _polish(self, boundaries, max_sweeps: int) -> tuple[int, ...]:
         ranges = self.index_ranges(boundaries)
-        fast = sum(self.dp_cost(i, j) for i, j in ranges)
-        pred = self.predict(boundaries)["padded_tokens"]
-        total = self.hist.total_tokens
-        if len(ranges) < 2 or abs(total / fast - total / pred) <= tol:
+        if len(ranges) < 2:
             return tuple(int(b) for b in boundaries)
         starts = [i for i, _ in ranges] + [len(self.hist.values)]
 

@@ -21,7 +21,7 @@ from dflash_prep.packing import pack_padded_epoch
 from dflash_prep.profiles import make_lengths
 
 N = 20_000
-T = 16384
+T = 65536
 
 
 @pytest.fixture(scope="module")
