@@ -28,7 +28,7 @@ from .errors import FormatError
 FINGERPRINT_HEX = 32  # 128-bit digests: collision-safe, short enough to print
 
 
-def fingerprint_bytes(*parts: bytes | str) -> str:
+def fingerprint_bytes(*parts: bytes | memoryview | str) -> str:
     h = hashlib.sha256()
     for p in parts:
         b = p.encode() if isinstance(p, str) else p
@@ -46,8 +46,9 @@ def fingerprint_json(obj: Any) -> str:
 
 
 def fingerprint_array(a: np.ndarray) -> str:
+    """Digest of dtype, shape and raw bytes; hashes a memoryview, so no copy (1.2 GB at 100M)."""
     a = np.ascontiguousarray(a)
-    return fingerprint_bytes(str(a.dtype), repr(a.shape), a.tobytes())
+    return fingerprint_bytes(str(a.dtype), repr(a.shape), memoryview(a).cast("B"))
 
 
 def _json_default(o: Any) -> Any:

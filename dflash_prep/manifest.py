@@ -47,7 +47,7 @@ import numpy as np
 from . import lengths as lengths_mod
 from . import metrics
 from .errors import ConfigError, FingerprintMismatch, FormatError
-from .fileio import atomic_dir, atomic_save_npy, atomic_write_json, fingerprint_bytes, fingerprint_json, load_npy, read_json
+from .fileio import atomic_dir, atomic_save_npy, atomic_write_json, fingerprint_array, fingerprint_json, load_npy, read_json
 
 MANIFEST_FORMAT = "dflash-prep/manifest"
 MANIFEST_VERSION = 1
@@ -84,14 +84,8 @@ class MicroBatch:
     cu_seqlens: np.ndarray | None   # int64 (count + 1,), varlen only
 
 
-def array_sha(a: np.ndarray) -> str:
-    """:func:`fileio.fingerprint_array` without its ``tobytes`` copy (1.2 GB at 100M samples)."""
-    a = np.ascontiguousarray(a)
-    return fingerprint_bytes(str(a.dtype), repr(a.shape), memoryview(a).cast("B"))
-
-
 def array_identity(arrays: dict[str, np.ndarray]) -> dict:
-    return {name: {"dtype": str(a.dtype), "shape": list(a.shape), "sha256": array_sha(a)}
+    return {name: {"dtype": str(a.dtype), "shape": list(a.shape), "sha256": fingerprint_array(a)}
             for name, a in sorted(arrays.items())}
 
 
@@ -264,7 +258,7 @@ def verify(path: str | Path, *, data: str | Path | None = None, lengths: str | P
     path = Path(path)
     m = open(path, plan_fingerprint=plan_fingerprint)
     bad = [f"{name}.npy: contents do not match the SHA-256 in {MANIFEST_FILE}"
-           for name, a in m.arrays.items() if array_sha(a) != m.header["arrays"][name]["sha256"]]
+           for name, a in m.arrays.items() if fingerprint_array(a) != m.header["arrays"][name]["sha256"]]
     if epoch_fingerprint(m.header) != m.fingerprint:
         bad.append(f"{MANIFEST_FILE}: header fields do not match the epoch fingerprint (edited by hand?)")
     if bad:
