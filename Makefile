@@ -4,8 +4,10 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO ?= demo
-# CPU wheel on this kind of machine; a user with their own CUDA torch sets TORCH_SPEC= to keep it.
-TORCH_SPEC ?= torch==2.13.0
+# Without nvidia-smi: the CPU wheel (torch==2.13.0, already on disk on CPU-only machines).
+# With a GPU: nothing here, so pip resolves the CUDA build that pyproject's torch>=2.4 allows.
+# A torch already in the venv is always kept; TORCH_SPEC=... picks another one.
+TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,torch==2.13.0)
 export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
 
 .PHONY: venv demo test test-slow train bench bench-gpu bench-convergence clean

@@ -2,9 +2,13 @@
 
 ``TRITON_INTERPRET`` is read when a ``@triton.jit`` function is defined, so it is set here,
 before any test module imports ``kernels.flash`` (which the ``kernels`` package imports
-lazily). Set ``TRITON_INTERPRET=0`` yourself on a GPU machine to test the compiled kernels.
+lazily). On a machine with CUDA the compiled kernels are tested instead (the interpreter is
+chosen only without a GPU, unless ``TRITON_INTERPRET`` is already set).
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
