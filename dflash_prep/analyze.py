@@ -290,7 +290,7 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
         sim = simulate(lengths, bd, cfg, window=0)
         strategies.append({"name": name, "boundaries": list(bd), "efficiency_pred": pred["efficiency"],
                            "efficiency_sim": sim.efficiency, "fill": sim.fill, "microbatches": sim.microbatches,
-                           "repeat_pair": sim.repeat_pair, "spread": sim.spread, "how": f"model + {cfg.epochs} epochs"})
+                           "repeat_pair": sim.repeat_pair, "spread": sim.spread, "how": f"chain model + {cfg.epochs} sim epochs"})
 
     clock("strategies")
     windows = sorted(set(WINDOWS) | {cfg.window})
@@ -310,7 +310,7 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
             strategies.append({"name": f"optimal K={k} + window {w}", "boundaries": list(bounds),
                                "efficiency_pred": sim.efficiency, "efficiency_sim": sim.efficiency, "fill": sim.fill,
                                "microbatches": sim.microbatches, "repeat_pair": sim.repeat_pair,
-                               "spread": sim.spread, "how": f"{cfg.epochs} epochs (simulated)"})
+                               "spread": sim.spread, "how": f"{cfg.epochs} sim epochs"})
 
     clock("pareto windows")
     pareto_k = []

@@ -87,7 +87,7 @@ def render(rep: dict, console=None) -> None:
     con.print(t)
 
     b = rep["budget"]
-    t = Table(title=f"strategies at budget {b['value']:.0f} {b['unit']} (pred = model; sim = mean of simulated epochs)")
+    t = Table(title=f"strategies at budget {b['value']:.0f} {b['unit']} (pred = renewal-chain model; sim = mean of simulated epochs)")
     for c in ("strategy", "eff pred", "eff sim", "fill", "micro-batches", "repeat-pair", "spread", "how"):
         t.add_column(c, justify="left" if c in ("strategy", "how") else "right")
     for r in rep["strategies"]:
@@ -95,7 +95,7 @@ def render(rep: dict, console=None) -> None:
                   f"{r['microbatches']:,.0f}", f"{r['repeat_pair']:.5f}", f"{r['spread']:.3f}", r["how"])
     con.print(t)
 
-    t = Table(title="Pareto over K (window 0): efficiency = model; repeat-pair, spread = analytic estimates")
+    t = Table(title="Pareto over K (window 0): efficiency = renewal-chain model; repeat-pair, spread = analytic estimates")
     for c in ("K", "efficiency", "equal-mass", "micro-batches", "repeat-pair", "spread"):
         t.add_column(c, justify="right")
     t.add_column("boundaries", no_wrap=True, overflow="ellipsis", max_width=48)
