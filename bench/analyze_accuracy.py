@@ -77,7 +77,8 @@ def main(argv=None) -> int:
     print(f"# analyze model accuracy, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, n={args.n:,}, "
           f"{args.epochs} simulated epochs, K in {KS}\n")
     print("Worst absolute error over K (over K >= 6 in brackets); efficiency in percentage points.\n")
-    print("| profile | budget | chain efficiency | search-model efficiency | repeat-pair (analytic) | spread (analytic) |")
+    print("| profile | budget | chain efficiency | search-model efficiency | repeat-pair (analytic) "
+          "| spread (analytic) |")
     print("|---|---:|---:|---:|---:|---:|")
     for profile, budget, w in summary:
         print(f"| {profile} | {budget} | {100 * w['chain']:.2f} | {100 * w['dp']:.2f} ({100 * w['dp6']:.2f}) | "

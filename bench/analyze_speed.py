@@ -114,7 +114,8 @@ def main(argv=None) -> int:
         search_once(lengths, 2)  # warm: load the cached machine code
         report_once(lpath, tmp / "warmup")
         w, c, res = _timed(lambda: search_once(lengths, 6), args.repeat)
-        rows.append({"what": "search K=6", "n": args.n, "wall_s": w, "cpu_s": c, "note": f"boundaries {list(res.boundaries[5])}"})
+        rows.append({"what": "search K=6", "n": args.n, "wall_s": w, "cpu_s": c,
+                     "note": f"boundaries {list(res.boundaries[5])}"})
         w, c, res = _timed(lambda: search_once(lengths, 32), args.repeat)
         rows.append({"what": "search K=1..32", "n": args.n, "wall_s": w, "cpu_s": c,
                      "note": f"{len(np.unique(lengths))} distinct lengths"})

@@ -86,7 +86,8 @@ class AnalyzeConfig:
         if self.window < 0:
             raise ConfigError(f"--window must be >= 0 (0 disables), got {self.window}")
         if self.epochs < 3:
-            raise ConfigError(f"--epochs must be at least 3 (a simulated figure is a mean over >= 3), got {self.epochs}")
+            raise ConfigError(f"--epochs must be at least 3 (a simulated figure is a mean over >= 3), "
+                              f"got {self.epochs}")
         self.budget_spec  # validates unit / model_dim / max_batch_size
 
     @property
@@ -290,7 +291,8 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
         sim = simulate(lengths, bd, cfg, window=0)
         strategies.append({"name": name, "boundaries": list(bd), "efficiency_pred": pred["efficiency"],
                            "efficiency_sim": sim.efficiency, "fill": sim.fill, "microbatches": sim.microbatches,
-                           "repeat_pair": sim.repeat_pair, "spread": sim.spread, "how": f"chain model + {cfg.epochs} sim epochs"})
+                           "repeat_pair": sim.repeat_pair, "spread": sim.spread,
+                           "how": f"chain model + {cfg.epochs} sim epochs"})
 
     clock("strategies")
     windows = sorted(set(WINDOWS) | {cfg.window})

@@ -32,8 +32,8 @@ near-ties break monotonicity the two differ by < 1e-6 of padded tokens (tests bo
 :meth:`Model.refine` then polishes the boundaries against the renewal chain wherever the
 two models disagree by more than 0.1 pp (pattern search per boundary, down to one
 distinct length; optionally from several starts, best kept). At small budgets the result
-is a local optimum of the chain, not a proven global one. All counts and token sums are int64; padded tokens are float64 (exact
-integers to 2^53, beyond 10^15 tokens).
+is a local optimum of the chain, not a proven global one. All counts and token sums are
+int64; padded tokens are float64 (exact integers to 2^53, beyond 10^15 tokens).
 """
 
 from __future__ import annotations

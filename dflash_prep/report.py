@@ -82,12 +82,14 @@ def render(rep: dict, console=None) -> None:
     for c in ("count", "total tokens", "min", "p1", "p50", "p90", "p99", "max", f"pile at {s['max']}"):
         t.add_column(c, justify="right")
     pile = s["pile_at_max"]
-    t.add_row(f"{s['count']:,}", f"{s['total_tokens']:,}", *(str(s[k]) for k in ("min", "p1", "p50", "p90", "p99", "max")),
+    qs = (str(s[k]) for k in ("min", "p1", "p50", "p90", "p99", "max"))
+    t.add_row(f"{s['count']:,}", f"{s['total_tokens']:,}", *qs,
               f"{pile['count']:,} ({100 * pile['share']:.2f}%)")
     con.print(t)
 
     b = rep["budget"]
-    t = Table(title=f"strategies at budget {b['value']:.0f} {b['unit']} (pred = renewal-chain model; sim = mean of simulated epochs)")
+    t = Table(title=f"strategies at budget {b['value']:.0f} {b['unit']} "
+                    "(pred = renewal-chain model; sim = mean of simulated epochs)")
     for c in ("strategy", "eff pred", "eff sim", "fill", "micro-batches", "repeat-pair", "spread", "how"):
         t.add_column(c, justify="left" if c in ("strategy", "how") else "right")
     for r in rep["strategies"]:
@@ -95,7 +97,8 @@ def render(rep: dict, console=None) -> None:
                   f"{r['microbatches']:,.0f}", f"{r['repeat_pair']:.5f}", f"{r['spread']:.3f}", r["how"])
     con.print(t)
 
-    t = Table(title="Pareto over K (window 0): efficiency = renewal-chain model; repeat-pair, spread = analytic estimates")
+    t = Table(title="Pareto over K (window 0): efficiency = renewal-chain model; "
+                    "repeat-pair, spread = analytic estimates")
     for c in ("K", "efficiency", "equal-mass", "micro-batches", "repeat-pair", "spread"):
         t.add_column(c, justify="right")
     t.add_column("boundaries", no_wrap=True, overflow="ellipsis", max_width=48)

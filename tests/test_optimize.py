@@ -89,7 +89,8 @@ def test_refine_only_moves_when_the_models_disagree():
     assert narrow.refine(b) == b  # the models agree within 0.1 pp: nothing to polish
 
 
-@pytest.mark.parametrize("budget,alpha,cap", [(T, 0.0, 16), (1.3 * T, 1 / (12 * 768), None), (1.3 * T, 1 / (12 * 768), 8)])
+@pytest.mark.parametrize("budget,alpha,cap", [(T, 0.0, 16), (1.3 * T, 1 / (12 * 768), None),
+                                              (1.3 * T, 1 / (12 * 768), 8)])
 def test_prediction_under_caps_and_cost_budgets(budget, alpha, cap):
     lengths = make_lengths("seedlike", 100_000, 3)
     model = Model(histogram(lengths), PackModel(budget, alpha, cap))
