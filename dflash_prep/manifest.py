@@ -177,7 +177,11 @@ class Manifest:
                 yield self.microbatch(base + a)
 
     def step_real_tokens(self, step: int) -> int:
-        """Real tokens of a whole optimizer step: the loss normaliser (all ranks, all accum)."""
+        """Real (unpadded) tokens of a whole optimizer step, all ranks and accumulation slots.
+
+        This is the throughput numerator, not the loss normaliser: the loss divides by the
+        step's target tokens under ``loss_mask`` (shifted), which only the shards know.
+        """
         per_step = self.world_size * self.grad_accum
         return int(self.table[step * per_step:(step + 1) * per_step, COL["real_tokens"]].sum())
 
