@@ -38,6 +38,9 @@ from .optimize import Histogram, Model, PackModel, histogram
 from .packing import greedy_offsets, pack_padded_epoch
 
 WINDOWS = (0, 1024, 2048, 4096)   # local sort windows the Pareto table simulates
+SMALL_WINDOWS = (64, 256)         # added for small data, where a window covers much of a bucket
+SMALL_DATA = 200_000
+REPEAT_PAIR_WARN = 0.05           # above this an epoch barely changes batch composition
 MAX_K = 32
 MULTI_START_GAP = 0.005  # model disagreement (efficiency) above which refine also starts from the baselines
 
@@ -295,7 +298,7 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
                            "how": f"chain model + {cfg.epochs} sim epochs"})
 
     clock("strategies")
-    windows = sorted(set(WINDOWS) | {cfg.window})
+    windows = sorted(set(WINDOWS) | {cfg.window} | (set(SMALL_WINDOWS) if len(lengths) < SMALL_DATA else set()))
     pareto_w = []
     for w in windows:
         if w == 0:
@@ -336,6 +339,14 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
         predicted = {"efficiency": row["efficiency"], "fill": row["fill"], "microbatches": row["microbatches"],
                      "window": cfg.window, "how": f"simulated, mean of {cfg.epochs} epochs"}
     predicted["window0"] = w0
+    warnings = []
+    plan_row = next(r for r in pareto_w if r["window"] == cfg.window)
+    if cfg.window and plan_row["repeat_pair"] > REPEAT_PAIR_WARN:
+        ok = [r["window"] for r in pareto_w if r["repeat_pair"] <= REPEAT_PAIR_WARN and r["window"]]
+        warnings.append(f"window {cfg.window}: repeat-pair rate {plan_row['repeat_pair']:.3f} (> {REPEAT_PAIR_WARN}); "
+                        "the window covers much of a bucket, so batches barely change between epochs. "
+                        + (f"The largest window in the table that stays below it: --window {max(ok)}." if ok
+                           else "Use a smaller --window."))
     per_bucket_mb = (next(r for r in pareto_w if r["window"] == cfg.window)["per_bucket_microbatches"]
                      if cfg.window else [bk["microbatches"] for bk in pred0["buckets"]])
     edges = [0, *bounds, hist.max_len + 1]  # bucket t holds [edges[t], edges[t+1])
@@ -352,7 +363,8 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
            "alpha": b.packing_alpha, "max_batch_size": b.max_batch_size}, "k": k, "boundaries": list(bounds),
            "strategies": strategies, "pareto_k": pareto_k, "pareto_window": [
                {kk: vv for kk, vv in r.items() if kk != "per_bucket_microbatches"} for r in pareto_w],
-           "predicted": predicted, "plan": str(plan_path), "fingerprint": plan_mod.load(plan_path).fingerprint}
+           "predicted": predicted, "plan": str(plan_path), "fingerprint": plan_mod.load(plan_path).fingerprint,
+           "warnings": warnings}
     rep["png"] = str(report.plot(hist, rep, out)) if cfg.plot else None
     clock("plan + plot")
     rep["seconds"] = clock.laps

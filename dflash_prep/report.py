@@ -119,6 +119,8 @@ def render(rep: dict, console=None) -> None:
     p = rep["predicted"]
     con.print(f"K={rep['k']} boundaries {rep['boundaries']}; window {p['window']}: predicted efficiency "
               f"{p['efficiency']:.4f} ({p['how']}); window 0: {p['window0']['efficiency']:.4f} (model)")
+    for w in rep.get("warnings", ()):
+        con.print(f"[yellow]warning:[/yellow] {w}")
     con.print(f"plan: {rep['plan']}")
     con.print(f"report: {rep['report']}")
     if rep.get("png"):
