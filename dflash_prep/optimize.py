@@ -44,7 +44,7 @@ import numba as nb
 import numpy as np
 
 from .errors import ConfigError, InputError
-from .renewal import renewal
+from .renewal import polish, renewal
 
 _E_MAX = 6           # a = n / N_b >= 2**6 leaves every term below exp(-64): S(a) == 0
 
@@ -424,32 +424,8 @@ class Model:
         ranges = self.index_ranges(boundaries)
         if len(ranges) < 2:
             return tuple(int(b) for b in boundaries)
-        starts = [i for i, _ in ranges] + [len(self.hist.values)]
-
-        def cost(i, j):
-            return self.bucket(i, j)["padded"]
-
-        for _ in range(max_sweeps):
-            moved = False
-            for k in range(1, len(starts) - 1):
-                lo, hi = starts[k - 1] + 1, starts[k + 1] - 1
-                c = starts[k]
-                f = cost(starts[k - 1], c - 1) + cost(c, starts[k + 1] - 1)
-                step = max(1, (hi - lo) // 16)
-                while step >= 1:
-                    best = None
-                    for cand in (c - step, c + step):
-                        if lo <= cand <= hi:
-                            g = cost(starts[k - 1], cand - 1) + cost(cand, starts[k + 1] - 1)
-                            if g < f * (1 - 1e-12):
-                                best, f = cand, g
-                    if best is None:
-                        step //= 2
-                    else:
-                        c, moved = best, True
-                starts[k] = c
-            if not moved:
-                break
+        starts = polish([i for i, _ in ranges] + [len(self.hist.values)],
+                        lambda i, j: self.bucket(i, j)["padded"], max_sweeps)
         return tuple(int(self.hist.values[i]) for i in starts[1:-1])
 
     def search(self, K: int, *, exhaustive: bool = False) -> "SearchResult":
