@@ -81,8 +81,8 @@ class ConvConfig:
     max_len: int = 1024
     budget: int = 2048
     grad_accum: int = 1
-    steps: int = 30
-    eval_every: int = 10
+    steps: int = 60
+    eval_every: int = 15
     k: int = 6
     window: int = 32
     seeds: tuple[int, ...] = (0, 1, 2)
