@@ -202,7 +202,7 @@ def sorted_static(lengths: np.ndarray, b: plan_mod.Budget) -> dict:
     ids = np.argsort(lengths, kind="stable")
     offsets = greedy_offsets(ids, lengths, b.value, alpha=b.packing_alpha, max_batch_size=b.max_batch_size)
     eff = metrics.efficiency(lengths, ids, offsets)
-    return {"efficiency_pred": eff, "efficiency_sim": eff, "fill": _fill(lengths, ids, offsets, b),
+    return {"boundaries": [], "efficiency_pred": eff, "efficiency_sim": eff, "fill": _fill(lengths, ids, offsets, b),
             "microbatches": float(len(offsets) - 1), "repeat_pair": 1.0,
             "spread": metrics.within_batch_spread(lengths, ids, offsets), "how": "exact (deterministic)"}
 
@@ -273,8 +273,7 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
     hist = histogram(lengths)
     model = Model(hist, PackModel(b.value, b.packing_alpha, b.max_batch_size))  # checks the budget fits
     clock("load + histogram")
-    k_search = max(MAX_K, cfg.buckets or 0)
-    result = model.search(k_search)
+    result = model.search(max(MAX_K, cfg.buckets or 0))
     clock("search")
     # the renewal chain has the last word; where the search's model is far off (small
     # budgets), the equal-count and equal-mass cuts are polished too and the best wins
@@ -284,92 +283,104 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
     clock("refine")
     k = choose_k(cfg, model, refined)
     bounds = refined[k - 1]
-
-    strategies = [sorted_static(lengths, b)]
-    strategies[0]["name"] = "sorted-static"
-    rows = [("full random", ()), (f"equal-count K={k}", equal_count_boundaries(hist, k)),
-            (f"equal-mass K={k}", equal_mass_boundaries(hist, k)), (f"optimal K={k}", bounds)]
-    for name, bd in rows:
-        pred = model.predict(bd)
-        sim = simulate(lengths, bd, cfg, window=0)
-        strategies.append({"name": name, "boundaries": list(bd), "efficiency_pred": pred["efficiency"],
-                           "efficiency_sim": sim.efficiency, "fill": sim.fill, "microbatches": sim.microbatches,
-                           "repeat_pair": sim.repeat_pair, "spread": sim.spread,
-                           "how": f"chain model + {cfg.epochs} sim epochs"})
-
+    strategies = strategy_rows(lengths, model, cfg, k, bounds)
     clock("strategies")
-    windows = sorted(set(WINDOWS) | {cfg.window} | (set(SMALL_WINDOWS) if len(lengths) < SMALL_DATA else set()))
-    pareto_w = []
-    for w in windows:
+    pareto_w = pareto_windows(lengths, cfg, bounds, strategies[-1])
+    plan_row = next(r for r in pareto_w if r["window"] == cfg.window)
+    if cfg.window:
+        strategies.append({"name": f"optimal K={k} + window {cfg.window}", "boundaries": list(bounds),
+                           "efficiency_pred": plan_row["efficiency"], "efficiency_sim": plan_row["efficiency"],
+                           **{m: plan_row[m] for m in ("fill", "microbatches", "repeat_pair", "spread")},
+                           "how": f"{cfg.epochs} sim epochs"})
+    clock("pareto windows")
+    pareto_k = [{"k": kk, "boundaries": list(bd), **_pareto_k_row(model, bd),
+                 "equal_mass_efficiency": model.predict(equal_mass_boundaries(hist, kk))["efficiency"]}
+                for kk, bd in enumerate(refined, 1)]
+    clock("pareto K")
+    plan = _plan(src, model, cfg, bounds, plan_row)
+    plan_path = plan_mod.save(plan, cfg.out_dir)
+    rep = {"data": src.describe(), "stats": length_stats(hist),
+           "budget": {"unit": b.unit, "value": b.value, "alpha": b.packing_alpha, "max_batch_size": b.max_batch_size},
+           "k": k, "boundaries": list(bounds), "strategies": strategies, "pareto_k": pareto_k,
+           "pareto_window": [{kk: vv for kk, vv in r.items() if kk != "per_bucket_microbatches"} for r in pareto_w],
+           "predicted": plan.predicted, "plan": str(plan_path), "fingerprint": plan_mod.load(plan_path).fingerprint,
+           "warnings": window_warnings(cfg, pareto_w)}
+    rep["png"] = str(report.plot(hist, rep, cfg.out_dir)) if cfg.plot else None
+    clock("plan + plot")
+    rep["seconds"] = clock.laps
+    rep["report"] = str(report.write_json(rep, cfg.out_dir))
+    return rep
+
+
+def strategy_rows(lengths, model: Model, cfg: AnalyzeConfig, k: int, bounds) -> list[dict]:
+    """sorted-static, full random, equal-count, equal-mass and optimal: chain + simulated."""
+    hist = model.hist
+    rows = [{"name": "sorted-static", **sorted_static(lengths, cfg.budget_spec)}]
+    for name, bd in (("full random", ()), (f"equal-count K={k}", equal_count_boundaries(hist, k)),
+                     (f"equal-mass K={k}", equal_mass_boundaries(hist, k)), (f"optimal K={k}", bounds)):
+        sim = simulate(lengths, bd, cfg, window=0)
+        rows.append({"name": name, "boundaries": list(bd), "efficiency_pred": model.predict(bd)["efficiency"],
+                     "efficiency_sim": sim.efficiency, "fill": sim.fill, "microbatches": sim.microbatches,
+                     "repeat_pair": sim.repeat_pair, "spread": sim.spread,
+                     "how": f"chain model + {cfg.epochs} sim epochs"})
+    return rows
+
+
+def pareto_windows(lengths, cfg: AnalyzeConfig, bounds, window0_row: dict) -> list[dict]:
+    """Simulated rows for each local sort window at the chosen boundaries (window 0 reused)."""
+    windows = set(WINDOWS) | {cfg.window} | (set(SMALL_WINDOWS) if len(lengths) < SMALL_DATA else set())
+    rows = []
+    for w in sorted(windows):
         if w == 0:
-            row = strategies[-1]
-            pareto_w.append({"window": 0, "efficiency": row["efficiency_sim"], "fill": row["fill"],
-                             "microbatches": row["microbatches"], "repeat_pair": row["repeat_pair"],
-                             "spread": row["spread"], "how": "sim"})
+            rows.append({"window": 0, "how": "sim", **{m: window0_row[m] for m in (
+                "fill", "microbatches", "repeat_pair", "spread")}, "efficiency": window0_row["efficiency_sim"]})
             continue
         sim = simulate(lengths, bounds, cfg, window=w)
-        pareto_w.append({"window": w, "efficiency": sim.efficiency, "fill": sim.fill, "microbatches": sim.microbatches,
-                         "repeat_pair": sim.repeat_pair, "spread": sim.spread, "how": "sim",
-                         "per_bucket_microbatches": sim.per_bucket_microbatches})
-        if w == cfg.window:
-            strategies.append({"name": f"optimal K={k} + window {w}", "boundaries": list(bounds),
-                               "efficiency_pred": sim.efficiency, "efficiency_sim": sim.efficiency, "fill": sim.fill,
-                               "microbatches": sim.microbatches, "repeat_pair": sim.repeat_pair,
-                               "spread": sim.spread, "how": f"{cfg.epochs} sim epochs"})
+        rows.append({"window": w, "efficiency": sim.efficiency, "fill": sim.fill, "microbatches": sim.microbatches,
+                     "repeat_pair": sim.repeat_pair, "spread": sim.spread, "how": "sim",
+                     "per_bucket_microbatches": sim.per_bucket_microbatches})
+    return rows
 
-    clock("pareto windows")
-    pareto_k = []
-    for kk in range(1, len(refined) + 1):
-        bd = refined[kk - 1]
-        pred = model.predict(bd)
-        rp, sp = analytic_diversity(model, bd)
-        pareto_k.append({"k": kk, "boundaries": list(bd), "efficiency": pred["efficiency"], "fill": pred["fill"],
-                         "microbatches": pred["microbatches"], "repeat_pair": rp, "spread": sp,
-                         "equal_mass_efficiency": model.predict(equal_mass_boundaries(hist, kk))["efficiency"],
-                         "how": "model + analytic"})
 
-    clock("pareto K")
+def _pareto_k_row(model: Model, bd) -> dict:
+    pred = model.predict(bd)
+    rp, sp = analytic_diversity(model, bd)
+    return {"efficiency": pred["efficiency"], "fill": pred["fill"], "microbatches": pred["microbatches"],
+            "repeat_pair": rp, "spread": sp, "how": "chain model + analytic"}
+
+
+def window_warnings(cfg: AnalyzeConfig, pareto_w: list[dict]) -> list[str]:
+    """A warning when the plan's window leaves a repeat-pair rate above REPEAT_PAIR_WARN."""
+    row = next(r for r in pareto_w if r["window"] == cfg.window)
+    if not cfg.window or row["repeat_pair"] <= REPEAT_PAIR_WARN:
+        return []
+    ok = [r["window"] for r in pareto_w if r["repeat_pair"] <= REPEAT_PAIR_WARN and r["window"]]
+    return [f"window {cfg.window}: repeat-pair rate {row['repeat_pair']:.3f} (> {REPEAT_PAIR_WARN}); the window "
+            "covers much of a bucket, so batches barely change between epochs. "
+            + (f"The largest window in the table that stays below it: --window {max(ok)}." if ok
+               else "Use a smaller --window.")]
+
+
+def _plan(src: LengthSource, model: Model, cfg: AnalyzeConfig, bounds, plan_row: dict) -> plan_mod.Plan:
+    """The plan: boundaries, budget, seed, window, per-bucket figures and the prediction."""
     pred0 = model.predict(bounds)
     w0 = {"efficiency": pred0["efficiency"], "fill": pred0["fill"], "microbatches": pred0["microbatches"],
           "window": 0, "how": "model"}
     if cfg.window == 0:
         predicted = dict(w0)
+        per_bucket_mb = [bk["microbatches"] for bk in pred0["buckets"]]
     else:
-        row = next(r for r in pareto_w if r["window"] == cfg.window)
-        predicted = {"efficiency": row["efficiency"], "fill": row["fill"], "microbatches": row["microbatches"],
-                     "window": cfg.window, "how": f"simulated, mean of {cfg.epochs} epochs"}
+        predicted = {"efficiency": plan_row["efficiency"], "fill": plan_row["fill"],
+                     "microbatches": plan_row["microbatches"], "window": cfg.window,
+                     "how": f"simulated, mean of {cfg.epochs} epochs"}
+        per_bucket_mb = plan_row["per_bucket_microbatches"]
     predicted["window0"] = w0
-    warnings = []
-    plan_row = next(r for r in pareto_w if r["window"] == cfg.window)
-    if cfg.window and plan_row["repeat_pair"] > REPEAT_PAIR_WARN:
-        ok = [r["window"] for r in pareto_w if r["repeat_pair"] <= REPEAT_PAIR_WARN and r["window"]]
-        warnings.append(f"window {cfg.window}: repeat-pair rate {plan_row['repeat_pair']:.3f} (> {REPEAT_PAIR_WARN}); "
-                        "the window covers much of a bucket, so batches barely change between epochs. "
-                        + (f"The largest window in the table that stays below it: --window {max(ok)}." if ok
-                           else "Use a smaller --window."))
-    per_bucket_mb = (next(r for r in pareto_w if r["window"] == cfg.window)["per_bucket_microbatches"]
-                     if cfg.window else [bk["microbatches"] for bk in pred0["buckets"]])
-    edges = [0, *bounds, hist.max_len + 1]  # bucket t holds [edges[t], edges[t+1])
-    buckets = []
-    for t, bk in enumerate(pred0["buckets"]):
-        buckets.append({"lo": edges[t], "hi": edges[t + 1], "count": bk["count"], "tokens": bk["tokens"],
-                        "expected_microbatches": float(per_bucket_mb[t]),
-                        "expected_microbatches_window0": bk["microbatches"]})
-    plan = plan_mod.Plan(data=src.describe(), boundaries=tuple(bounds), budget=b, seed=cfg.seed, window=cfg.window,
-                         buckets=tuple(buckets), predicted=predicted)
-    out = cfg.out_dir
-    plan_path = plan_mod.save(plan, out)
-    rep = {"data": src.describe(), "stats": length_stats(hist), "budget": {"unit": b.unit, "value": b.value,
-           "alpha": b.packing_alpha, "max_batch_size": b.max_batch_size}, "k": k, "boundaries": list(bounds),
-           "strategies": strategies, "pareto_k": pareto_k, "pareto_window": [
-               {kk: vv for kk, vv in r.items() if kk != "per_bucket_microbatches"} for r in pareto_w],
-           "predicted": predicted, "plan": str(plan_path), "fingerprint": plan_mod.load(plan_path).fingerprint,
-           "warnings": warnings}
-    rep["png"] = str(report.plot(hist, rep, out)) if cfg.plot else None
-    clock("plan + plot")
-    rep["seconds"] = clock.laps
-    rep["report"] = str(report.write_json(rep, out))
-    return rep
+    edges = [0, *bounds, model.hist.max_len + 1]  # bucket t holds [edges[t], edges[t+1])
+    buckets = tuple({"lo": edges[t], "hi": edges[t + 1], "count": bk["count"], "tokens": bk["tokens"],
+                     "expected_microbatches": float(per_bucket_mb[t]),
+                     "expected_microbatches_window0": bk["microbatches"]} for t, bk in enumerate(pred0["buckets"]))
+    return plan_mod.Plan(data=src.describe(), boundaries=tuple(bounds), budget=cfg.budget_spec, seed=cfg.seed,
+                         window=cfg.window, buckets=buckets, predicted=predicted)
 
 
 class _Clock:
