@@ -38,9 +38,10 @@ from .optimize import Histogram, Model, PackModel, histogram
 from .packing import greedy_offsets, pack_padded_epoch
 
 WINDOWS = (0, 1024, 2048, 4096)   # local sort windows the Pareto table simulates
-SMALL_WINDOWS = (64, 256)         # added for small data, where a window covers much of a bucket
+SMALL_WINDOWS = (64, 128, 256, 512)  # added for small data, where a window covers much of a bucket
 SMALL_DATA = 200_000
 REPEAT_PAIR_WARN = 0.05           # above this an epoch barely changes batch composition
+AUTO_REPEAT_SLACK = 0.01          # auto window: repeat-pair may rise at most this much over window 0
 MAX_K = 32
 MULTI_START_GAP = 0.005  # model disagreement (efficiency) above which refine also starts from the baselines
 
@@ -70,8 +71,11 @@ class AnalyzeConfig:
     """Pick the smallest K <= 32 whose predicted efficiency reaches this (instead of K)."""
     seed: int = 0
     """Shuffle seed recorded in the plan (simulations use it too)."""
-    window: int = 2048
-    """Local sort window recorded in the plan (0 disables)."""
+    window: int | None = None
+    """Local sort window recorded in the plan (0 disables). None = auto: the largest simulated
+    window whose repeat-pair rate stays within AUTO_REPEAT_SLACK (0.01) of window 0's. On
+    seedlike (902K) that is 2048 (efficiency 0.990, repeat-pair 0.0064); on small data it
+    shrinks, because a fixed window covers more of each bucket."""
     epochs: int = 3
     """Epochs simulated per strategy row (at least 3)."""
     plot: bool = True
@@ -86,7 +90,7 @@ class AnalyzeConfig:
             raise ConfigError(f"--buckets must be at least 1, got {self.buckets}")
         if self.target_efficiency is not None and not 0 < self.target_efficiency <= 1:
             raise ConfigError(f"--target-efficiency must be in (0, 1], got {self.target_efficiency}")
-        if self.window < 0:
+        if self.window is not None and self.window < 0:
             raise ConfigError(f"--window must be >= 0 (0 disables), got {self.window}")
         if self.epochs < 3:
             raise ConfigError(f"--epochs must be at least 3 (a simulated figure is a mean over >= 3), "
@@ -286,9 +290,10 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
     strategies = strategy_rows(lengths, model, cfg, k, bounds)
     clock("strategies")
     pareto_w = pareto_windows(lengths, cfg, bounds, strategies[-1])
-    plan_row = next(r for r in pareto_w if r["window"] == cfg.window)
-    if cfg.window:
-        strategies.append({"name": f"optimal K={k} + window {cfg.window}", "boundaries": list(bounds),
+    window = auto_window(pareto_w) if cfg.window is None else cfg.window
+    plan_row = next(r for r in pareto_w if r["window"] == window)
+    if window:
+        strategies.append({"name": f"optimal K={k} + window {window}", "boundaries": list(bounds),
                            "efficiency_pred": plan_row["efficiency"], "efficiency_sim": plan_row["efficiency"],
                            **{m: plan_row[m] for m in ("fill", "microbatches", "repeat_pair", "spread")},
                            "how": f"{cfg.epochs} sim epochs"})
@@ -297,14 +302,15 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
                  "equal_mass_efficiency": model.predict(equal_mass_boundaries(hist, kk))["efficiency"]}
                 for kk, bd in enumerate(refined, 1)]
     clock("pareto K")
-    plan = _plan(src, model, cfg, bounds, plan_row)
+    plan = _plan(src, model, cfg, bounds, plan_row, window)
     plan_path = plan_mod.save(plan, cfg.out_dir)
     rep = {"data": src.describe(), "stats": length_stats(hist),
            "budget": {"unit": b.unit, "value": b.value, "alpha": b.packing_alpha, "max_batch_size": b.max_batch_size},
-           "k": k, "boundaries": list(bounds), "strategies": strategies, "pareto_k": pareto_k,
+           "k": k, "boundaries": list(bounds), "window": window,
+           "window_how": "auto" if cfg.window is None else "given", "strategies": strategies, "pareto_k": pareto_k,
            "pareto_window": [{kk: vv for kk, vv in r.items() if kk != "per_bucket_microbatches"} for r in pareto_w],
            "predicted": plan.predicted, "plan": str(plan_path), "fingerprint": plan_mod.load(plan_path).fingerprint,
-           "warnings": window_warnings(cfg, pareto_w)}
+           "warnings": window_warnings(window, pareto_w)}
     rep["png"] = str(report.plot(hist, rep, cfg.out_dir)) if cfg.plot else None
     clock("plan + plot")
     rep["seconds"] = clock.laps
@@ -328,7 +334,7 @@ def strategy_rows(lengths, model: Model, cfg: AnalyzeConfig, k: int, bounds) -> 
 
 def pareto_windows(lengths, cfg: AnalyzeConfig, bounds, window0_row: dict) -> list[dict]:
     """Simulated rows for each local sort window at the chosen boundaries (window 0 reused)."""
-    windows = set(WINDOWS) | {cfg.window} | (set(SMALL_WINDOWS) if len(lengths) < SMALL_DATA else set())
+    windows = set(WINDOWS) | {cfg.window or 0} | (set(SMALL_WINDOWS) if len(lengths) < SMALL_DATA else set())
     rows = []
     for w in sorted(windows):
         if w == 0:
@@ -349,29 +355,39 @@ def _pareto_k_row(model: Model, bd) -> dict:
             "repeat_pair": rp, "spread": sp, "how": "chain model + analytic"}
 
 
-def window_warnings(cfg: AnalyzeConfig, pareto_w: list[dict]) -> list[str]:
+def auto_window(pareto_w: list[dict]) -> int:
+    """The largest simulated window whose repeat-pair rate is at most window 0's + AUTO_REPEAT_SLACK.
+
+    Window 0 already sets the floor of how often pairs meet again (small buckets repeat pairs
+    by chance); a window may add at most 0.01 to that, so composition keeps changing.
+    """
+    base = next(r for r in pareto_w if r["window"] == 0)["repeat_pair"]
+    return max(r["window"] for r in pareto_w if r["repeat_pair"] <= base + AUTO_REPEAT_SLACK)
+
+
+def window_warnings(window: int, pareto_w: list[dict]) -> list[str]:
     """A warning when the plan's window leaves a repeat-pair rate above REPEAT_PAIR_WARN."""
-    row = next(r for r in pareto_w if r["window"] == cfg.window)
-    if not cfg.window or row["repeat_pair"] <= REPEAT_PAIR_WARN:
+    row = next(r for r in pareto_w if r["window"] == window)
+    if not window or row["repeat_pair"] <= REPEAT_PAIR_WARN:
         return []
     ok = [r["window"] for r in pareto_w if r["repeat_pair"] <= REPEAT_PAIR_WARN and r["window"]]
-    return [f"window {cfg.window}: repeat-pair rate {row['repeat_pair']:.3f} (> {REPEAT_PAIR_WARN}); the window "
+    return [f"window {window}: repeat-pair rate {row['repeat_pair']:.3f} (> {REPEAT_PAIR_WARN}); the window "
             "covers much of a bucket, so batches barely change between epochs. "
             + (f"The largest window in the table that stays below it: --window {max(ok)}." if ok
                else "Use a smaller --window.")]
 
 
-def _plan(src: LengthSource, model: Model, cfg: AnalyzeConfig, bounds, plan_row: dict) -> plan_mod.Plan:
+def _plan(src: LengthSource, model: Model, cfg: AnalyzeConfig, bounds, plan_row: dict, window: int) -> plan_mod.Plan:
     """The plan: boundaries, budget, seed, window, per-bucket figures and the prediction."""
     pred0 = model.predict(bounds)
     w0 = {"efficiency": pred0["efficiency"], "fill": pred0["fill"], "microbatches": pred0["microbatches"],
           "window": 0, "how": "model"}
-    if cfg.window == 0:
+    if window == 0:
         predicted = dict(w0)
         per_bucket_mb = [bk["microbatches"] for bk in pred0["buckets"]]
     else:
         predicted = {"efficiency": plan_row["efficiency"], "fill": plan_row["fill"],
-                     "microbatches": plan_row["microbatches"], "window": cfg.window,
+                     "microbatches": plan_row["microbatches"], "window": window,
                      "how": f"simulated, mean of {cfg.epochs} epochs"}
         per_bucket_mb = plan_row["per_bucket_microbatches"]
     predicted["window0"] = w0
@@ -380,7 +396,7 @@ def _plan(src: LengthSource, model: Model, cfg: AnalyzeConfig, bounds, plan_row:
                      "expected_microbatches": float(per_bucket_mb[t]),
                      "expected_microbatches_window0": bk["microbatches"]} for t, bk in enumerate(pred0["buckets"]))
     return plan_mod.Plan(data=src.describe(), boundaries=tuple(bounds), budget=cfg.budget_spec, seed=cfg.seed,
-                         window=cfg.window, buckets=buckets, predicted=predicted)
+                         window=window, buckets=buckets, predicted=predicted)
 
 
 class _Clock:

@@ -39,6 +39,14 @@ def _friendly(fn):
     return wrapper
 
 
+def console():
+    """A rich console; 160 columns when stdout is not a terminal (make, CI, logs), so tables
+    are not cut to rich's 80-column default there."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
 def command(*args, **kwargs):
     """``@app.command`` plus friendly errors."""
 
@@ -107,7 +115,7 @@ def analyze_cmd(
     buckets: Annotated[Optional[int], typer.Option(help="number of buckets K (default 6)")] = None,
     target_efficiency: Annotated[Optional[float], typer.Option(help="pick the smallest K whose predicted efficiency reaches this")] = None,
     seed: Annotated[int, typer.Option(help="shuffle seed recorded in the plan")] = 0,
-    window: Annotated[int, typer.Option(help="local sort window recorded in the plan; 0 disables")] = 2048,
+    window: Annotated[Optional[int], typer.Option(help="local sort window recorded in the plan; 0 disables; default: auto, the largest window whose repeat-pair rate stays within 0.01 of window 0's (2048 on 902K seedlike)")] = None,
     epochs: Annotated[int, typer.Option(help="epochs simulated per strategy row (>= 3)")] = 3,
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON instead of tables")] = False,
     plot: Annotated[bool, typer.Option(help="write analyze.png")] = True,
@@ -123,7 +131,7 @@ def analyze_cmd(
     if json_out:
         typer.echo(to_json(rep))
     else:
-        render(rep)
+        render(rep, console())
 
 
 
@@ -133,14 +141,13 @@ _SUMMARY_KEYS = ("efficiency", "fill", "microbatches", "steps", "step_mix", "ran
 
 
 def _print_summaries(rows: list[tuple[str, dict]]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table("metric", *(name for name, _ in rows))
     for k in _SUMMARY_KEYS:
         table.add_row(k, *("-" if s.get(k) is None else f"{s[k]:.4f}" if isinstance(s[k], float) else str(s[k])
                            for _, s in rows))
-    Console().print(table)
+    console().print(table)
 
 
 @command("pack")

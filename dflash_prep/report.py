@@ -117,8 +117,12 @@ def render(rep: dict, console=None) -> None:
     con.print(t)
 
     p = rep["predicted"]
-    con.print(f"K={rep['k']} boundaries {rep['boundaries']}; window {p['window']}: predicted efficiency "
-              f"{p['efficiency']:.4f} ({p['how']}); window 0: {p['window0']['efficiency']:.4f} (model)")
+    how = " (auto: largest window within +0.01 repeat-pair of window 0)" if rep.get("window_how") == "auto" else ""
+    line = (f"K={rep['k']} boundaries {rep['boundaries']}; window {p['window']}{how}: predicted efficiency "
+            f"{p['efficiency']:.4f} ({p['how']})")
+    if p["window"]:
+        line += f"; window 0: {p['window0']['efficiency']:.4f} (model)"
+    con.print(line)
     for w in rep.get("warnings", ()):
         con.print(f"[yellow]warning:[/yellow] {w}")
     con.print(f"plan: {rep['plan']}")

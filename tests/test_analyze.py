@@ -37,8 +37,20 @@ def cfg(path, out, **kw) -> AnalyzeConfig:
     return AnalyzeConfig(lengths_file=path, out=out, **kw)
 
 
+def test_auto_window_is_largest_within_repeat_slack(lengths_file, tmp_path):
+    rep = run(cfg(lengths_file, tmp_path))
+    rows = {r["window"]: r for r in rep["pareto_window"]}
+    limit = rows[0]["repeat_pair"] + 0.01
+    chosen = rep["window"]
+    assert rep["window_how"] == "auto" and plan_mod.load(tmp_path / "plan.json").window == chosen
+    assert rows[chosen]["repeat_pair"] <= limit
+    assert all(r["repeat_pair"] > limit for w, r in rows.items() if w > chosen)
+    assert 0 < chosen < 2048  # 20k samples: a 2048 window would cover much of a bucket
+    assert rep["predicted"]["window"] == chosen
+
+
 def test_plan_report_and_png(lengths_file, tmp_path):
-    rep = run(cfg(lengths_file, tmp_path, plot=True, buckets=5))
+    rep = run(cfg(lengths_file, tmp_path, plot=True, buckets=5, window=2048))
     plan = plan_mod.load(tmp_path / "plan.json")
     assert list(plan.boundaries) == rep["boundaries"] and len(plan.boundaries) == 4
     assert plan.window == 2048 and plan.budget.value == T and plan.fingerprint == rep["fingerprint"]
@@ -58,7 +70,7 @@ def test_plan_report_and_png(lengths_file, tmp_path):
     eff = {s["name"]: s["efficiency_sim"] for s in rep["strategies"]}
     assert eff["full random"] < eff["equal-mass K=5"] < eff["optimal K=5"] < eff["optimal K=5 + window 2048"]
     assert [r["k"] for r in rep["pareto_k"]] == list(range(1, 33))
-    assert [r["window"] for r in rep["pareto_window"]] == [0, 64, 256, 1024, 2048, 4096]  # small data: +64, 256
+    assert [r["window"] for r in rep["pareto_window"]] == [0, 64, 128, 256, 512, 1024, 2048, 4096]  # small data: +64..512
     # 20k samples in 5 buckets: a 2048 window sorts most of a bucket, so batches barely change
     rp = {r["window"]: r["repeat_pair"] for r in rep["pareto_window"]}
     assert rp[2048] > 0.05 and len(rep["warnings"]) == 1
