@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_prep.errors import ConfigError, FingerprintMismatch
+from dflash_prep.plan import Budget
 
 from . import distributed
 
@@ -68,6 +69,9 @@ class FileSource:
             o = self._pack_options()
             flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in o.items()
                             if k in ("world_size", "grad_accum", "layout", "schedule"))
+            if o.get("budget") is not None:
+                b = o["budget"]
+                flags += f" --budget-unit {b.unit} --budget {b.value:g}" + (f" --model-dim {b.model_dim}" if b.model_dim else "")
             cmd = f"dflash-prep pack {self.data_path} --plan {self.plan_path} --out {self.root} --epoch {epoch}{flags}"
             if not self.pack_missing:
                 raise ConfigError(f"{folder}: no manifest for epoch {epoch}. Pack it first:\n  {cmd}\n"
@@ -94,9 +98,14 @@ class FileSource:
             except Exception:  # an unreadable neighbour is reported when its own epoch is opened
                 continue
             o = h.get("options", {})
+            b = h.get("budget", {})
+            budget = Budget(unit=b["unit"], value=b["value"], model_dim=b.get("model_dim"),
+                            max_batch_size=b.get("max_batch_size")) if "unit" in b else None
+            # an epoch packed under a budget override keeps it: the new epoch must match its neighbours
             return {"world_size": int(h["world_size"]), "grad_accum": int(h["grad_accum"]), "layout": h["layout"],
                     "schedule": o.get("schedule", "class-aware"), "window": o.get("window"),
-                    "drop_last": bool(o.get("drop_last", False)), "open_bins": int(o.get("open_bins", 4))}
+                    "drop_last": bool(o.get("drop_last", False)), "open_bins": int(o.get("open_bins", 4)),
+                    "budget": None if budget == self.plan.budget else budget}
         return {"world_size": self.dist.world_size if self.dist else 1}
 
     def _pack(self, epoch: int) -> None:

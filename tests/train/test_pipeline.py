@@ -59,3 +59,18 @@ def test_plan_for_other_data_is_refused(pipeline, tmp_path):
     plan_mod.save(plan_mod.Plan(data=other.describe(), boundaries=(64,), budget=plan_mod.Budget(value=512)), tmp_path)
     with pytest.raises(FingerprintMismatch, match="analyze"):
         FileSource(pipeline / "data", tmp_path / "plan.json", tmp_path / "man")
+
+
+def test_epoch_packed_on_the_fly_keeps_a_neighbours_budget_override(pipeline, tmp_path):
+    from dflash_prep import manifest
+    from dflash_prep.pack import pack_epochs
+
+    override = plan_mod.Budget(value=384)
+    pack_epochs(plan=pipeline / "plan" / "plan.json", epochs=[0], out=tmp_path / "man", data=pipeline / "data",
+                budget=override)
+    src = FileSource(pipeline / "data", pipeline / "plan" / "plan.json", tmp_path / "man", pack_missing=False)
+    with pytest.raises(ConfigError, match="--budget-unit tokens --budget 384"):
+        src.manifest(1)
+    FileSource(pipeline / "data", pipeline / "plan" / "plan.json", tmp_path / "man").manifest(1)
+    h0, h1 = (manifest.read_header(manifest.epoch_dir(tmp_path / "man", e)) for e in (0, 1))
+    assert h1["budget"]["value"] == h0["budget"]["value"] == 384
