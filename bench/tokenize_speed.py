@@ -15,7 +15,9 @@ What is timed (wall clock, tokens/s = tokens produced / seconds):
 Two tokenizers: the built-in byte-level one (its ``direct`` reference is the equivalent
 ``tokenizers`` object from ``ByteTokenizer.to_tokenizers()``, which gives the same ids),
 and a byte-level BPE (vocab 8192) trained here, offline, with ``tokenizers`` on the first
-5,000 conversations. Target: ``tokenize`` >= 0.8x ``direct`` at the same core count.
+5,000 conversations. Target: ``tokenize`` >= 0.8x ``direct`` at the same core count. The 1-minute load average
+at the start of each measurement is printed too: on a shared machine a phase that ran under
+heavier load than its reference skews the ratio, so compare rows with similar load.
 """
 
 from __future__ import annotations
@@ -96,24 +98,26 @@ def main() -> None:
         rows = []
         for name, spec, hf_tok in (("byte", "byte", ByteTokenizer().to_tokenizers()),
                                    ("BPE 8192", str(bpe), load_tokenizer(str(bpe)).tok)):
+            load = os.getloadavg()[0]
             n_d, t_d = direct(hf_tok, texts)
-            rows.append((name, "tokenizers encode_batch (direct)", n_d, t_d, 1.0))
+            rows.append((name, "tokenizers encode_batch (direct)", n_d, t_d, 1.0, load))
             print(f"{name:9s} direct            {n_d / t_d / 1e6:7.2f} M tok/s ({t_d:.1f} s)", flush=True)
             for p in procs:
+                load = os.getloadavg()[0]
                 n_o, t_o = ours(corpus, spec, work / "out", p)
                 if n_o != n_d:
                     raise SystemExit(f"token counts differ: tokenize {n_o} vs direct {n_d}")
-                rows.append((name, f"dflash-prep tokenize --num-proc {p}", n_o, t_o, (n_o / t_o) / (n_d / t_d)))
+                rows.append((name, f"dflash-prep tokenize --num-proc {p}", n_o, t_o, (n_o / t_o) / (n_d / t_d), load))
                 print(f"{name:9s} tokenize -p {p}     {n_o / t_o / 1e6:7.2f} M tok/s ({t_o:.1f} s), "
                       f"{(n_o / t_o) / (n_d / t_d):.2f}x direct", flush=True)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
     print(f"\n{dt.date.today()} · {platform.machine()} · {cores} CPU cores · python -m bench.tokenize_speed --n {args.n}\n")
-    print("| tokenizer | path | tokens | seconds | M tokens/s | vs direct |")
-    print("|---|---|---:|---:|---:|---:|")
-    for name, path, n, t, r in rows:
-        print(f"| {name} | {path} | {n:,} | {t:.1f} | {n / t / 1e6:.2f} | {r:.2f}x |")
+    print("| tokenizer | path | tokens | seconds | M tokens/s | vs direct | load avg at start |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name, path, n, t, r, load in rows:
+        print(f"| {name} | {path} | {n:,} | {t:.1f} | {n / t / 1e6:.2f} | {r:.2f}x | {load:.1f} |")
 
 
 if __name__ == "__main__":
