@@ -22,6 +22,20 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
+# The main job end to end on the built-in demo corpus (CPU, a few minutes): a synthetic chat
+# corpus with seedlike's shape at 1/4 length, tokenized with the built-in byte-level
+# tokenizer, planned, packed for 2 ranks, verified, then trained by 2 gloo processes.
+DEMO_N ?= 20000
+DEMO_BUDGET ?= 4096
+demo: venv
+	$(BIN)/dflash-prep synth --profile mini --n $(DEMO_N) --out $(DEMO)/corpus --overwrite
+	$(BIN)/dflash-prep tokenize $(DEMO)/corpus/chat.jsonl --out $(DEMO)/data --max-len 2048
+	$(BIN)/dflash-prep analyze $(DEMO)/data --budget $(DEMO_BUDGET) --out $(DEMO)/plan
+	$(BIN)/dflash-prep pack $(DEMO)/data --plan $(DEMO)/plan/plan.json --epochs 0-1 --world-size 2 \
+		--out $(DEMO)/manifests --overwrite
+	$(BIN)/dflash-prep verify $(DEMO)/manifests
+	$(MAKE) --no-print-directory train ARGS="--from-scratch $(ARGS)"
+
 test: venv
 	$(BIN)/python -m pytest -q -m "not slow and not gpu"
 

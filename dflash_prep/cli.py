@@ -61,7 +61,7 @@ def command(*args, **kwargs):
 def synth_cmd(
     out: Annotated[Path, typer.Option(help="Output folder: chat.jsonl + synth.json.")] = Path("demo/corpus"),
     n: Annotated[int, typer.Option(help="Number of conversations.")] = 10_000,
-    profile: Annotated[str, typer.Option(help="Length profile: seedlike, bimodal, heavytail, uniform.")] = "seedlike",
+    profile: Annotated[str, typer.Option(help="Length profile: seedlike, mini (seedlike at 1/4 length), bimodal, heavytail, uniform.")] = "seedlike",
     seed: Annotated[int, typer.Option(help="Keys lengths and text; same seed, same bytes.")] = 0,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
 ):

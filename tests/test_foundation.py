@@ -200,3 +200,10 @@ def test_seedlike_profile_matches_design():
     np.testing.assert_array_equal(lens, profiles.make_lengths("seedlike"))
     with pytest.raises(ConfigError, match="unknown length profile"):
         profiles.make_lengths("nope")
+
+
+def test_mini_profile_is_seedlike_at_a_quarter():
+    mini = profiles.make_lengths("mini", 50_000)
+    seed = profiles.make_lengths("seedlike", 50_000)
+    assert 16 <= mini.min() and mini.max() <= 2048
+    assert abs(np.median(mini) - np.median(seed) / 4) <= 2
