@@ -230,6 +230,20 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+_SHORT = (("dflash-prep padded ", ""), ("dflash-prep varlen, first-fit 4 open bins", "varlen"),
+          ("Lhotse DynamicBucketing, ", "Lhotse "), (" (estimate_duration_buckets)", ""),
+          ("HF LengthGroupedSampler", "HF"), (" (sorted-static)", ""), (" packing (static)", ""),
+          ("cost budget ", "cost "), (", no window", ""))
+
+
+def _short(name: str) -> str:
+    """A plot label: the strategy name without the words every row repeats (* = our default)."""
+    name = name.replace(" (default)", "*" if name.startswith("dflash-prep") else " (its default)")
+    for a, b in _SHORT:
+        name = name.replace(a, b)
+    return name
+
+
 def plot(results: list[dict], path: Path) -> None:
     """Efficiency (fill for varlen) against step mix, one panel per length set."""
     import io
@@ -245,13 +259,14 @@ def plot(results: list[dict], path: Path) -> None:
             color = {"ours": "tab:blue", "peer": "tab:orange", "reference": "tab:gray"}[r["family"]]
             marker = "s" if r["layout"] == "varlen" else "o"
             ax.scatter(x, r["step_mix"], c=color, marker=marker, s=60)
-            ax.annotate(f"{r['name'][:38]}\nrp={r['repeat_pair']:.3g}", (x, r["step_mix"]), fontsize=6,
-                        xytext=(4, 3), textcoords="offset points")
+            ax.annotate(f"{_short(r['name'])} rp={r['repeat_pair']:.2g}", (x, r["step_mix"]), fontsize=6,
+                        xytext=(4, 3), textcoords="offset points", rotation=20)
         ax.set_xlabel("padding efficiency (varlen: fill)  → better")
         ax.set_ylabel("step mix (TV from uniform length classes)  ↓ better")
         ax.set_title(f"{res['name']}: {res['samples']:,} samples, T={res.get('budget', '')}")
         ax.grid(alpha=0.3)
-    fig.suptitle("blue: dflash-prep, orange: peers, gray: full random; square = varlen; rp = repeat-pair rate")
+    fig.suptitle("blue: dflash-prep (* = default), orange: peers, gray: full random; square = varlen; "
+                 "rp = repeat-pair rate")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
