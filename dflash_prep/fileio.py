@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 import numpy as np
 
@@ -75,21 +75,34 @@ def _publish_mode(path: Path, *, is_dir: bool) -> None:
     os.chmod(path, (0o777 if is_dir else 0o666) & ~_umask())
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """Yield a binary file beside ``path``; on success fsync it and rename it into place.
+
+    If the body raises (or the process dies), ``path`` is untouched and the temp file is
+    removed (or, after a crash, left as a hidden ``.name.*.tmp`` that no reader opens).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    done = False
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         _publish_mode(Path(tmp), is_dir=False)
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+        done = True
+    finally:
+        if not done:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: dict, *, format: str, version: int) -> None:
@@ -99,20 +112,8 @@ def atomic_write_json(path: str | os.PathLike, obj: dict, *, format: str, versio
 
 
 def atomic_save_npy(path: str | os.PathLike, arr: np.ndarray) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        _publish_mode(Path(tmp), is_dir=False)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with atomic_file(path) as f:
+        np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
 
 
 @contextlib.contextmanager
@@ -126,6 +127,7 @@ def atomic_dir(final: str | os.PathLike, *, overwrite: bool = False) -> Iterator
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    done = False
     try:
         yield tmp
         _publish_mode(tmp, is_dir=True)
@@ -138,9 +140,10 @@ def atomic_dir(final: str | os.PathLike, *, overwrite: bool = False) -> Iterator
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        done = True
+    finally:
+        if not done:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- reading
