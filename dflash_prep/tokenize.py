@@ -4,8 +4,11 @@ Algorithm: load every input through ``datasets`` (:mod:`dflash_prep.records`), c
 records into chunks of ``chunk_rows`` within one file, and let ``num_proc`` forked workers
 validate, render (:func:`dflash_prep.tokenizer.render_chat`), tokenize and cut each chunk.
 Results come back in chunk order (``imap``), so the output is byte-identical for any
-``num_proc``. The parent only appends them to shards. Throughput is within the benchmark's
-measured ratio of a bare ``tokenizers.encode_batch`` call (README, bench-tokenize).
+``num_proc``. The parent only appends them to shards. ``num_proc=1`` runs in-process on two
+threads so that Python work overlaps Rust encoding (:func:`_overlapped`). Measured against a
+bare ``tokenizers.encode_batch`` on the same rendered texts (``bench/tokenize_speed.py``,
+README bench-tokenize): the byte-level path is several times faster, and with a BPE the
+stage at ``--num-proc`` = core count matches or beats the bare call.
 
 Semantics:
 
