@@ -136,7 +136,11 @@ def atomic_dir(final: str | os.PathLike, *, overwrite: bool = False) -> Iterator
                 raise FormatError(f"{final} already exists; pass --overwrite to replace it")
             old = final.with_name(f".{final.name}.old-{os.getpid()}")
             os.replace(final, old)
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except OSError:
+                os.replace(old, final)  # put the previous version back under its name
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)

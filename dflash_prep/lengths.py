@@ -61,6 +61,10 @@ def read_dataset_lengths(folder: str | Path) -> LengthSource:
         raise InputError(f"{folder}: dataset folder not found; run `dflash-prep tokenize` first or pass --lengths FILE")
     meta = read_json(folder / META_FILE, format=DATASET_FORMAT, versions=DATASET_VERSIONS)
     lengths = load_npy(folder / LENGTHS_FILE)
+    want = meta.get("lengths", {}).get("fingerprint")
+    if want is not None and fingerprint_array(lengths) != want:
+        raise FormatError(f"{folder / LENGTHS_FILE}: contents do not match the fingerprint in meta.json "
+                          "(edited or corrupt); re-run `dflash-prep tokenize --overwrite`")
     n = meta.get("counts", {}).get("samples")
     if n is not None and int(n) != lengths.shape[0]:
         raise FormatError(f"{folder / LENGTHS_FILE}: holds {lengths.shape[0]} lengths but meta.json says {n} samples; "

@@ -207,3 +207,15 @@ def test_mini_profile_is_seedlike_at_a_quarter():
     seed = profiles.make_lengths("seedlike", 50_000)
     assert 16 <= mini.min() and mini.max() <= 2048
     assert abs(np.median(mini) - np.median(seed) / 4) <= 2
+
+
+def test_dataset_lengths_are_checked_against_meta(tmp_path):
+    lens = np.array([5, 7, 9], np.int32)
+    fileio.atomic_save_npy(tmp_path / "lengths.npy", lens)
+    fileio.atomic_write_json(tmp_path / "meta.json", {"fingerprint": "d0", "counts": {"samples": 3},
+                                                      "lengths": {"fingerprint": fileio.fingerprint_array(lens)}},
+                             format=lengths.DATASET_FORMAT, version=1)
+    assert lengths.load(data=tmp_path).fingerprint == "d0"
+    fileio.atomic_save_npy(tmp_path / "lengths.npy", np.array([5, 7, 8], np.int32))
+    with pytest.raises(FormatError, match="do not match the fingerprint"):
+        lengths.load(data=tmp_path)
