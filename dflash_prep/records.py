@@ -243,6 +243,7 @@ def _short(e: Exception) -> str:
 def open_all(files: list[tuple[str, str]], *, fmt: str, text_field: str, on_error: str):
     """Load every input; returns ``(sources, cleanup)``; call ``cleanup()`` when done."""
     cache = tempfile.mkdtemp(prefix="dflash-prep-datasets-")
+    ok = False
     try:
         sources, first = [], 0
         for path, kind in files:
@@ -250,9 +251,10 @@ def open_all(files: list[tuple[str, str]], *, fmt: str, text_field: str, on_erro
             s.first_record = first
             first += len(s)
             sources.append(s)
-    except BaseException:
-        shutil.rmtree(cache, ignore_errors=True)
-        raise
+        ok = True
+    finally:
+        if not ok:  # a bad input: nothing of ours stays behind
+            shutil.rmtree(cache, ignore_errors=True)
     return sources, lambda: shutil.rmtree(cache, ignore_errors=True)
 
 
