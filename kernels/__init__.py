@@ -32,7 +32,7 @@ import torch
 
 from .backend import force_backend, resolve_backend
 from .inputs import check_padded, check_varlen
-from .reference import attention_padded_reference, attention_varlen_reference
+from .reference import attention_padded_reference, attention_varlen_grouped
 
 __all__ = ["attention_varlen", "attention_padded", "force_backend"]
 
@@ -56,7 +56,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """
     q, k, v = _autocast(q, k, v)
     if resolve_backend(q.device) == "reference":
-        return attention_varlen_reference(q, k, v, cu_seqlens, max_seqlen, causal, scale)
+        return attention_varlen_grouped(q, k, v, cu_seqlens, max_seqlen, causal, scale)
     from . import flash  # lazy: compiles/imports triton only on first use
 
     prob = check_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
