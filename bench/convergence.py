@@ -80,9 +80,9 @@ class ConvConfig:
     vocab: int = 1024
     max_len: int = 1024
     budget: int = 2048
-    grad_accum: int = 1
-    steps: int = 60
-    eval_every: int = 15
+    grad_accum: int = 2
+    steps: int = 150
+    eval_every: int = 25
     k: int = 6
     window: int = 32
     seeds: tuple[int, ...] = (0, 1, 2)
