@@ -195,10 +195,7 @@ def simulate(lengths: np.ndarray, boundaries, cfg: AnalyzeConfig, *, window: int
 
 
 def _fill(lengths, order, offsets, b: plan_mod.Budget) -> float:
-    if b.unit == "tokens":
-        return metrics.fill(lengths, order, offsets, b.value)
-    cost = metrics.batch_cost(lengths, order, offsets, b.packing_alpha)
-    return float(cost.sum()) / ((len(offsets) - 1) * b.value)
+    return metrics.fill(lengths, order, offsets, b.value, alpha=b.packing_alpha)
 
 
 def sorted_static(lengths: np.ndarray, b: plan_mod.Budget) -> dict:

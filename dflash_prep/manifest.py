@@ -239,7 +239,8 @@ def _summary_metrics(m: Manifest, lens: np.ndarray, order: np.ndarray, offsets: 
     b = m.header["budget"]
     cost = metrics.batch_cost(lens, order, offsets, float(b["cost_alpha"]), varlen=varlen)
     eff = 1.0 if varlen else metrics.efficiency(lens, order, offsets)
-    return {"efficiency": eff, "fill": metrics.fill(lens, order, offsets, float(b["value"]), varlen=varlen),
+    return {"efficiency": eff, "fill": metrics.fill(lens, order, offsets, float(b["value"]), varlen=varlen,
+                                                      alpha=float(b["packing_alpha"])),
             "microbatches": int(len(t)), "steps": int(len(t) // (m.world_size * m.grad_accum)),
             "samples": int(len(order)), "dropped_samples": int(len(m.dropped_ids)),
             "step_mix": metrics.step_mix(lens, order, offsets, t[:, COL["step"]]),

@@ -51,11 +51,16 @@ def efficiency(lengths, order, offsets) -> float:
     return float(real.sum()) / padded if padded else 1.0
 
 
-def fill(lengths, order, offsets, budget: float, *, varlen: bool = False) -> float:
+def fill(lengths, order, offsets, budget: float, *, varlen: bool = False, alpha: float = 0.0) -> float:
+    """Occupied / (M * budget). Under a cost budget (``alpha > 0``) occupancy is counted in the
+    budget's own unit, the packing cost of each micro-batch, so fill is the share of C used."""
     counts, real, mx = batch_stats(lengths, order, offsets)
     if len(counts) == 0:
         return 1.0
-    occupied = real.sum() if varlen else (counts * mx).sum()
+    if alpha:
+        occupied = batch_cost(lengths, order, offsets, alpha, varlen=varlen).sum()
+    else:
+        occupied = real.sum() if varlen else (counts * mx).sum()
     return float(occupied) / (len(counts) * float(budget))
 
 

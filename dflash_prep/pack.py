@@ -217,7 +217,9 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
     used_real, used_padded = int(real[mb].sum()), int(padded[mb].sum())
     summary = {
         "efficiency": used_real / used_padded if used_padded else 1.0,
-        "fill": used_padded / (len(mb) * float(budget.value)) if len(mb) else 1.0,
+        # in the budget's unit: tokens, or packing cost under a cost budget (alpha_pack == alpha_cost then)
+        "fill": (float(cost[mb].sum()) if alpha_pack else used_padded) / (len(mb) * float(budget.value))
+        if len(mb) else 1.0,
         "microbatches": int(len(mb)),
         "steps": int(len(mb) // cfg.step_size),
         "samples": int(n_used),

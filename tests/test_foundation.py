@@ -219,3 +219,11 @@ def test_dataset_lengths_are_checked_against_meta(tmp_path):
     fileio.atomic_save_npy(tmp_path / "lengths.npy", np.array([5, 7, 8], np.int32))
     with pytest.raises(FormatError, match="do not match the fingerprint"):
         lengths.load(data=tmp_path)
+
+
+def test_fill_under_a_cost_budget_is_counted_in_cost():
+    lens = np.array([100, 100, 50], np.int64)
+    order, offsets = np.arange(3), np.array([0, 2, 3])
+    alpha = 0.01  # cost(100) = 200, cost(50) = 75
+    assert metrics.fill(lens, order, offsets, 400.0, alpha=alpha) == pytest.approx((2 * 200 + 75) / (2 * 400))
+    assert metrics.fill(lens, order, offsets, 400.0) == pytest.approx((200 + 50) / 800)
