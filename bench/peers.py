@@ -127,14 +127,14 @@ def measure(name: str, family: str, setup: Callable[[], tuple[EpochFn, dict]], l
     alpha = metrics.alpha_for(cfg.model_dim)
     cost = metrics.batch_cost(lengths, e1.order, e1.offsets, alpha, varlen=e1.varlen)
     own = extra.get("budget", {})
-    if own.get("unit") == "cost":     # a cost budget is checked in its own unit
-        load, limit = cost, float(own["value"])
+    if own.get("unit") == "cost":     # a cost budget is checked, and fills, in its own unit
+        load, limit, fill_alpha = cost, float(own["value"]), alpha
     else:
-        load, limit = (real if e1.varlen else counts * mx), float(cfg.budget)
+        load, limit, fill_alpha = (real if e1.varlen else counts * mx), float(cfg.budget), 0.0
     return Row(
         name=name, family=family, impl=e1.impl, layout="varlen" if e1.varlen else "padded",
         efficiency=None if e1.varlen else metrics.efficiency(lengths, e1.order, e1.offsets),
-        fill=metrics.fill(lengths, e1.order, e1.offsets, cfg.budget, varlen=e1.varlen),
+        fill=metrics.fill(lengths, e1.order, e1.offsets, limit, varlen=e1.varlen, alpha=fill_alpha),
         microbatches=e1.num_batches,
         over_budget=float((load > limit).mean()),
         max_load=float(load.max()) / limit,
