@@ -95,14 +95,17 @@ def repeat_pair_rate(order_a, offsets_a, order_b, offsets_b, num_samples: int) -
     ba = batch_ids(order_a, offsets_a, num_samples)
     bb = batch_ids(order_b, offsets_b, num_samples)
     sa = np.asarray(order_a, np.int64)
-    sa = sa[bb[sa] >= 0]
+    bb_a = bb[sa]
+    if (bb_a < 0).any():  # samples absent from epoch b pair with nobody there
+        sa, bb_a = sa[bb_a >= 0], bb_a[bb_a >= 0]
     n_a = np.diff(offsets_a).astype(np.int64)
     pairs_a = int((n_a * (n_a - 1) // 2).sum())
-    if pairs_a == 0:
+    if pairs_a == 0 or len(sa) == 0:
         return 0.0
-    key = ba[sa] * np.int64(len(offsets_b)) + bb[sa]
-    _, c = np.unique(key, return_counts=True)
-    c = c.astype(np.int64)
+    key = np.sort(ba[sa] * np.int64(len(offsets_b)) + bb_a)
+    # run lengths of equal keys: c samples share (batch_a, batch_b) -> c*(c-1)/2 repeated pairs
+    ends = np.concatenate([np.flatnonzero(key[1:] != key[:-1]) + 1, [len(key)]])
+    c = np.diff(ends, prepend=0).astype(np.int64)
     return float((c * (c - 1) // 2).sum()) / pairs_a
 
 
