@@ -181,8 +181,9 @@ def simulate(lengths: np.ndarray, boundaries, cfg: AnalyzeConfig, *, window: int
         order, offsets, bb = pack_padded_epoch(lengths, boundaries, seed=cfg.seed, epoch=ep, budget=b.value,
                                                alpha=b.packing_alpha, max_batch_size=b.max_batch_size,
                                                window=window)
-        effs.append(metrics.efficiency(lengths, order, offsets))
-        fills.append(_fill(lengths, order, offsets, b))
+        eff, fl = metrics.efficiency_and_fill(lengths, order, offsets, b.value, alpha=b.packing_alpha)
+        effs.append(eff)
+        fills.append(fl)
         mbs.append(len(offsets) - 1)
         per_bucket += np.bincount(bb, minlength=len(per_bucket))
         if ep < 2:  # diversity from epochs 0 and 1 (one repeat-pair rate); the rest only for means

@@ -64,6 +64,17 @@ def fill(lengths, order, offsets, budget: float, *, varlen: bool = False, alpha:
     return float(occupied) / (len(counts) * float(budget))
 
 
+def efficiency_and_fill(lengths, order, offsets, budget: float, *, alpha: float = 0.0) -> tuple[float, float]:
+    """:func:`efficiency` and :func:`fill` (padded layout) from one pass over the batches."""
+    counts, real, mx = batch_stats(lengths, order, offsets)
+    if len(counts) == 0:
+        return 1.0, 1.0
+    padded = int((counts * mx).sum())
+    mxf = mx.astype(np.float64)
+    occupied = float((counts * (mxf + alpha * mxf * mxf)).sum()) if alpha else float(padded)
+    return (float(real.sum()) / padded if padded else 1.0), occupied / (len(counts) * float(budget))
+
+
 def batch_cost(lengths, order, offsets, alpha: float, *, varlen: bool = False) -> np.ndarray:
     """Cost per micro-batch (float64), DESIGN.md's balance model."""
     counts, real, mx = batch_stats(lengths, order, offsets)

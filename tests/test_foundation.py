@@ -227,3 +227,14 @@ def test_fill_under_a_cost_budget_is_counted_in_cost():
     alpha = 0.01  # cost(100) = 200, cost(50) = 75
     assert metrics.fill(lens, order, offsets, 400.0, alpha=alpha) == pytest.approx((2 * 200 + 75) / (2 * 400))
     assert metrics.fill(lens, order, offsets, 400.0) == pytest.approx((200 + 50) / 800)
+
+
+def test_efficiency_and_fill_in_one_pass_equal_the_separate_metrics():
+    rng = np.random.default_rng(3)
+    lens = rng.integers(1, 500, 400)
+    order = rng.permutation(400)
+    offsets = np.concatenate([[0], np.sort(rng.choice(np.arange(1, 400), 30, replace=False)), [400]])
+    for alpha in (0.0, 0.002):
+        eff, fl = metrics.efficiency_and_fill(lens, order, offsets, 5000.0, alpha=alpha)
+        assert eff == pytest.approx(metrics.efficiency(lens, order, offsets))
+        assert fl == pytest.approx(metrics.fill(lens, order, offsets, 5000.0, alpha=alpha))
