@@ -103,39 +103,15 @@ def window_sort(ids: np.ndarray, lengths: np.ndarray, window: int) -> np.ndarray
     return _window_sort(np.asarray(ids, np.int64), np.asarray(lengths, np.int64), int(window))
 
 
-@nb.njit(cache=True)
-def _greedy(ids, lens, budget, alpha, max_bs, out_offsets, base):
-    # Appends batch end positions (offset by ``base``) to out_offsets; returns count written.
-    m = 0
-    n_open = 0
-    mx = 0
-    for i in range(ids.shape[0]):
-        L = lens[ids[i]]
-        new_mx = mx if mx > L else L
-        c = new_mx + alpha * new_mx * new_mx
-        if n_open > 0 and ((n_open + 1) * c > budget or n_open + 1 > max_bs):
-            out_offsets[m] = base + i
-            m += 1
-            n_open = 1
-            mx = L
-        else:
-            n_open += 1
-            mx = new_mx
-    if n_open > 0:
-        out_offsets[m] = base + ids.shape[0]
-        m += 1
-    return m
-
-
 def greedy_offsets(ids: np.ndarray, lengths: np.ndarray, budget: float, *, alpha: float = 0.0,
                    max_batch_size: int | None = None) -> np.ndarray:
     """Greedy-pack ``ids`` in the given order; return offsets (int64, starts with 0)."""
-    ids = np.asarray(ids, np.int64)
-    out = np.empty(ids.shape[0] + 1, np.int64)
-    out[0] = 0
+    olens = np.asarray(lengths, np.int64)[np.asarray(ids, np.int64)]
     mbs = np.int64(max_batch_size) if max_batch_size else np.int64(2**62)
-    m = _greedy(ids, np.asarray(lengths, np.int64), float(budget), float(alpha), mbs, out[1:], 0)
-    return out[: m + 1].copy()
+    m = _greedy_lens(olens, 0, len(olens), float(budget), float(alpha), mbs, np.empty(0, np.int64), 0)  # count
+    out = np.zeros(m + 1, np.int64)
+    _greedy_lens(olens, 0, len(olens), float(budget), float(alpha), mbs, out[1:], 0)  # write
+    return out
 
 
 def check_budget(lengths: np.ndarray, budget: float, alpha: float) -> None:
