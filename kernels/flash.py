@@ -152,46 +152,42 @@ def _backward(do, q, k, v, o, lse, starts, lens, prob: Problem, causal: bool, va
     return dq, dk, dv
 
 
-class _FlashVarlen(torch.autograd.Function):
+class _Flash(torch.autograd.Function):
+    """Both layouts run the same kernels over (starts, lens) per sequence; only the
+    strides (``varlen``) differ. Subclasses turn their layout's arguments into those."""
+
+    @staticmethod
+    def _run(ctx, q, k, v, starts, lens, prob: Problem, causal: bool, varlen: bool):
+        q, k, v = (_last_contiguous(t) for t in (q, k, v))
+        o, lse = _forward(q, k, v, starts, lens, prob, causal, varlen=varlen)
+        ctx.save_for_backward(q, k, v, o, lse, starts, lens)
+        ctx.prob, ctx.causal, ctx.varlen = prob, causal, varlen
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse, starts, lens = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, o, lse, starts, lens, ctx.prob, ctx.causal, varlen=ctx.varlen)
+        return dq, dk, dv, None, None, None
+
+
+class _FlashVarlen(_Flash):
     """Packed documents: q [T,Hq,D], k/v [T,Hkv,D], cu_seqlens int32 [N+1]."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, prob: Problem, causal: bool):
-        q, k, v = (_last_contiguous(t) for t in (q, k, v))
         starts = cu_seqlens[:-1].contiguous()
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).contiguous()
-        o, lse = _forward(q, k, v, starts, lens, prob, causal, varlen=True)
-        ctx.save_for_backward(q, k, v, o, lse, starts, lens)
-        ctx.prob, ctx.causal = prob, causal
-        ctx.mark_non_differentiable(lse)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, k, v, o, lse, starts, lens = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, o, lse, starts, lens, ctx.prob, ctx.causal, varlen=True)
-        return dq, dk, dv, None, None, None
+        return _Flash._run(ctx, q, k, v, starts, lens, prob, causal, True)
 
 
-class _FlashPadded(torch.autograd.Function):
+class _FlashPadded(_Flash):
     """Right-padded rows: q [B,Hq,L,D], k/v [B,Hkv,L,D], lengths int32 [B]."""
 
     @staticmethod
     def forward(ctx, q, k, v, lengths, prob: Problem, causal: bool):
-        q, k, v = (_last_contiguous(t) for t in (q, k, v))
-        starts = torch.zeros_like(lengths)
-        lens = lengths.contiguous()
-        o, lse = _forward(q, k, v, starts, lens, prob, causal, varlen=False)
-        ctx.save_for_backward(q, k, v, o, lse, starts, lens)
-        ctx.prob, ctx.causal = prob, causal
-        ctx.mark_non_differentiable(lse)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, k, v, o, lse, starts, lens = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, o, lse, starts, lens, ctx.prob, ctx.causal, varlen=False)
-        return dq, dk, dv, None, None, None
+        return _Flash._run(ctx, q, k, v, torch.zeros_like(lengths), lengths.contiguous(), prob, causal, False)
 
 
 def flash_varlen(q, k, v, cu_seqlens, prob: Problem, causal: bool = True, *, return_lse: bool = False):
