@@ -17,7 +17,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	@if [ -n "$(TORCH_SPEC)" ] && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
 		echo "installing $(TORCH_SPEC)"; $(BIN)/pip install -q "$(TORCH_SPEC)"; fi
-	$(BIN)/pip install -q -e ".[dev,chat]"
+	$(BIN)/pip install -q -e ".[dev,chat,train]"
 	touch $@
 
 venv: $(BIN)/.installed
@@ -57,15 +57,15 @@ train: venv
 	@ngpu=$$($(BIN)/python -c "import torch; print(torch.cuda.device_count())"); \
 	if [ "$$ngpu" -gt 0 ]; then nproc=$$ngpu; extra=""; else nproc=2; extra="$(TRAIN_CPU_ARGS)"; fi; \
 	echo "train: $$nproc process(es) ($$([ "$$ngpu" -gt 0 ] && echo "NCCL, $$ngpu GPU(s)" || echo "gloo, CPU"))"; \
-	$(BIN)/torchrun $(TORCHRUN_ARGS) --nproc_per_node $$nproc -m train --data $(TRAIN_DATA) --plan $(TRAIN_PLAN) \
+	$(BIN)/torchrun $(TORCHRUN_ARGS) --nproc_per_node $$nproc -m dflash_prep.train --data $(TRAIN_DATA) --plan $(TRAIN_PLAN) \
 		--manifests $(TRAIN_MANIFESTS) --out $(TRAIN_OUT) $$extra $(ARGS)
 
 # GPU benchmarks, <= 5 min each: attention kernels vs SDPA/Flex (results/kernels-bench.*),
 # then the trainer's benchmark when train/bench.py exists.
 bench-gpu: venv
-	$(BIN)/python -m kernels.bench --out results/
-	@if $(BIN)/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('train.bench') is None)"; then \
-		$(BIN)/python -m train.bench --gpu; else echo "bench-gpu: train.bench not present, skipped"; fi
+	$(BIN)/python -m bench.attention --out results/
+	@if $(BIN)/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec("dflash_prep.train.bench") is None)"; then \
+		$(BIN)/python -m dflash_prep.train.bench --gpu; else echo "bench-gpu: train.bench not present, skipped"; fi
 
 # Side by side with the peers (bench/peers.py, README "bench-peers"): installs the `bench`
 # extra (lhotse, trl) first; <= ~15 min on 2 CPU cores. Writes results/bench/peers.{json,png}.

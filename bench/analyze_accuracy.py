@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     from dflash_prep import metrics
     from dflash_prep.analyze import analytic_diversity
     from dflash_prep.optimize import Model, PackModel, histogram
-    from dflash_prep.packing import pack_padded_epoch
+    from dflash_prep.bucketing import pack_padded_epoch
     from dflash_prep.profiles import make_lengths
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -4,7 +4,7 @@ Setup, all through the library: ``synth`` writes a demo chat corpus (train) and 
 one with another seed (validation); a byte-level BPE is trained on the train corpus with
 ``tokenizers`` (:func:`bench.corpus.train_bpe`); ``tokenize`` builds both datasets.
 Every strategy is then a plan (:class:`dflash_prep.plan.Plan`) plus pack options, packed
-by :func:`dflash_prep.pack.pack_epochs` and trained by :func:`train.loop.train` (the tiny
+by :func:`dflash_prep.pack.pack_epochs` and trained by :func:`dflash_prep.train.loop.train` (the tiny
 decoder, CPU, fp32, deterministic), with the same token budget T per micro-batch, the
 same grad accumulation A (one rank), the same model seed and the same number of steps:
 
@@ -176,10 +176,10 @@ class Validator:
     def __call__(self, ckpt_path: Path) -> float:
         import torch
 
-        from train import checkpoint as ckpt
-        from train.config import ModelConfig
-        from train.data import iter_steps
-        from train.model import Decoder, token_loss_sum
+        from dflash_prep.train import checkpoint as ckpt
+        from dflash_prep.train.config import ModelConfig
+        from dflash_prep.train.data import iter_steps
+        from dflash_prep.train.model import Decoder, token_loss_sum
 
         state = ckpt.load(ckpt_path)
         model = Decoder(ModelConfig(**state["model_config"]))
@@ -198,8 +198,8 @@ class Validator:
 def run_one(name: str, seed: int, data: Path, validate: Validator, cfg: ConvConfig) -> dict:
     """Train one strategy with one seed; evaluate every ``eval_every`` steps."""
     from dflash_prep.pack import pack_epochs
-    from train.config import TrainConfig
-    from train.loop import train
+    from dflash_prep.train.config import TrainConfig
+    from dflash_prep.train.loop import train
 
     run = Path(cfg.work) / "runs" / f"{name}-s{seed}"
     plan, opts = strategy_plan(name, data, cfg, seed, run)

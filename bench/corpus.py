@@ -9,7 +9,7 @@ between 65 and 8191 tokens. So, as issue 7 allows:
 2. a byte-level BPE (vocabulary 8192, ChatML special tokens) is trained with ``tokenizers``
    on the first ``train_on`` conversations' rendered text;
 3. every conversation is rendered with the built-in ChatML layout and encoded through
-   ``dflash_prep.tokenizer`` (``render_chat`` + ``encode_segments_batch``), exactly what
+   ``dflash_prep.encoders`` (``render_chat`` + ``encode_segments_batch``), exactly what
    ``tokenize`` does per sample, giving one int64 length per sample.
 
 BPE compresses the demo text several-fold, so this set is shorter and differently shaped
@@ -46,7 +46,7 @@ def train_bpe(corpus: Path, out: Path, *, train_on: int, vocab: int = VOCAB) -> 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from dflash_prep.fileio import atomic_write_bytes
-    from dflash_prep.tokenizer import ByteTokenizer, render_chat
+    from dflash_prep.encoders import ByteTokenizer, render_chat
 
     byte = ByteTokenizer()
 
@@ -68,7 +68,7 @@ def train_bpe(corpus: Path, out: Path, *, train_on: int, vocab: int = VOCAB) -> 
 
 def tokenize_lengths(corpus: Path, tokenizer_dir: Path, *, batch: int = 512) -> np.ndarray:
     """Token length of every conversation under the library's chat rendering and encoder."""
-    from dflash_prep.tokenizer import load_tokenizer, render_chat
+    from dflash_prep.encoders import load_tokenizer, render_chat
 
     tok = load_tokenizer(str(tokenizer_dir))
     out: list[int] = []

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_prep import lengths as lengths_mod
-from dflash_prep import manifest, packing, profiles
+from dflash_prep import manifest, bucketing, profiles
 from dflash_prep.fileio import atomic_write_json
 from dflash_prep.pack import pack_epochs
 from dflash_prep.plan import Budget, Plan, save
@@ -52,9 +52,9 @@ STRATEGIES = [  # (name, pack options)
     ("K=6, window 0, stratified across buckets", dict(window=0, schedule="stratified")),
     ("K=6, window 0, class-aware", dict(window=0, schedule="class-aware")),
     ("K=6, window 1024, class-aware", dict(window=1024)),
-    (f"K=6, window {packing.DEFAULT_WINDOW} (default), class-aware", dict(window=packing.DEFAULT_WINDOW)),
+    (f"K=6, window {bucketing.DEFAULT_WINDOW} (default), class-aware", dict(window=bucketing.DEFAULT_WINDOW)),
     ("K=6, window 4096, class-aware", dict(window=4096)),
-    (f"K=6, window {packing.DEFAULT_WINDOW}, class-aware, cost budget 1.3T", dict(budget=COST)),
+    (f"K=6, window {bucketing.DEFAULT_WINDOW}, class-aware, cost budget 1.3T", dict(budget=COST)),
     ("K=6, window 4096, class-aware, cost budget 1.3T", dict(window=4096, budget=COST)),
     ("varlen, first-fit 4 open bins, class-aware", dict(layout="varlen")),
     ("varlen, first-fit 4 open bins, random", dict(layout="varlen", schedule="random")),
@@ -62,7 +62,7 @@ STRATEGIES = [  # (name, pack options)
 KEYS = ("efficiency", "fill", "step_mix", "rank_imbalance", "repeat_pair_rate", "microbatches", "sum_sq_len_max")
 
 
-def make_inputs(folder: Path, n: int, window: int = packing.DEFAULT_WINDOW) -> Path:
+def make_inputs(folder: Path, n: int, window: int = bucketing.DEFAULT_WINDOW) -> Path:
     """Seedlike lengths (``lengths.npy``) and a K=6 plan for them; returns the plan path."""
     folder.mkdir(parents=True, exist_ok=True)
     lens = profiles.make_lengths("seedlike", n=n)

@@ -34,7 +34,7 @@ import numba as nb
 import numpy as np
 
 from dflash_prep.errors import ConfigError
-from dflash_prep.packing import greedy_offsets, keyed_permutation, mix_key
+from dflash_prep.bucketing import greedy_offsets, keyed_permutation, mix_key
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def _version(pkg: str) -> str:
 def full_random_epoch(lengths: np.ndarray, *, budget: int, seed: int, epoch: int) -> PeerEpoch:
     """Shuffle everything (keyed by seed, epoch), then greedy-pack under ``n * max_len <= T``."""
     order = keyed_permutation(len(lengths), seed, epoch, 0)
-    return PeerEpoch(order, greedy_offsets(order, lengths, budget), False, "reference (dflash_prep.packing)")
+    return PeerEpoch(order, greedy_offsets(order, lengths, budget), False, "reference (dflash_prep.bucketing)")
 
 
 # ----------------------------------------------------------------------------- Lhotse

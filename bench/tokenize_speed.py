@@ -34,7 +34,7 @@ from pathlib import Path
 
 from dflash_prep.synth import SynthConfig, synth
 from dflash_prep.tokenize import TokenizeConfig, tokenize
-from dflash_prep.tokenizer import ByteTokenizer, load_tokenizer, render_chat
+from dflash_prep.encoders import ByteTokenizer, load_tokenizer, render_chat
 
 SPECIALS = ByteTokenizer.SPECIALS
 

@@ -35,7 +35,7 @@ from . import plan as plan_mod
 from .errors import ConfigError
 from .lengths import LengthSource, load
 from .optimize import Histogram, Model, PackModel, histogram
-from .packing import greedy_offsets, pack_padded_epoch
+from .bucketing import greedy_offsets, pack_padded_epoch
 
 WINDOWS = (0, 1024, 2048, 4096)   # local sort windows the Pareto table simulates
 SMALL_WINDOWS = (64, 128, 256, 512)  # added for small data, where a window covers much of a bucket

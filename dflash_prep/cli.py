@@ -25,6 +25,20 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool):
+    if value:
+        from ._version import __version__
+
+        typer.echo(f"dflash-prep {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False):
+    """Offline batching for LLM/drafter training: synth -> tokenize -> analyze -> pack -> inspect/verify."""
+
+
 def _friendly(fn):
     """Turn DflashError into a clear message and exit code 1."""
 

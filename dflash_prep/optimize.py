@@ -1,7 +1,7 @@
 """Optimal bucket boundaries: a numba DP over the distinct lengths of a length histogram.
 
 Objective. For boundaries ``b_1 < ... < b_{K-1}`` (bucket k holds ``[b_{k-1}, b_k)``), the
-expected padded tokens of one epoch of :func:`dflash_prep.packing.pack_padded_epoch`
+expected padded tokens of one epoch of :func:`dflash_prep.bucketing.pack_padded_epoch`
 (window 0): each bucket shuffled, then packed greedily while ``n * cost(max) <= budget``
 (``cost(L) = L + alpha*L^2``; ``alpha = 0`` for a token budget). Real tokens are fixed, so
 minimising padded tokens maximises padding efficiency.

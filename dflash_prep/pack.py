@@ -2,12 +2,12 @@
 
 For each epoch (a pure function of data, plan, options and the epoch number):
 
-1. pack micro-batches: ``padded`` runs :func:`packing.pack_padded_epoch` (keyed bucket
+1. pack micro-batches: ``padded`` runs :func:`bucketing.pack_padded_epoch` (keyed bucket
    shuffle, sorting windows, greedy under the budget); ``varlen`` runs
-   :func:`packing.pack_varlen_epoch` (keyed random order, first-fit into open bins);
-2. make whole steps of ``W x A`` (:func:`schedule.complete_steps`: split, or drop the tail
+   :func:`bucketing.pack_varlen_epoch` (keyed random order, first-fit into open bins);
+2. make whole steps of ``W x A`` (:func:`steps.complete_steps`: split, or drop the tail
    with ``drop_last``), order the micro-batches with the named schedule and place them on
-   ranks (:mod:`dflash_prep.schedule`);
+   ranks (:mod:`dflash_prep.steps`);
 3. write ``epoch-000N/`` (:mod:`dflash_prep.manifest`) with a summary: efficiency, fill,
    steps, step mix, rank imbalance, dropped samples, sum L^2, and the repeat-pair rate
    against the previous epoch (packed in the same call, or read from disk beside it).
@@ -27,7 +27,7 @@ import numba as nb
 import numpy as np
 
 from . import lengths as lengths_mod
-from . import manifest, metrics, packing, schedule
+from . import manifest, metrics, bucketing, steps
 from .errors import ConfigError, FormatError
 from .fileio import fingerprint_json
 from .plan import Budget, Plan
@@ -43,7 +43,7 @@ class PackConfig:
         grad_accum: A, accumulation micro-batches per rank per step.
         layout: ``"padded"`` (bucketed, ``n * max_len <= T``) or ``"varlen"``
             (concatenated with ``cu_seqlens``, ``sum L <= T``).
-        schedule: one of :data:`schedule.SCHEDULES`; ``class-aware`` mixes lengths best.
+        schedule: one of :data:`steps.SCHEDULES`; ``class-aware`` mixes lengths best.
         window: local sort window (padded); None uses the plan's.
         drop_last: drop the last ``M mod (W*A)`` scheduled micro-batches (their samples are
             listed in ``dropped_ids.npy`` and counted) instead of splitting micro-batches.
@@ -66,8 +66,8 @@ class PackConfig:
             raise ConfigError(f"--world-size and --grad-accum must be >= 1, got {self.world_size} and {self.grad_accum}")
         if self.layout not in manifest.LAYOUTS:
             raise ConfigError(f"--layout must be one of {', '.join(manifest.LAYOUTS)}, got {self.layout!r}")
-        if self.schedule not in schedule.SCHEDULES:
-            raise ConfigError(f"--schedule must be one of {', '.join(schedule.SCHEDULES)}, got {self.schedule!r}")
+        if self.schedule not in steps.SCHEDULES:
+            raise ConfigError(f"--schedule must be one of {', '.join(steps.SCHEDULES)}, got {self.schedule!r}")
         if self.window is not None and self.window < 0:
             raise ConfigError(f"--window must be >= 0, got {self.window}")
         if self.open_bins < 1:
@@ -161,24 +161,24 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
     alpha_pack, alpha_cost = budget.packing_alpha, budget.alpha
     where = f"epoch {epoch}"
     if cfg.layout == "padded":
-        order, offsets, bucket, olens = packing.pack_padded(
+        order, offsets, bucket, olens = bucketing.pack_padded(
             lens, plan.boundaries, seed=plan.seed, epoch=epoch, budget=budget.value, alpha=alpha_pack,
             max_batch_size=budget.max_batch_size, window=window)
     else:
-        order, offsets, olens = packing.pack_varlen(
+        order, offsets, olens = bucketing.pack_varlen(
             lens, seed=plan.seed, epoch=epoch, budget=budget.value, alpha=alpha_pack,
             max_batch_size=budget.max_batch_size, open_bins=cfg.open_bins)
         bucket = np.full(len(offsets) - 1, -1, np.int64)
-    split = schedule.complete_steps(offsets, cfg.step_size, drop_last=cfg.drop_last, where=where)
+    split = steps.complete_steps(offsets, cfg.step_size, drop_last=cfg.drop_last, where=where)
     n_split = len(split) - len(offsets)
     if n_split:                        # split micro-batches keep their bucket
         bucket = bucket[np.searchsorted(offsets, split[:-1], side="right") - 1]
         offsets = split
-    edges = packing.class_edges(lens) if edges is None else edges
-    real, mx, sq, class_tok = packing.microbatch_stats(olens, offsets, edges)
+    edges = bucketing.class_edges(lens) if edges is None else edges
+    real, mx, sq, class_tok = bucketing.microbatch_stats(olens, offsets, edges)
     count = np.diff(offsets)
-    classes = schedule.microbatch_classes(real, sq, edges)
-    sched = schedule.order_microbatches(cfg.schedule, classes=classes, buckets=bucket, n_buckets=plan.num_buckets,
+    classes = steps.microbatch_classes(real, sq, edges)
+    sched = steps.order_microbatches(cfg.schedule, classes=classes, buckets=bucket, n_buckets=plan.num_buckets,
                                         n_classes=len(edges) + 1, seed=plan.seed, epoch=epoch)
     n_keep = len(sched) - len(sched) % cfg.step_size
     dropped_mb = sched[n_keep:]
@@ -190,7 +190,7 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
     else:
         cost = real + alpha_cost * sq.astype(np.float64)
         padded = real
-    perm, step, rank, accum = schedule.assign_ranks(cost[sched], cfg.world_size, cfg.grad_accum)
+    perm, step, rank, accum = steps.assign_ranks(cost[sched], cfg.world_size, cfg.grad_accum)
     mb = sched[perm]                                        # manifest row -> packed micro-batch
     # sample_ids stay in packing order (no N-sized gather); rows point into it by start/count
     dropped = np.sort(np.concatenate([order[offsets[b]:offsets[b + 1]] for b in dropped_mb])
@@ -322,7 +322,7 @@ def pack_epochs(*, plan: Plan | str | Path, epochs, out: str | Path, world_size:
     src = resolve_lengths(plan, data=data, lengths=lengths)
     lens = np.asarray(src.lengths)
     out = Path(out)
-    edges = packing.class_edges(lens)
+    edges = bucketing.class_edges(lens)
     written, prev = [], None
     for e in sorted(set(epochs)):
         path = manifest.epoch_dir(out, e)

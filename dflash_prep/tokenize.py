@@ -2,7 +2,7 @@
 
 Algorithm: load every input through ``datasets`` (:mod:`dflash_prep.records`), cut the
 records into chunks of ``chunk_rows`` within one file, and let ``num_proc`` forked workers
-validate, render (:func:`dflash_prep.tokenizer.render_chat`), tokenize and cut each chunk.
+validate, render (:func:`dflash_prep.encoders.render_chat`), tokenize and cut each chunk.
 Results come back in chunk order (``imap``), so the output is byte-identical for any
 ``num_proc``. The parent only appends them to shards. ``num_proc=1`` runs in-process on two
 threads so that Python work overlaps Rust encoding (:func:`_overlapped`). Measured against a
@@ -49,7 +49,7 @@ from . import records as rec
 from .errors import ConfigError, FormatError, InputError
 from .fileio import atomic_dir, atomic_save_npy, atomic_write_bytes, atomic_write_json, fingerprint_array, fingerprint_json, read_json
 from .lengths import DATASET_FORMAT, LENGTHS_FILE, META_FILE
-from .tokenizer import load_tokenizer, render_chat
+from .encoders import load_tokenizer, render_chat
 
 DATASET_VERSION = 1
 SHARD_FORMAT = "dflash-prep/shard"

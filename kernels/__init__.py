@@ -2,7 +2,7 @@
 
 Public API (the trainer codes against exactly this)::
 
-    from kernels import attention_varlen, attention_padded, force_backend
+    from dflash_prep.kernels import attention_varlen, attention_padded, force_backend
     o = attention_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True, scale=None)
         # q [T,Hq,D], k/v [T,Hkv,D], cu_seqlens int32 [N+1] -> o [T,Hq,D]
     o = attention_padded(q, k, v, lengths, causal=True, scale=None)
@@ -12,7 +12,7 @@ Public API (the trainer codes against exactly this)::
 
 ``auto`` runs the Triton kernels on CUDA tensors and the PyTorch reference elsewhere; the
 ``DFLASH_ATTN_BACKEND`` environment variable (auto|triton|reference) sets the default and
-:func:`force_backend` overrides both (see :mod:`kernels.backend`). Both paths are
+:func:`force_backend` overrides both (see :mod:`dflash_prep.kernels.backend`). Both paths are
 differentiable. Varlen attention is block-diagonal: a token never attends across a
 document boundary. Padded query rows (position >= length) output zeros and get zero
 gradients, never NaN. GQA: Hq must be a multiple of Hkv. Triton supports D in {32, 64, 128}

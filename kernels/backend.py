@@ -8,7 +8,7 @@ Resolution order, first match wins:
 
 Forcing ``triton`` on CPU tensors is allowed only under Triton's interpreter
 (``TRITON_INTERPRET=1`` set before triton is first imported); otherwise
-:func:`resolve_backend` raises a :class:`~dflash_prep.errors.ConfigError` that says so.
+:func:`resolve_backend` raises a :class:`~dflash_prep.kernels.errors.AttentionConfigError` that says so.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Iterator, Literal
 
 import torch
 
-from dflash_prep.errors import ConfigError
+from .errors import AttentionConfigError
 
 Backend = Literal["auto", "triton", "reference"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "reference")
@@ -31,7 +31,7 @@ _local = threading.local()  # per-thread stack of forced backends
 
 def _check_name(name: str, source: str) -> str:
     if name not in BACKENDS:
-        raise ConfigError(
+        raise AttentionConfigError(
             f"{source}: unknown attention backend {name!r}; use one of {', '.join(BACKENDS)}"
         )
     return name
@@ -72,7 +72,7 @@ def resolve_backend(device: torch.device) -> str:
     if name == "auto":
         return "triton" if device.type == "cuda" else "reference"
     if name == "triton" and device.type != "cuda" and not interpreting():
-        raise ConfigError(
+        raise AttentionConfigError(
             f"attention backend 'triton' was forced for tensors on {device}, but Triton runs "
             "only on CUDA tensors or under its CPU interpreter. Move the tensors to a GPU, set "
             "TRITON_INTERPRET=1 before importing triton, or use backend 'reference'/'auto'."

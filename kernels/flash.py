@@ -17,7 +17,7 @@ of two). Within a process the choice is fixed, so results are bitwise determinis
 run; set ``DFLASH_ATTN_NO_AUTOTUNE=1`` to use one fixed config everywhere (bitwise
 identical across processes too). Under ``TRITON_INTERPRET=1`` the small fixed
 :data:`INTERPRET_BLOCKS` are used and 16-bit operands are upcast (see
-:mod:`kernels.flash_fwd`).
+:mod:`dflash_prep.kernels.flash_fwd`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 import triton
 from triton import knobs
 
-from dflash_prep.errors import ConfigError
+from .errors import AttentionConfigError
 
 from .flash_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .flash_fwd import LOG2E, attn_fwd_kernel
@@ -88,15 +88,15 @@ def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def _check_triton(q: torch.Tensor, prob: Problem) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ConfigError(f"the Triton attention takes float16, bfloat16 or float32, got {q.dtype}; "
+        raise AttentionConfigError(f"the Triton attention takes float16, bfloat16 or float32, got {q.dtype}; "
                           "cast the inputs or use backend 'reference'")
     if prob.head_dim not in HEAD_DIMS:
-        raise ConfigError(
+        raise AttentionConfigError(
             f"the Triton attention supports head dims {HEAD_DIMS}, got {prob.head_dim}; "
             "pad the head dim or use backend 'reference'"
         )
     if q.device.type != "cuda" and not INTERPRETED:
-        raise ConfigError(
+        raise AttentionConfigError(
             f"kernels.flash was imported without TRITON_INTERPRET=1, so it cannot run on {q.device} "
             "tensors; move them to a GPU or use backend 'reference'"
         )
@@ -191,14 +191,14 @@ class _FlashPadded(_Flash):
 
 
 def flash_varlen(q, k, v, cu_seqlens, prob: Problem, causal: bool = True, *, return_lse: bool = False):
-    """Triton path of :func:`kernels.attention_varlen` (inputs already checked)."""
+    """Triton path of :func:`dflash_prep.kernels.attention_varlen` (inputs already checked)."""
     _check_triton(q, prob)
     o, lse = _FlashVarlen.apply(q, k, v, cu_seqlens, prob, causal)
     return (o, lse) if return_lse else o
 
 
 def flash_padded(q, k, v, lengths, prob: Problem, causal: bool = True, *, return_lse: bool = False):
-    """Triton path of :func:`kernels.attention_padded` (inputs already checked)."""
+    """Triton path of :func:`dflash_prep.kernels.attention_padded` (inputs already checked)."""
     _check_triton(q, prob)
     o, lse = _FlashPadded.apply(q, k, v, lengths, prob, causal)
     return (o, lse) if return_lse else o

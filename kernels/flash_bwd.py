@@ -18,7 +18,7 @@ forward FLOPs in all, versus 2x for an atomic-add dQ. Causal tiles above the dia
 are skipped; only the diagonal band is element-masked (needs ``BLOCK_N % BLOCK_M == 0``
 in dK/dV and ``BLOCK_M % BLOCK_N == 0`` in dQ). Query rows past a sequence's length are
 loaded with ``lse = +inf`` so their probabilities are exactly 0 and they contribute
-nothing. ``UPCAST`` behaves as in :mod:`kernels.flash_fwd`.
+nothing. ``UPCAST`` behaves as in :mod:`dflash_prep.kernels.flash_fwd`.
 """
 
 from __future__ import annotations

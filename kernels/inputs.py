@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_prep.errors import ConfigError, InputError
+from .errors import AttentionConfigError, AttentionInputError
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: reference only
 
@@ -45,12 +45,12 @@ class Problem:
 
     def __post_init__(self) -> None:
         if self.heads_kv <= 0 or self.heads_q % self.heads_kv:
-            raise ConfigError(
+            raise AttentionConfigError(
                 f"query heads ({self.heads_q}) must be a positive multiple of key/value heads "
                 f"({self.heads_kv}); repeat or regroup the heads"
             )
         if not math.isfinite(self.scale):
-            raise ConfigError(f"softmax scale must be finite, got {self.scale}")
+            raise AttentionConfigError(f"softmax scale must be finite, got {self.scale}")
 
     @property
     def group(self) -> int:
@@ -61,15 +61,15 @@ class Problem:
 def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise ConfigError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise AttentionConfigError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in DTYPES:
-            raise ConfigError(f"{what}: {name} has dtype {t.dtype}; use float16, bfloat16 or float32 (float64 on the reference backend)")
+            raise AttentionConfigError(f"{what}: {name} has dtype {t.dtype}; use float16, bfloat16 or float32 (float64 on the reference backend)")
     if not (q.dtype == k.dtype == v.dtype):
-        raise ConfigError(f"{what}: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
+        raise AttentionConfigError(f"{what}: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
     if not (q.device == k.device == v.device):
-        raise ConfigError(f"{what}: q, k, v live on different devices ({q.device}, {k.device}, {v.device})")
+        raise AttentionConfigError(f"{what}: q, k, v live on different devices ({q.device}, {k.device}, {v.device})")
     if k.shape != v.shape:
-        raise ConfigError(f"{what}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+        raise AttentionConfigError(f"{what}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
 
 
 def _scale(scale: float | None, head_dim: int) -> float:
@@ -81,32 +81,32 @@ def check_varlen(q, k, v, cu_seqlens, max_seqlen, scale) -> Problem:
     what = "attention_varlen"
     _common(q, k, v, what)
     if q.dim() != 3 or k.dim() != 3:
-        raise ConfigError(f"{what}: q and k/v must be [T, H, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise AttentionConfigError(f"{what}: q and k/v must be [T, H, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ConfigError(f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} disagree on T or D")
+        raise AttentionConfigError(f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} disagree on T or D")
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
-        raise ConfigError(f"{what}: cu_seqlens must be a 1-D int32 tensor [N+1] (build it with torch.int32)")
+        raise AttentionConfigError(f"{what}: cu_seqlens must be a 1-D int32 tensor [N+1] (build it with torch.int32)")
     if cu_seqlens.numel() < 1:
-        raise ConfigError(f"{what}: cu_seqlens must hold at least one offset (0)")
+        raise AttentionConfigError(f"{what}: cu_seqlens must hold at least one offset (0)")
     if cu_seqlens.device != q.device:
-        raise ConfigError(f"{what}: cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
+        raise AttentionConfigError(f"{what}: cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
     max_seqlen = int(max_seqlen)
     if max_seqlen < 0:
-        raise ConfigError(f"{what}: max_seqlen must be >= 0, got {max_seqlen}")
+        raise AttentionConfigError(f"{what}: max_seqlen must be >= 0, got {max_seqlen}")
     total = q.shape[0]
     if cu_seqlens.device.type == "cpu":
         cu = cu_seqlens.to(torch.int64)
         lens = cu[1:] - cu[:-1]
         if int(cu[0]) != 0 or int(cu[-1]) != total:
-            raise InputError(
+            raise AttentionInputError(
                 f"{what}: cu_seqlens must start at 0 and end at T={total}; got {int(cu[0])} .. {int(cu[-1])}. "
                 "Build it as the cumulative sum of the sequence lengths with a leading 0."
             )
         if lens.numel() and int(lens.min()) < 0:
             bad = int(torch.nonzero(lens < 0)[0])
-            raise InputError(f"{what}: cu_seqlens decreases at index {bad} ({int(cu[bad])} -> {int(cu[bad + 1])})")
+            raise AttentionInputError(f"{what}: cu_seqlens decreases at index {bad} ({int(cu[bad])} -> {int(cu[bad + 1])})")
         if lens.numel() and int(lens.max()) > max_seqlen:
-            raise InputError(
+            raise AttentionInputError(
                 f"{what}: a sequence of {int(lens.max())} tokens exceeds max_seqlen={max_seqlen}; "
                 "pass max_seqlen = the longest sequence length"
             )
@@ -121,18 +121,18 @@ def check_padded(q, k, v, lengths, scale) -> Problem:
     what = "attention_padded"
     _common(q, k, v, what)
     if q.dim() != 4 or k.dim() != 4:
-        raise ConfigError(f"{what}: q and k/v must be [B, H, L, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise AttentionConfigError(f"{what}: q and k/v must be [B, H, L, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}")
     b, _, seq, d = q.shape
     if k.shape[0] != b or k.shape[2] != seq or k.shape[3] != d:
-        raise ConfigError(f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, L or D")
+        raise AttentionConfigError(f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, L or D")
     if not isinstance(lengths, torch.Tensor) or lengths.dtype != torch.int32 or lengths.shape != (b,):
-        raise ConfigError(f"{what}: lengths must be an int32 tensor of shape [B]=[{b}]")
+        raise AttentionConfigError(f"{what}: lengths must be an int32 tensor of shape [B]=[{b}]")
     if lengths.device != q.device:
-        raise ConfigError(f"{what}: lengths is on {lengths.device} but q is on {q.device}")
+        raise AttentionConfigError(f"{what}: lengths is on {lengths.device} but q is on {q.device}")
     if lengths.device.type == "cpu" and b:
         lo, hi = int(lengths.min()), int(lengths.max())
         if lo < 0 or hi > seq:
-            raise InputError(f"{what}: lengths must lie in [0, L={seq}]; got min {lo}, max {hi}")
+            raise AttentionInputError(f"{what}: lengths must lie in [0, L={seq}]; got min {lo}, max {hi}")
     return Problem(
         num_seqs=b, heads_q=q.shape[1], heads_kv=k.shape[1], head_dim=d,
         max_seqlen=seq, scale=_scale(scale, d),

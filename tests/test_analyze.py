@@ -17,7 +17,7 @@ from dflash_prep.errors import ConfigError, InputError
 from dflash_prep.fileio import atomic_save_npy, atomic_write_json, fingerprint_array, read_json
 from dflash_prep.lengths import DATASET_FORMAT
 from dflash_prep.optimize import histogram
-from dflash_prep.packing import pack_padded_epoch
+from dflash_prep.bucketing import pack_padded_epoch
 from dflash_prep.profiles import make_lengths
 
 N = 20_000

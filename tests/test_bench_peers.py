@@ -10,7 +10,7 @@ from bench import peer_samplers as ps
 from dflash_prep import metrics
 from dflash_prep.errors import ConfigError
 from dflash_prep.fileio import read_json
-from dflash_prep.packing import greedy_offsets
+from dflash_prep.bucketing import greedy_offsets
 from dflash_prep.profiles import make_lengths
 
 T = 16384

@@ -11,7 +11,7 @@ from dflash_prep import metrics
 from dflash_prep.analyze import equal_mass_boundaries
 from dflash_prep.errors import ConfigError, InputError
 from dflash_prep.optimize import Histogram, Model, PackModel, histogram
-from dflash_prep.packing import pack_padded_epoch
+from dflash_prep.bucketing import pack_padded_epoch
 from dflash_prep.profiles import make_lengths
 
 T = 65536

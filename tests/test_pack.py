@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from dflash_prep import lengths, manifest, metrics, packing, profiles
+from dflash_prep import lengths, manifest, metrics, bucketing, profiles
 from dflash_prep import plan as plan_mod
 from dflash_prep.errors import ConfigError, FingerprintMismatch
 from dflash_prep.pack import pack_epochs, parse_epochs
@@ -47,7 +47,7 @@ def make_plan(tmp: Path, profile="seedlike", n=100_000, boundaries=K6, window=25
     np.save(tmp / "lengths.npy", lens)
     src = lengths.load(lengths_file=tmp / "lengths.npy")
     budget = budget or plan_mod.Budget(model_dim=768)
-    order, offsets, _ = packing.pack_padded_epoch(lens, boundaries, seed=seed, epoch=0, budget=budget.value,
+    order, offsets, _ = bucketing.pack_padded_epoch(lens, boundaries, seed=seed, epoch=0, budget=budget.value,
                                                   alpha=budget.packing_alpha, window=window)
     p = plan_mod.Plan(data=src.describe(), boundaries=boundaries, budget=budget, seed=seed, window=window,
                       predicted={"efficiency": metrics.efficiency(lens, order, offsets)})
@@ -123,7 +123,7 @@ def test_bytes_identical_across_processes(tmp_path):
 def test_targets_on_subsampled_seedlike(tmp_path):
     # the default window on 100k samples: the efficiency and step-mix targets hold; repeat-pair does
     # not (a window covers 9x more of each bucket than at full size), see check() for that
-    plan_path, _ = make_plan(tmp_path, window=packing.DEFAULT_WINDOW)
+    plan_path, _ = make_plan(tmp_path, window=bucketing.DEFAULT_WINDOW)
     s = manifest.open(pack_epochs(plan=plan_path, epochs=[0], out=tmp_path / "m", world_size=8)[0]).summary
     assert s["efficiency"] >= 0.98 and s["step_mix"] <= 0.05, s      # 0.990 / 0.025 at full size
     cost = plan_mod.Budget(unit="cost", value=1.3 * T, model_dim=768)
@@ -191,7 +191,7 @@ def test_cli_pack_inspect_verify(tmp_path):
 
 @pytest.mark.slow
 def test_design_targets_full_seedlike(tmp_path):
-    plan_path, _ = make_plan(tmp_path, n=profiles.SEEDLIKE_N, window=packing.DEFAULT_WINDOW)
+    plan_path, _ = make_plan(tmp_path, n=profiles.SEEDLIKE_N, window=bucketing.DEFAULT_WINDOW)
     s = manifest.open(pack_epochs(plan=plan_path, epochs=[0, 1], out=tmp_path / "t", world_size=8)[1]).summary
     assert s["efficiency"] >= 0.98 and s["step_mix"] <= 0.05 and s["repeat_pair_rate"] < 0.01, s
     cost = plan_mod.Budget(unit="cost", value=1.3 * T, model_dim=768)

@@ -12,7 +12,7 @@ from dflash_prep.errors import ConfigError, FormatError
 from dflash_prep.fileio import read_json
 from dflash_prep.profiles import make_lengths
 from dflash_prep.synth import CORPUS_FILE, META_FILE, SYNTH_FORMAT, SynthConfig, synth
-from dflash_prep.tokenizer import ByteTokenizer, render_chat
+from dflash_prep.encoders import ByteTokenizer, render_chat
 
 
 def _rows(folder):

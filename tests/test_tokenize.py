@@ -14,7 +14,7 @@ from dflash_prep.dataset import open_dataset
 from dflash_prep.errors import ConfigError, InputError
 from dflash_prep.lengths import read_dataset_lengths
 from dflash_prep.tokenize import TokenizeConfig, tokenize
-from dflash_prep.tokenizer import ByteTokenizer, load_tokenizer, render_chat
+from dflash_prep.encoders import ByteTokenizer, load_tokenizer, render_chat
 
 from .assets.fixtures import CHATS, train_bpe, write_jsonl
 

@@ -9,7 +9,7 @@ Data flow, one module per step::
                       -> log.jsonl, progress bar, summary.json; checkpoint.py (atomic, run-key guarded)
       -> model.py     Llama-style decoder; attention from kernels/ (Triton on CUDA, reference on CPU)
 
-``python -m train`` is the entry point (``make train`` runs it under torchrun);
-``python -m train.bench`` measures tokens/s per batching strategy. Importing ``dflash_prep``
+``python -m dflash_prep.train`` is the entry point (``make train`` runs it under torchrun);
+``python -m dflash_prep.train.bench`` measures tokens/s per batching strategy. Importing ``dflash_prep``
 never imports this package, so the ``dflash-prep`` CLI stays free of torch.
 """

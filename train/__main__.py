@@ -1,11 +1,11 @@
-"""``python -m train``: parse options, build a :class:`TrainConfig`, call :func:`train.loop.train`.
+"""``python -m dflash_prep.train``: parse options, build a :class:`TrainConfig`, call :func:`dflash_prep.train.loop.train`.
 
 Launch one process per GPU with torchrun (``make train`` does)::
 
-    torchrun --nproc_per_node 8 -m train --data D --plan P --manifests M --model 100m
+    torchrun --nproc_per_node 8 -m dflash_prep.train --data D --plan P --manifests M --model 100m
     # multi-node: the same on every node, plus torchrun's rendezvous flags, e.g.
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \\
-        --rdzv_id RUN -m train ...
+        --rdzv_id RUN -m dflash_prep.train ...
 
 Options override a TOML ``--config`` file, which overrides the defaults.
 """
@@ -19,6 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 from dflash_prep.errors import DflashError
+from dflash_prep.kernels.errors import AttentionError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -61,7 +62,7 @@ def main(
         from .loop import train
 
         s = train(cfg)
-    except DflashError as e:
+    except (DflashError, AttentionError) as e:
         typer.secho(f"error (rank {rank}): {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     if rank == 0:

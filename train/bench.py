@@ -1,10 +1,10 @@
 """Trainer throughput per batching strategy: real tokens/s and data-wait share.
 
-``python -m train.bench`` (CPU, tiny model) and ``python -m train.bench --gpu`` (CUDA,
+``python -m dflash_prep.train.bench`` (CPU, tiny model) and ``python -m dflash_prep.train.bench --gpu`` (CUDA,
 ``100m`` model, bf16, Triton attention; part of ``make bench-gpu``). For each strategy it
 packs one epoch with the real ``pack`` code into a temp manifest root, then trains a fresh
 model (same seed) for ``warmup + steps`` optimizer steps through the real loader (FIFO
-prefetch, label shift) and :func:`train.loop.train_step`, timing only the last ``steps``:
+prefetch, label shift) and :func:`dflash_prep.train.loop.train_step`, timing only the last ``steps``:
 
 - ``sorted-static``: one bucket sorted whole (window = N), fixed batches, order shuffled;
 - ``bucketed-k6``: K = 6 optimal boundaries (``dflash_prep.optimize``), batch order random;
@@ -255,7 +255,7 @@ def table(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dflash_prep.train.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", action="store_true", help="CUDA, 100m model, seedlike lengths unscaled, T=65536")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run of the same code path (tests use it)")
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")

@@ -5,7 +5,7 @@ written to a temp path and renamed into place) holds:
 
 - ``model``, ``optimizer``: state dicts (parameters are identical on every rank: gradients
   are all-reduced before every optimizer step);
-- ``schedule``: the LR schedule's fields (:class:`train.schedule.Schedule`);
+- ``schedule``: the LR schedule's fields (:class:`dflash_prep.train.lr.Schedule`);
 - ``rng``: per rank, the torch CPU (and CUDA) generator, NumPy's and Python's global states;
 - ``cursor``: ``epoch``, ``step`` (the next step inside that epoch) and ``global_step``;
 - ``run_key``: what fixes the data order: the plan's identity and fingerprint, the dataset

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-import kernels
+from dflash_prep import kernels
 from dflash_prep.errors import ConfigError, FormatError
 from dflash_prep.fileio import atomic_write_json
 
@@ -39,7 +39,7 @@ from . import distributed
 from .config import TrainConfig
 from .data import Prefetcher, StepBatches, iter_steps
 from .model import Decoder, token_loss_sum
-from .schedule import Schedule
+from .lr import Schedule
 from .source import tokenizer_field
 
 LOG_FORMAT = "dflash-prep/train-log"
@@ -175,7 +175,7 @@ def _progress(enabled: bool, total: int):
 def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = None) -> dict:
     """Run (or resume) training as ``cfg`` says; returns the final summary (rank 0's view).
 
-    ``source`` defaults to :class:`train.source.FileSource` over ``cfg.data``/``plan``/
+    ``source`` defaults to :class:`dflash_prep.train.source.FileSource` over ``cfg.data``/``plan``/
     ``manifests``; tests pass any object with the same members.
     """
     d = dist_ctx or distributed.setup(cfg.device)

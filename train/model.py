@@ -7,13 +7,13 @@ parameters, optimizer state and batch: that is what makes resume bitwise on CPU.
 One forward serves both manifest layouts:
 
 - padded: ``input_ids (B, L)`` with per-row ``lengths``; attention is
-  ``kernels.attention_padded`` (rows are masked beyond their length), positions ``0..L-1``;
+  ``dflash_prep.kernels.attention_padded`` (rows are masked beyond their length), positions ``0..L-1``;
 - varlen: ``input_ids (T,)``, samples concatenated, with ``cu_seqlens`` (int32, N+1) and
   ``position_ids (T,)`` restarting at 0 in every sample; attention is
-  ``kernels.attention_varlen`` (block-diagonal causal: no attention across samples).
+  ``dflash_prep.kernels.attention_varlen`` (block-diagonal causal: no attention across samples).
 
 Which kernel runs is ``kernels``' dispatch (Triton on CUDA, the PyTorch reference on CPU);
-the trainer wraps the forward in ``kernels.force_backend`` when ``--attn`` asks for one.
+the trainer wraps the forward in ``dflash_prep.kernels.force_backend`` when ``--attn`` asks for one.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import kernels
+from dflash_prep import kernels
 
 from .config import ModelConfig
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import attention_padded_reference, attention_varlen_reference
+from dflash_prep.kernels.reference import attention_padded_reference, attention_varlen_reference
 
 # A floor on the allowed error, relative to the reference's magnitude, for outputs whose
 # same-precision PyTorch error is (close to) zero, e.g. fp32 against fp32.

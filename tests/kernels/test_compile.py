@@ -22,9 +22,9 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import flash
-from kernels.flash_fwd import attn_fwd_kernel
-from kernels.flash_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+from dflash_prep.kernels import flash
+from dflash_prep.kernels.flash_fwd import attn_fwd_kernel
+from dflash_prep.kernels.flash_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 
 dtype, dims, every_config = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], sys.argv[3] == "all"
 FP32 = ("LSE", "DELTA")

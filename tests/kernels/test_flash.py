@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from dflash_prep.errors import ConfigError
-from kernels import attention_padded, attention_varlen, force_backend
+from dflash_prep.kernels.errors import AttentionConfigError
+from dflash_prep.kernels import attention_padded, attention_varlen, force_backend
 
 from .helpers import close_to_reference, make_padded, make_varlen, reference_pair, run
 
@@ -74,7 +74,7 @@ def test_varlen_non_causal_fp32_gqa():
     {"fwd": (64, 32), "dkdv": (32, 64), "dq": (64, 32)},  # a tile wider than most documents
 ])
 def test_other_tile_shapes(monkeypatch, blocks):
-    from kernels import flash
+    from dflash_prep.kernels import flash
 
     monkeypatch.setattr(flash, "INTERPRET_BLOCKS", blocks)
     _check_varlen([17, 0, 1, 40], 4, 1, 32, torch.float32)
@@ -90,8 +90,8 @@ def test_bitwise_deterministic_across_runs():
 
 
 def test_lse_is_saved_in_natural_log_units():
-    from kernels import flash
-    from kernels.inputs import check_varlen
+    from dflash_prep.kernels import flash
+    from dflash_prep.kernels.inputs import check_varlen
 
     q, k, v, _, cu, max_len = make_varlen([9, 30], 2, 1, 32, torch.float32, seed=1)
     prob = check_varlen(q, k, v, cu, max_len, None)
@@ -118,7 +118,7 @@ def test_varlen_equals_padded_on_same_documents():
 
 def test_unsupported_head_dim_is_a_clear_error():
     q, k, v, _, cu, max_len = make_varlen([8], 2, 2, 48, torch.float32)
-    with force_backend("triton"), pytest.raises(ConfigError, match="head dims"):
+    with force_backend("triton"), pytest.raises(AttentionConfigError, match="head dims"):
         attention_varlen(q, k, v, cu, max_len)
 
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_prep.errors import ConfigError, InputError
-from kernels import attention_padded, attention_varlen, force_backend
-from kernels.backend import requested_backend, resolve_backend
-from kernels.reference import attention_padded_reference, attention_varlen_reference
+from dflash_prep.kernels.errors import AttentionConfigError, AttentionInputError
+from dflash_prep.kernels import attention_padded, attention_varlen, force_backend
+from dflash_prep.kernels.backend import requested_backend, resolve_backend
+from dflash_prep.kernels.reference import attention_padded_reference, attention_varlen_reference
 
 from .helpers import make_padded, make_varlen, run
 
@@ -69,16 +69,16 @@ def test_auto_uses_reference_on_cpu_and_env_and_context_override(monkeypatch):
         assert requested_backend() == "triton"
     assert requested_backend() == "reference"
     monkeypatch.setenv("DFLASH_ATTN_BACKEND", "cudnn")
-    with pytest.raises(ConfigError, match="DFLASH_ATTN_BACKEND"):
+    with pytest.raises(AttentionConfigError, match="DFLASH_ATTN_BACKEND"):
         requested_backend()
-    with pytest.raises(ConfigError, match="unknown attention backend"):
+    with pytest.raises(AttentionConfigError, match="unknown attention backend"):
         with force_backend("fast"):
             pass
 
 
 def test_forcing_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with force_backend("triton"), pytest.raises(ConfigError, match="TRITON_INTERPRET"):
+    with force_backend("triton"), pytest.raises(AttentionConfigError, match="TRITON_INTERPRET"):
         resolve_backend(torch.device("cpu"))
 
 
@@ -98,10 +98,10 @@ def test_scale_is_applied():
 
 
 @pytest.mark.parametrize("cu,max_len,err,match", [
-    ([1, 4], 4, InputError, "start at 0"),
-    ([0, 3], 4, InputError, "end at T=4"),
-    ([0, 3, 2, 4], 4, InputError, "decreases at index 1"),
-    ([0, 4], 3, InputError, "exceeds max_seqlen=3"),
+    ([1, 4], 4, AttentionInputError, "start at 0"),
+    ([0, 3], 4, AttentionInputError, "end at T=4"),
+    ([0, 3, 2, 4], 4, AttentionInputError, "decreases at index 1"),
+    ([0, 4], 3, AttentionInputError, "exceeds max_seqlen=3"),
 ])
 def test_bad_cu_seqlens(cu, max_len, err, match):
     q, k, v, *_ = make_varlen([4], 2, 2, 16, torch.float32)
@@ -111,18 +111,18 @@ def test_bad_cu_seqlens(cu, max_len, err, match):
 
 def test_bad_shapes_and_types():
     q, k, v, _, cu, max_len = make_varlen([4], 4, 2, 16, torch.float32)
-    with pytest.raises(ConfigError, match="int32"):
+    with pytest.raises(AttentionConfigError, match="int32"):
         attention_varlen(q, k, v, cu.to(torch.int64), max_len)
-    with pytest.raises(ConfigError, match="multiple of key/value heads"):
+    with pytest.raises(AttentionConfigError, match="multiple of key/value heads"):
         attention_varlen(q[:, :3], k, v, cu, max_len)
-    with pytest.raises(ConfigError, match="dtypes differ"):
+    with pytest.raises(AttentionConfigError, match="dtypes differ"):
         attention_varlen(q.half(), k, v, cu, max_len)
-    with pytest.raises(ConfigError, match=r"\[T, H, D\]"):
+    with pytest.raises(AttentionConfigError, match=r"\[T, H, D\]"):
         attention_varlen(q[None], k, v, cu, max_len)
     qp, kp, vp, _, lens = make_padded([3], 3, 2, 2, 16, torch.float32)
-    with pytest.raises(InputError, match=r"lengths must lie in \[0, L=3\]"):
+    with pytest.raises(AttentionInputError, match=r"lengths must lie in \[0, L=3\]"):
         attention_padded(qp, kp, vp, torch.tensor([4], dtype=torch.int32))
-    with pytest.raises(ConfigError, match="shape \\[B\\]"):
+    with pytest.raises(AttentionConfigError, match="shape \\[B\\]"):
         attention_padded(qp, kp, vp, torch.tensor([3, 3], dtype=torch.int32))
 
 
@@ -133,14 +133,14 @@ def test_autocast_casts_inputs_like_sdpa():
     assert o.dtype == torch.bfloat16
     want = attention_varlen_reference(*(t.to(torch.bfloat16) for t in (q, k, v)), cu, max_len)
     torch.testing.assert_close(o, want)
-    with pytest.raises(ConfigError, match="dtypes differ"):  # outside autocast they are not
+    with pytest.raises(AttentionConfigError, match="dtypes differ"):  # outside autocast they are not
         attention_varlen(q, k, v.to(torch.bfloat16), cu, max_len)
 
 
 @pytest.mark.parametrize("lens", [[1, 17, 63, 130], [0, 5, 5, 0, 40, 3], [256]])
 @pytest.mark.parametrize("causal", [True, False])
 def test_grouped_varlen_equals_the_per_document_oracle(lens, causal):
-    from kernels.reference import attention_varlen_grouped
+    from dflash_prep.kernels.reference import attention_varlen_grouped
 
     q, k, v, do, cu, max_len = make_varlen(lens, 4, 2, 16, torch.float64)
     outs, grads = [], []

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from train.distributed import Dist
-from train.loop import train_step
-from train.model import token_loss_sum
+from dflash_prep.train.distributed import Dist
+from dflash_prep.train.loop import train_step
+from dflash_prep.train.model import token_loss_sum
 from train_fakes import gloo_worker, grads_setup
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")

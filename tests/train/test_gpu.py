@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from train.config import TrainConfig
-from train.loop import train
+from dflash_prep.train.config import TrainConfig
+from dflash_prep.train.loop import train
 from train_fakes import FakeSource
 
 pytestmark = [pytest.mark.gpu,
@@ -26,7 +26,7 @@ def test_cuda_training_runs(tmp_path, layout):
 
 
 def test_bench_gpu_runs_two_strategies(tmp_path):
-    from train import bench
+    from dflash_prep.train import bench
 
     assert bench.main(["--gpu", "--n", "600", "--strategies", "bucketed-k6-window,varlen",
                        "--out", str(tmp_path / "b.json")]) == 0

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from dflash_prep.errors import ConfigError
-from train import bench
-from train.config import ModelConfig, TrainConfig, build, preset
-from train.data import build_batch
-from train.model import Decoder, token_loss_sum
+from dflash_prep.train import bench
+from dflash_prep.train.config import ModelConfig, TrainConfig, build, preset
+from dflash_prep.train.data import build_batch
+from dflash_prep.train.model import Decoder, token_loss_sum
 from train_fakes import FakeDataset
 
 
@@ -63,7 +63,7 @@ def test_shipped_config_files_parse():
 @pytest.mark.parametrize("layout", ["padded", "varlen"])
 def test_triton_interpreter_matches_reference_in_the_model(layout):
     """--attn triton on CPU runs the interpreter; the loss and gradients match the reference path."""
-    import kernels
+    from dflash_prep import kernels
 
     cfg = ModelConfig(vocab_size=97, n_layers=1, d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, ffn_dim=64)
     ds = FakeDataset(n=3, lo=5, hi=12, seed=3)

@@ -11,9 +11,9 @@ from dflash_prep import plan as plan_mod
 from dflash_prep.errors import ConfigError, FingerprintMismatch
 from dflash_prep.synth import SynthConfig, synth
 from dflash_prep.tokenize import TokenizeConfig, tokenize
-from train.config import TrainConfig
-from train.loop import train
-from train.source import FileSource
+from dflash_prep.train.config import TrainConfig
+from dflash_prep.train.loop import train
+from dflash_prep.train.source import FileSource
 
 SMALL = dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_prep.packing import pack_padded_epoch
+from dflash_prep.bucketing import pack_padded_epoch
 
 VOCAB = 97
 
@@ -116,7 +116,7 @@ def gloo_worker(rank: int, world: int, init_file: str, out_dir: str, kind: str) 
     """Entry point for ``torch.multiprocessing.spawn``: join a gloo group, then do ``kind``.
 
     ``grads``: one optimizer step of :class:`FakeSource` (W=world, A=1) with no clipping;
-    rank 0 saves the summed gradients. ``train``: a short :func:`train.loop.train` run; every
+    rank 0 saves the summed gradients. ``train``: a short :func:`dflash_prep.train.loop.train` run; every
     rank saves its summary and a parameter checksum. ``both``: one then the other, in one
     spawn (starting processes is most of the cost on a small machine).
     """
@@ -126,9 +126,9 @@ def gloo_worker(rank: int, world: int, init_file: str, out_dir: str, kind: str) 
     import torch
     import torch.distributed as dist
 
-    from train.config import TrainConfig
-    from train.distributed import Dist
-    from train.loop import train, train_step
+    from dflash_prep.train.config import TrainConfig
+    from dflash_prep.train.distributed import Dist
+    from dflash_prep.train.loop import train, train_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -162,10 +162,10 @@ def grads_setup(world: int, accum: int, rank: int):
     """Model, optimizer and step-0 batches of rank ``rank`` for W x A over the same micro-batches."""
     import torch
 
-    from train.config import ModelConfig, TrainConfig
-    from train.data import iter_steps
-    from train.loop import build_optimizer
-    from train.model import Decoder
+    from dflash_prep.train.config import ModelConfig, TrainConfig
+    from dflash_prep.train.data import iter_steps
+    from dflash_prep.train.loop import build_optimizer
+    from dflash_prep.train.model import Decoder
 
     torch.manual_seed(0)
     model = Decoder(ModelConfig(vocab_size=VOCAB, n_layers=2, **SMALL_MODEL))

@@ -25,7 +25,7 @@ micro-batches, this module
    rank is as cheap as LPT makes it.
 
 All randomness is keyed by ``(seed, epoch, purpose, group)`` through
-:func:`dflash_prep.packing.mix_key`; the interleave keys are float64 quotients, which
+:func:`dflash_prep.bucketing.mix_key`; the interleave keys are float64 quotients, which
 IEEE 754 rounds identically on every machine.
 """
 
@@ -35,7 +35,7 @@ import numba as nb
 import numpy as np
 
 from .errors import ConfigError
-from .packing import _shuffle_inplace, mix_key
+from .bucketing import _shuffle_inplace, mix_key
 
 SCHEDULES = ("class-aware", "stratified", "random")
 PURPOSE_SCHEDULE = 0x7363686564      # "sched"

@@ -1,7 +1,7 @@
 """Kernel benchmark: our Triton attention against torch SDPA and FlexAttention, one GPU, one run.
 
-    python -m kernels.bench [--out results/]   # on a GPU, at most ~5 minutes
-    python -m kernels.bench --smoke            # CPU: tiny shapes through the interpreter
+    python -m bench.attention [--out results/]   # on a GPU, at most ~5 minutes
+    python -m bench.attention --smoke            # CPU: tiny shapes through the interpreter
 
 What it measures (bf16, causal), each provider on the same GPU in the same process:
 
@@ -223,7 +223,7 @@ class Runner:
     def dense(self, d: int, seq: int) -> None:
         import torch
 
-        from kernels import attention_padded, force_backend
+        from dflash_prep.kernels import attention_padded, force_backend
 
         heads, batch = self.cfg.hidden // d, self.cfg.tokens // seq
         base = dict(case="dense", head_dim=d, heads=heads, batch=batch, seqlen=seq,
@@ -245,7 +245,7 @@ class Runner:
     def varlen(self, d: int) -> None:
         import torch
 
-        from kernels import attention_padded, attention_varlen, force_backend
+        from dflash_prep.kernels import attention_padded, attention_varlen, force_backend
 
         heads, docs = self.cfg.hidden // d, varlen_doc_lens(self.cfg)
         total, flops = sum(docs), causal_flops(docs, heads, d)
@@ -366,7 +366,7 @@ def run(cfg: BenchConfig) -> dict:
             runner.dense(d, seq)
     report = dict(
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        command="python -m kernels.bench" + (" --smoke" if cfg.smoke else ""),
+        command="python -m bench.attention" + (" --smoke" if cfg.smoke else ""),
         device=torch.cuda.get_device_name() if runner.cuda else f"CPU ({platform.processor() or platform.machine()})",
         torch=torch.__version__, triton=triton.__version__, smoke=cfg.smoke,
         elapsed_s=round(time.perf_counter() - runner.t0, 1), config=asdict(cfg),
@@ -380,7 +380,7 @@ def run(cfg: BenchConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run through the Triton interpreter")
     parser.add_argument("--out", default="results", help="results folder (default: results/)")
     parser.add_argument("--budget-s", type=float, default=None, help="skip cases pending after this many seconds")
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not args.smoke and not torch.cuda.is_available():
-        print("kernels.bench: no CUDA GPU here; run with --smoke for the CPU check", file=sys.stderr)
+        print("bench.attention: no CUDA GPU here; run with --smoke for the CPU check", file=sys.stderr)
         return 2
     cfg = smoke_config(args.out) if args.smoke else BenchConfig(out=args.out)
     if args.budget_s is not None:

@@ -6,7 +6,7 @@ import pytest
 
 from dflash_prep.errors import ConfigError
 from dflash_prep.fileio import read_json
-from kernels import bench
+from bench import attention as bench
 
 
 def test_flops_follow_design():

@@ -9,7 +9,7 @@ import pytest
 
 from .assets.fixtures import CHATS, train_bpe
 from dflash_prep.errors import ConfigError, InputError
-from dflash_prep.tokenizer import ByteTokenizer, load_tokenizer, render_chat
+from dflash_prep.encoders import ByteTokenizer, load_tokenizer, render_chat
 
 
 def expected_trained(messages, end="<|im_end|>") -> str:

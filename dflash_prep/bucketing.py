@@ -243,7 +243,7 @@ def pack_padded_epoch(lengths: np.ndarray, boundaries, *, seed: int, epoch: int,
 
     Returns ``(order, offsets, batch_bucket)``: sample ids batch after batch, batch offsets
     (int64, ``M + 1``), and the bucket of each micro-batch. Batches come bucket by bucket;
-    the step schedule in :mod:`dflash_prep.schedule` decides their final order.
+    the step schedule in :mod:`dflash_prep.steps` decides their final order.
     """
     order, offsets, batch_bucket, _ = pack_padded(lengths, boundaries, seed=seed, epoch=epoch, budget=budget,
                                                   alpha=alpha, max_batch_size=max_batch_size, window=window)

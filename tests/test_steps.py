@@ -1,18 +1,18 @@
-"""schedule.py: interleaving, completing steps, rank assignment."""
+"""steps.py: interleaving, completing steps, rank assignment."""
 
 import itertools
 
 import numpy as np
 import pytest
 
-from dflash_prep import schedule
+from dflash_prep import steps
 from dflash_prep.errors import ConfigError
 
 
 def test_interleave_gives_every_window_its_share():
     rng = np.random.default_rng(0)
     group = rng.integers(0, 8, 4000)
-    perm = schedule.interleave(group, 8, seed=1, epoch=0)
+    perm = steps.interleave(group, 8, seed=1, epoch=0)
     assert np.array_equal(np.sort(perm), np.arange(4000))
     share = np.bincount(group, minlength=8) / 4000
     for s in range(0, 4000 - 8, 8):
@@ -22,39 +22,39 @@ def test_interleave_gives_every_window_its_share():
 
 def test_interleave_is_keyed():
     group = np.repeat(np.arange(4), 50)
-    a = schedule.interleave(group, 4, seed=1, epoch=0)
-    assert np.array_equal(a, schedule.interleave(group, 4, seed=1, epoch=0))
-    assert not np.array_equal(a, schedule.interleave(group, 4, seed=1, epoch=1))
-    assert not np.array_equal(a, schedule.interleave(group, 4, seed=2, epoch=0))
+    a = steps.interleave(group, 4, seed=1, epoch=0)
+    assert np.array_equal(a, steps.interleave(group, 4, seed=1, epoch=0))
+    assert not np.array_equal(a, steps.interleave(group, 4, seed=1, epoch=1))
+    assert not np.array_equal(a, steps.interleave(group, 4, seed=2, epoch=0))
 
 
 def test_order_microbatches_unknown_schedule():
     with pytest.raises(ConfigError, match="schedule"):
-        schedule.order_microbatches("sorted", classes=np.zeros(3, np.int64), buckets=np.zeros(3, np.int64),
+        steps.order_microbatches("sorted", classes=np.zeros(3, np.int64), buckets=np.zeros(3, np.int64),
                                     n_buckets=1, n_classes=8, seed=0, epoch=0)
 
 
 def test_complete_steps_splits_largest_and_keeps_samples():
     offsets = np.array([0, 10, 13, 14, 30, 31], np.int64)           # 5 micro-batches
-    out = schedule.complete_steps(offsets, 4, drop_last=False)
+    out = steps.complete_steps(offsets, 4, drop_last=False)
     assert (len(out) - 1) % 4 == 0 and out[0] == 0 and out[-1] == 31
     assert set(offsets) <= set(out) and np.all(np.diff(out) >= 1)
     assert 22 in out and 5 in out                                    # the 16- and 10-sample batches split
-    assert np.array_equal(schedule.complete_steps(offsets, 4, drop_last=True), offsets)
+    assert np.array_equal(steps.complete_steps(offsets, 4, drop_last=True), offsets)
 
 
 def test_complete_steps_errors():
     with pytest.raises(ConfigError, match="fewer than one step"):
-        schedule.complete_steps(np.array([0, 3, 6]), 8, drop_last=False)
+        steps.complete_steps(np.array([0, 3, 6]), 8, drop_last=False)
     with pytest.raises(ConfigError, match="drop-last"):
-        schedule.complete_steps(np.arange(6), 4, drop_last=False)   # 5 batches of one sample each
+        steps.complete_steps(np.arange(6), 4, drop_last=False)   # 5 batches of one sample each
 
 
 @pytest.mark.parametrize("w,a", [(4, 1), (3, 2), (2, 3)])
 def test_assign_ranks_layout_and_lpt(w, a):
     rng = np.random.default_rng(w * 10 + a)
     cost = rng.random(w * a * 5) * 100
-    perm, step, rank, accum = schedule.assign_ranks(cost, w, a)
+    perm, step, rank, accum = steps.assign_ranks(cost, w, a)
     assert np.array_equal(np.sort(perm), np.arange(len(cost)))
     s = w * a
     assert np.array_equal(perm // s, np.arange(len(cost)) // s)     # micro-batches stay in their step

@@ -1,0 +1,3 @@
+"""The one version source: pyproject reads it (``[tool.setuptools.dynamic]``), so does ``--version``."""
+
+__version__ = "0.2.0"
