@@ -37,7 +37,8 @@ from dflash_prep.fileio import atomic_write_json
 from . import checkpoint as ckpt
 from . import distributed
 from .config import TrainConfig
-from .data import Prefetcher, StepBatches, iter_steps
+from .data import StepBatches
+from .loader import ManifestLoader
 from .model import Decoder, token_loss_sum
 from .lr import Schedule
 from .source import tokenizer_field
@@ -197,7 +198,10 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
     out = Path(cfg.out)
     ckpt_path = out / ckpt.CKPT_FILE
 
-    first = source.manifest(0)
+    pad_id = int(tokenizer_field(ds, "pad_id", 0))
+    loader = ManifestLoader(source, rank=d.rank, epochs=cfg.epochs, collate="trainer", pad_id=pad_id,
+                            pin=d.device.type == "cuda", prefetch=cfg.prefetch)
+    first = loader.manifest(0)
     _check_manifest_shape(first, d)
     run_key = {**source.run_identity(), **_manifest_key(first)}
 
@@ -228,7 +232,6 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
         if d.is_main:
             print(f"resuming {ckpt_path} at epoch {epoch} step {step} (global step {gstep})", flush=True)
 
-    pad_id = int(tokenizer_field(ds, "pad_id", 0))
     header = {"config": asdict(cfg), "model": asdict(mcfg), "params": model.num_parameters(),
               "run_key": run_key, "world_size": d.world_size, "device": str(d.device),
               "resumed_from": {"epoch": epoch, "step": step, "global_step": gstep} if resumed else None}
@@ -236,7 +239,6 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
     wb = _wandb(cfg, d)
     autocast = _autocast_for(d.device, cfg.bf16)
     attn_ctx = (lambda: kernels.force_backend(cfg.attn)) if cfg.attn != "auto" else contextlib.nullcontext
-    pin = d.device.type == "cuda"
     limit = cfg.max_steps or None
     bar = _progress(cfg.progress and d.is_main, (limit or total) - gstep)
     totals = {"steps": 0, "real_tokens": 0, "padded_tokens": 0, "targets": 0, "time_s": 0.0, "wait_s": 0.0}
@@ -252,13 +254,13 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
 
     try:
         while epoch < cfg.epochs and (limit is None or gstep < limit):
-            m = first if epoch == 0 else source.manifest(epoch)
+            m = loader.manifest(epoch)
             _check_manifest_shape(m, d)
             shape = _manifest_key(m)
             if any(run_key[k] != v for k, v in shape.items()):
                 raise FormatError(f"epoch {epoch} manifest was packed with {shape}, epoch 0 with "
                                   f"{ {k: run_key[k] for k in shape} }; pack every epoch with the same options")
-            with Prefetcher(iter_steps(ds, m, d.rank, start_step=step, pad_id=pad_id, pin=pin), cfg.prefetch) as pf:
+            with loader.open_epoch(epoch, start_step=step) as pf:
                 while limit is None or gstep < limit:
                     t0 = time.perf_counter()
                     w0 = pf.wait_s
