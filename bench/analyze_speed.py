@@ -2,7 +2,7 @@
 
     NUMBA_CACHE_DIR=.numba_cache python -m bench.analyze_speed [--n-large 100000000] [--exhaustive]
 
-Rows (seedlike lengths, T = 65536, DESIGN.md):
+Rows (seedlike lengths, T = 65536, definitions.md):
 
 - ``search K=6``: lengths array -> histogram -> model tables -> boundary search for K=6;
 - ``search K=32``: the same for K = 1..32 in one run (what the Pareto table needs);

@@ -14,7 +14,7 @@ What it measures (bf16, causal), each provider on the same GPU in the same proce
   the timed region), and ours on a dense batch of about the same FLOPs (every row
   ``L_eq = sum(L^2)/sum(L)`` long), to show that packing costs no throughput.
 
-FLOPs follow DESIGN.md: forward ``4 * H * sum(L^2) * D * 0.5`` (causal), backward 2.5x the
+FLOPs follow definitions.md: forward ``4 * H * sum(L^2) * D * 0.5`` (causal), backward 2.5x the
 forward. Forward is timed with autograd recording (a training forward); backward times
 ``o.backward(dO)`` alone. GPU times are ``triton.testing.do_bench`` means (warm-up
 included, caches flushed, our autotuning done before timing). A baseline that cannot run

@@ -16,7 +16,7 @@ Rows (keys for ``--skip``):
   repeat-pair rate is within 0.01 of window 0's; 2048 on seedlike): the default padded
   layout (HF's batch size is matched to its mean micro-batch);
 - ``window-small``: the same plan packed with window 512 (less efficient, fewer repeats);
-- ``window-cost``: K optimal + auto window under a cost budget of 1.3 T (DESIGN.md);
+- ``window-cost``: K optimal + auto window under a cost budget of 1.3 T (docs/definitions.md);
 - ``varlen``: concatenated sequences, keyed random order, first-fit into 4 open bins.
 """
 
@@ -34,7 +34,7 @@ from dflash_prep.plan import Plan
 
 from .peer_samplers import PeerEpoch
 
-COST_BUDGET_FACTOR = 1.3  # DESIGN.md: cost budget 1.3 x T
+COST_BUDGET_FACTOR = 1.3  # definitions.md: cost budget 1.3 x T
 AUTO_TARGET = 0.95        # auto-K: analyze --target-efficiency
 SMALL_WINDOW = 512
 

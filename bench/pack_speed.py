@@ -1,6 +1,6 @@
 """Speed, memory and quality of ``dflash-prep pack`` (issue 4).
 
-``python -m bench.pack_speed`` runs, on DESIGN.md's 902,087 seedlike lengths (T = 65536,
+``python -m bench.pack_speed`` runs, on definitions.md's 902,087 seedlike lengths (T = 65536,
 W = 8, A = 1, K = 6 boundaries [832, 1248, 1760, 2464, 3760], d_model 768):
 
 1. the strategy table: every schedule, window, budget unit and layout, packed for epochs

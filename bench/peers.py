@@ -2,7 +2,7 @@
 
 ``python -m bench.peers`` (``make bench``) runs every strategy on the same lengths, the
 same budget T and the same step layout (W ranks, A = 1), and measures all of them with
-:mod:`dflash_prep.metrics`, the one implementation of DESIGN.md's definitions:
+:mod:`dflash_prep.metrics`, the one implementation of definitions.md's definitions:
 
 - efficiency (padded layouts) and fill; micro-batches per epoch; share of micro-batches
   over the budget (HF's fixed batch size and Lhotse's soft ``max_duration`` can exceed T);
@@ -11,7 +11,7 @@ same budget T and the same step layout (W ranks, A = 1), and measures all of the
 - wall time: ``setup`` is the one-time work (Lhotse's bin estimate, fairseq's and TRL's
   static batching); ``epoch`` is epoch 1's plan, timed after epoch 0 warmed every cache.
 
-Length sets: ``seedlike`` (DESIGN.md's 902,087 lengths) and ``demo-bpe`` (the demo chat
+Length sets: ``seedlike`` (definitions.md's 902,087 lengths) and ``demo-bpe`` (the demo chat
 corpus tokenized with a BPE trained by ``tokenizers``; see :mod:`bench.corpus`). The peers
 are in :mod:`bench.peer_samplers`; our rows go through the public ``analyze`` and ``pack``
 library functions (:mod:`bench.ours`). Output: a markdown table on stdout, and
@@ -49,7 +49,7 @@ class BenchConfig:
 
     Attributes:
         sets: length sets to run, from :data:`LENGTH_SETS`.
-        n: samples in ``seedlike`` (DESIGN.md: 902,087).
+        n: samples in ``seedlike`` (definitions.md: 902,087).
         demo_n: conversations in the demo corpus behind ``demo-bpe``.
         budget: T, tokens per padded micro-batch (``n * max_len <= T``) or per packed row.
         world_size: W; A = 1, so a step is W consecutive micro-batches.

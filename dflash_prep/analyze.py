@@ -172,7 +172,7 @@ class Simulated:
 
 
 def simulate(lengths: np.ndarray, boundaries, cfg: AnalyzeConfig, *, window: int) -> Simulated:
-    """Run ``pack_padded_epoch`` for ``cfg.epochs`` epochs; average the DESIGN.md metrics."""
+    """Run ``pack_padded_epoch`` for ``cfg.epochs`` epochs; average the definitions.md metrics."""
     b = cfg.budget_spec
     effs, fills, mbs, rps, sps = [], [], [], [], []
     per_bucket = np.zeros(len(boundaries) + 1)

@@ -1,4 +1,4 @@
-"""The DESIGN.md definitions, computed from batches, once, for every stage.
+"""The definitions of dflash_prep/docs/definitions.md, computed from batches, once, for every stage.
 
 A *batching* of one epoch is two int64 arrays: ``order`` (sample ids, batch after batch)
 and ``offsets`` (length ``M + 1``; batch ``m`` is ``order[offsets[m]:offsets[m+1]]``).
@@ -76,7 +76,7 @@ def efficiency_and_fill(lengths, order, offsets, budget: float, *, alpha: float 
 
 
 def batch_cost(lengths, order, offsets, alpha: float, *, varlen: bool = False) -> np.ndarray:
-    """Cost per micro-batch (float64), DESIGN.md's balance model."""
+    """Cost per micro-batch (float64), definitions.md's balance model."""
     counts, real, mx = batch_stats(lengths, order, offsets)
     if not varlen:
         mxf = mx.astype(np.float64)

@@ -1,6 +1,6 @@
 """Named length distributions for the demo corpus, tests and benchmarks.
 
-``seedlike`` is DESIGN.md's benchmark distribution: 902,087 lengths from a lognormal body
+``seedlike`` is definitions.md's benchmark distribution: 902,087 lengths from a lognormal body
 (median 1150, sigma 0.60); 0.2% of samples uniform on [4000, 8191] and 0.05% exactly at
 8191; clipped to [65, 8191]. That gives p50 ~1152, p99 ~4890, mean ~1390.
 

@@ -9,7 +9,7 @@ micro-batches, this module
    ``drop_last``, by dropping the epoch's last ``M mod (W*A)`` scheduled micro-batches;
 2. orders them (:func:`order_microbatches`) with one of :data:`SCHEDULES`:
 
-   - ``class-aware`` (default): each micro-batch gets the length class (DESIGN.md's 8
+   - ``class-aware`` (default): each micro-batch gets the length class (definitions.md's 8
      token-weighted octile classes) of its token-weighted mean length ``sum L^2 / sum L``.
      Each class is shuffled with a keyed RNG, then the classes are interleaved in
      proportion to their sizes, so every run of ``W*A`` consecutive micro-batches holds each
@@ -17,8 +17,8 @@ micro-batches, this module
      in length, so this gives each step an even token mix. Seedlike, K=6, window 2048,
      W=8, A=1: step mix 0.025 against 0.104 for a full random shuffle;
    - ``stratified``: the same interleave over the plan's buckets instead of length classes
-     (DESIGN.md: 0.130 at K=6);
-   - ``random``: a keyed permutation of the micro-batches (DESIGN.md: 0.278 at K=6).
+     (definitions.md: 0.130 at K=6);
+   - ``random``: a keyed permutation of the micro-batches (definitions.md: 0.278 at K=6).
 3. assigns the ``W*A`` micro-batches of each step to ranks (:func:`assign_ranks`): longest
    processing time first under the cost model, each rank taking exactly ``A`` of them, so
    every rank gets the same count (unequal counts deadlock DDP) and the most expensive

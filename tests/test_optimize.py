@@ -123,9 +123,9 @@ def test_design_reference_figures_on_seedlike():
     h = histogram(lengths)
     model = Model(h, PackModel(float(T)))
     res = model.search(32)
-    for k, floor in ((6, 0.8065), (8, 0.849), (16, 0.9205), (32, 0.9585)):  # DESIGN: .807/.849/.921/.959
+    for k, floor in ((6, 0.8065), (8, 0.849), (16, 0.9205), (32, 0.9585)):  # definitions.md floors: .807/.849/.921/.959
         sim = simulate(lengths, model.refine(res.boundaries[k - 1]), T)
-        assert sim >= floor, f"K={k}: simulated {sim:.4f} below DESIGN's {floor}"
+        assert sim >= floor, f"K={k}: simulated {sim:.4f} below definitions.md's {floor}"
         em = simulate(lengths, equal_mass_boundaries(h, k), T)
         assert sim > em, f"K={k}: optimal {sim:.4f} <= equal-mass {em:.4f}"
 

@@ -14,7 +14,7 @@ prefetch, label shift) and :func:`dflash_prep.train.loop.train_step`, timing onl
 
 Lengths: the ``seedlike`` profile divided by ``--scale`` (16 on CPU: 4..511 tokens, so a
 tiny model trains on 2 cores), budget ``T = --budget`` (4096 on CPU = 8x the longest
-sample, as DESIGN's 65536 is for 8191). Token ids are random; only shapes matter for speed.
+sample, as definitions.md's 65536 is for 8191). Token ids are random; only shapes matter for speed.
 ``--data DIR`` uses a tokenized dataset's own lengths and samples instead.
 
 Strategies run round robin (one step of each in turn) so that drifting background load
@@ -231,7 +231,7 @@ def run(cfg: BenchConfig, strategies=STRATEGIES) -> dict:
 
 
 def _measure(r: dict) -> float:
-    """DESIGN.md's efficiency measure: padding efficiency, or fill in the varlen layout."""
+    """definitions.md's efficiency measure: padding efficiency, or fill in the varlen layout."""
     return r["epoch_fill"] if r["layout"] == "varlen" else r["epoch_efficiency"]
 
 

@@ -35,7 +35,7 @@ Collation (``collate=``):
 - ``"trainer"``: our trainer's :class:`~dflash_prep.train.data.Batch` (labels already
   shifted, see :mod:`dflash_prep.train.data`).
 
-For loss normalisation across accumulation and ranks (DESIGN: divide by the targets of the
+For loss normalisation across accumulation and ranks (definitions.md: divide by the targets of the
 whole optimizer step), sum ``num_items_in_batch`` over the step's micro-batches and
 all-reduce it, as our trainer does.
 """

@@ -89,7 +89,7 @@ def test_bench_gpu_smoke_mode_runs_every_strategy_on_cpu(tmp_path):
     rows = {r["strategy"]: r for r in rep["rows"]}
     assert set(rows) == set(bench.STRATEGIES)
     assert rows["varlen"]["layout"] == "varlen" and rows["varlen"]["timed_efficiency"] == 1.0
-    # the packed epochs differ the way DESIGN.md says: sorted and varlen fill best, random worst
+    # the packed epochs differ the way definitions.md says: sorted and varlen fill best, random worst
     eff = {k: r["epoch_efficiency"] for k, r in rows.items()}
     assert eff["full-random"] < eff["bucketed-k6"] < eff["sorted-static"]
     for r in rows.values():
