@@ -54,11 +54,11 @@ def _friendly(fn):
 
 
 def console():
-    """A rich console; 160 columns when stdout is not a terminal (make, CI, logs), so tables
-    are not cut to rich's 80-column default there."""
+    """A rich console: the terminal's width, or 80 columns when stdout is not a terminal
+    (make, CI, logs). Every table we print is laid out to fit that width."""
     from rich.console import Console
 
-    return Console() if sys.stdout.isatty() else Console(width=160)
+    return Console() if sys.stdout.isatty() else Console(width=80)
 
 
 def command(*args, **kwargs):
@@ -73,7 +73,7 @@ def command(*args, **kwargs):
 # --- synth / tokenize (dflash_prep.synth, dflash_prep.tokenize) -----------------------
 @command("synth")
 def synth_cmd(
-    out: Annotated[Path, typer.Option(help="Output folder: chat.jsonl + synth.json.")] = Path("demo/corpus"),
+    out: Annotated[Path, typer.Option(help="Output folder (new, or one synth wrote): chat.jsonl + synth.json.")],
     n: Annotated[int, typer.Option(help="Number of conversations.")] = 10_000,
     profile: Annotated[str, typer.Option(help="Length profile: seedlike, mini (seedlike at 1/4 length), bimodal, heavytail, uniform.")] = "seedlike",
     seed: Annotated[int, typer.Option(help="Keys lengths and text; same seed, same bytes.")] = 0,
@@ -154,14 +154,25 @@ _SUMMARY_KEYS = ("efficiency", "fill", "microbatches", "steps", "step_mix", "ran
                  "dropped_samples", "predicted_efficiency")
 
 
-def _print_summaries(rows: list[tuple[str, dict]]) -> None:
+def _print_summaries(rows: list[tuple[str, dict]], json_out: bool = False) -> None:
+    """Summary metrics, one column per epoch; as many tables as it takes to fit the terminal
+    (80 columns when stdout is not one), so no cell is ever cut. ``--json``: one JSON object."""
+    if json_out:
+        import json
+
+        typer.echo(json.dumps({name: s for name, s in rows}, indent=2, allow_nan=False))
+        return
     from rich.table import Table
 
-    table = Table("metric", *(name for name, _ in rows))
-    for k in _SUMMARY_KEYS:
-        table.add_row(k, *("-" if s.get(k) is None else f"{s[k]:.4f}" if isinstance(s[k], float) else str(s[k])
-                           for _, s in rows))
-    console().print(table)
+    con = console()
+    per = max(1, (con.width - 26) // 13)
+    for i in range(0, len(rows), per):
+        chunk = rows[i:i + per]
+        table = Table("metric", *(name for name, _ in chunk))
+        for k in _SUMMARY_KEYS:
+            table.add_row(k, *("-" if s.get(k) is None else f"{s[k]:.4f}" if isinstance(s[k], float) else str(s[k])
+                               for _, s in chunk))
+        con.print(table)
 
 
 @command("pack")
@@ -183,6 +194,7 @@ def pack_cmd(
     model_dim: Annotated[Optional[int], typer.Option(help="override d_model of the cost model (alpha = 1/(12 d))")] = None,
     lengths: Annotated[Optional[Path], typer.Option(help="what-if lengths file (.npy or one int per line)")] = None,
     overwrite: Annotated[bool, typer.Option(help="replace epochs built from other inputs")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object instead of tables")] = False,
 ):
     """Pack deterministic per-epoch manifests (batches, steps, ranks) from a plan."""
     from . import manifest
@@ -196,17 +208,20 @@ def pack_cmd(
                        open_bins=open_bins, budget=budget_override(p.budget, budget_unit, budget, model_dim),
                        data=data, lengths=lengths, overwrite=overwrite)
     rows = [(d.name, manifest.open(d).summary) for d in dirs]
-    _print_summaries(rows)
+    _print_summaries(rows, json_out)
     for line in (w for name, s in rows for w in summary_warnings(name, s)):
         typer.secho(f"warning: {line}", fg=typer.colors.YELLOW, err=True)
 
 
 @command("inspect")
-def inspect_cmd(path: Annotated[Path, typer.Argument(help="an epoch folder, or a manifest root (all its epochs)")]):
+def inspect_cmd(
+    path: Annotated[Path, typer.Argument(help="an epoch folder, or a manifest root (all its epochs)")],
+    json_out: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object instead of tables")] = False,
+):
     """Print the summary metrics of one epoch or of every epoch under a root."""
     from . import manifest
 
-    _print_summaries([(d.name, manifest.open(d).summary) for d in manifest.find_epochs(path)])
+    _print_summaries([(d.name, manifest.open(d).summary) for d in manifest.find_epochs(path)], json_out)
 
 
 @command("verify")
@@ -214,13 +229,14 @@ def verify_cmd(
     path: Annotated[Path, typer.Argument(help="an epoch folder, or a manifest root (all its epochs)")],
     data: Annotated[Optional[Path], typer.Option(help="dataset folder (default: the one the manifest records)")] = None,
     lengths: Annotated[Optional[Path], typer.Option(help="lengths file (default: the one the manifest records)")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object instead of tables")] = False,
 ):
     """Recompute every epoch from its arrays and the lengths; exit 1 on any violation."""
     from . import manifest
 
     rows = [(d.name, manifest.verify(d, data=data, lengths=lengths)) for d in manifest.find_epochs(path)]
-    _print_summaries(rows)
-    typer.secho(f"ok: {len(rows)} epoch(s) verified", fg=typer.colors.GREEN)
+    _print_summaries(rows, json_out)
+    typer.secho(f"ok: {len(rows)} epoch(s) verified", fg=typer.colors.GREEN, err=json_out)
 
 
 

@@ -207,3 +207,23 @@ def test_summary_warnings():
     assert summary_warnings("e1", {"repeat_pair_rate": 0.004, "efficiency": 0.99, "predicted_efficiency": 0.991}) == []
     w = summary_warnings("e1", {"repeat_pair_rate": 0.98, "efficiency": 0.97, "predicted_efficiency": 0.99})
     assert len(w) == 2 and "--window" in w[0] and "0.5 pp" in w[1]
+
+
+def test_cli_tables_fit_80_columns_and_json_is_strict(tmp_path):
+    import json
+
+    from dflash_prep.cli import app
+
+    plan_path, _ = make_plan(tmp_path, "bimodal", 4000, (300, 2500), 64)
+    run = CliRunner().invoke
+    r = run(app, ["pack", "--plan", str(plan_path), "--epochs", "0-7", "--out", str(tmp_path / "m")])
+    assert r.exit_code == 0, r.output
+    table = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    assert max(map(len, table)) <= 80 and "…" not in r.stdout, r.stdout
+    assert all(f"epoch-000{e}" in r.output for e in range(8))        # every epoch shown, over several tables
+    for cmd in (["inspect", str(tmp_path / "m"), "--json"], ["verify", str(tmp_path / "m"), "--json"]):
+        r = run(app, cmd)
+        assert r.exit_code == 0, r.output
+        doc = json.loads(r.stdout)
+        assert sorted(doc) == [f"epoch-000{e}" for e in range(8)]
+        assert 0.5 < doc["epoch-0003"]["efficiency"] <= 1
