@@ -80,9 +80,12 @@ def synth_cmd(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
 ):
     """Write a reproducible multi-turn chat corpus whose byte-level token lengths follow a profile."""
+    from .progress import progress
     from .synth import SynthConfig, synth
 
-    s = synth(SynthConfig(out=out, profile=profile, n=n, seed=seed, overwrite=overwrite))
+    cfg = SynthConfig(out=out, profile=profile, n=n, seed=seed, overwrite=overwrite)
+    with progress("synth", total=n, unit="conversations") as bar:
+        s = synth(cfg, progress=bar.advance)
     typer.echo(f"wrote {out}/{s['file']}: {s['n']:,} conversations, {s['messages']:,} messages, "
                f"{s['target_tokens']:,} byte-level tokens ({s['profile']}, seed {s['seed']})")
 

@@ -171,6 +171,8 @@ def synth(cfg: SynthConfig, *, progress=None) -> dict:
                 f.write("\n")
                 if progress is not None and (i + 1) % 4096 == 0:
                     progress(4096)
+            if progress is not None:
+                progress(len(lengths) % 4096)
         summary = {
             "profile": cfg.profile, "n": cfg.n, "seed": cfg.seed, "file": CORPUS_FILE,
             "lengths_fingerprint": fingerprint_array(np.maximum(lengths, MIN_TARGET).astype(np.int32)),
