@@ -44,8 +44,7 @@ def main(
     bf16: Annotated[Optional[bool], typer.Option(help="bf16 autocast on CUDA")] = None,
     prefetch: Annotated[Optional[int], typer.Option(help="steps the FIFO prefetch thread builds ahead")] = None,
     ckpt_every: Annotated[Optional[int], typer.Option(help="checkpoint every N steps (0 = at the end)")] = None,
-    resume: Annotated[Optional[bool], typer.Option(help="resume from OUT/checkpoint.pt when present")] = None,
-    from_scratch: Annotated[Optional[bool], typer.Option("--from-scratch", help="ignore an existing checkpoint: new run on the current plan")] = None,
+    from_scratch: Annotated[Optional[bool], typer.Option("--from-scratch/--resume", help="--resume (default): continue from OUT/checkpoint.pt when present; --from-scratch: ignore it, a new run on the current plan")] = None,
     progress: Annotated[Optional[bool], typer.Option(help="progress bar on rank 0")] = None,
     wandb: Annotated[Optional[str], typer.Option(help="Weights & Biases project (needs wandb installed)")] = None,
 ):
@@ -57,7 +56,7 @@ def main(
         cfg = config_mod.build(config, data=data, plan=plan, manifests=manifests, out=out, model=model, epochs=epochs,
                                max_steps=max_steps, pack_missing=pack_missing, lr=lr, warmup_steps=warmup_steps,
                                grad_clip=grad_clip, seed=seed, attn=attn, device=device, bf16=bf16,
-                               prefetch=prefetch, ckpt_every=ckpt_every, resume=resume, from_scratch=from_scratch,
+                               prefetch=prefetch, ckpt_every=ckpt_every, from_scratch=from_scratch,
                                progress=progress, wandb=wandb)
         from .loop import train
 

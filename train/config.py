@@ -130,10 +130,9 @@ class TrainConfig:
     """Optimizer steps the FIFO prefetch thread builds ahead."""
     ckpt_every: int = 0
     """Save a checkpoint every N steps (0 = only at the end)."""
-    resume: bool = True
-    """Resume from ``out/checkpoint.pt`` when it exists."""
     from_scratch: bool = False
-    """Ignore (and replace) an existing checkpoint: start a new run on the current plan."""
+    """False (``--resume``, the default): resume from ``out/checkpoint.pt`` when it exists.
+    True (``--from-scratch``): ignore and replace it, a new run on the current plan."""
     log_every: int = 1
     """Write a JSONL record every N steps."""
     progress: bool = True
@@ -161,8 +160,6 @@ class TrainConfig:
             raise ConfigError(f"--attn must be one of {', '.join(ATTN_BACKENDS)}, got {self.attn!r}")
         if self.device not in DEVICES:
             raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if self.resume is False and self.from_scratch:
-            raise ConfigError("--no-resume and --from-scratch contradict each other; pass one")
         preset(self.model, **self.model_overrides)  # validates the preset name and overrides
 
     def model_config(self, vocab_size: int) -> ModelConfig:

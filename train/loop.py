@@ -216,7 +216,7 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
     sched = Schedule(peak=cfg.lr, warmup=cfg.warmup_steps, total=max(1, total), min_ratio=cfg.min_lr_ratio)
     epoch, step, gstep = 0, 0, 0
     resumed = False
-    if ckpt_path.exists() and cfg.resume and not cfg.from_scratch:
+    if ckpt_path.exists() and not cfg.from_scratch:
         state = ckpt.load(ckpt_path)
         ckpt.check_run_key(state["run_key"], run_key, path=ckpt_path)
         ckpt.check_model(state["model_config"], asdict(mcfg), path=ckpt_path)
