@@ -243,3 +243,34 @@ def selection_digest(sample_ids: np.ndarray, candidates: np.ndarray, counts: np.
     if len(ids):
         _selection_hashes(ids, cand, k, _base_key(seed, epoch), h)
     return f"v{SAMPLER_VERSION}:" + fingerprint_array(h)
+
+
+@nb.njit(cache=True)
+def _bad_samples(mask, cu, pos, off, bad):
+    n_bad = 0
+    for i in range(cu.shape[0] - 1):
+        L = cu[i + 1] - cu[i]
+        ok = True
+        last = -1
+        for j in range(off[i], off[i + 1]):
+            a = pos[j]
+            if a <= last or a < 0 or a + 1 >= L or mask[cu[i] + a] == 0 or mask[cu[i] + a + 1] == 0:
+                ok = False
+                break
+            last = a
+        if not ok:
+            bad[n_bad] = i
+            n_bad += 1
+    return n_bad
+
+
+def ineligible(loss_mask: np.ndarray, cu_seqlens: np.ndarray, positions: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Indices of the samples whose positions are not sorted, distinct and eligible."""
+    mask = np.ascontiguousarray(loss_mask)
+    mask = mask.view(np.uint8) if mask.dtype == np.bool_ else mask
+    cu, off = np.ascontiguousarray(cu_seqlens, np.int64), np.ascontiguousarray(offsets, np.int64)
+    if len(off) != len(cu) or off[-1] != len(positions):
+        raise ConfigError("anchor offsets must have one entry per cu_seqlens entry and end at the positions' length")
+    bad = np.empty(len(cu) - 1, np.int64)
+    n = _bad_samples(mask, cu, np.ascontiguousarray(positions, np.int32), off, bad)
+    return bad[:n]
