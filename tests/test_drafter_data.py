@@ -161,3 +161,24 @@ def test_dflash_option_errors(dataset, planned, tmp_path):
         pack_epochs(plan=p, epochs=[0], out=tmp_path / "x", config=_cfg(dataset), lengths=tmp_path / "l.npy")
     with pytest.raises(ConfigError, match="lacks"):
         DrafterCostModel.from_dims("hidden=4")
+
+
+def test_cli_pack_dflash_then_verify(dataset, planned, tmp_path):
+    from typer.testing import CliRunner
+
+    from dflash_prep.cli import app
+
+    plan_path, _ = planned
+    runner = CliRunner()
+    res = runner.invoke(app, ["pack", str(dataset), "--plan", str(plan_path), "--out", str(tmp_path / "m"),
+                              "--epochs", "0-1", "--world-size", "2", "--objective", "dflash", "--max-anchors", "32",
+                              "--target-dims", "hidden=256,layers=8,intermediate=768,heads=4,kv_heads=2,head_dim=64,"
+                              "vocab=1000", "--draft-layers", "3"])
+    assert res.exit_code == 0, res.output
+    h = manifest.open(tmp_path / "m" / "epoch-0001").header["dflash"]
+    assert h["max_anchors"] == 32 and h["cost_model"]["draft_layers"] == 3 and h["anchor_digest"].startswith("v1:")
+    res = runner.invoke(app, ["verify", str(tmp_path / "m")])
+    assert res.exit_code == 0 and "2 epoch(s) verified" in res.output, res.output
+    res = runner.invoke(app, ["pack", str(dataset), "--plan", str(plan_path), "--out", str(tmp_path / "n"),
+                              "--epoch", "0", "--objective", "dflash"])
+    assert res.exit_code == 1 and "--target-config" in res.output
