@@ -133,19 +133,35 @@ def analyze_cmd(
     epochs: Annotated[int, typer.Option(help="epochs simulated per strategy row (>= 3)")] = 3,
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON instead of tables")] = False,
     plot: Annotated[bool, typer.Option(help="write analyze.png")] = True,
+    objective: Annotated[str, typer.Option(help="lm, or dflash: also predict pack --objective dflash (needs the cost model flags)")] = "lm",
+    block_size: Annotated[int, typer.Option(help="dflash: B, tokens per draft block")] = 16,
+    max_anchors: Annotated[int, typer.Option(help="dflash: anchors per sample at most")] = 512,
+    anchor_policy: Annotated[str, typer.Option(help="dflash: cap or density")] = "cap",
+    target_config: Annotated[Optional[Path], typer.Option(help="dflash cost model: the target's folder or config.json")] = None,
+    target_dims: Annotated[Optional[str], typer.Option(help="dflash cost model: hidden=,layers=,intermediate=,heads=,kv_heads=,head_dim=,vocab=")] = None,
+    draft_layers: Annotated[int, typer.Option(help="dflash cost model: drafter decoder layers")] = 1,
 ):
     """Search bucket boundaries over every distinct length, compare strategies, write plan.json."""
     from .analyze import AnalyzeConfig, run
+    from .pack_dflash import OBJECTIVES, drafter_options
     from .report import render, to_json
 
+    if objective not in OBJECTIVES:
+        raise typer.BadParameter(f"--objective must be one of {', '.join(OBJECTIVES)}")
+    drafter = None if objective != "dflash" else drafter_options(
+        target_config=target_config, target_dims=target_dims, draft_layers=draft_layers, block_size=block_size,
+        max_anchors=max_anchors, anchor_policy=anchor_policy)
     cfg = AnalyzeConfig(data=data, lengths_file=lengths, out=out, budget=budget, budget_unit=budget_unit,
                         model_dim=model_dim, max_batch_size=max_batch_size, buckets=buckets,
-                        target_efficiency=target_efficiency, seed=seed, window=window, epochs=epochs, plot=plot)
+                        target_efficiency=target_efficiency, seed=seed, window=window, epochs=epochs, plot=plot,
+                        drafter=drafter)
     rep = run(cfg)
     if json_out:
         typer.echo(to_json(rep))
     else:
         render(rep, console())
+        if "dflash" in rep:
+            _print_summaries([("pack --objective dflash (predicted)", rep["dflash"])], keys=_DFLASH_KEYS)
 
 
 
@@ -154,11 +170,15 @@ _SUMMARY_KEYS = ("efficiency", "fill", "microbatches", "steps", "step_mix", "ran
                  "dropped_samples", "predicted_efficiency")
 
 
-def _print_summaries(rows: list[tuple[str, dict]]) -> None:
+_DFLASH_KEYS = ("useful_target_tokens", "useful_anchor_slots", "token_fill", "anchor_fill", "cost_fill", "anchors",
+                "anchor_budget", "microbatches", "rank_imbalance", "world_size", "anchor_cost_share")
+
+
+def _print_summaries(rows: list[tuple[str, dict]], keys=_SUMMARY_KEYS) -> None:
     from rich.table import Table
 
     table = Table("metric", *(name for name, _ in rows))
-    for k in _SUMMARY_KEYS:
+    for k in keys:
         table.add_row(k, *("-" if s.get(k) is None else f"{s[k]:.4f}" if isinstance(s[k], float) else str(s[k])
                            for _, s in rows))
     console().print(table)

@@ -353,3 +353,49 @@ def verify_epoch(header: dict, arrays: dict, lens: np.ndarray, order: np.ndarray
         if (cost[one > 1] > float(cb) * (1 + 1e-9)).any():      # a lone sample may exceed it
             problems.append(f"micro-batches exceed the cost budget {cb:.4g}")
     return problems, {"anchors": int(ko.sum())}
+
+
+# ----------------------------------------------------------------------------- analyze
+#: World size of analyze's drafter-cost balance prediction (DESIGN.md's benchmark W).
+PREDICT_WORLD_SIZE = 8
+
+
+def predict(lens: np.ndarray, supervised: np.ndarray, candidates: np.ndarray, opts: DrafterOptions,
+            token_budget: float, *, seed: int, world_size: int = PREDICT_WORLD_SIZE) -> dict:
+    """What ``pack --objective dflash`` will give, from one simulated epoch (epoch 0 of the
+    real packer; ``analyze --objective dflash``): useful target tokens and anchor slots
+    (1.0: varlen), token / anchor / cost fill, micro-batches, and the drafter-cost rank
+    imbalance of LPT over ``world_size`` ranks at one micro-batch per rank."""
+    from . import metrics, steps
+
+    opts = opts.resolve(seed=seed, token_budget=token_budget)
+    de = prepare(lens, supervised, candidates, opts, token_budget)
+    order, offsets, _ = pack_drafter(lens, de.counts, de.cost, seed=seed, epoch=0, token_budget=token_budget,
+                                     anchor_budget=de.anchor_budget, cost_budget=de.cost_budget)
+    cut = offsets[:-1]
+    cost = np.add.reduceat(de.cost[order], cut)
+    tok = np.add.reduceat(np.asarray(lens, np.int64)[order], cut)
+    k = np.add.reduceat(de.counts[order].astype(np.int64), cut)
+    m = len(cost) - len(cost) % world_size
+    imb = None
+    if m:
+        perm, step, rank, _ = steps.assign_ranks(cost[:m], world_size, 1)
+        imb = metrics.rank_imbalance(cost[:m][perm], step, rank, world_size)
+    from .drafter_cost import cost_shares
+    return {"useful_target_tokens": 1.0, "useful_anchor_slots": 1.0, "microbatches": int(len(cost)),
+            "token_fill": float(tok.mean()) / token_budget, "anchor_fill": float(k.mean()) / de.anchor_budget,
+            "cost_fill": float(cost.mean()) / de.cost_budget if de.cost_budget else None,
+            "anchors": int(de.counts.sum(dtype=np.int64)), "anchor_budget": de.anchor_budget,
+            "rank_imbalance": imb, "world_size": world_size,
+            "anchor_cost_share": cost_shares(opts.cost_model, opts.block_size, lens, supervised, de.counts)["anchors"]}
+
+
+def predict_source(src, opts: DrafterOptions, token_budget: float, *, seed: int) -> dict:
+    """:func:`predict` for a tokenized dataset (a :class:`lengths.LengthSource` of kind dataset)."""
+    from .lengths import read_mask_counts
+
+    if src.kind != "dataset":
+        raise ConfigError(f"{src.path}: --objective dflash needs a tokenized dataset folder (its loss-mask counts), "
+                          "not a lengths file")
+    mc = read_mask_counts(src.path)
+    return predict(np.asarray(src.lengths), mc.supervised, mc.anchor_candidates, opts, token_budget, seed=seed)

@@ -182,3 +182,21 @@ def test_cli_pack_dflash_then_verify(dataset, planned, tmp_path):
     res = runner.invoke(app, ["pack", str(dataset), "--plan", str(plan_path), "--out", str(tmp_path / "n"),
                               "--epoch", "0", "--objective", "dflash"])
     assert res.exit_code == 1 and "--target-config" in res.output
+
+
+def test_analyze_dflash_predicts_the_pack(dataset, planned, tmp_path):
+    from typer.testing import CliRunner
+
+    from dflash_prep.cli import app
+
+    res = CliRunner().invoke(app, ["analyze", str(dataset), "--out", str(tmp_path), "--budget", str(T), "--json",
+                                   "--no-plot", "--objective", "dflash", "--max-anchors", "24", "--target-config",
+                                   str(dataset.parent / "target"), "--draft-layers", "2", "--buckets", "2"])
+    assert res.exit_code == 0, res.output
+    pred = json.loads(res.output)["dflash"]
+    [d] = pack_epochs(plan=tmp_path / "plan.json", epochs=[0], out=tmp_path / "m",
+                      config=PackConfig(world_size=8, objective="dflash", drafter=_cfg(dataset).drafter))
+    s = manifest.open(d).summary
+    assert pred["useful_anchor_slots"] == s["useful_anchor_slots"] == 1.0 and pred["anchors"] == s["anchors"]
+    assert pred["token_fill"] == pytest.approx(s["token_fill"], abs=0.05)
+    assert 0 < pred["anchor_cost_share"] < 1 and pred["rank_imbalance"] >= 0
