@@ -137,10 +137,7 @@ def _select(c, k, key, sel):
             spare = z >> np.uint64(32)
             have = True
         t = np.int64((r * np.uint64(j + 1)) >> np.uint64(32))   # floor(r / 2^32 * (j + 1))
-        if sel[t]:
-            sel[j] = 1
-        else:
-            sel[t] = 1
+        sel[t + (j - t) * np.int64(sel[t])] = 1                  # Floyd: t if free, else j (no branch)
     if flip:
         for i in range(c):
             sel[i] ^= 1
