@@ -399,3 +399,21 @@ def predict_source(src, opts: DrafterOptions, token_budget: float, *, seed: int)
                           "not a lengths file")
     mc = read_mask_counts(src.path)
     return predict(np.asarray(src.lengths), mc.supervised, mc.anchor_candidates, opts, token_budget, seed=seed)
+
+
+# ----------------------------------------------------------------------------- trainer
+def microbatch_anchors(header: dict, loss_mask: np.ndarray, cu_seqlens: np.ndarray,
+                       sample_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A micro-batch's anchors as the trainer regenerates them: the options, seed and epoch
+    come from the epoch's ``manifest.json`` header (``Manifest.header``); ``loss_mask`` holds
+    the micro-batch's masks concatenated (varlen). Returns :func:`anchors.sample_anchors_batch`'s
+    ``(positions, offsets)``; refuses a manifest packed by another sampler version."""
+    d = header.get("dflash")
+    if d is None:
+        raise ConfigError("this manifest was not packed with --objective dflash: it records no anchor options")
+    if int(d.get("sampler_version", -1)) != anchors.SAMPLER_VERSION:
+        raise ConfigError(f"manifest packed with anchor sampler v{d.get('sampler_version')}, this dflash-prep has "
+                          f"v{anchors.SAMPLER_VERSION}; re-pack the epoch (`dflash-prep pack ... --overwrite`)")
+    return anchors.sample_anchors_batch(loss_mask, cu_seqlens, sample_ids, seed=int(d["anchor_seed"]),
+                                        epoch=int(header["epoch"]), max_anchors=int(d["max_anchors"]),
+                                        policy=d["anchor_policy"], block_size=int(d["block_size"]))

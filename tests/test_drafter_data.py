@@ -64,7 +64,7 @@ from dflash_prep.errors import ConfigError  # noqa: E402
 from dflash_prep.lengths import read_dataset_lengths  # noqa: E402
 from dflash_prep.pack import PackConfig, pack_epochs  # noqa: E402
 from dflash_prep.pack_config import load as load_pack_config  # noqa: E402
-from dflash_prep.pack_dflash import DrafterOptions, drafter_options  # noqa: E402
+from dflash_prep.pack_dflash import DrafterOptions, drafter_options, microbatch_anchors  # noqa: E402
 
 T = 8192
 QWEN_LIKE = {"hidden_size": 256, "num_hidden_layers": 8, "intermediate_size": 768, "num_attention_heads": 4,
@@ -122,6 +122,11 @@ def test_pack_dflash_budgets_ranks_anchors_and_verify(dataset, planned, tmp_path
         assert s["useful_target_tokens"] == 1.0 and s["useful_anchor_slots"] == 1.0 and s["anchors"] == k.sum()
         got = manifest.verify(d)
         assert got["rank_imbalance"] == pytest.approx(s["rank_imbalance"], abs=1e-12)
+        mb = m.microbatch(1)                           # what the trainer regenerates per micro-batch
+        masks = [ds.sample(int(i))[1] for i in mb.sample_ids]
+        got_pos, got_off = microbatch_anchors(m.header, np.concatenate(masks), mb.cu_seqlens, mb.sample_ids)
+        st = int(t[1, c["start"]])
+        assert np.array_equal(got_pos, pos[off[st]:off[st + len(masks)]])
     assert not np.array_equal(manifest.open(dirs[0]).sample_ids, manifest.open(dirs[1]).sample_ids)
     assert load_pack_config(tmp_path / "a") == cfg.resolve(plan_mod.load(plan_path))
 
