@@ -20,7 +20,7 @@ aggregates (O(M) after one O(N) pass); ``verify`` recomputes them with :mod:`met
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 from pathlib import Path
 
@@ -132,18 +132,15 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
         de = pack_dflash.prepare(lens, mask_counts.supervised, mask_counts.anchor_candidates, cfg.drafter,
                                  budget.value)
         order, offsets, olens = pack_dflash.pack_drafter(
-            lens, de.counts, de.cost, seed=plan.seed, epoch=epoch, token_budget=budget.value,
-            anchor_budget=de.anchor_budget, cost_budget=de.cost_budget, max_batch_size=budget.max_batch_size,
-            open_bins=cfg.open_bins)
+            lens, de.counts, de.cost, seed=plan.seed, epoch=epoch, budget=budget, anchor_budget=de.anchor_budget,
+            cost_budget=de.cost_budget, open_bins=cfg.open_bins)
         bucket = np.full(len(offsets) - 1, -1, np.int64)
     elif cfg.layout == "padded":
-        order, offsets, bucket, olens = bucketing.pack_padded(
-            lens, plan.boundaries, seed=plan.seed, epoch=epoch, budget=budget.value, alpha=alpha_pack,
-            max_batch_size=budget.max_batch_size, window=window)
+        order, offsets, bucket, olens = bucketing.pack_padded(lens, plan.boundaries, seed=plan.seed, epoch=epoch,
+                                                              budget=budget, window=window)
     else:
-        order, offsets, olens = bucketing.pack_varlen(
-            lens, seed=plan.seed, epoch=epoch, budget=budget.value, alpha=alpha_pack,
-            max_batch_size=budget.max_batch_size, open_bins=cfg.open_bins)
+        order, offsets, olens = bucketing.pack_varlen(lens, seed=plan.seed, epoch=epoch, budget=budget,
+                                                      open_bins=cfg.open_bins)
         bucket = np.full(len(offsets) - 1, -1, np.int64)
     split = steps.complete_steps(offsets, cfg.step_size, drop_last=cfg.drop_last, where=where)
     n_split = len(split) - len(offsets)
@@ -226,7 +223,7 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
         "num_steps": summary["steps"],
         "num_microbatches": summary["microbatches"],
         "num_samples_used": int(n_used),
-        "budget": dict(asdict(budget), packing_alpha=alpha_pack, cost_alpha=alpha_cost),
+        "budget": budget.to_json(),
         "options": {"schedule": cfg.schedule, "window": int(window), "drop_last": cfg.drop_last,
                     "open_bins": cfg.open_bins, "boundaries": [int(b) for b in plan.boundaries], "seed": int(plan.seed),
                     "objective": cfg.objective},

@@ -38,6 +38,7 @@ from . import anchors
 from .bucketing import _group_by_batch, _shuffle_inplace, mix_key
 from .drafter_cost import DrafterCostModel, sample_cost
 from .errors import ConfigError
+from .plan import Budget
 
 OBJECTIVES = ("lm", "dflash")
 #: Key tag of the drafter packing order ("dflash").
@@ -155,10 +156,11 @@ def _first_fit3(packed, k, c, tok_budget, anc_budget, cost_budget, max_bs, n_ope
 
 
 def pack_drafter(lengths: np.ndarray, counts: np.ndarray, cost: np.ndarray, *, seed: int, epoch: int,
-                 token_budget: float, anchor_budget: float, cost_budget: float | None,
-                 max_batch_size: int | None = None, open_bins: int = 4):
-    """Steps 1-2 of the module docstring. Returns ``(order, offsets, olens)`` as
-    :func:`bucketing.pack_varlen` does. ``counts``/``cost`` are per sample id."""
+                 budget: Budget, anchor_budget: float, cost_budget: float | None, open_bins: int = 4):
+    """Steps 1-2 of the module docstring under the token ``budget`` (its value T and
+    ``max_batch_size``). Returns ``(order, offsets, olens)`` as :func:`bucketing.pack_varlen`
+    does. ``counts``/``cost`` are per sample id; ``cost_budget`` None means no cost budget."""
+    token_budget = float(budget.value)
     lengths = np.asarray(lengths)
     n = lengths.shape[0]
     if n >= 2**32:
@@ -180,8 +182,7 @@ def pack_drafter(lengths: np.ndarray, counts: np.ndarray, cost: np.ndarray, *, s
     del sid
     idx = np.int32 if n < 2**31 else np.int64
     gen_of, close_rank = np.empty(n, idx), np.empty(n, idx)
-    mbs = np.int64(max_batch_size) if max_batch_size else np.int64(2**62)
-    m = _first_fit3(ids, k_in, c_in, float(token_budget), float(anchor_budget), cb, mbs, int(open_bins),
+    m = _first_fit3(ids, k_in, c_in, token_budget, float(anchor_budget), cb, np.int64(budget.batch_cap), int(open_bins),
                     gen_of, close_rank)
     del k_in, c_in
     order, offsets, olens = np.empty(n, np.int64), np.empty(m + 1, np.int64), np.empty(n, np.int32)
@@ -361,16 +362,17 @@ PREDICT_WORLD_SIZE = 8
 
 
 def predict(lens: np.ndarray, supervised: np.ndarray, candidates: np.ndarray, opts: DrafterOptions,
-            token_budget: float, *, seed: int, world_size: int = PREDICT_WORLD_SIZE) -> dict:
+            budget: Budget, *, seed: int, world_size: int = PREDICT_WORLD_SIZE) -> dict:
     """What ``pack --objective dflash`` will give, from one simulated epoch (epoch 0 of the
     real packer; ``analyze --objective dflash``): useful target tokens and anchor slots
     (1.0: varlen), token / anchor / cost fill, micro-batches, and the drafter-cost rank
     imbalance of LPT over ``world_size`` ranks at one micro-batch per rank."""
     from . import metrics, steps
 
+    token_budget = float(budget.value)
     opts = opts.resolve(seed=seed, token_budget=token_budget)
     de = prepare(lens, supervised, candidates, opts, token_budget)
-    order, offsets, _ = pack_drafter(lens, de.counts, de.cost, seed=seed, epoch=0, token_budget=token_budget,
+    order, offsets, _ = pack_drafter(lens, de.counts, de.cost, seed=seed, epoch=0, budget=budget,
                                      anchor_budget=de.anchor_budget, cost_budget=de.cost_budget)
     cut = offsets[:-1]
     cost = np.add.reduceat(de.cost[order], cut)
@@ -390,7 +392,7 @@ def predict(lens: np.ndarray, supervised: np.ndarray, candidates: np.ndarray, op
             "anchor_cost_share": cost_shares(opts.cost_model, opts.block_size, lens, supervised, de.counts)["anchors"]}
 
 
-def predict_source(src, opts: DrafterOptions, token_budget: float, *, seed: int) -> dict:
+def predict_source(src, opts: DrafterOptions, budget: Budget, *, seed: int) -> dict:
     """:func:`predict` for a tokenized dataset (a :class:`lengths.LengthSource` of kind dataset)."""
     from .lengths import read_mask_counts
 
@@ -398,7 +400,7 @@ def predict_source(src, opts: DrafterOptions, token_budget: float, *, seed: int)
         raise ConfigError(f"{src.path}: --objective dflash needs a tokenized dataset folder (its loss-mask counts), "
                           "not a lengths file")
     mc = read_mask_counts(src.path)
-    return predict(np.asarray(src.lengths), mc.supervised, mc.anchor_candidates, opts, token_budget, seed=seed)
+    return predict(np.asarray(src.lengths), mc.supervised, mc.anchor_candidates, opts, budget, seed=seed)
 
 
 # ----------------------------------------------------------------------------- trainer
