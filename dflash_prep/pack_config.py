@@ -131,7 +131,14 @@ class PackConfig:
         if self.drafter is not None:
             d = self.drafter
             f += (f" --objective dflash --block-size {d.block_size} --max-anchors {d.max_anchors} "
-                  f"--anchor-policy {d.anchor_policy} --cost-fill {d.cost_fill:g} --target-dims ...")
+                  f"--anchor-policy {d.anchor_policy} --cost-fill {d.cost_fill:g}")
+            f += f" --anchor-budget {d.anchor_budget}" if d.anchor_budget is not None else ""
+            f += f" --anchor-seed {d.anchor_seed}" if d.anchor_seed is not None else ""
+            f += " --store-anchors" if d.store_anchors else ""
+            if d.cost_model is not None:
+                cm = asdict(d.cost_model)
+                layers = cm.pop("draft_layers")
+                f += " --target-dims " + ",".join(f"{k}={v}" for k, v in cm.items()) + f" --draft-layers {layers}"
         return f
 
 

@@ -57,7 +57,7 @@ def test_old_dataset_without_mask_counts_says_retokenize(dataset, tmp_path):
 
 
 # ----------------------------------------------------------------------------- pack --objective dflash
-from dflash_prep import manifest, metrics  # noqa: E402
+from dflash_prep import manifest  # noqa: E402
 from dflash_prep import plan as plan_mod  # noqa: E402
 from dflash_prep.drafter_cost import DrafterCostModel  # noqa: E402
 from dflash_prep.errors import ConfigError  # noqa: E402
@@ -205,3 +205,19 @@ def test_analyze_dflash_predicts_the_pack(dataset, planned, tmp_path):
     assert pred["useful_anchor_slots"] == s["useful_anchor_slots"] == 1.0 and pred["anchors"] == s["anchors"]
     assert pred["token_fill"] == pytest.approx(s["token_fill"], abs=0.05)
     assert 0 < pred["anchor_cost_share"] < 1 and pred["rank_imbalance"] >= 0
+
+
+def test_pack_config_flags_round_trip(dataset, planned, tmp_path):
+    """The flags PackConfig.cli_flags prints (the trainer's message) rebuild the same config."""
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from dflash_prep.cli import app
+
+    plan_path, _ = planned
+    cfg = _cfg(dataset, anchor_policy="density", anchor_seed=3).resolve(plan_mod.load(plan_path))
+    args = ["pack", str(dataset), "--plan", str(plan_path), "--out", str(tmp_path / "m"), "--epoch", "0"]
+    res = CliRunner().invoke(app, args + shlex.split(cfg.cli_flags()))
+    assert res.exit_code == 0, res.output
+    assert load_pack_config(tmp_path / "m") == cfg
