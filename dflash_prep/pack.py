@@ -5,6 +5,8 @@ For each epoch (a pure function of data, plan, options and the epoch number):
 1. pack micro-batches: ``padded`` runs :func:`bucketing.pack_padded_epoch` (keyed bucket
    shuffle, sorting windows, greedy under the budget); ``varlen`` runs
    :func:`bucketing.pack_varlen_epoch` (keyed random order, first-fit into open bins);
+   ``objective="dflash"`` runs :func:`pack_dflash.pack_drafter` (varlen first-fit under
+   token, anchor and drafter-cost budgets) and prices rank balance on drafter FLOPs;
 2. make whole steps of ``W x A`` (:func:`steps.complete_steps`: split, or drop the tail
    with ``drop_last``), order the micro-batches with the named schedule and place them on
    ranks (:mod:`dflash_prep.steps`);
