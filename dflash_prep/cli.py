@@ -178,6 +178,8 @@ def _print_summaries(rows: list[tuple[str, dict]], keys=_SUMMARY_KEYS) -> None:
     from rich.table import Table
 
     table = Table("metric", *(name for name, _ in rows))
+    if keys is _SUMMARY_KEYS:                     # dflash epochs add their anchor figures
+        keys = keys + tuple(k for k in ("anchors", "token_fill", "anchor_fill") if any(k in s for _, s in rows))
     for k in keys:
         table.add_row(k, *("-" if s.get(k) is None else f"{s[k]:.4f}" if isinstance(s[k], float) else str(s[k])
                            for _, s in rows))

@@ -182,6 +182,7 @@ def test_cli_pack_dflash_then_verify(dataset, planned, tmp_path):
     assert res.exit_code == 0, res.output
     h = manifest.open(tmp_path / "m" / "epoch-0001").header["dflash"]
     assert h["max_anchors"] == 32 and h["cost_model"]["draft_layers"] == 3 and h["anchor_digest"].startswith("v1:")
+    assert "anchor_fill" in res.output
     res = runner.invoke(app, ["verify", str(tmp_path / "m")])
     assert res.exit_code == 0 and "2 epoch(s) verified" in res.output, res.output
     res = runner.invoke(app, ["pack", str(dataset), "--plan", str(plan_path), "--out", str(tmp_path / "n"),
