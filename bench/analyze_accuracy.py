@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     from dflash_prep.analyze import analytic_diversity
     from dflash_prep.optimize import Model, PackModel, histogram
     from dflash_prep.bucketing import pack_padded_epoch
+    from dflash_prep.plan import Budget
     from dflash_prep.profiles import make_lengths
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
                 rp_a, sp_a = analytic_diversity(model, b)
                 effs, rps, sps, prev = [], [], [], None
                 for e in range(args.epochs):
-                    order, offsets, _ = pack_padded_epoch(lengths, b, seed=0, epoch=e, budget=budget)
+                    order, offsets, _ = pack_padded_epoch(lengths, b, seed=0, epoch=e, budget=Budget(value=budget))
                     effs.append(metrics.efficiency(lengths, order, offsets))
                     sps.append(metrics.within_batch_spread(lengths, order, offsets))
                     if prev is not None:

@@ -35,6 +35,7 @@ import numpy as np
 
 from dflash_prep.errors import ConfigError
 from dflash_prep.bucketing import greedy_offsets, keyed_permutation, mix_key
+from dflash_prep.plan import Budget
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ def _version(pkg: str) -> str:
 def full_random_epoch(lengths: np.ndarray, *, budget: int, seed: int, epoch: int) -> PeerEpoch:
     """Shuffle everything (keyed by seed, epoch), then greedy-pack under ``n * max_len <= T``."""
     order = keyed_permutation(len(lengths), seed, epoch, 0)
-    return PeerEpoch(order, greedy_offsets(order, lengths, budget), False, "reference (dflash_prep.bucketing)")
+    return PeerEpoch(order, greedy_offsets(order, lengths, Budget(value=budget)), False,
+                     "reference (dflash_prep.bucketing)")
 
 
 # ----------------------------------------------------------------------------- Lhotse

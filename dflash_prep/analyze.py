@@ -80,6 +80,9 @@ class AnalyzeConfig:
     """Epochs simulated per strategy row (at least 3)."""
     plot: bool = True
     """Write the PNG (histogram with boundaries, efficiency per K)."""
+    drafter: object | None = None
+    """``--objective dflash``: :class:`dflash_prep.pack_dflash.DrafterOptions`; the report then
+    predicts ``pack --objective dflash`` (:func:`dflash_prep.pack_dflash.predict`)."""
 
     def __post_init__(self):
         if (self.data is None) == (self.lengths_file is None):
@@ -178,9 +181,7 @@ def simulate(lengths: np.ndarray, boundaries, cfg: AnalyzeConfig, *, window: int
     per_bucket = np.zeros(len(boundaries) + 1)
     prev = None
     for ep in range(cfg.epochs):
-        order, offsets, bb = pack_padded_epoch(lengths, boundaries, seed=cfg.seed, epoch=ep, budget=b.value,
-                                               alpha=b.packing_alpha, max_batch_size=b.max_batch_size,
-                                               window=window)
+        order, offsets, bb = pack_padded_epoch(lengths, boundaries, seed=cfg.seed, epoch=ep, budget=b, window=window)
         eff, fl = metrics.efficiency_and_fill(lengths, order, offsets, b.value, alpha=b.packing_alpha)
         effs.append(eff)
         fills.append(fl)
@@ -202,7 +203,7 @@ def _fill(lengths, order, offsets, b: plan_mod.Budget) -> float:
 def sorted_static(lengths: np.ndarray, b: plan_mod.Budget) -> dict:
     """Global sort by length, fixed greedy batches: deterministic, so exact (not simulated)."""
     ids = np.argsort(lengths, kind="stable")
-    offsets = greedy_offsets(ids, lengths, b.value, alpha=b.packing_alpha, max_batch_size=b.max_batch_size)
+    offsets = greedy_offsets(ids, lengths, b)
     eff = metrics.efficiency(lengths, ids, offsets)
     return {"boundaries": [], "efficiency_pred": eff, "efficiency_sim": eff, "fill": _fill(lengths, ids, offsets, b),
             "microbatches": float(len(offsets) - 1), "repeat_pair": 1.0,
@@ -309,6 +310,9 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
            "pareto_window": [{kk: vv for kk, vv in r.items() if kk != "per_bucket_microbatches"} for r in pareto_w],
            "predicted": plan.predicted, "plan": str(plan_path), "fingerprint": plan_mod.load(plan_path).fingerprint,
            "warnings": window_warnings(window, pareto_w)}
+    if cfg.drafter is not None:                   # --objective dflash (needs the dataset's mask counts)
+        from .pack_dflash import predict_source
+        rep["dflash"] = predict_source(src, cfg.drafter, b, seed=cfg.seed)
     rep["png"] = str(report.plot(hist, rep, cfg.out_dir)) if cfg.plot else None
     clock("plan + plot")
     rep["seconds"] = clock.laps

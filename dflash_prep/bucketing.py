@@ -13,7 +13,9 @@ Padded layout, one epoch, the seed's bucketed shuffle made exact:
    ``cost(L) = L + alpha * L^2``. ``alpha = 0`` is the token budget ``n * max_len <= T``.
    A micro-batch never spans two buckets.
 
-Every count and sum is int64 (or float64 for cost budgets). All loops are numba, O(N)
+The budget is one :class:`dflash_prep.plan.Budget` (unit, value, alpha, max_batch_size),
+passed whole from the plan to every packer here. Every count and sum is int64 (or float64
+for cost budgets). All loops are numba, O(N)
 apart from the window sorts (O(N log S)).
 """
 
@@ -23,6 +25,7 @@ import numba as nb
 import numpy as np
 
 from .errors import ConfigError
+from .plan import Budget
 
 _MASK64 = (1 << 64) - 1
 
@@ -103,25 +106,24 @@ def window_sort(ids: np.ndarray, lengths: np.ndarray, window: int) -> np.ndarray
     return _window_sort(np.asarray(ids, np.int64), np.asarray(lengths, np.int64), int(window))
 
 
-def greedy_offsets(ids: np.ndarray, lengths: np.ndarray, budget: float, *, alpha: float = 0.0,
-                   max_batch_size: int | None = None) -> np.ndarray:
-    """Greedy-pack ``ids`` in the given order; return offsets (int64, starts with 0)."""
+def greedy_offsets(ids: np.ndarray, lengths: np.ndarray, budget: Budget) -> np.ndarray:
+    """Greedy-pack ``ids`` in the given order under ``budget``; return offsets (int64, starts with 0)."""
     olens = np.asarray(lengths, np.int64)[np.asarray(ids, np.int64)]
-    mbs = np.int64(max_batch_size) if max_batch_size else np.int64(2**62)
-    m = _greedy_lens(olens, 0, len(olens), float(budget), float(alpha), mbs, np.empty(0, np.int64), 0)  # count
+    v, a, mbs = float(budget.value), float(budget.packing_alpha), np.int64(budget.batch_cap)
+    m = _greedy_lens(olens, 0, len(olens), v, a, mbs, np.empty(0, np.int64), 0)  # count
     out = np.zeros(m + 1, np.int64)
-    _greedy_lens(olens, 0, len(olens), float(budget), float(alpha), mbs, out[1:], 0)  # write
+    _greedy_lens(olens, 0, len(olens), v, a, mbs, out[1:], 0)  # write
     return out
 
 
-def check_budget(lengths: np.ndarray, budget: float, alpha: float) -> None:
+def check_budget(lengths: np.ndarray, budget: Budget) -> None:
     """Every single sample must fit the budget on its own."""
     mx = int(np.asarray(lengths).max())
+    alpha = budget.packing_alpha
     need = mx + alpha * mx * mx
-    if need > budget:
-        unit = "cost" if alpha else "tokens"
-        raise ConfigError(f"the longest sample ({mx} tokens) needs a budget of {need:.0f} {unit} on its own, "
-                          f"but the budget is {budget:.0f}; raise --budget or truncate with tokenize --max-len")
+    if need > budget.value:
+        raise ConfigError(f"the longest sample ({mx} tokens) needs a budget of {need:.0f} {budget.unit} on its own, "
+                          f"but the budget is {budget.value:.0f}; raise --budget or truncate with tokenize --max-len")
 
 
 @nb.njit(cache=True)
@@ -195,8 +197,7 @@ def _greedy_lens(olens, s, e, budget, alpha, max_bs, out, m):
     return m
 
 
-def pack_padded(lengths: np.ndarray, boundaries, *, seed: int, epoch: int, budget: float, alpha: float = 0.0,
-                max_batch_size: int | None = None, window: int = 0):
+def pack_padded(lengths: np.ndarray, boundaries, *, seed: int, epoch: int, budget: Budget, window: int = 0):
     """:func:`pack_padded_epoch` plus ``olens``, the lengths in ``order`` (int32).
 
     O(N) memory beyond the outputs: a counting sort groups ids by bucket, each bucket is
@@ -204,7 +205,8 @@ def pack_padded(lengths: np.ndarray, boundaries, *, seed: int, epoch: int, budge
     ``olens`` (count, then write) so offsets take ``M + 1`` entries, not ``N + 1``.
     """
     lengths = np.asarray(lengths)
-    check_budget(lengths, budget, alpha)
+    check_budget(lengths, budget)
+    alpha = budget.packing_alpha
     n = lengths.shape[0]
     if n >= 2**32 or int(lengths.max()) >= 2**24:
         raise ConfigError(f"the padded packer handles up to 2^32 samples of up to 2^24 tokens each; got {n} "
@@ -215,7 +217,7 @@ def pack_padded(lengths: np.ndarray, boundaries, *, seed: int, epoch: int, budge
     starts = np.empty(n_buckets + 1, np.int64)
     _group_by_bucket(lengths, lut, n_buckets, order, starts)
     olens = np.empty(n, np.int32)
-    mbs = np.int64(max_batch_size) if max_batch_size else np.int64(2**62)
+    mbs = np.int64(budget.batch_cap)
     none = np.empty(0, np.int64)
     per_bucket = []
     for k in range(n_buckets):
@@ -224,7 +226,7 @@ def pack_padded(lengths: np.ndarray, boundaries, *, seed: int, epoch: int, budge
             # the same swaps as shuffling the ids alone: keyed_permutation semantics are unchanged
             _shuffle_inplace(order[s:e], np.uint64(mix_key(seed, epoch, k)))
             _sort_windows(order, s, e, int(window), olens)
-        per_bucket.append(_greedy_lens(olens, s, e, float(budget), float(alpha), mbs, none, 0) if e > s else 0)
+        per_bucket.append(_greedy_lens(olens, s, e, float(budget.value), float(alpha), mbs, none, 0) if e > s else 0)
     m = int(sum(per_bucket))
     offsets = np.empty(m + 1, np.int64)
     offsets[0] = 0
@@ -232,13 +234,12 @@ def pack_padded(lengths: np.ndarray, boundaries, *, seed: int, epoch: int, budge
     got = 0
     for k in range(n_buckets):
         if per_bucket[k]:
-            got = _greedy_lens(olens, int(starts[k]), int(starts[k + 1]), float(budget), float(alpha), mbs,
+            got = _greedy_lens(olens, int(starts[k]), int(starts[k + 1]), float(budget.value), float(alpha), mbs,
                                offsets[1:], got)
     return order, offsets, batch_bucket, olens
 
 
-def pack_padded_epoch(lengths: np.ndarray, boundaries, *, seed: int, epoch: int, budget: float,
-                      alpha: float = 0.0, max_batch_size: int | None = None, window: int = 0):
+def pack_padded_epoch(lengths: np.ndarray, boundaries, *, seed: int, epoch: int, budget: Budget, window: int = 0):
     """One epoch of the bucketed shuffle (module docstring).
 
     Returns ``(order, offsets, batch_bucket)``: sample ids batch after batch, batch offsets
@@ -246,7 +247,7 @@ def pack_padded_epoch(lengths: np.ndarray, boundaries, *, seed: int, epoch: int,
     the step schedule in :mod:`dflash_prep.steps` decides their final order.
     """
     order, offsets, batch_bucket, _ = pack_padded(lengths, boundaries, seed=seed, epoch=epoch, budget=budget,
-                                                  alpha=alpha, max_batch_size=max_batch_size, window=window)
+                                                  window=window)
     return order, offsets, batch_bucket
 
 
@@ -322,16 +323,13 @@ def _group_by_batch(packed, gen_of, close_rank, m, order, offsets, olens):
         counts[b] += 1
 
 
-def pack_varlen_epoch(lengths: np.ndarray, *, seed: int, epoch: int, budget: float, alpha: float = 0.0,
-                      max_batch_size: int | None = None, open_bins: int = 4):
+def pack_varlen_epoch(lengths: np.ndarray, *, seed: int, epoch: int, budget: Budget, open_bins: int = 4):
     """:func:`pack_varlen` without ``olens``: ``(order, offsets)``."""
-    order, offsets, _ = pack_varlen(lengths, seed=seed, epoch=epoch, budget=budget, alpha=alpha,
-                                    max_batch_size=max_batch_size, open_bins=open_bins)
+    order, offsets, _ = pack_varlen(lengths, seed=seed, epoch=epoch, budget=budget, open_bins=open_bins)
     return order, offsets
 
 
-def pack_varlen(lengths: np.ndarray, *, seed: int, epoch: int, budget: float, alpha: float = 0.0,
-                max_batch_size: int | None = None, open_bins: int = 4):
+def pack_varlen(lengths: np.ndarray, *, seed: int, epoch: int, budget: Budget, open_bins: int = 4):
     """One epoch of the varlen layout: random order, first-fit into a few open bins.
 
     Sequences are concatenated (``cu_seqlens``), so a micro-batch holds samples whose
@@ -350,7 +348,7 @@ def pack_varlen(lengths: np.ndarray, *, seed: int, epoch: int, budget: float, al
     if open_bins < 1:
         raise ConfigError(f"--open-bins must be at least 1, got {open_bins}")
     lengths = np.asarray(lengths)
-    check_budget(lengths, budget, alpha)
+    check_budget(lengths, budget)
     n = lengths.shape[0]
     if n >= 2**32:
         raise ConfigError(f"the varlen packer handles up to 2^32 samples, got {n}; split the dataset")
@@ -360,8 +358,8 @@ def pack_varlen(lengths: np.ndarray, *, seed: int, epoch: int, budget: float, al
     idx = np.int32 if n < 2**31 else np.int64      # bin generations < n: int32 halves the memory
     gen_of = np.empty(n, idx)
     close_rank = np.empty(n, idx)
-    mbs = np.int64(max_batch_size) if max_batch_size else np.int64(2**62)
-    m = _first_fit(ids, float(budget), float(alpha), mbs, int(open_bins), gen_of, close_rank)
+    m = _first_fit(ids, float(budget.value), float(budget.packing_alpha), np.int64(budget.batch_cap), int(open_bins),
+                   gen_of, close_rank)
     order = np.empty(n, np.int64)
     offsets = np.empty(m + 1, np.int64)
     olens = np.empty(n, np.int32)

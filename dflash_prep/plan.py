@@ -59,6 +59,15 @@ class Budget:
         """The alpha the budget check uses: 0 for a token budget."""
         return self.alpha if self.unit == "cost" else 0.0
 
+    @property
+    def batch_cap(self) -> int:
+        """Samples per micro-batch at most: ``max_batch_size``, or 2^62 (no cap) for the kernels."""
+        return int(self.max_batch_size) if self.max_batch_size else 2**62
+
+    def to_json(self) -> dict:
+        """The budget as manifests record it: its fields plus both alphas."""
+        return dict(asdict(self), packing_alpha=self.packing_alpha, cost_alpha=self.alpha)
+
 
 @dataclass(frozen=True)
 class Plan:

@@ -89,7 +89,7 @@ def test_window0_prediction_matches_pack(lengths_file, tmp_path):
     lens = np.load(lengths_file)
     assert plan.predicted["how"] == "model" and plan.window == 0
     for epoch in (0, 5):
-        order, offsets, _ = pack_padded_epoch(lens, plan.boundaries, seed=plan.seed, epoch=epoch, budget=T)
+        order, offsets, _ = pack_padded_epoch(lens, plan.boundaries, seed=plan.seed, epoch=epoch, budget=plan_mod.Budget(value=T))
         assert abs(metrics.efficiency(lens, order, offsets) - plan.predicted["efficiency"]) < 0.005
 
 
@@ -109,8 +109,7 @@ def test_cost_budget(lengths_file, tmp_path):
     plan = plan_mod.load(tmp_path)
     assert plan.budget.unit == "cost" and plan.budget.packing_alpha == pytest.approx(1 / (12 * 768))
     lens = np.load(lengths_file)
-    order, offsets, _ = pack_padded_epoch(lens, plan.boundaries, seed=0, epoch=1, budget=plan.budget.value,
-                                          alpha=plan.budget.packing_alpha)
+    order, offsets, _ = pack_padded_epoch(lens, plan.boundaries, seed=0, epoch=1, budget=plan.budget)
     assert abs(metrics.efficiency(lens, order, offsets) - plan.predicted["efficiency"]) < 0.005
 
 

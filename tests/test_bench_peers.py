@@ -11,6 +11,7 @@ from dflash_prep import metrics
 from dflash_prep.errors import ConfigError
 from dflash_prep.fileio import read_json
 from dflash_prep.bucketing import greedy_offsets
+from dflash_prep.plan import Budget
 from dflash_prep.profiles import make_lengths
 
 T = 16384
@@ -50,7 +51,7 @@ def test_fairseq_port_reduces_to_greedy_without_batch_multiple(lengths):
     # With required_batch_size_multiple = 1 every prefix is a valid size, so batch_by_size_vec
     # is exactly greedy packing of the sorted order: an independent check of the port.
     fs = ps.FairseqBatchBySize(lengths, budget=T, seed=0, required_batch_size_multiple=1)
-    assert np.array_equal(fs.ends, greedy_offsets(fs.indices, lengths, T))
+    assert np.array_equal(fs.ends, greedy_offsets(fs.indices, lengths, Budget(value=T)))
     assert np.all(np.diff(lengths[fs.indices]) >= 0), "fairseq sorts by length ascending"
 
 

@@ -12,6 +12,7 @@ from dflash_prep.analyze import equal_mass_boundaries
 from dflash_prep.errors import ConfigError, InputError
 from dflash_prep.optimize import Histogram, Model, PackModel, histogram
 from dflash_prep.bucketing import pack_padded_epoch
+from dflash_prep.plan import Budget
 from dflash_prep.profiles import make_lengths
 
 T = 65536
@@ -62,7 +63,7 @@ def test_divide_and_conquer_matches_exhaustive_on_a_profile():
 
 def simulate(lengths, boundaries, budget, epochs=3) -> float:
     return float(np.mean([metrics.efficiency(lengths, *pack_padded_epoch(
-        lengths, boundaries, seed=7, epoch=e, budget=budget)[:2]) for e in range(epochs)]))
+        lengths, boundaries, seed=7, epoch=e, budget=Budget(value=budget))[:2]) for e in range(epochs)]))
 
 
 @pytest.mark.parametrize("profile,budget", [("seedlike", T), ("bimodal", T), ("heavytail", T),
@@ -96,8 +97,8 @@ def test_prediction_under_caps_and_cost_budgets(budget, alpha, cap):
     model = Model(histogram(lengths), PackModel(budget, alpha, cap))
     b = model.refine(model.search(6).boundaries[5])
     pred = model.predict(b)
-    runs = [pack_padded_epoch(lengths, b, seed=0, epoch=e, budget=budget, alpha=alpha, max_batch_size=cap)
-            for e in range(3)]
+    spec = Budget(unit="cost" if alpha else "tokens", value=budget, model_dim=768 if alpha else None, max_batch_size=cap)
+    runs = [pack_padded_epoch(lengths, b, seed=0, epoch=e, budget=spec) for e in range(3)]
     eff = np.mean([metrics.efficiency(lengths, o, off) for o, off, _ in runs])
     mbs = np.mean([len(off) - 1 for _, off, _ in runs])
     fill = np.mean([metrics.batch_cost(lengths, o, off, alpha).sum() / ((len(off) - 1) * budget) for o, off, _ in runs])

@@ -47,8 +47,7 @@ def make_plan(tmp: Path, profile="seedlike", n=100_000, boundaries=K6, window=25
     np.save(tmp / "lengths.npy", lens)
     src = lengths.load(lengths_file=tmp / "lengths.npy")
     budget = budget or plan_mod.Budget(model_dim=768)
-    order, offsets, _ = bucketing.pack_padded_epoch(lens, boundaries, seed=seed, epoch=0, budget=budget.value,
-                                                  alpha=budget.packing_alpha, window=window)
+    order, offsets, _ = bucketing.pack_padded_epoch(lens, boundaries, seed=seed, epoch=0, budget=budget, window=window)
     p = plan_mod.Plan(data=src.describe(), boundaries=boundaries, budget=budget, seed=seed, window=window,
                       predicted={"efficiency": metrics.efficiency(lens, order, offsets)})
     return plan_mod.save(p, tmp / "plan.json"), lens

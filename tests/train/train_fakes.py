@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_prep.bucketing import pack_padded_epoch
+from dflash_prep.plan import Budget
 
 VOCAB = 97
 
@@ -83,7 +84,8 @@ class FakeManifest:
 
 def packed_batches(ds: FakeDataset, *, epoch: int, seed: int = 0, budget: int = 96, boundaries=(12, 24)):
     """The real greedy bucketed packer over the fake lengths, keyed by (seed, epoch)."""
-    order, offsets, _ = pack_padded_epoch(ds.lengths, list(boundaries), seed=seed, epoch=epoch, budget=budget)
+    order, offsets, _ = pack_padded_epoch(ds.lengths, list(boundaries), seed=seed, epoch=epoch,
+                                          budget=Budget(value=budget))
     bs = [order[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
     perm = np.random.default_rng([seed, epoch]).permutation(len(bs))  # batch order shuffled per epoch
     return [bs[i] for i in perm]
