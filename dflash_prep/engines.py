@@ -115,6 +115,8 @@ class Reply:
     finish_reason: str
     prompt_tokens: int | None
     completion_tokens: int | None
+    token_ids: tuple[int, ...] | None = None
+    """The generated ids, eos included (in-process engine only; not written to the output)."""
 
 
 def _excerpt(data: bytes | str) -> str:
@@ -395,5 +397,5 @@ class HFEngine:
                 out = row[:cut]
                 text = self.tok.decode(out, skip_special_tokens=True)
                 finish = "length" if len(out) >= s.max_tokens else "stop"
-                replies.append(Reply(text, None, finish, len(x), len(out)))
+                replies.append(Reply(text, None, finish, len(x), len(out), tuple(out)))
         return replies

@@ -343,18 +343,19 @@ def run(cfg: RegenerateConfig, *, progress: str = "off") -> dict:
 
 
 def _run(cfg, store: Store, sources, total: int, bad_lines: int, target: dict, progress: str) -> dict:
-    bar = Progress(progress, total, store.done)
-    t0, start = time.monotonic(), store.done
     target = {"engine": cfg.engine, **target}
+    if cfg.engine == "openai":
+        engine = OpenAIEngine(base_url=cfg.base_url, model=cfg.model, sampling=cfg.sampling,
+                              timeout=cfg.timeout, retries=cfg.retries)
+        engine.check()
+        drive = _drive_openai
+    else:
+        engine = HFEngine(target=cfg.target, sampling=cfg.sampling, batch_size=cfg.batch_size, device=cfg.device)
+        drive = _drive_hf
+    bar = Progress(progress, total, store.done)  # rates exclude start-up (model load, imports)
+    t0, start = time.monotonic(), store.done
     try:
-        if cfg.engine == "openai":
-            engine = OpenAIEngine(base_url=cfg.base_url, model=cfg.model, sampling=cfg.sampling,
-                                  timeout=cfg.timeout, retries=cfg.retries)
-            engine.check()
-            _drive_openai(cfg, engine, store, sources, target, bar)
-        else:
-            engine = HFEngine(target=cfg.target, sampling=cfg.sampling, batch_size=cfg.batch_size, device=cfg.device)
-            _drive_hf(cfg, engine, store, sources, target, bar)
+        drive(cfg, engine, store, sources, target, bar)
     finally:
         bar.close()
     elapsed = time.monotonic() - t0
