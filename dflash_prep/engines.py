@@ -31,7 +31,6 @@ import os
 import random
 import socket
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit

@@ -21,7 +21,8 @@ from dflash_prep.engines import (EngineError, Reply, RequestFailed, Sampling, pa
 from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
 from dflash_prep.records import RecordError
 from dflash_prep.regen_store import ENTRY, INDEX_FILE, INDEX_HEADER, Entry, Store
-from dflash_prep.regenerate import Conversation, RegenerateConfig, apply_reasoning, run, slots
+from dflash_prep.regen_turns import Conversation, apply_reasoning, slots
+from dflash_prep.regenerate import RegenerateConfig, run
 
 REPO = Path(__file__).resolve().parents[1]
 SERVE = ("import sys; from transformers.cli.transformers import main; sys.argv[0] = 'transformers'; "
