@@ -277,6 +277,7 @@ def _drive_openai(cfg, engine: OpenAIEngine, store: Store, sources, target: dict
     jobs = _jobs(sources, store.done)
     pending: deque = deque()
     pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="regenerate")
+    finished = False
     try:
         exhausted = False
         while True:
@@ -293,6 +294,7 @@ def _drive_openai(cfg, engine: OpenAIEngine, store: Store, sources, target: dict
                     item.set_exception(err)  # raised when its turn to be written comes
                 pending.append(item)
             if not pending:
+                finished = True
                 return
             if engine.fatal is not None:  # keep the finished prefix, then stop
                 group = []
@@ -317,9 +319,9 @@ def _drive_openai(cfg, engine: OpenAIEngine, store: Store, sources, target: dict
                 bar.records(len(group), sum(e.status != 0 for e in group))
                 bar.tick()
     finally:
-        engine.stop.set()  # workers still retrying give up; in-flight requests finish
-        pool.shutdown(wait=True, cancel_futures=True)
-        engine.close()
+        engine.stop.set()  # on an error: workers still retrying give up, queued records are dropped,
+        pool.shutdown(wait=finished, cancel_futures=True)  # and the error surfaces without waiting
+        engine.close()  # for the requests in flight (nothing of theirs is written)
 
 
 def _drive_hf(cfg, engine: HFEngine, store: Store, sources, target: dict, bar: Progress) -> None:
