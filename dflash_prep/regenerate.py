@@ -234,7 +234,9 @@ def run(cfg: RegenerateConfig, *, progress: str = "off") -> dict:
 
 def _run(cfg, store: Store, sources, total: int, bad_lines: int, target: dict, progress: str) -> dict:
     target = {"engine": cfg.engine, **target}
-    if cfg.engine == "openai":
+    if store.done >= total:  # every record was written before a crash at the very end
+        engine, drive = None, None
+    elif cfg.engine == "openai":
         engine = OpenAIEngine(base_url=cfg.base_url, model=cfg.model, sampling=cfg.sampling,
                               timeout=cfg.timeout, retries=cfg.retries)
         engine.check()
@@ -245,7 +247,8 @@ def _run(cfg, store: Store, sources, total: int, bad_lines: int, target: dict, p
     bar = Progress(progress, total, store.done)  # rates exclude start-up (model load, imports)
     t0, start = time.monotonic(), store.done
     try:
-        drive(cfg, engine, store, sources, target, bar)
+        if drive is not None:
+            drive(cfg, engine, store, sources, target, bar)
     finally:
         bar.close()
     elapsed = time.monotonic() - t0

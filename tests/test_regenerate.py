@@ -5,8 +5,10 @@ protocol survives torn writes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +27,10 @@ from dflash_prep.regen_turns import Conversation, apply_reasoning, slots
 from dflash_prep.regenerate import RegenerateConfig, run
 
 REPO = Path(__file__).resolve().parents[1]
+with contextlib.suppress(ImportError):  # the machine is shared: one torch thread in this process too
+    import torch
+
+    torch.set_num_threads(1)
 SERVE = ("import sys; from transformers.cli.transformers import main; sys.argv[0] = 'transformers'; "
          "sys.exit(main())")
 N_MESSAGES, N_SHAREGPT = 24, 12
@@ -172,6 +178,17 @@ def test_kill_midway_resume_equals_one_run(server, corpus, one_run, tmp_path, ta
 
     meta = tokenize(TokenizeConfig(inputs=(str(out),), out=tmp_path / "tok", tokenizer=str(target), max_len=4096))
     assert meta["counts"]["samples"] == total, meta["counts"]
+
+
+def test_crash_after_the_last_record_finishes_without_the_server(server, corpus, one_run, tmp_path):
+    out = tmp_path / "o"
+    shutil.copytree(one_run, out)
+    hdr = json.loads((out / "regenerate.json").read_text())
+    hdr["complete"] = False  # as if killed between the last commit and the final header
+    (out / "regenerate.json").write_text(json.dumps(hdr))
+    s = run(_cfg(server, corpus, out, base_url=f"http://127.0.0.1:{_free_port()}/v1"))  # nothing listens there
+    assert s["records"] == 0 and s["stats"]["records_written"] == N_MESSAGES + N_SHAREGPT
+    assert json.loads((out / "regenerate.json").read_text())["complete"] is True
 
 
 def test_records_carry_provenance_in_input_order(one_run, corpus):
