@@ -386,7 +386,9 @@ class HFEngine:
             from transformers import GenerationConfig
 
             seed = batch[0].seed if batch[0].seed is not None else 0
-            with torch.random.fork_rng(devices=[] if self.device == "cpu" else [torch.device(self.device)]):
+            dev = torch.device(self.device)
+            ids_kw = {"devices": []} if dev.type == "cpu" else {"devices": [dev.index or 0], "device_type": dev.type}
+            with torch.random.fork_rng(**ids_kw):  # sampling never moves the caller's RNG state
                 torch.manual_seed(seed)
                 with torch.no_grad():
                     seqs = self.model.generate(input_ids=input_ids, attention_mask=mask,

@@ -11,6 +11,9 @@ Semantics:
 - Input: what ``tokenize`` reads (``records.expand``: files, globs, folders, save_to_disk
   folders; ``messages``, ``sharegpt`` or ``text`` schema; a ``text`` record is one user
   prompt). Assistant messages are optional: prompt-only records are the point.
+- Modules: :mod:`.regen_turns` (validation, slots, contexts, reasoning, records),
+  :mod:`.regen_store` (the output folder), :mod:`.engines` (who generates); this one holds
+  the config, the progress display and the two drivers below.
 - Slots: every assistant message of a conversation, plus one at the end when it ends with a
   user or tool message. ``--turns all`` fills the slots in order, each request seeing the
   conversation up to that slot with the earlier slots already regenerated (or, with
@@ -24,8 +27,8 @@ Semantics:
   Each turn records how many characters of reasoning were removed.
 - Output: :mod:`dflash_prep.regen_store` (resumable, append-only, input order). Each record
   is ``{"messages": [...], "regenerate": {record, source, target, sampling, reasoning,
-  turns: [{message, finish_reason, truncated, prompt_tokens, completion_tokens, seed,
-  reasoning_removed_chars}]}}``; nothing in it depends on timing, so a resumed run is
+  turns_mode, keep_assistant, turns: [{message, finish_reason, truncated, prompt_tokens,
+  completion_tokens, seed, reasoning_removed_chars}]}}``; nothing in it depends on timing, so a resumed run is
   byte-identical to an uninterrupted one whenever the engine is deterministic (temperature 0).
 - Failures: a bad record, a refused request, a timeout, a 5xx after retries, a non-UTF-8 or
   empty answer stop the run under ``--on-error fail`` (the record is not written, so a

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_prep.engines import (EngineError, Reply, RequestFailed, Sampling, parse_reply, request_seed)
+from dflash_prep.engines import EngineError, Reply, Request, RequestFailed, Sampling, parse_reply, request_seed
 from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
 from dflash_prep.records import RecordError
 from dflash_prep.regen_store import ENTRY, INDEX_FILE, INDEX_HEADER, Entry, Store
@@ -248,6 +248,14 @@ def test_hf_engine_writes_the_server_tokens(server, corpus, one_run, tmp_path):
         assert r["messages"][tr["message"]]["content"] == served.get("content", ""), engine.tok.decode(rep.token_ids)
         differ += rep.content != served.get("content", "")
     print(f"first turns whose texts differ only by the server's parsing: {differ} of {len(reqs)}")
+
+    import torch  # sampled batches: seeded by the batch's first request, the caller's RNG untouched
+
+    engine.sampling = Sampling(temperature=1.0, top_p=0.9, max_tokens=6, seed=3)
+    seeded = [Request(q.messages, request_seed(3, i, 1), None) for i, q in enumerate(reqs[:4])]
+    state = torch.random.get_rng_state()
+    a, b = engine.chat_batch(seeded), engine.chat_batch(seeded)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b] and torch.equal(state, torch.random.get_rng_state())
     assert hf[0]["regenerate"]["target"]["revision"].startswith("local-")
 
 
