@@ -290,6 +290,16 @@ def test_refused_request_fails_or_is_counted(server, corpus, tmp_path):
     assert "HTTP 422" in s["failures"][0]
 
 
+def test_server_error_is_retried_then_reported(server, corpus, tmp_path):
+    # a generation_config the server cannot parse: transformers serve answers a real HTTP 500
+    broken = Sampling(max_tokens=4, extra_body={"generation_config": "{not json"})
+    t0 = time.monotonic()
+    with pytest.raises(RequestFailed, match=r"a\.jsonl:1 message 1: .* answered HTTP 500.*\(2 tries\); check the "
+                                            r"server's log") as e:
+        run(_cfg(server, corpus, tmp_path / "o", sampling=broken, retries=1, concurrency=1))
+    assert e.value.kind == "server_error" and time.monotonic() - t0 >= 0.375  # one backoff (0.5 s -25%)
+
+
 def test_bad_record_fails_with_its_line_or_is_counted(server, tmp_path):
     c = tmp_path / "c.jsonl"
     c.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
