@@ -22,10 +22,11 @@ from .regen_store import Entry
 _THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.S)
 
 
-def to_conversation(value, schema: str) -> list[dict]:
-    """Validate one record as a conversation to answer; raises ValueError with the reason."""
+def to_conversation(value, schema: str, field: str = "text") -> list[dict]:
+    """Validate one record as a conversation to answer; raises ValueError with the reason.
+    A ``text`` record (column ``field``) is one user prompt."""
     if schema == "text":
-        return [{"role": "user", "content": rec.to_text(value, "text")}]
+        return [{"role": "user", "content": rec.to_text(value, field)}]
     if not isinstance(value, list) or not value:
         raise ValueError("empty conversation (no messages)" if value == [] else
                          f"the conversation is a {type(value).__name__}, not a list of messages")

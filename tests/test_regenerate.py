@@ -312,6 +312,15 @@ def test_bad_record_fails_with_its_line_or_is_counted(server, tmp_path):
     assert s["stats"]["failed"] == {"bad_input": 1} and s["stats"]["records_written"] == 2
 
 
+def test_plain_text_prompts(server, tmp_path):
+    c = tmp_path / "p.jsonl"
+    c.write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(["Say hi.", "Count."])))
+    s = run(_cfg(server, [str(c)], tmp_path / "o", format="text", text_field="prompt", sampling=Sampling(max_tokens=3)))
+    assert s["stats"]["records_written"] == 2
+    msgs = _messages(tmp_path / "o")
+    assert [[m["role"] for m in r] for r in msgs] == [["user", "assistant"]] * 2 and msgs[1][0]["content"] == "Count."
+
+
 def test_cli_error_is_one_line(corpus, tmp_path):
     from typer.testing import CliRunner
 
