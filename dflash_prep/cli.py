@@ -119,6 +119,58 @@ def tokenize_cmd(
         typer.echo(f"  {k:<15} {v}")
 
 
+# --- regenerate (dflash_prep.regenerate) -----------------------------------------------
+@command("regenerate")
+def regenerate_cmd(
+    inputs: Annotated[list[str], typer.Argument(help="Chat corpus: JSONL/JSON/Parquet/Arrow files, globs, folders (as for tokenize); prompt-only records welcome.")],
+    out: Annotated[Path, typer.Option(help="Output folder: chat.jsonl (what tokenize reads) + regenerate.json + index.")],
+    engine: Annotated[str, typer.Option(help="openai (an OpenAI-compatible server: vLLM, SGLang, transformers serve) or hf (in-process transformers).")] = "openai",
+    base_url: Annotated[Optional[str], typer.Option(help="openai: the server, e.g. http://127.0.0.1:8000/v1.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="openai: the model name the server serves (GET /v1/models).")] = None,
+    target: Annotated[Optional[Path], typer.Option(help="hf: local model folder.")] = None,
+    revision: Annotated[Optional[str], typer.Option(help="Recorded as the target's revision (hf: computed by default).")] = None,
+    turns: Annotated[str, typer.Option(help="all (every assistant turn, in order, each seeing the regenerated ones) or last.")] = "all",
+    keep_assistant: Annotated[bool, typer.Option(help="--turns all: the original answers are the context of later turns.")] = False,
+    reasoning: Annotated[str, typer.Option(help="keep, strip (<think> blocks removed) or disable (enable_thinking=false).")] = "keep",
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    max_tokens: Annotated[int, typer.Option(help="Most new tokens per turn; a cut turn is marked truncated.")] = 1024,
+    seed: Annotated[Optional[int], typer.Option(help="Base seed: each request gets one derived from (seed, record, message).")] = None,
+    extra_body: Annotated[Optional[str], typer.Option(help="JSON object merged into every request, e.g. '{\"top_k\": 20}' for vLLM/SGLang.")] = None,
+    concurrency: Annotated[int, typer.Option(help="openai: requests in flight.")] = 8,
+    batch_size: Annotated[int, typer.Option(help="hf: prompts per generate call.")] = 8,
+    device: Annotated[str, typer.Option(help="hf: torch device (auto = cuda if available).")] = "auto",
+    timeout: Annotated[float, typer.Option(help="openai: seconds to wait for one answer.")] = 600.0,
+    retries: Annotated[int, typer.Option(help="openai: retries of connection errors, timeouts, 429 and 5xx (exponential backoff).")] = 5,
+    format: Annotated[str, typer.Option("--format", help="auto, messages, sharegpt or text (one prompt per record).")] = "auto",
+    text_field: Annotated[str, typer.Option(help="Text column for --format text.")] = "text",
+    on_error: Annotated[str, typer.Option(help="fail at the first failed record, or skip and count it.")] = "fail",
+    overwrite: Annotated[bool, typer.Option(help="Start over in an output written with other settings.")] = False,
+):
+    """Have the target model write the assistant turns of a corpus (resumable; reruns do nothing)."""
+    import json
+
+    from .engines import Sampling
+    from .regenerate import RegenerateConfig, run, summary_rows
+
+    try:
+        extra = json.loads(extra_body) if extra_body else {}
+        sampling = Sampling(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, extra_body=extra)
+    except ValueError as e:  # JSONDecodeError is a ValueError
+        raise typer.BadParameter(str(e)) from None
+    cfg = RegenerateConfig(inputs=tuple(inputs), out=out, engine=engine, base_url=base_url, model=model, target=target,
+                           revision=revision, turns=turns, keep_assistant=keep_assistant, reasoning=reasoning,
+                           sampling=sampling, concurrency=concurrency, batch_size=batch_size, device=device,
+                           timeout=timeout, retries=retries, format=format, text_field=text_field, on_error=on_error,
+                           overwrite=overwrite)
+    s = run(cfg, progress="bar" if sys.stdout.isatty() else "log")
+    typer.echo(f"{out} is complete; nothing to do (same inputs and settings)" if s["up_to_date"] else f"wrote {out}")
+    for k, v in summary_rows(s):
+        typer.echo(f"  {k:<9} {v}")
+    for msg in s["failures"]:
+        typer.secho(f"  failed: {msg}", fg=typer.colors.YELLOW, err=True)
+
+
 # --- analyze (dflash_prep.analyze) ---------------------------------------------------
 @command("analyze")
 def analyze_cmd(
