@@ -25,6 +25,8 @@ slots / computed (a padded row computes its micro-batch's most blocks), drafter-
 imbalance (:mod:`dflash_prep.drafter_cost`, Qwen3-8B-sized target, 5 draft layers,
 B = 16; padding and padded blocks are priced as real work), repeat-pair rate 0 -> 1, step
 mix, and pack seconds per epoch (wall and CPU, warm: median of ``--repeats`` epochs).
+``--scale 10000000,30000000`` adds one epoch of ours per size, each in a fresh subprocess
+(wall, CPU, peak RSS).
 Output: a markdown table on stdout and ``--out/drafter_data.json`` (format
 ``dflash-prep/bench-drafter-data`` v1). Nothing here is committed.
 """
@@ -226,6 +228,41 @@ def run_input(name: str, lens, mc, T: int, repeats: int) -> list[dict]:
     return rows
 
 
+def scale_child(n: int) -> None:
+    """One epoch of ours at ``n`` seedlike samples, in this (fresh) process: prints a JSON
+    line with wall and CPU seconds of :func:`pack.build_epoch` and the peak RSS."""
+    import json
+    import resource
+
+    lens, mc = seedlike_inputs(n)
+    lens32 = lens.astype(np.int32)
+    src = lengths_mod.LengthSource(lens32, "lengths", f"seedlike {n}", fingerprint_array(lens32))
+    plan = Plan(data=src.describe(), boundaries=(), budget=Budget(value=65536), seed=0).with_fingerprint()
+    cfg = PackConfig(world_size=W, objective="dflash", drafter=DrafterOptions(cost_model=QWEN3_8B))
+    edges = class_edges(lens)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t, c = time.perf_counter(), time.process_time()
+    s = pack.build_epoch(lens, plan, cfg, 0, edges, mask_counts=mc).header["summary"]
+    print(json.dumps({"n": n, "wall_s": time.perf_counter() - t, "cpu_s": time.process_time() - c,
+                      "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                      "inputs_rss_gib": before / 2**20, "rank_imbalance": s["rank_imbalance"],
+                      "step_mix": s["step_mix"]}))
+
+
+def scale_runs(sizes: list[int]) -> list[dict]:
+    """:func:`scale_child` for each size in a fresh subprocess (so peak RSS is its own)."""
+    import json
+    import subprocess
+    import sys
+
+    out = []
+    for n in sizes:
+        r = subprocess.run([sys.executable, "-m", "bench.drafter_data", "--scale-child", str(n)], check=True,
+                           capture_output=True, text=True)
+        out.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    return out
+
+
 def report(rows: list[dict]) -> str:
     cols = ("useful_target_tokens", "useful_anchor_slots", "rank_imbalance", "repeat_pair_rate", "step_mix",
             "pack_wall_s", "pack_cpu_s")
@@ -243,7 +280,11 @@ def main(argv=None) -> None:
     ap.add_argument("--demo-n", type=int, default=20_000, help="demo chats (0 skips the demo input)")
     ap.add_argument("--repeats", type=int, default=3, help="timed epochs per path (median)")
     ap.add_argument("--out", type=Path, default=None, help="folder for drafter_data.json (default: a temp folder)")
+    ap.add_argument("--scale", default="", help="also time ours at these sample counts, e.g. 10000000,30000000")
+    ap.add_argument("--scale-child", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.scale_child:
+        return scale_child(a.scale_child)
     out = a.out or Path(tempfile.mkdtemp(prefix="bench-drafter-"))
     lens, mc = seedlike_inputs(a.n)
     rows = run_input(f"seedlike {a.n:,}", lens, mc, 65536, a.repeats)
@@ -252,7 +293,12 @@ def main(argv=None) -> None:
             dl, dmc = demo_inputs(a.demo_n, Path(work))
             rows += run_input(f"demo {a.demo_n:,}", dl, dmc, 4096, a.repeats)
     print(report(rows))
-    atomic_write_json(out / "drafter_data.json", {"rows": rows, "argv": vars(a) | {"out": str(out)}},
+    scale = scale_runs([int(x) for x in a.scale.split(",") if x]) if a.scale else []
+    for r in scale:
+        print(f"scale {r['n']:,}: {r['wall_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU, peak RSS {r['peak_rss_gib']:.2f} GiB "
+              f"({r['inputs_rss_gib']:.2f} GiB before packing), rank imbalance {r['rank_imbalance']:.4f}, "
+              f"step mix {r['step_mix']:.3f}")
+    atomic_write_json(out / "drafter_data.json", {"rows": rows, "scale": scale, "argv": vars(a) | {"out": str(out)}},
                       format="dflash-prep/bench-drafter-data", version=1)
     print(f"\nwritten {out / 'drafter_data.json'}")
 

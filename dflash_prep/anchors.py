@@ -259,8 +259,9 @@ def selection_digest(sample_ids: np.ndarray, candidates: np.ndarray, counts: np.
     fixes every anchor position. ``candidates`` and ``counts`` are indexed by sample id.
     """
     ids = np.ascontiguousarray(sample_ids, np.int64)
-    cand = np.ascontiguousarray(candidates, np.int64)
-    k = np.ascontiguousarray(counts, np.int64)
+    cand, k = np.ascontiguousarray(candidates), np.ascontiguousarray(counts)   # int32 stays int32: no N-sized copy
+    if cand.dtype.kind not in "iu" or k.dtype.kind not in "iu" or cand.shape != k.shape:
+        raise ConfigError("candidates and counts must be integer arrays of one length (one entry per sample id)")
     if (k > cand).any() or (k < 0).any():
         raise ConfigError("anchor counts must lie in 0..candidates")
     h = np.empty(len(ids), np.uint64)

@@ -163,10 +163,3 @@ def cost_shares(model: DrafterCostModel, block_size: int, lengths, supervised, c
     total = float(sample_cost(model, block_size, lengths, supervised, counts).sum())
     return {"target": target / total if total else 0.0, "anchors": 1.0 - target / total if total else 0.0}
 
-
-def padded_anchor_slots(counts: np.ndarray, order: np.ndarray, offsets: np.ndarray, max_anchors: int) -> int:
-    """Blocks a padded micro-batch computes: every row gets as many as its fullest row."""
-    k = np.asarray(counts, np.int64)[np.asarray(order, np.int64)]
-    n = np.diff(offsets)
-    mx = np.maximum.reduceat(k, offsets[:-1]) if len(k) else np.zeros(0, np.int64)
-    return int((n * np.minimum(mx, max_anchors)).sum())

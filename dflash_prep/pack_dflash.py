@@ -20,9 +20,11 @@ binds first, so micro-batches carry nearly equal FLOPs and ranks stay balanced e
 ``A = 1``, while T stays a hard memory cap. Layout is varlen: every target token and
 every anchor slot computed is a real one (useful fractions 1.0 by construction).
 Measured on seedlike (902,087 samples, synthetic prompt/response masks, T = 65536, W = 8,
-A = 1, Qwen3-8B-sized cost model; ``bench/drafter_data.py``): ``cost_fill`` 0 (no cost
-budget) gives rank imbalance 0.091 at token fill 0.9975; 0.95 (default) 0.0105 at 0.94;
-0.9 0.0046 at 0.895. Packing takes ~0.13 s CPU per epoch; the anchor digest ~0.6 s more.
+A = 1, Qwen3-8B-sized cost model, LPT over each step's micro-batches before step
+completion): ``cost_fill`` 0 (no cost budget) gives rank imbalance 0.091 at token fill
+0.9975; 0.95 (default) 0.010 at 0.94; 0.9 0.0046 at 0.895. The full epoch through
+:func:`pack.build_epoch` at the default (``bench/drafter_data.py``): imbalance 0.0105.
+Packing takes ~0.13 s CPU per epoch; the anchor digest ~0.6 s more (one thread).
 
 Anchor positions are not stored: the trainer regenerates them per micro-batch with
 :func:`anchors.sample_anchors_batch`, keyed by ``(anchor_seed, epoch, sample id)``.

@@ -222,3 +222,25 @@ def test_pack_config_flags_round_trip(dataset, planned, tmp_path):
     res = CliRunner().invoke(app, args + shlex.split(cfg.cli_flags()))
     assert res.exit_code == 0, res.output
     assert load_pack_config(tmp_path / "m") == cfg
+
+
+def test_drafter_cost_model_by_hand(tmp_path):
+    from dflash_prep.drafter_cost import sample_cost
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_LIKE))
+    cm = DrafterCostModel.from_config(tmp_path, draft_layers=2)
+    assert cm == DrafterCostModel.from_dims("hidden=256,layers=8,intermediate=768,heads=4,kv_heads=2,head_dim=64,"
+                                            "vocab=1000", draft_layers=2)
+    H, h, kv, d, I, V, N, Lt, B = 256, 4, 2, 64, 768, 1000, 2, 8, 16
+    layer = 2 * H * h * d + 2 * H * kv * d + 3 * H * I
+    assert cm.target_params == Lt * layer and cm.draft_params == N * layer + N * H * H
+    L, S, k = 300, 200, 7                       # expected anchor position L - S/2 - 1 = 199
+    want = (2 * Lt * layer * L + 2 * h * d * Lt * L * L            # target forward + attention
+            + 6 * (N * H * H + N * 2 * H * kv * d) * L               # fc + draft k/v over the context
+            + 6 * cm.draft_params * k * B + 12 * h * d * B * N * (k * 199 + k * B)   # blocks + prefix attention
+            + 6 * k * B * H * V)                                      # LM head
+    assert sample_cost(cm, B, [L], [S], [k])[0] == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        (tmp_path / "config.json").write_text(json.dumps({k2: v for k2, v in QWEN_LIKE.items()
+                                                           if k2 != "num_hidden_layers"}))
+        DrafterCostModel.from_config(tmp_path)

@@ -4,8 +4,10 @@
 their public loaders (``dflash_prep.dataset.open_dataset``, ``dflash_prep.plan.load``,
 ``dflash_prep.manifest.open``). Shards stay memory-mapped; each rank reads only the
 samples of its own micro-batches. A missing epoch manifest is packed on the fly by rank 0
-with ``dflash_prep.pack.pack_epochs`` (the code behind ``dflash-prep pack``) while the
-other ranks wait, or, with ``pack_missing=False``, is an error that names the command.
+with ``dflash_prep.pack.pack_epochs`` (the code behind ``dflash-prep pack``), under the
+``PackConfig`` the root's ``pack_config.json`` declares (defaults for this world size when
+there is none), while the other ranks wait, or, with ``pack_missing=False``, is an error
+that names the command.
 
 The trainer talks to any object with the same four members (``dataset``,
 ``plan_fingerprint``, ``run_identity``, ``manifest(epoch)``), which is how tests feed it
