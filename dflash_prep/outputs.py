@@ -152,6 +152,11 @@ def _temp_pid(name: str) -> tuple[str, int] | None:
     return None
 
 
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is one of our temp or lock names (not data)."""
+    return _temp_pid(name) is not None or bool(_LOCK.match(name))
+
+
 def stale_of(target: Path, *, inside: bool = False) -> list[Path]:
     """Temps of ``target`` beside it (and inside it) written by any pid but ours."""
     found = []
