@@ -5,7 +5,8 @@ every field that changes the batches (boundaries, budget, unit, alpha, caps, see
 so two plans with equal fingerprints produce identical manifests, and a checkpoint can
 refuse to resume under a different plan.
 
-``data.path`` is recorded relative to the plan file's folder and resolved against it on
+``file_fingerprint`` covers every field (so an edited ``predicted`` or ``data.path`` is
+refused too). ``data.path`` is recorded relative to the plan file's folder and resolved against it on
 :func:`load`, so pack and verify work from any working directory and the tree can move.
 :func:`save` never replaces a file that is not a dflash-prep plan, and replaces a plan
 with another fingerprint only with ``overwrite``.
@@ -119,6 +120,11 @@ class Plan:
         return d
 
 
+def _file_fingerprint(d: dict) -> str:
+    """Covers every field of plan.json (``fingerprint`` covers only those that change batches)."""
+    return fingerprint_json({k: v for k, v in d.items() if k not in ("format", "version", "file_fingerprint")})
+
+
 def save(plan: Plan, path: str | Path, *, overwrite: bool = True) -> Path:
     """Write ``plan.json`` (into a folder, or to a ``.json`` path) atomically.
 
@@ -145,6 +151,7 @@ def save(plan: Plan, path: str | Path, *, overwrite: bool = True) -> Path:
     d["data"] = dict(d["data"])
     if d["data"].get("path"):
         d["data"]["path"] = os.path.relpath(Path(d["data"]["path"]).resolve(), path.parent.resolve())
+    d["file_fingerprint"] = _file_fingerprint(d)
     atomic_write_json(path, d, format=PLAN_FORMAT, version=PLAN_VERSION)
     return path
 
@@ -156,6 +163,9 @@ def load(path: str | Path) -> Plan:
     if not path.exists():
         raise ConfigError(f"{path}: plan not found; run `dflash-prep analyze DATA` to create it")
     d = read_json(path, format=PLAN_FORMAT, versions=(PLAN_VERSION,))
+    if d.get("file_fingerprint") != _file_fingerprint(d):
+        raise FingerprintMismatch(f"{path}: the plan's fields do not match its file_fingerprint (edited by hand or "
+                                  "corrupt); re-run `dflash-prep analyze`")
     if isinstance(d.get("data"), dict) and d["data"].get("path"):
         d["data"] = dict(d["data"], path=str(path.parent / d["data"]["path"]))  # recorded relative to the plan
     try:
