@@ -326,6 +326,11 @@ class Dataset:
         t = self.meta["tokenizer"]
         return {k: t.get(k) for k in ("vocab_size", "pad_id", "eos_id", "bos_id", "name", "fingerprint")}
 
+    def record_batches(self):
+        """``(first_id, ids, mask, offsets)`` per record batch, in id order (zero-copy views)."""
+        for b in range(len(self._starts)):
+            yield int(self._starts[b]), self._batches_ids[b], self._batches_mask[b], self._batches_off[b]
+
     def shard_of(self, i: int) -> Path:
         """The shard file that holds sample id ``i`` (for error messages)."""
         b = int(np.searchsorted(self._starts, int(i), side="right")) - 1

@@ -86,7 +86,11 @@ def lock(target: str | os.PathLike, *, wait: float | None = None, inside: bool =
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    wait = float(os.environ.get(LOCK_WAIT_ENV, "0") or 0) if wait is None else wait
+    if wait is None:
+        try:
+            wait = float(os.environ.get(LOCK_WAIT_ENV, "0") or 0)
+        except ValueError:
+            raise ConfigError(f"{LOCK_WAIT_ENV}={os.environ[LOCK_WAIT_ENV]!r} is not a number of seconds") from None
     lp = lock_path(target)
     deadline = time.monotonic() + max(0.0, wait)
     fd = _acquire(lp, target, deadline)

@@ -135,16 +135,14 @@ def verify_dataset(folder: str | Path) -> dict:
             problems.append(f"{p}: contents do not match the sha256 in {META_FILE} (corrupt or edited)")
     if problems:
         raise FormatError("; ".join(problems) + "; re-run `dflash-prep tokenize --overwrite`")
-    for b, ids in enumerate(ds._batches_ids):
+    for first, ids, mask, off in ds.record_batches():
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            off = ds._batches_off[b]
             bad = int(np.flatnonzero((ids < 0) | (ids >= vocab))[0])
-            sid = int(ds._starts[b]) + int(np.searchsorted(off, bad, side="right")) - 1
+            sid = first + int(np.searchsorted(off, bad, side="right")) - 1
             raise FormatError(f"{ds.shard_of(sid)}: sample {sid} holds token id {int(ids[bad])}, outside the "
                               f"tokenizer's vocabulary of {vocab}; re-run `dflash-prep tokenize --overwrite`")
-        mask = ds._batches_mask[b]
         if len(mask) and int(mask.max()) > 1:
-            raise FormatError(f"{ds.shard_of(int(ds._starts[b]))}: loss_mask values other than 0/1; "
+            raise FormatError(f"{ds.shard_of(first)}: loss_mask values other than 0/1; "
                               "re-run `dflash-prep tokenize --overwrite`")
     return {"samples": len(ds), "shards": len(ds.meta["shards"]), "tokens": int(ds.meta["tokens"]["total"]),
             "fingerprint": ds.fingerprint}
