@@ -475,3 +475,28 @@ def test_bad_inputs_are_one_line_errors(p, monkeypatch):
         err = r.stderr
         assert r.exit_code == 1 and "Traceback" not in err and want in err, (want, err, r.exception)
         assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("field", ["format", "version", "first_id", "inputs"])
+def test_shard_header_each_field(p, field):
+    """A shard rewritten with one header field edited, and meta.json made to match its bytes: still refused."""
+    import pyarrow as pa
+
+    from dflash_prep.dataset import read_meta, write_meta
+    from dflash_prep.fileio import fingerprint_file
+
+    data = p / "data"
+    shard = data / "shard-00001.arrow"
+    reader = pa.ipc.open_stream(pa.BufferReader(shard.read_bytes()))   # in memory: the file is rewritten below
+    schema, batches = reader.schema, list(reader)
+    head = json.loads(schema.metadata[b"dflash-prep"])
+    head[field] = _edited(head[field])
+    schema = schema.with_metadata({**schema.metadata, b"dflash-prep": json.dumps(head).encode()})
+    with pa.OSFile(str(shard), "wb") as sink, pa.ipc.new_stream(sink, schema) as w:
+        for b in batches:
+            w.write_batch(pa.record_batch(b.columns, schema=schema))
+    meta = {k: v for k, v in read_meta(data).items() if k not in ("format", "version")}
+    sh = next(s for s in meta["shards"] if s["file"] == shard.name)
+    sh.update(file_bytes=shard.stat().st_size, sha256=fingerprint_file(shard))
+    write_meta(data, meta)
+    _refused(lambda: open_dataset(data), "shard-00001")

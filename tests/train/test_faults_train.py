@@ -206,3 +206,23 @@ def test_user_error_through_the_torchrun_launcher_is_one_line(pipe, tmp_path, ca
     err = capfd.readouterr().err.strip()
     assert rc == 1 and "Traceback" not in err and "ChildFailedError" not in err, err
     assert len(err.splitlines()) == 1 and "nope.json" in err and "dflash-prep analyze" in err, err
+
+
+def test_sample_ids_out_of_range_are_one_clear_error(pipe, tmp_path):
+    import shutil
+
+    root = tmp_path / "oor"
+    shutil.copytree(pipe, root, ignore=shutil.ignore_patterns("run*"))
+    d = root / "man" / "epoch-0000"
+    m = manifest.open(d)
+    arrays = {k: np.array(v) for k, v in m.arrays.items()}
+    first = int(m.table[0, manifest.COL["start"]])   # the first sample of step 0
+    arrays["sample_ids"][first] = 10_000              # beyond the 48 samples, with consistent hashes
+    header = {k: v for k, v in m.header.items() if k not in ("arrays", "fingerprint", "format", "version")}
+    manifest.write(d, header, arrays, overwrite=True)
+    with pytest.raises(DflashError, match="outside"):
+        from dflash_prep.verify import verify_epoch
+
+        verify_epoch(d)
+    with pytest.raises(DflashError, match="sample id 10000 is out of range"):
+        train(_cfg(root, tmp_path / "run", max_steps=2))
