@@ -34,7 +34,6 @@ live in :mod:`dflash_prep.dataset`.
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 from dataclasses import dataclass

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from dflash_prep import dataset as ds_mod
 from dflash_prep import lengths as lengths_mod
