@@ -1,6 +1,6 @@
 """``plan.json``: what ``analyze`` decided and ``pack`` consumes.
 
-Format ``dflash-prep/plan`` version 1. The fingerprint covers the data fingerprint and
+Format ``dflash-prep/plan`` version 2. The fingerprint covers the data fingerprint and
 every field that changes the batches (boundaries, budget, unit, alpha, caps, seed, window),
 so two plans with equal fingerprints produce identical manifests, and a checkpoint can
 refuse to resume under a different plan.
@@ -26,7 +26,7 @@ MAX_BUDGET = 2.0 ** 53  # a float that still counts tokens exactly
 from .lengths import LengthSource
 
 PLAN_FORMAT = "dflash-prep/plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # v2: file_fingerprint over every field, data.path relative to the plan
 PLAN_FILE = "plan.json"
 
 
