@@ -30,6 +30,7 @@ DEMO_BUDGET ?= 4096
 demo: venv
 	$(BIN)/dflash-prep synth --profile mini --n $(DEMO_N) --out $(DEMO)/corpus --overwrite
 	$(BIN)/dflash-prep tokenize $(DEMO)/corpus/chat.jsonl --out $(DEMO)/data --max-len 2048
+	$(BIN)/dflash-prep verify $(DEMO)/data
 	$(BIN)/dflash-prep analyze $(DEMO)/data --budget $(DEMO_BUDGET) --out $(DEMO)/plan
 	$(BIN)/dflash-prep pack $(DEMO)/data --plan $(DEMO)/plan/plan.json --epochs 0-1 --world-size 2 \
 		--out $(DEMO)/manifests --overwrite
@@ -45,6 +46,7 @@ test-slow: venv
 # Train on the manifests: torchrun over every local GPU (NCCL); without a GPU, 2 CPU
 # processes with gloo, the tiny model, TRAIN_CPU_ARGS steps. Real settings:
 #   make train ARGS="--model 100m --epochs 3"   or   make train ARGS="--config run.toml"
+# Launched through dflash_prep.train.launch (torchrun's own code and flags; a user error is one line).
 # Multi-node: TORCHRUN_ARGS="--nnodes 2 --rdzv_backend c10d --rdzv_endpoint HOST:29500 --rdzv_id RUN".
 TRAIN_DATA ?= $(DEMO)/data
 TRAIN_PLAN ?= $(DEMO)/plan/plan.json
@@ -57,7 +59,7 @@ train: venv
 	@ngpu=$$($(BIN)/python -c "import torch; print(torch.cuda.device_count())"); \
 	if [ "$$ngpu" -gt 0 ]; then nproc=$$ngpu; extra=""; else nproc=2; extra="$(TRAIN_CPU_ARGS)"; fi; \
 	echo "train: $$nproc process(es) ($$([ "$$ngpu" -gt 0 ] && echo "NCCL, $$ngpu GPU(s)" || echo "gloo, CPU"))"; \
-	$(BIN)/torchrun $(TORCHRUN_ARGS) --nproc_per_node $$nproc -m dflash_prep.train --data $(TRAIN_DATA) --plan $(TRAIN_PLAN) \
+	$(BIN)/python -m dflash_prep.train.launch $(TORCHRUN_ARGS) --nproc_per_node $$nproc -m dflash_prep.train --data $(TRAIN_DATA) --plan $(TRAIN_PLAN) \
 		--manifests $(TRAIN_MANIFESTS) --out $(TRAIN_OUT) $$extra $(ARGS)
 
 # GPU benchmarks, <= 5 min each: attention kernels vs SDPA/Flex (results/kernels-bench.*),

@@ -1,8 +1,10 @@
 """dflash-prep: offline length-bucketed batching for LLM and drafter training.
 
-Stages (one module each): ``synth`` -> ``tokenize`` -> ``analyze`` -> ``pack`` ->
-``manifest`` (the on-disk format and its loader). ``cli`` sits on top and only parses
-and delegates. Importing this package imports neither torch nor triton.
+Stages (one module each): ``synth`` -> ``tokenize`` -> ``analyze`` -> ``pack``. Each
+on-disk format has its constants, writer and reader in one module: ``dataset``, ``plan``,
+``manifest``; ``verify`` checks them in full, ``outputs`` guards output folders (ownership,
+locks, debris of killed runs). ``cli`` sits on top and only parses and delegates.
+Importing this package imports neither torch nor triton.
 
 ``dflash_prep.kernels`` (attention) and ``dflash_prep.train`` (the trainer) live in the
 repository's top-level ``kernels/`` and ``train/`` folders. An installed wheel maps them

@@ -83,6 +83,9 @@ class AnalyzeConfig:
     drafter: object | None = None
     """``--objective dflash``: :class:`dflash_prep.pack_dflash.DrafterOptions`; the report then
     predicts ``pack --objective dflash`` (:func:`dflash_prep.pack_dflash.predict`)."""
+    overwrite: bool = False
+    """Replace a plan.json with another fingerprint (the same plan is always rewritten). A
+    file under ``out`` that dflash-prep did not write is never replaced."""
 
     def __post_init__(self):
         if (self.data is None) == (self.lengths_file is None):
@@ -269,6 +272,15 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
     """Analyze, write ``plan.json`` (+ report JSON and PNG) and return the report dict."""
     from . import report  # matplotlib / rich stay out of library imports that do not report
 
+    from .outputs import lock
+
+    out = cfg.out_dir
+    report.check_outputs(out, plot=cfg.plot)
+    with lock(out, inside=True):
+        return _run(cfg, source, report)
+
+
+def _run(cfg: AnalyzeConfig, source: LengthSource | None, report) -> dict:
     clock = _Clock()
     src = source or load(data=cfg.data, lengths_file=cfg.lengths_file)
     lengths = src.lengths
@@ -302,7 +314,7 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
                 for kk, bd in enumerate(refined, 1)]
     clock("pareto K")
     plan = _plan(src, model, cfg, bounds, plan_row, window)
-    plan_path = plan_mod.save(plan, cfg.out_dir)
+    plan_path = plan_mod.save(plan, cfg.out_dir, overwrite=cfg.overwrite)
     rep = {"data": src.describe(), "stats": length_stats(hist),
            "budget": {"unit": b.unit, "value": b.value, "alpha": b.packing_alpha, "max_batch_size": b.max_batch_size},
            "k": k, "boundaries": list(bounds), "window": window,

@@ -40,7 +40,7 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_version, 
 
 
 def _friendly(fn):
-    """Turn DflashError into a clear message and exit code 1."""
+    """Turn DflashError (and OS errors such as a full disk) into one clear line and exit code 1."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -49,6 +49,14 @@ def _friendly(fn):
         except DflashError as e:
             typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
             raise typer.Exit(1) from None
+        except OSError as e:  # disk full, permission denied, ...: the environment, not a bug
+            where = f"{e.filename}: " if e.filename else ""
+            typer.secho(f"error: {where}{e.strerror or e}; nothing half-written was left under the output name",
+                        fg=typer.colors.RED, err=True)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            typer.secho("interrupted; nothing half-written was left under the output name", err=True)
+            raise typer.Exit(130) from None
 
     return wrapper
 
@@ -195,6 +203,7 @@ def analyze_cmd(
     target_config: Annotated[Optional[Path], typer.Option(help="dflash cost model: the target's folder or config.json")] = None,
     target_dims: Annotated[Optional[str], typer.Option(help="dflash cost model: hidden=,layers=,intermediate=,heads=,kv_heads=,head_dim=,vocab=")] = None,
     draft_layers: Annotated[int, typer.Option(help="dflash cost model: drafter decoder layers")] = 1,
+    overwrite: Annotated[bool, typer.Option(help="replace a plan.json made from other data or options")] = False,
 ):
     """Search bucket boundaries over every distinct length, compare strategies, write plan.json."""
     from .analyze import AnalyzeConfig, run
@@ -209,7 +218,7 @@ def analyze_cmd(
     cfg = AnalyzeConfig(data=data, lengths_file=lengths, out=out, budget=budget, budget_unit=budget_unit,
                         model_dim=model_dim, max_batch_size=max_batch_size, buckets=buckets,
                         target_efficiency=target_efficiency, seed=seed, window=window, epochs=epochs, plot=plot,
-                        drafter=drafter)
+                        drafter=drafter, overwrite=overwrite)
     rep = run(cfg)
     if json_out:
         typer.echo(to_json(rep))
@@ -301,7 +310,7 @@ def pack_cmd(
                      budget=budget_override(p.budget, budget_unit, budget, model_dim))
     dirs = pack_epochs(plan=p, epochs=parse_epochs(epoch, epochs), out=out, config=cfg, data=data, lengths=lengths,
                        overwrite=overwrite)
-    rows = [(d.name, manifest.open(d).summary) for d in dirs]
+    rows = [(d.name, manifest.read_header(d).get("summary", {})) for d in dirs]  # just written: no re-hash
     _print_summaries(rows, json_out)
     for line in (w for name, s in rows for w in summary_warnings(name, s)):
         typer.secho(f"warning: {line}", fg=typer.colors.YELLOW, err=True)
@@ -315,22 +324,44 @@ def inspect_cmd(
     """Print the summary metrics of one epoch or of every epoch under a root."""
     from . import manifest
 
-    _print_summaries([(d.name, manifest.open(d).summary) for d in manifest.find_epochs(path)], json_out)
+    _print_summaries([(d.name, manifest.open(d, check_hashes=False).summary) for d in manifest.find_epochs(path)], json_out)
 
 
 @command("verify")
 def verify_cmd(
-    path: Annotated[Path, typer.Argument(help="an epoch folder, or a manifest root (all its epochs)")],
+    path: Annotated[Path, typer.Argument(help="a dataset folder, an epoch folder, or a manifest root (all its epochs)")],
     data: Annotated[Optional[Path], typer.Option(help="dataset folder (default: the one the manifest records)")] = None,
     lengths: Annotated[Optional[Path], typer.Option(help="lengths file (default: the one the manifest records)")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object instead of tables")] = False,
 ):
-    """Recompute every epoch from its arrays and the lengths; exit 1 on any violation."""
-    from . import manifest
+    """Dataset: re-hash every shard, check token ids. Manifests: recompute every epoch from its arrays and the lengths. Exit 1 on any violation."""
+    from .verify import is_dataset, verify_path
 
-    rows = [(d.name, manifest.verify(d, data=data, lengths=lengths)) for d in manifest.find_epochs(path)]
+    rows = verify_path(path, data=data, lengths=lengths)
+    if is_dataset(path):
+        [(name, r)] = rows
+        typer.secho(f"ok: dataset {path} verified: {r['samples']:,} samples, {r['shards']} shard(s) re-hashed, "
+                    f"{r['tokens']:,} tokens within the vocabulary", fg=typer.colors.GREEN, err=json_out)
+        if json_out:
+            typer.echo(__import__("json").dumps(r, indent=2, allow_nan=False))
+        return
     _print_summaries(rows, json_out)
     typer.secho(f"ok: {len(rows)} epoch(s) verified", fg=typer.colors.GREEN, err=json_out)
+
+
+@command("clean")
+def clean_cmd(
+    paths: Annotated[Optional[list[Path]], typer.Argument(help="folders to search (3 levels deep); default: .")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="only list what would be removed")] = False,
+):
+    """Remove what killed runs left behind: hidden temp folders and files, unheld lock files, dataset caches in TMPDIR."""
+    from .outputs import find_stale, remove, size_of
+
+    found = find_stale(paths or [Path(".")])
+    for p in found:
+        typer.echo(f"{'would remove' if dry_run else 'removing'} {p} ({size_of(p) / 2**20:.1f} MiB)")
+    freed = sum(size_of(p) for p in found) if dry_run else remove(found)
+    typer.echo(f"{len(found)} stale item(s), {freed / 2**20:.1f} MiB {'reclaimable' if dry_run else 'freed'}")
 
 
 

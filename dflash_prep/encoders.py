@@ -284,6 +284,9 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
             config = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as e:
             raise InputError(f"{cfg_file}: not valid JSON ({e}); fix or remove it") from e
+        if not isinstance(config, dict):
+            raise InputError(f"{cfg_file}: holds a JSON {type(config).__name__}, not an object of settings; fix or "
+                             "remove it")
     template = _read_template(folder, config) if path.is_dir() else None
     return HFTokenizer(path, tok, config, template)
 

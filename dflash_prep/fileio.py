@@ -7,7 +7,16 @@ half-written file under the final name. Readers call :func:`read_json` /
 message that names the file and the fix.
 
 Fingerprints are hex SHA-256 digests (first 16 bytes) of canonical bytes: JSON dumped
-with sorted keys, or raw array bytes plus dtype and shape.
+with sorted keys, or raw array bytes plus dtype and shape. SHA-256 runs at ~1.5 GB/s on
+this machine (SHA-NI); its cost when a manifest is opened is measured by
+``bench/hash_cost.py`` (README "Reliability").
+
+Every JSON file is strict: NaN and Infinity are refused on write (:class:`FormatError`),
+never written as the non-standard ``NaN`` token, and refused on read.
+
+Temp names carry the writer's pid (``.NAME.PID.XXXX.tmp``, ``.NAME.old-PID``), so a later
+run or ``dflash-prep clean`` can tell debris of a killed run (:mod:`dflash_prep.outputs`)
+from the work of a live one.
 """
 
 from __future__ import annotations
@@ -38,11 +47,50 @@ def fingerprint_bytes(*parts: bytes | memoryview | str) -> str:
 
 
 def canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default)
+    return strict_dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def strict_dumps(obj: Any, **kw) -> str:
+    """``json.dumps`` that refuses NaN/Infinity (a :class:`FormatError` naming the field)."""
+    try:
+        return json.dumps(obj, allow_nan=False, default=_json_default, **kw)
+    except ValueError as e:
+        raise FormatError(f"refusing to write non-standard JSON ({e}): {_nonfinite_path(obj) or '?'} is NaN or "
+                          "infinite; every number dflash-prep writes must be finite") from None
+
+
+def _nonfinite_path(obj: Any, prefix: str = "") -> str | None:
+    """Dotted path of the first NaN/Infinity inside ``obj`` (for the error message)."""
+    if isinstance(obj, (float, np.floating)) and not np.isfinite(float(obj)):
+        return prefix or "(value)"
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        hit = _nonfinite_path(v, f"{prefix}.{k}" if prefix else str(k))
+        if hit:
+            return hit
+    return None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def strict_loads(text: str | bytes) -> Any:
+    """``json.loads`` that refuses NaN/Infinity (raises ValueError, as a decode error does)."""
+    return json.loads(text, parse_constant=_reject_constant)
 
 
 def fingerprint_json(obj: Any) -> str:
     return fingerprint_bytes(canonical_json(obj))
+
+
+def fingerprint_file(path: str | os.PathLike, chunk: int = 16 << 20) -> str:
+    """Digest of a file's bytes, streamed in 16 MiB chunks (shard content hashes)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()[:FINGERPRINT_HEX]
 
 
 def fingerprint_array(a: np.ndarray) -> str:
@@ -84,7 +132,7 @@ def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
     done = False
     try:
         with os.fdopen(fd, "wb") as f:
@@ -108,7 +156,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def atomic_write_json(path: str | os.PathLike, obj: dict, *, format: str, version: int) -> None:
     """Write ``obj`` with its format header first, atomically."""
     body = {"format": format, "version": version, **{k: v for k, v in obj.items() if k not in ("format", "version")}}
-    atomic_write_bytes(path, (json.dumps(body, indent=2, default=_json_default) + "\n").encode())
+    atomic_write_bytes(path, (strict_dumps(body, indent=2) + "\n").encode())
 
 
 def atomic_save_npy(path: str | os.PathLike, arr: np.ndarray) -> None:
@@ -116,24 +164,52 @@ def atomic_save_npy(path: str | os.PathLike, arr: np.ndarray) -> None:
         np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
 
 
+def holds_marker(folder: str | os.PathLike, marker: str, format: str) -> bool:
+    """Whether ``folder/marker`` is a JSON file of ``format``, i.e. the folder is ours."""
+    p = Path(folder) / marker
+    if not p.is_file():
+        return False
+    try:
+        with open(p, "rb") as f:
+            obj = json.loads(f.read(1 << 26))
+    except (OSError, ValueError):
+        return False
+    return isinstance(obj, dict) and obj.get("format") == format
+
+
+def _may_replace(final: Path, overwrite: bool, marker: tuple[str, str] | None) -> None:
+    if not final.is_dir():
+        raise FormatError(f"{final} is a file, not a folder; it was left untouched, choose another --out")
+    if not overwrite:
+        raise FormatError(f"{final} already exists; pass --overwrite to replace it")
+    if marker is not None and not holds_marker(final, *marker):
+        raise FormatError(f"{final} holds no {marker[0]} of format {marker[1]!r}, so it is not a dflash-prep "
+                          "output; it was left untouched. Remove it yourself or choose another --out")
+
+
 @contextlib.contextmanager
-def atomic_dir(final: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+def atomic_dir(final: str | os.PathLike, *, overwrite: bool = False,
+               marker: tuple[str, str] | None = None) -> Iterator[Path]:
     """Yield a temp folder beside ``final``; on success rename it into place.
 
     On any exception the temp folder is removed and ``final`` is untouched, so nothing
     half-written is ever visible under the final name. With ``overwrite`` an existing
-    ``final`` is replaced only after the new one is complete.
+    ``final`` is replaced only after the new one is complete: build beside, swap, then
+    delete the old one. With ``marker = (file, format)`` an existing ``final`` is replaced
+    only when it holds that marker file (it is one of ours), never a user's folder; a
+    regular file under the final name is never replaced.
     """
     final = Path(final)
+    if final.exists():  # fail before the work, and again at the swap (another writer may have been quicker)
+        _may_replace(final, overwrite, marker)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{os.getpid()}.", suffix=".tmp", dir=final.parent))
     done = False
     try:
         yield tmp
         _publish_mode(tmp, is_dir=True)
         if final.exists():
-            if not overwrite:
-                raise FormatError(f"{final} already exists; pass --overwrite to replace it")
+            _may_replace(final, overwrite, marker)
             old = final.with_name(f".{final.name}.old-{os.getpid()}")
             os.replace(final, old)
             try:
@@ -171,8 +247,8 @@ def read_json(path: str | os.PathLike, *, format: str, versions: tuple[int, ...]
     if not path.is_file():
         raise FormatError(f"{path}: file not found")
     try:
-        obj = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        obj = strict_loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
         raise FormatError(f"{path}: not valid JSON ({e}); the file is corrupt, re-create it") from e
     return check_header(obj, path=path, format=format, versions=versions)
 

@@ -17,13 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .dataset import DATASET_FORMAT, DATASET_VERSIONS, LENGTHS_FILE, META_FILE, read_meta  # noqa: F401 (re-exported)
 from .errors import FormatError, InputError
 from .fileio import atomic_save_npy, fingerprint_array, load_npy, read_json
-
-DATASET_FORMAT = "dflash-prep/dataset"
-DATASET_VERSIONS = (1,)
-LENGTHS_FILE = "lengths.npy"
-META_FILE = "meta.json"
 
 
 @dataclass(frozen=True)
@@ -59,13 +55,13 @@ def read_dataset_lengths(folder: str | Path) -> LengthSource:
     folder = Path(folder)
     if not folder.is_dir():
         raise InputError(f"{folder}: dataset folder not found; run `dflash-prep tokenize` first or pass --lengths FILE")
-    meta = read_json(folder / META_FILE, format=DATASET_FORMAT, versions=DATASET_VERSIONS)
+    meta = read_meta(folder)
     lengths = load_npy(folder / LENGTHS_FILE)
-    want = meta.get("lengths", {}).get("fingerprint")
+    want = (meta.get("lengths") or {}).get("fingerprint") if isinstance(meta.get("lengths"), dict) else None
     if want is not None and fingerprint_array(lengths) != want:
         raise FormatError(f"{folder / LENGTHS_FILE}: contents do not match the fingerprint in meta.json "
                           "(edited or corrupt); re-run `dflash-prep tokenize --overwrite`")
-    n = meta.get("counts", {}).get("samples")
+    n = meta["counts"].get("samples") if isinstance(meta.get("counts"), dict) else None
     if n is not None and int(n) != lengths.shape[0]:
         raise FormatError(f"{folder / LENGTHS_FILE}: holds {lengths.shape[0]} lengths but meta.json says {n} samples; "
                           "the folder is corrupt, re-run `dflash-prep tokenize --overwrite`")

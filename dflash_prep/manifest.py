@@ -31,9 +31,22 @@ One folder per epoch, ``<root>/epoch-000N/`` (:func:`epoch_dir`), written atomic
 
 Every row of a step has the same ``world_size * grad_accum`` micro-batches, so row
 ``m`` is step ``m // (W*A)``, rank ``(m % (W*A)) // A``, accum ``m % A``.
-:func:`open` memory-maps the arrays and checks format, version, shapes and (optionally)
-fingerprints; :func:`verify` (``dflash-prep verify``) re-hashes every array and
-recomputes everything from the lengths with :mod:`dflash_prep.metrics`.
+
+The root holds ``root.json`` (format ``dflash-prep/manifest-root``): the ``run`` (plan
+fingerprint and pack options, without the epoch) its epochs were packed under, and its
+``run_fingerprint``, which every epoch header repeats. A root never mixes two runs: pack
+refuses another run's epochs without ``--overwrite`` and :func:`open` refuses an epoch
+whose ``run_fingerprint`` differs from its root's. ``data.path`` is recorded relative to
+the epoch folder and resolved against it (:func:`data_path`), so a tree can move.
+
+:func:`open` memory-maps the arrays and checks, before any batch is read: format and
+version; the epoch fingerprint against the header (every field but ``summary``: an edited
+``world_size`` or step count is refused); the folder name against ``epoch``; the root's
+run; every array's dtype, shape and SHA-256 (``check_hashes``; ~0.9 s per GB, see README
+"Reliability"); and the header against the arrays (``num_microbatches = num_steps * W *
+A``, segment and sample counts). :func:`verify` (``dflash-prep verify``,
+:mod:`dflash_prep.verify`) also recomputes everything from the lengths with
+:mod:`dflash_prep.metrics`, the summary included.
 
 World size is not elastic: a manifest packed for ``W x A`` is refused under any other
 ``W' x A'`` (:meth:`Manifest.check_world`), because its steps were balanced for ``W``
@@ -43,20 +56,23 @@ before the resume point are those the old manifest listed, so resume at a step b
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-from . import lengths as lengths_mod
-from . import metrics
 from .errors import ConfigError, FingerprintMismatch, FormatError
 from .fileio import atomic_dir, atomic_save_npy, atomic_write_json, fingerprint_array, fingerprint_json, load_npy, read_json
 
 MANIFEST_FORMAT = "dflash-prep/manifest"
 MANIFEST_VERSION = 1
 MANIFEST_FILE = "manifest.json"
+ROOT_FORMAT = "dflash-prep/manifest-root"
+ROOT_VERSION = 1
+ROOT_FILE = "root.json"
 COLUMNS = ("start", "count", "step", "rank", "accum", "bucket", "max_len", "real_tokens", "padded_tokens", "sum_sq_len")
 COL = {name: i for i, name in enumerate(COLUMNS)}
 ARRAYS = {"microbatches": np.int64, "sample_ids": np.int64, "sample_lens": np.int32,
@@ -115,7 +131,7 @@ def write(path: str | Path, header: dict, arrays: dict[str, np.ndarray], *, over
     header = dict(header, arrays=array_identity(arrays))
     header["fingerprint"] = epoch_fingerprint(header)
     path = Path(path)
-    with atomic_dir(path, overwrite=overwrite) as tmp:
+    with atomic_dir(path, overwrite=overwrite, marker=(MANIFEST_FILE, MANIFEST_FORMAT)) as tmp:
         for name, a in arrays.items():
             atomic_save_npy(tmp / f"{name}.npy", a)
         atomic_write_json(tmp / MANIFEST_FILE, header, format=MANIFEST_FORMAT, version=MANIFEST_VERSION)
@@ -207,24 +223,164 @@ def read_header(path: str | Path) -> dict:
     return read_json(path / MANIFEST_FILE, format=MANIFEST_FORMAT, versions=(MANIFEST_VERSION,))
 
 
-def open(path: str | Path, *, plan_fingerprint: str | None = None, data_fingerprint: str | None = None) -> Manifest:  # noqa: A001
-    """Open an epoch folder memory-mapped.
+def read_root(root: str | Path) -> dict | None:
+    """``root.json`` of a manifest root, or None when there is none."""
+    p = Path(root) / ROOT_FILE
+    if not p.is_file():
+        return None
+    r = read_json(p, format=ROOT_FORMAT, versions=(ROOT_VERSION,))
+    if not isinstance(r.get("run"), dict) or r.get("run_fingerprint") != fingerprint_json(r["run"]):
+        raise FormatError(f"{p}: run and run_fingerprint disagree (edited or corrupt); re-pack the root with --overwrite")
+    return r
 
-    Checks the format name and version, that every array is present, readable and of the
-    recorded dtype and shape, and the given fingerprints; each failure is a
-    :class:`FormatError` / :class:`FingerprintMismatch` naming the file and the fix.
-    Array contents are re-hashed only by ``verify``.
+
+def write_root(root: str | Path, run: dict) -> str:
+    """Write ``root.json`` for ``run`` atomically; returns its run fingerprint."""
+    fp = fingerprint_json(run)
+    atomic_write_json(Path(root) / ROOT_FILE, {"run": run, "run_fingerprint": fp}, format=ROOT_FORMAT,
+                      version=ROOT_VERSION)
+    return fp
+
+
+def prepare_root(root: str | Path, run: dict, *, overwrite: bool) -> str:
+    """Check that ``root`` may become a root of ``run`` (under its lock); returns the run fingerprint.
+
+    A new or empty folder may become a root. A folder that is not a root (no ``root.json``)
+    and holds anything but epoch folders is refused, untouched. A root of another run is
+    refused without ``overwrite``; with it, :func:`commit_root` rewrites ``root.json`` first and
+    then removes that run's epochs (renamed away, then deleted), so no reader ever sees two runs:
+    :func:`open` refuses an epoch whose run differs from ``root.json``.
+    """
+    from .fileio import holds_marker
+    from .outputs import is_temp_name
+
+    root = Path(root)
+    fp = fingerprint_json(run)
+    cur = None
+    if root.exists():
+        try:
+            cur = read_root(root)
+        except FormatError:
+            if not overwrite:
+                raise
+            cur = {"run_fingerprint": None}
+        if cur is None:
+            foreign = sorted(p.name for p in root.iterdir() if not is_temp_name(p.name)
+                             and not (p.name.startswith("epoch-") and holds_marker(p, MANIFEST_FILE, MANIFEST_FORMAT)))
+            if foreign:
+                raise ConfigError(f"{root} exists and is not a manifest root (it holds {foreign[0]!r} and no "
+                                  f"{ROOT_FILE}); it was left untouched. Choose another --out")
+            if any(root.glob("epoch-*")) and not overwrite:
+                raise ConfigError(f"{root} holds epochs packed without {ROOT_FILE} (an older dflash-prep); pass "
+                                  "--overwrite to re-pack them, or choose another --out")
+        elif cur["run_fingerprint"] != fp and not overwrite:
+            raise ConfigError(f"{root} holds the epochs of another pack run (another plan or other options); pass "
+                              "--overwrite to replace them, or choose another --out. A root never mixes two runs")
+    return fp
+
+
+def commit_root(root: str | Path, run: dict) -> None:
+    """Record ``run`` in ``root.json`` (if it is not already) and drop other runs' epochs.
+
+    Called by pack right before it writes its first epoch, so a pack that fails earlier
+    leaves the root as it was."""
+    from .fileio import holds_marker
+
+    root = Path(root)
+    fp = fingerprint_json(run)
+    try:
+        cur = read_root(root)
+    except FormatError:
+        cur = None
+    if cur is None or cur["run_fingerprint"] != fp:
+        root.mkdir(parents=True, exist_ok=True)
+        write_root(root, run)
+        for p in sorted(root.glob("epoch-*")):
+            if holds_marker(p, MANIFEST_FILE, MANIFEST_FORMAT):
+                try:
+                    other = read_header(p).get("run_fingerprint") != fp
+                except FormatError:
+                    other = True
+                if other:
+                    gone = p.with_name(f".{p.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+                    os.replace(p, gone)
+                    shutil.rmtree(gone, ignore_errors=True)
+
+
+def data_path(path: str | Path, header: dict) -> str:
+    """The data (folder or lengths file) an epoch records, resolved against the epoch folder."""
+    return str(Path(path) / header["data"]["path"])
+
+
+def _fix(path: Path) -> str:
+    return (f"the manifest is corrupt or was edited; re-pack it (`dflash-prep pack ... --epoch {path.name[6:] or 'N'} "
+            "--overwrite`)")
+
+
+def _check_header(path: Path, header: dict) -> None:
+    """Epoch fingerprint, folder name and root run: before anything else of the header is trusted."""
+    if "fingerprint" not in header:
+        raise FormatError(f"{path / MANIFEST_FILE}: no fingerprint field; {_fix(path)}")
+    if epoch_fingerprint(header) != header["fingerprint"]:
+        raise FormatError(f"{path / MANIFEST_FILE}: header fields do not match the epoch fingerprint (edited by hand "
+                          f"or corrupt); {_fix(path)}")
+    for k in ("epoch", "layout", "world_size", "grad_accum", "num_steps", "num_microbatches", "arrays", "data",
+              "plan_fingerprint"):
+        if k not in header:
+            raise FormatError(f"{path / MANIFEST_FILE}: field {k!r} is missing; {_fix(path)}")
+    if path.name.startswith("epoch-") and path.name[6:].isdigit() and int(path.name[6:]) != int(header["epoch"]):
+        raise FormatError(f"{path}: holds epoch {header['epoch']}, not {int(path.name[6:])} (folders swapped or "
+                          f"renamed?); move it back or re-pack epoch {int(path.name[6:])}")
+    root = read_root(path.parent)
+    if root is not None and header.get("run_fingerprint") != root["run_fingerprint"]:
+        raise FingerprintMismatch(f"{path}: packed by another run than its root {path.parent / ROOT_FILE} records "
+                                  "(plan or pack options differ); a root never mixes runs. Re-pack the epoch into "
+                                  "this root, or open it from its own root")
+
+
+def _check_shapes(path: Path, m: "Manifest") -> None:
+    """The header against the arrays: W, A, step and row counts, segment coverage."""
+    W, A, S = m.world_size, m.grad_accum, m.num_steps
+    if W < 1 or A < 1 or S < 0 or m.layout not in LAYOUTS:
+        raise FormatError(f"{path / MANIFEST_FILE}: world_size {W}, grad_accum {A}, num_steps {S}, layout "
+                          f"{m.layout!r} are not valid; {_fix(path)}")
+    if m.num_microbatches != S * W * A:
+        raise FormatError(f"{path / MANIFEST_FILE}: {m.num_microbatches} micro-batches are not {S} steps x {W} ranks "
+                          f"x {A} accumulation; {_fix(path)}")
+    n = m.sample_ids.shape[0]
+    if m.sample_lens.shape[0] != n or ("num_samples_used" in m.header and int(m.header["num_samples_used"]) != n):
+        raise FormatError(f"{path}: sample_ids.npy holds {n} ids, sample_lens.npy {m.sample_lens.shape[0]}, header "
+                          f"{m.header.get('num_samples_used')}; {_fix(path)}")
+    if m.layout == "varlen" and m.arrays["cu_seqlens"].shape[0] != n + 1:
+        raise FormatError(f"{path / 'cu_seqlens.npy'}: {m.arrays['cu_seqlens'].shape[0]} entries for {n} samples; "
+                          f"{_fix(path)}")
+    if len(m.table):
+        t = np.asarray(m.table)
+        if int(t[:, COL["count"]].sum()) != n or int(t[-1, COL["step"]]) != S - 1 or (t[:, COL["count"]] < 1).any():
+            raise FormatError(f"{path / 'microbatches.npy'}: rows do not cover sample_ids in {S} steps; {_fix(path)}")
+
+
+def open(path: str | Path, *, plan_fingerprint: str | None = None, data_fingerprint: str | None = None,  # noqa: A001
+         check_hashes: bool = True) -> Manifest:
+    """Open an epoch folder memory-mapped, checked as the module docstring says.
+
+    Each failure is a :class:`FormatError` / :class:`FingerprintMismatch` naming the file
+    and the fix. ``check_hashes=False`` skips only the array re-hash (``inspect``).
     """
     path = Path(path)
     header = read_header(path)
+    _check_header(path, header)
     arrays = {}
-    for name, meta in header.get("arrays", {}).items():
+    for name, meta in header["arrays"].items():
         if name not in ARRAYS:
             raise FormatError(f"{path}: unknown array {name!r} in {MANIFEST_FILE}; re-pack with this dflash-prep")
         a = load_npy(path / f"{name}.npy", dtype=ARRAYS[name])
         if list(a.shape) != list(meta["shape"]):
             raise FormatError(f"{path / (name + '.npy')}: shape {list(a.shape)} but {MANIFEST_FILE} records "
                               f"{meta['shape']}; the manifest is corrupt, re-pack the epoch with --overwrite")
+        if check_hashes and fingerprint_array(a) != meta["sha256"]:
+            raise FormatError(f"{path / (name + '.npy')}: contents do not match the SHA-256 in {MANIFEST_FILE} "
+                              f"(corrupt or edited); {_fix(path)}")
         arrays[name] = a
     for name in required_arrays(header):
         if name not in arrays:
@@ -233,6 +389,7 @@ def open(path: str | Path, *, plan_fingerprint: str | None = None, data_fingerpr
     if m.table.ndim != 2 or m.table.shape != (m.num_microbatches, len(COLUMNS)):
         raise FormatError(f"{path}: microbatches.npy has shape {m.table.shape}, expected ({m.num_microbatches}, "
                           f"{len(COLUMNS)}); re-pack the epoch with --overwrite")
+    _check_shapes(path, m)
     if plan_fingerprint is not None and plan_fingerprint != m.plan_fingerprint:
         raise FingerprintMismatch(f"{path}: packed from plan {m.plan_fingerprint}, not from plan {plan_fingerprint}; "
                                   "re-pack with the current plan (`dflash-prep pack --overwrite`)")
@@ -242,134 +399,11 @@ def open(path: str | Path, *, plan_fingerprint: str | None = None, data_fingerpr
     return m
 
 
-# ----------------------------------------------------------------------------- verify
-def _summary_metrics(m: Manifest, lens: np.ndarray, order: np.ndarray, offsets: np.ndarray, seg: np.ndarray,
-                     supervised: np.ndarray | None = None) -> dict:
-    """Every summary metric, recomputed from scratch with :mod:`dflash_prep.metrics`.
+def verify(path: str | Path, **kw) -> dict:
+    """``dflash-prep verify`` on one epoch: see :func:`dflash_prep.verify.verify_epoch`."""
+    from .verify import verify_epoch
 
-    ``order``/``offsets`` are the segments in file order; ``seg`` maps them to table rows.
-    ``supervised`` (per sample id, dflash only) prices rank imbalance on the drafter cost."""
-    t = np.asarray(m.table)[seg]
-    varlen = m.layout == "varlen"
-    b = m.header["budget"]
-    if supervised is not None:                     # dflash: ranks were balanced on the drafter step cost
-        from . import pack_dflash
-        cost = pack_dflash.microbatch_cost(m.header, lens[order], supervised[order],
-                                           np.asarray(m.arrays["anchor_counts"]), offsets)
-    else:
-        cost = metrics.batch_cost(lens, order, offsets, float(b["cost_alpha"]), varlen=varlen)
-    eff = 1.0 if varlen else metrics.efficiency(lens, order, offsets)
-    return {"efficiency": eff, "fill": metrics.fill(lens, order, offsets, float(b["value"]), varlen=varlen,
-                                                      alpha=float(b["packing_alpha"])),
-            "microbatches": int(len(t)), "steps": int(len(t) // (m.world_size * m.grad_accum)),
-            "samples": int(len(order)), "dropped_samples": int(len(m.dropped_ids)),
-            "step_mix": metrics.step_mix(lens, order, offsets, t[:, COL["step"]]),
-            "rank_imbalance": metrics.rank_imbalance(cost, t[:, COL["step"]], t[:, COL["rank"]], m.world_size)}
-
-
-def verify(path: str | Path, *, data: str | Path | None = None, lengths: str | Path | None = None,
-           plan_fingerprint: str | None = None) -> dict:
-    """Recompute an epoch from its arrays and the lengths; raise on any violation.
-
-    Checks, in order: format and version; every array's SHA-256 and the epoch fingerprint
-    (corrupt or truncated files); the data fingerprint (the lengths are found by the path
-    the manifest records, or ``data`` / ``lengths``); exactly-once coverage of every
-    sample id apart from the listed drops; stored lengths, maxima and token counts; the
-    budget and ``max_batch_size``; the step/rank/accum layout with equal counts per rank;
-    ``cu_seqlens``; and every summary metric against :mod:`dflash_prep.metrics` (and the
-    repeat-pair rate when the previous epoch is beside this one). Returns the recomputed
-    metrics; raises :class:`FormatError` / :class:`FingerprintMismatch` listing problems.
-    """
-    path = Path(path)
-    m = open(path, plan_fingerprint=plan_fingerprint)
-    bad = [f"{name}.npy: contents do not match the SHA-256 in {MANIFEST_FILE}"
-           for name, a in m.arrays.items() if fingerprint_array(a) != m.header["arrays"][name]["sha256"]]
-    if epoch_fingerprint(m.header) != m.fingerprint:
-        bad.append(f"{MANIFEST_FILE}: header fields do not match the epoch fingerprint (edited by hand?)")
-    if bad:
-        raise FormatError(f"{path}: corrupt manifest: " + "; ".join(bad) + ". Re-pack the epoch with --overwrite")
-    if data is None and lengths is None:
-        d = m.header["data"]
-        data, lengths = (d["path"], None) if d.get("kind") == "dataset" else (None, d["path"])
-    src = lengths_mod.load(data=data, lengths_file=lengths)
-    if src.fingerprint != m.data_fingerprint:
-        raise FingerprintMismatch(f"{path}: packed for data {m.data_fingerprint}, but {src.path} has fingerprint "
-                                  f"{src.fingerprint}; pass the right --data/--lengths or re-pack for this data")
-    lens = np.asarray(src.lengths, np.int64)
-    t = np.asarray(m.table)
-    ids = np.asarray(m.sample_ids)
-    # metrics run over the segments in file order: ``seg`` sorts the rows by start
-    seg = np.argsort(t[:, COL["start"]], kind="stable")
-    count = t[seg, COL["count"]]
-    offsets = np.concatenate([[0], np.cumsum(count)]).astype(np.int64)
-    problems = []
-    if (count < 1).any() or not np.array_equal(t[seg, COL["start"]], offsets[:-1]) or offsets[-1] != len(ids):
-        raise FormatError(f"{path}: micro-batch start/count columns do not tile sample_ids; re-pack the epoch")
-    if len(ids) and (ids.min() < 0 or ids.max() >= len(lens)):
-        raise FormatError(f"{path}: sample ids outside 0..{len(lens) - 1}; the manifest belongs to other data")
-    seen = np.bincount(np.concatenate([ids, m.dropped_ids]), minlength=len(lens))
-    if (seen != 1).any():
-        miss, dup = np.flatnonzero(seen == 0), np.flatnonzero(seen > 1)
-        problems.append(f"{len(miss)} samples missing (e.g. {miss[:5].tolist()}) and {len(dup)} appear more than once "
-                        f"(e.g. {dup[:5].tolist()})")
-    if not np.array_equal(np.asarray(m.sample_lens, np.int64), lens[ids]):
-        problems.append("sample_lens.npy does not match the dataset's lengths")
-    counts, real, mx = metrics.batch_stats(lens, ids, offsets)
-    varlen = m.layout == "varlen"
-    padded = real if varlen else counts * mx
-    sq = np.add.reduceat(lens[ids] ** 2, offsets[:-1]) if len(ids) else np.zeros(0, np.int64)
-    for col, want in (("max_len", mx), ("real_tokens", real), ("padded_tokens", padded), ("sum_sq_len", sq)):
-        if not np.array_equal(t[seg, COL[col]], want):
-            problems.append(f"column {col} disagrees with the lengths in {int((t[seg, COL[col]] != want).sum())} micro-batches")
-    b = m.header["budget"]
-    used = metrics.batch_cost(lens, ids, offsets, float(b["packing_alpha"]), varlen=varlen)
-    over = np.flatnonzero(used > float(b["value"]) * (1 + 1e-12))
-    if len(over):
-        problems.append(f"{len(over)} micro-batches exceed the budget {b['value']} {b['unit']} (e.g. row {over[0]}: "
-                        f"{used[over[0]]:.1f})")
-    if b.get("max_batch_size") and (count > int(b["max_batch_size"])).any():
-        problems.append(f"micro-batches exceed max_batch_size {b['max_batch_size']}")
-    s = m.world_size * m.grad_accum
-    pos = np.arange(len(t), dtype=np.int64)
-    if len(t) % s or len(t) // s != m.num_steps:
-        problems.append(f"{len(t)} micro-batches do not make {m.num_steps} whole steps of {s}")
-    elif not (np.array_equal(t[:, COL["step"]], pos // s) and np.array_equal(t[:, COL["rank"]], pos % s // m.grad_accum)
-              and np.array_equal(t[:, COL["accum"]], pos % m.grad_accum)):
-        problems.append("step/rank/accum columns break the layout (step, then rank, then accum): ranks get unequal counts")
-    if varlen and not np.array_equal(np.asarray(m.arrays["cu_seqlens"]), np.concatenate([[0], np.cumsum(lens[ids])])):
-        problems.append("cu_seqlens.npy is not the prefix sum of the sample lengths")
-    extra, sup = {}, None
-    if "dflash" in m.header and not problems:       # anchors: regenerated from the seed and the masks
-        problems, extra, sup = _verify_drafter(m, lens, ids, offsets, src)
-    if problems:
-        raise FormatError(f"{path}: verify failed: " + "; ".join(problems))
-    got = _summary_metrics(m, lens, ids, offsets, seg, supervised=sup) | extra
-    summ = m.summary
-    prev = epoch_dir(path.parent, m.epoch - 1) if m.epoch > 0 else None
-    if summ.get("repeat_pair_rate") is not None and prev is not None and (prev / MANIFEST_FILE).is_file():
-        p = open(prev, data_fingerprint=m.data_fingerprint)
-        p_seg = np.argsort(p.table[:, COL["start"]], kind="stable")
-        p_off = np.concatenate([[0], np.cumsum(p.table[p_seg, COL["count"]])]).astype(np.int64)
-        got["repeat_pair_rate"] = metrics.repeat_pair_rate(np.asarray(p.sample_ids), p_off, ids, offsets, len(lens))
-    wrong = [f"{k}: summary {summ.get(k)!r} vs recomputed {v!r}" for k, v in got.items()
-             if summ.get(k) is None or abs(float(summ[k]) - float(v)) > 1e-9]
-    if wrong:
-        raise FormatError(f"{path}: summary disagrees with the arrays: " + "; ".join(wrong) + ". Re-pack the epoch")
-    return got
-
-
-def _verify_drafter(m: Manifest, lens, ids, offsets, src):
-    """(problems, metrics, supervised) of :func:`pack_dflash.verify_epoch` against the dataset's masks."""
-    from . import pack_dflash
-    from .dataset import open_dataset
-    from .lengths import read_mask_counts
-
-    if src.kind != "dataset":
-        return [f"{src.path}: a dflash manifest is verified against its dataset folder (the loss masks); pass --data"], {}, None
-    mc = read_mask_counts(src.path)
-    problems, got = pack_dflash.verify_epoch(m.header, m.arrays, lens, ids, offsets,
-                                             pack_dflash.dataset_masks(open_dataset(src.path)), mc, m.epoch)
-    return problems, got, mc.supervised
+    return verify_epoch(path, **kw)
 
 
 def find_epochs(path: str | Path) -> list[Path]:

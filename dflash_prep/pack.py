@@ -22,6 +22,7 @@ aggregates (O(M) after one O(N) pass); ``verify`` recomputes them with :mod:`met
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Callable
 from pathlib import Path
@@ -30,9 +31,9 @@ import numba as nb
 import numpy as np
 
 from . import lengths as lengths_mod
-from . import manifest, metrics, bucketing, pack_config, pack_dflash, steps
+from . import manifest, metrics, bucketing, outputs, pack_config, pack_dflash, steps
 from .errors import ConfigError, FormatError
-from .fileio import fingerprint_json
+from .fileio import fingerprint_json, holds_marker
 from .pack_config import PackConfig
 from .plan import Budget, Plan
 from .plan import load as load_plan
@@ -260,10 +261,15 @@ def _prediction(plan: Plan, cfg: PackConfig):
     return float(eff) if eff is not None else None
 
 
+def run_identity(plan: Plan, cfg: PackConfig) -> dict:
+    """What every epoch of a root shares: the plan (incl. data) and the resolved options."""
+    return {"plan": plan.fingerprint, "config": cfg.resolve(plan).to_json(),
+            "format": [manifest.MANIFEST_FORMAT, manifest.MANIFEST_VERSION]}
+
+
 def inputs_fingerprint(plan: Plan, cfg: PackConfig, epoch: int) -> str:
     """What an epoch is a pure function of: the plan (incl. data), the options, the epoch."""
-    return fingerprint_json({"plan": plan.fingerprint, "config": cfg.resolve(plan).to_json(), "epoch": int(epoch),
-                             "format": [manifest.MANIFEST_FORMAT, manifest.MANIFEST_VERSION]})
+    return fingerprint_json({**run_identity(plan, cfg), "epoch": int(epoch)})
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -300,8 +306,15 @@ def pack_epochs(*, plan: Plan | str | Path, epochs, out: str | Path, config: Pac
     ``inputs_fingerprint``) is kept as is, so a trainer can call this for a missing epoch
     on the fly. One built from other inputs is replaced only with ``overwrite``. The
     resolved config is written to ``out/pack_config.json`` (:mod:`dflash_prep.pack_config`).
+
+    The whole call holds the root's advisory lock (:func:`dflash_prep.outputs.lock`), so a
+    second writer fails clearly instead of mixing epochs; the root records its run in
+    ``root.json`` (:func:`dflash_prep.manifest.prepare_root`); a folder under the root
+    that holds no ``manifest.json`` is never replaced.
     """
+    plan_path = None
     if not isinstance(plan, Plan):
+        plan_path = plan
         plan = load_plan(plan)
     elif not plan.fingerprint:                    # a Plan built in code, never saved
         plan = plan.with_fingerprint()
@@ -317,13 +330,23 @@ def pack_epochs(*, plan: Plan | str | Path, epochs, out: str | Path, config: Pac
         raise ConfigError(f"epochs must be >= 0 and at least one is needed, got {epochs}")
     src = resolve_lengths(plan, data=data, lengths=lengths)
     lens = np.asarray(src.lengths)
-    out = Path(out)
+    out = outputs.check_out(out, inputs=[src.path] + ([plan_path] if plan_path else []))
+    with outputs.lock(out, inside=True):
+        run_fp = manifest.prepare_root(out, run_identity(plan, cfg), overwrite=overwrite)
+        return _pack_into(out, run_fp, plan, cfg, src, lens, epochs, overwrite)
+
+
+def _pack_into(out: Path, run_fp: str, plan: Plan, cfg: PackConfig, src, lens, epochs, overwrite: bool) -> list[Path]:
+    committed = False
     edges = bucketing.class_edges(lens)
     counts, masks = _drafter_inputs(cfg, src)
     written, prev = [], None
     for e in sorted(set(epochs)):
         path = manifest.epoch_dir(out, e)
         fp = inputs_fingerprint(plan, cfg, e)
+        if path.exists() and not holds_marker(path, manifest.MANIFEST_FILE, manifest.MANIFEST_FORMAT):
+            raise ConfigError(f"{path} exists but holds no {manifest.MANIFEST_FILE}, so it is not a manifest; it was left "
+                              "untouched. Move it away or choose another --out")
         if (path / manifest.MANIFEST_FILE).is_file():
             try:
                 same = manifest.read_header(path).get("inputs_fingerprint") == fp
@@ -337,12 +360,17 @@ def pack_epochs(*, plan: Plan | str | Path, epochs, out: str | Path, config: Pac
                 raise ConfigError(f"{path} already holds a manifest built from other inputs (plan, options or data); "
                                   "pass --overwrite to replace it, or --out another folder")
         res = build_epoch(lens, plan, cfg, e, edges, mask_counts=counts, masks=masks)
+        if not committed:  # only now, so a pack that fails earlier leaves the root as it was
+            manifest.commit_root(out, run_identity(plan, cfg))
+            committed = True
         before = prev if prev is not None else previous_epoch(out, e, src.fingerprint)
         if before is not None:
             res.header["summary"]["repeat_pair_rate"] = repeat_pair_rate(
                 before[0], before[1], res.arrays["microbatches"], res.arrays["sample_ids"], len(lens))
             res.header["summary"]["repeat_pair_against"] = e - 1
-        res.header["data"].update(kind=src.kind, path=src.path)
+        res.header["run_fingerprint"] = run_fp
+        # recorded relative to the epoch folder, so the tree can move and any cwd works
+        res.header["data"].update(kind=src.kind, path=os.path.relpath(Path(src.path).resolve(), path.resolve()))
         manifest.write(path, res.header, res.arrays, overwrite=True)
         written.append(path)
         prev = (res.arrays["microbatches"], res.arrays["sample_ids"])

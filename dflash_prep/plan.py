@@ -1,22 +1,32 @@
 """``plan.json``: what ``analyze`` decided and ``pack`` consumes.
 
-Format ``dflash-prep/plan`` version 1. The fingerprint covers the data fingerprint and
+Format ``dflash-prep/plan`` version 2. The fingerprint covers the data fingerprint and
 every field that changes the batches (boundaries, budget, unit, alpha, caps, seed, window),
 so two plans with equal fingerprints produce identical manifests, and a checkpoint can
 refuse to resume under a different plan.
+
+``file_fingerprint`` covers every field (so an edited ``predicted`` or ``data.path`` is
+refused too). ``data.path`` is recorded relative to the plan file's folder and resolved against it on
+:func:`load`, so pack and verify work from any working directory and the tree can move.
+:func:`save` never replaces a file that is not a dflash-prep plan, and replaces a plan
+with another fingerprint only with ``overwrite``.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError, FingerprintMismatch
-from .fileio import atomic_write_json, fingerprint_json, read_json
+from .errors import ConfigError, DflashError, FingerprintMismatch
+from .fileio import atomic_write_json, fingerprint_json, holds_marker, read_json
+
+MAX_BUDGET = 2.0 ** 53  # a float that still counts tokens exactly
 from .lengths import LengthSource
 
 PLAN_FORMAT = "dflash-prep/plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # v2: file_fingerprint over every field, data.path relative to the plan
 PLAN_FILE = "plan.json"
 
 
@@ -40,8 +50,8 @@ class Budget:
     def __post_init__(self):
         if self.unit not in ("tokens", "cost"):
             raise ConfigError(f"--budget-unit must be 'tokens' or 'cost', got {self.unit!r}")
-        if not self.value or self.value <= 0:
-            raise ConfigError(f"the budget must be positive, got {self.value}")
+        if not isinstance(self.value, (int, float)) or not math.isfinite(self.value) or not 0 < self.value <= MAX_BUDGET:
+            raise ConfigError(f"the budget must be a positive finite number (at most 2**53), got {self.value}")
         if self.unit == "cost" and not self.model_dim:
             raise ConfigError("--budget-unit cost needs --model-dim (alpha = 1 / (12 * d_model))")
         if self.model_dim is not None and self.model_dim <= 0:
@@ -119,12 +129,39 @@ class Plan:
         return d
 
 
-def save(plan: Plan, path: str | Path) -> Path:
+def _file_fingerprint(d: dict) -> str:
+    """Covers every field of plan.json (``fingerprint`` covers only those that change batches)."""
+    return fingerprint_json({k: v for k, v in d.items() if k not in ("format", "version", "file_fingerprint")})
+
+
+def save(plan: Plan, path: str | Path, *, overwrite: bool = True) -> Path:
+    """Write ``plan.json`` (into a folder, or to a ``.json`` path) atomically.
+
+    Refuses a path that is a file of another kind, and, without ``overwrite``, a plan with
+    another fingerprint; rewriting the same plan is allowed (a re-run of analyze).
+    """
     path = Path(path)
     if path.is_dir() or path.suffix != ".json":
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{path} is a file, not a folder; it was left untouched. Choose another --out")
         path = path / PLAN_FILE
     plan = plan.with_fingerprint()
-    atomic_write_json(path, plan.to_json(), format=PLAN_FORMAT, version=PLAN_VERSION)
+    if path.exists():
+        if path.is_dir() or not holds_marker(path.parent, path.name, PLAN_FORMAT):
+            raise ConfigError(f"{path} exists and is not a dflash-prep plan; it was left untouched. Choose another --out")
+        try:
+            same = load(path).fingerprint == plan.fingerprint
+        except DflashError:
+            same = False
+        if not same and not overwrite:
+            raise ConfigError(f"{path} holds another plan (other data or options); pass --overwrite to replace it, "
+                              "or choose another --out")
+    d = plan.to_json()
+    d["data"] = dict(d["data"])
+    if d["data"].get("path"):
+        d["data"]["path"] = os.path.relpath(Path(d["data"]["path"]).resolve(), path.parent.resolve())
+    d["file_fingerprint"] = _file_fingerprint(d)
+    atomic_write_json(path, d, format=PLAN_FORMAT, version=PLAN_VERSION)
     return path
 
 
@@ -135,11 +172,16 @@ def load(path: str | Path) -> Plan:
     if not path.exists():
         raise ConfigError(f"{path}: plan not found; run `dflash-prep analyze DATA` to create it")
     d = read_json(path, format=PLAN_FORMAT, versions=(PLAN_VERSION,))
+    if d.get("file_fingerprint") != _file_fingerprint(d):
+        raise FingerprintMismatch(f"{path}: the plan's fields do not match its file_fingerprint (edited by hand or "
+                                  "corrupt); re-run `dflash-prep analyze`")
+    if isinstance(d.get("data"), dict) and d["data"].get("path"):
+        d["data"] = dict(d["data"], path=str(path.parent / d["data"]["path"]))  # recorded relative to the plan
     try:
         plan = Plan(data=d["data"], boundaries=tuple(int(x) for x in d["boundaries"]), budget=Budget(**d["budget"]),
                     seed=int(d["seed"]), window=int(d.get("window", 0)), buckets=tuple(d.get("buckets", ())),
                     predicted=d.get("predicted", {}), fingerprint=d["fingerprint"])
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{path}: plan is missing or has a malformed field ({e}); re-run `dflash-prep analyze`") from e
     if plan.with_fingerprint().fingerprint != plan.fingerprint:
         raise FingerprintMismatch(f"{path}: the plan's contents do not match its fingerprint (edited by hand?); "

@@ -24,7 +24,6 @@ import glob
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -242,7 +241,9 @@ def _short(e: Exception) -> str:
 
 def open_all(files: list[tuple[str, str]], *, fmt: str, text_field: str, on_error: str):
     """Load every input; returns ``(sources, cleanup)``; call ``cleanup()`` when done."""
-    cache = tempfile.mkdtemp(prefix="dflash-prep-datasets-")
+    from .outputs import cache_dir
+
+    cache = cache_dir()  # pid-tagged, so a later run can reclaim it after a kill
     ok = False
     try:
         sources, first = [], 0

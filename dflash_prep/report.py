@@ -17,6 +17,27 @@ REPORT_FORMAT = "dflash-prep/analyze-report"
 REPORT_VERSION = 1
 REPORT_FILE = "analyze-report.json"
 PNG_FILE = "analyze.png"
+PNG_SOFTWARE = "dflash-prep analyze"  # the PNG's tEXt "Software" entry: the file's ownership marker
+
+
+def check_outputs(out: Path, *, plot: bool) -> None:
+    """Refuse, before any work, to overwrite a report or PNG under ``out`` that is not ours."""
+    from .errors import ConfigError
+    from .fileio import holds_marker
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder; it was left untouched. Choose another --out")
+    rp = out / REPORT_FILE
+    if rp.exists() and not holds_marker(out, REPORT_FILE, REPORT_FORMAT):
+        raise ConfigError(f"{rp} exists and is not a dflash-prep report; it was left untouched. Choose another --out")
+    png = out / PNG_FILE
+    if plot and png.exists():
+        with open(png, "rb") as f:
+            head = f.read(1 << 16) if png.is_file() else b""
+        if not head.startswith(b"\x89PNG") or PNG_SOFTWARE.encode() not in head:
+            raise ConfigError(f"{png} exists and was not written by dflash-prep; it was left untouched. Choose "
+                              "another --out or pass --no-plot")
 
 
 def write_json(rep: dict, out: Path) -> Path:
@@ -64,7 +85,7 @@ def plot(hist, rep: dict, out: Path) -> Path:
     ax2.legend()
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    fig.savefig(buf, format="png", dpi=110, metadata={"Software": PNG_SOFTWARE})
     plt.close(fig)
     path = Path(out) / PNG_FILE
     atomic_write_bytes(path, buf.getvalue())

@@ -162,7 +162,10 @@ def synth(cfg: SynthConfig, *, progress=None) -> dict:
         raise ConfigError("the text pool is shorter than the longest sample; raise POOL_CHARS")
     rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, 0xC4A7]))
     turns = 0
-    with atomic_dir(cfg.out, overwrite=cfg.overwrite) as tmp:
+    from .outputs import check_out, lock
+
+    check_out(cfg.out)
+    with lock(cfg.out), atomic_dir(cfg.out, overwrite=cfg.overwrite, marker=(META_FILE, SYNTH_FORMAT)) as tmp:
         with open(tmp / CORPUS_FILE, "w", encoding="utf-8") as f:
             for i, L in enumerate(lengths.tolist()):
                 msgs = conversation(max(L, MIN_TARGET), rng, pool)

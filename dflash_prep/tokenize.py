@@ -20,26 +20,20 @@ Semantics:
 - ``--on-error fail`` stops at the first bad record, naming file and line/row; ``skip``
   skips and counts it (with the first few messages kept in ``meta.json``);
 - the output folder is built in a temp folder beside it and renamed only on success, so a
-  failure leaves nothing; an existing folder built from the same inputs, tokenizer and
-  options is reported up to date; ``--overwrite`` rebuilds it.
+  failure or a kill leaves nothing under ``--out``; an existing folder built from the same
+  inputs, tokenizer and options is reported up to date; ``--overwrite`` rebuilds it, but
+  only when it holds a dataset ``meta.json`` (never a user's folder, an input or the
+  working directory: :func:`dflash_prep.outputs.check_out`). The write holds the folder's
+  advisory lock, and first clears the debris of killed runs (:mod:`dflash_prep.outputs`).
+- inputs are checked before loading (:mod:`dflash_prep.inputcheck`): regular files only
+  (no FIFO or device), UTF-8, JSON nested at most 64 levels.
 
-Folder layout (format ``dflash-prep/dataset`` v1)::
-
-    meta.json         format, version, fingerprint, tokenizer, source, options, counts,
-                      tokens, lengths fingerprint, shards [{file, first_id, rows, tokens, bytes}]
-    lengths.npy       int32, one per sample id (analyze/pack read only this and meta.json)
-    supervised.npy, anchor_candidates.npy
-                      int32 per sample id: loss-mask tokens S and DFlash anchor candidates
-                      C = sum lm[t]*lm[t+1] (pack --objective dflash budgets anchors from them)
-    shard-00000.arrow Arrow IPC stream: id int64, record int64, input_ids list<int32>,
-                      loss_mask list<uint8>, length int32; schema metadata carries
-                      {"format": "dflash-prep/shard", "version": 1, "first_id": ...}
-    state.json, dataset_info.json   what ``datasets.load_from_disk`` reads
+The folder layout, its writer (shards with content hashes, ``meta.json``) and its reader
+live in :mod:`dflash_prep.dataset`.
 """
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 from dataclasses import dataclass
@@ -48,16 +42,17 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
+from . import inputcheck, outputs
 from . import records as rec
-from .errors import ConfigError, FormatError, InputError
-from .fileio import atomic_dir, atomic_save_npy, atomic_write_bytes, atomic_write_json, fingerprint_array, fingerprint_json, read_json
-from .lengths import DATASET_FORMAT, LENGTHS_FILE, META_FILE, chunk_mask_counts, write_mask_counts
+from .dataset import (DATASET_FORMAT, DATASET_VERSION, LENGTHS_FILE, META_FILE, SHARD_FORMAT,  # noqa: F401
+                      SHARD_VERSION, ShardWriter, read_meta, write_hf_files, write_meta)
+from .errors import ConfigError, DflashError, FormatError, InputError
+from .fileio import atomic_dir, atomic_save_npy, fingerprint_array, fingerprint_json, holds_marker
+from .lengths import chunk_mask_counts, write_mask_counts
 from .encoders import load_tokenizer, render_chat
 
-DATASET_VERSION = 1
-SHARD_FORMAT = "dflash-prep/shard"
-SHARD_VERSION = 1
 MAX_EXAMPLES = 5
+MAX_SHARD_MB = 1 << 20  # 1 TiB: beyond any file system's comfort, and finite
 
 
 @dataclass(frozen=True)
@@ -105,8 +100,10 @@ class TokenizeConfig:
             raise ConfigError(f"--on-error must be 'fail' or 'skip', got {self.on_error!r}")
         if self.num_proc < 1:
             raise ConfigError(f"--num-proc must be at least 1, got {self.num_proc}")
-        if self.shard_mb <= 0 or self.chunk_rows < 1:
-            raise ConfigError("--shard-mb and chunk_rows must be positive")
+        if not (isinstance(self.shard_mb, (int, float)) and 0 < self.shard_mb <= MAX_SHARD_MB):
+            raise ConfigError(f"--shard-mb must be a finite number in (0, {MAX_SHARD_MB}], got {self.shard_mb}")
+        if self.chunk_rows < 1:
+            raise ConfigError("chunk_rows must be positive")
 
     def options(self) -> dict:
         """The fields that change the output (fingerprinted)."""
@@ -184,117 +181,43 @@ def _process(task: tuple[int, int, int]) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------- shards
-def _features_dict() -> dict:
-    import datasets
-
-    return datasets.Features({
-        "id": datasets.Value("int64"), "record": datasets.Value("int64"),
-        "input_ids": datasets.Sequence(datasets.Value("int32")),
-        "loss_mask": datasets.Sequence(datasets.Value("uint8")),
-        "length": datasets.Value("int32"),
-    }).to_dict()
-
-
-class _ShardWriter:
-    """Appends chunks to ``shard-NNNNN.arrow`` files of at most ``max_bytes`` payload each."""
-
-    def __init__(self, folder: Path, max_bytes: int, dataset_key: str):
-        import pyarrow as pa
-
-        self.pa, self.folder, self.max_bytes, self.key = pa, folder, max_bytes, dataset_key
-        self.features = _features_dict()
-        self.shards: list[dict] = []
-        self.writer = None
-        self.next_id = 0
-
-    def _open(self):
-        pa = self.pa
-        name = f"shard-{len(self.shards):05d}.arrow"
-        meta = {"format": SHARD_FORMAT, "version": SHARD_VERSION, "first_id": self.next_id, "inputs": self.key}
-        schema = pa.schema(
-            [("id", pa.int64()), ("record", pa.int64()), ("input_ids", pa.list_(pa.int32())),
-             ("loss_mask", pa.list_(pa.uint8())), ("length", pa.int32())],
-            metadata={"dflash-prep": json.dumps(meta), "huggingface": json.dumps({"info": {"features": self.features}})},
-        )
-        self.sink = pa.OSFile(str(self.folder / name), "wb")
-        self.schema = schema
-        self.writer = pa.ipc.new_stream(self.sink, schema)
-        self.shards.append({"file": name, "first_id": self.next_id, "rows": 0, "tokens": 0, "bytes": 0})
-
-    def _close(self):
-        if self.writer is not None:
-            self.writer.close()
-            self.sink.close()
-            self.writer = None
-
-    def add(self, ids: np.ndarray, mask: np.ndarray, lengths: np.ndarray, records: np.ndarray) -> None:
-        pa = self.pa
-        offsets = np.zeros(len(lengths) + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        row_bytes = 5 * lengths.astype(np.int64) + 28  # ids + mask + id + record + length + 2 offsets
-        lo = 0
-        while lo < len(lengths):
-            if self.writer is None:
-                self._open()
-            cur = self.shards[-1]
-            room = self.max_bytes - cur["bytes"]
-            fit = int(np.searchsorted(np.cumsum(row_bytes[lo:]), room, side="right"))
-            if fit == 0:
-                if cur["rows"]:
-                    self._close()
-                    continue
-                fit = 1  # one sample larger than a shard gets a shard of its own
-            hi = lo + fit
-            a, b = int(offsets[lo]), int(offsets[hi])
-            rel = (offsets[lo:hi + 1] - a).astype(np.int32)  # per-batch list offsets, < 2**31
-            batch = pa.record_batch([
-                pa.array(np.arange(self.next_id, self.next_id + fit, dtype=np.int64)),
-                pa.array(records[lo:hi]),
-                pa.ListArray.from_arrays(pa.array(rel), pa.array(ids[a:b])),
-                pa.ListArray.from_arrays(pa.array(rel), pa.array(mask[a:b])),
-                pa.array(lengths[lo:hi]),
-            ], schema=self.schema)
-            self.writer.write_batch(batch)
-            cur["rows"] += fit
-            cur["tokens"] += b - a
-            cur["bytes"] += int(row_bytes[lo:hi].sum())
-            self.next_id += fit
-            lo = hi
-
-    def finish(self) -> list[dict]:
-        self._close()
-        return self.shards
-
-
 # ----------------------------------------------------------------------------- the stage
 def tokenize(cfg: TokenizeConfig, *, progress: bool = False) -> dict:
     """Run the stage; returns ``meta.json``'s content plus ``up_to_date`` and ``path``."""
     files = rec.expand(list(cfg.inputs))
+    out = outputs.check_out(cfg.out, inputs=[p for p, _ in files])
+    inputcheck.check_inputs(files)
     tok = load_tokenizer(cfg.tokenizer)
     source_fp = rec.fingerprint(files)
     key = fingerprint_json({"source": source_fp, "tokenizer": tok.info.fingerprint, "options": cfg.options(),
                             "version": DATASET_VERSION})
-    out = Path(cfg.out)
-    if out.exists():
-        try:
-            old = read_json(out / META_FILE, format=DATASET_FORMAT, versions=(DATASET_VERSION,))
-        except FormatError:
-            old = {}
-        if not cfg.overwrite:
+    with outputs.lock(out):
+        if out.exists():
+            try:
+                old = read_meta(out)
+            except DflashError:
+                old = {}
+            ours = holds_marker(out, META_FILE, DATASET_FORMAT)
+            if old.get("version") != DATASET_VERSION:
+                old = {}
             if old.get("inputs_fingerprint") == key:
                 return {**old, "up_to_date": True, "path": str(out)}
-            what = "was built from other inputs, tokenizer or options" if old else "is not a dflash-prep dataset"
-            raise ConfigError(f"{out} exists and {what}; pass --overwrite to replace it or choose another --out")
-    sources, cleanup = rec.open_all(files, fmt=cfg.format, text_field=cfg.text_field, on_error=cfg.on_error)
-    try:
-        with atomic_dir(out, overwrite=cfg.overwrite) as tmp:
-            meta = _run(cfg, tok, sources, tmp, key, progress)
-            meta["source"] = {"fingerprint": source_fp, "files": [{"path": p, "kind": k} for p, k in files],
-                              "schemas": sorted({s.schema for s in sources})}
-            atomic_write_json(tmp / META_FILE, meta, format=DATASET_FORMAT, version=DATASET_VERSION)
-    finally:
-        cleanup()
+            if not ours:
+                raise ConfigError(f"{out} exists and holds no dflash-prep dataset meta.json; it was left untouched. "
+                                  "Choose another --out (--overwrite replaces only a dataset folder)")
+            if not cfg.overwrite:
+                what = "was built from other inputs, tokenizer or options" if old else "was built by an older dflash-prep"
+                raise ConfigError(f"{out} exists and {what}; pass --overwrite to replace it or choose another --out")
+        outputs.remove_stale_caches()
+        sources, cleanup = rec.open_all(files, fmt=cfg.format, text_field=cfg.text_field, on_error=cfg.on_error)
+        try:
+            with atomic_dir(out, overwrite=cfg.overwrite, marker=(META_FILE, DATASET_FORMAT)) as tmp:
+                meta = _run(cfg, tok, sources, tmp, key, progress)
+                meta["source"] = {"fingerprint": source_fp, "files": [{"path": p, "kind": k} for p, k in files],
+                                  "schemas": sorted({s.schema for s in sources})}
+                meta = write_meta(tmp, meta)
+        finally:
+            cleanup()
     return {"format": DATASET_FORMAT, "version": DATASET_VERSION, **meta, "up_to_date": False, "path": str(out)}
 
 
@@ -326,7 +249,7 @@ def _overlapped(fn, tasks, threads: int = 2, window: int = 4):
 
 def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool) -> dict:
     total_rows = sum(len(s) for s in sources)
-    writer = _ShardWriter(tmp, int(cfg.shard_mb * 2**20), key)
+    writer = ShardWriter(tmp, int(cfg.shard_mb * 2**20), key)
     stats = {"truncated": 0, "dropped": 0, "skipped": sum(s.bad_lines for s in sources), "no_loss": 0,
              "cut_tokens": 0, "dropped_tokens": 0}
     examples: list[str] = [e for s in sources for e in s.bad_examples][:MAX_EXAMPLES]
@@ -387,19 +310,8 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
         **mask_meta,
         "shards": shards,
     }
-    _write_hf_files(tmp, shards, meta["fingerprint"])
+    write_hf_files(tmp, shards, meta["fingerprint"])
     return meta
-
-
-def _write_hf_files(folder: Path, shards: list[dict], fp: str) -> None:
-    """``state.json`` + ``dataset_info.json``: the files ``datasets.load_from_disk`` reads (its formats)."""
-    state = {"_data_files": [{"filename": s["file"]} for s in shards], "_fingerprint": fp[:16],
-             "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
-             "_output_all_columns": False, "_split": None}
-    info = {"citation": "", "description": "dflash-prep tokenized dataset", "features": _features_dict(),
-            "homepage": "", "license": ""}
-    atomic_write_bytes(folder / "state.json", json.dumps(state, indent=2).encode())
-    atomic_write_bytes(folder / "dataset_info.json", json.dumps(info, indent=2).encode())
 
 
 class _NoBar:

@@ -1,6 +1,7 @@
 """``python -m dflash_prep.train``: parse options, build a :class:`TrainConfig`, call :func:`dflash_prep.train.loop.train`.
 
-Launch one process per GPU with torchrun (``make train`` does)::
+Launch one process per GPU with torchrun (``make train`` does, through
+:mod:`dflash_prep.train.launch`, so a user error reads as one line)::
 
     torchrun --nproc_per_node 8 -m dflash_prep.train --data D --plan P --manifests M --model 100m
     # multi-node: the same on every node, plus torchrun's rendezvous flags, e.g.
@@ -20,6 +21,8 @@ import typer
 
 from dflash_prep.errors import DflashError
 from dflash_prep.kernels.errors import AttentionError
+
+from .loop import PeerStopped
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -62,7 +65,16 @@ def main(
 
         s = train(cfg)
     except (DflashError, AttentionError) as e:
-        typer.secho(f"error (rank {rank}): {e}", fg=typer.colors.RED, err=True)
+        # one line per error: the rank that hit it speaks; ranks that only followed it stay quiet
+        if not isinstance(e, PeerStopped):
+            msg = " ".join(str(e).split("\n")) if len(str(e).splitlines()) <= 1 else str(e)
+            saved = getattr(e, "dflash_saved", None)
+            note = f" (progress saved in {saved}; rerun to resume)" if saved else ""
+            typer.secho(f"error (rank {rank}): {msg}{note}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+    except OSError as e:  # disk full, permission denied: the environment, not a bug
+        typer.secho(f"error (rank {rank}): {e.filename + ': ' if e.filename else ''}{e.strerror or e}",
+                    fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     if rank == 0:
         typer.echo(f"done: {s['steps']} steps (global {s['global_step']}), loss {s['loss_first']:.4f} -> "

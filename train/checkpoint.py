@@ -1,7 +1,10 @@
 """Atomic, versioned checkpoints that refuse to resume under a different plan.
 
-A checkpoint (format ``dflash-prep/train-checkpoint`` version 1, one ``torch.save`` file
-written to a temp path and renamed into place) holds:
+A checkpoint (format ``dflash-prep/train-checkpoint`` version 2, one ``torch.save`` file
+written to a temp path and renamed into place, then a 48-byte trailer: the magic
+:data:`TRAILER_MAGIC` and the SHA-256 of everything before it, so a flipped byte anywhere,
+tensor data included, or a truncation is refused on load; ``torch.load`` still reads the
+file directly, since zip readers ignore trailing bytes) holds:
 
 - ``model``, ``optimizer``: state dicts (parameters are identical on every rank: gradients
   are all-reduced before every optimizer step);
@@ -22,6 +25,7 @@ to start a new run on the new plan.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import random
 from pathlib import Path
@@ -33,8 +37,19 @@ from dflash_prep.errors import FingerprintMismatch, FormatError
 from dflash_prep.fileio import atomic_write_bytes
 
 CKPT_FORMAT = "dflash-prep/train-checkpoint"
-CKPT_VERSION = 1
+CKPT_VERSION = 2
 CKPT_FILE = "checkpoint.pt"
+TRAILER_MAGIC = b"dflash-ckpt-sha2"   # 16 bytes, then the 32-byte digest
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` ends with our trailer (the file is a checkpoint of this trainer)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(-48, 2)
+            return f.read(16) == TRAILER_MAGIC
+    except OSError:
+        return False
 
 
 class PlanChanged(FingerprintMismatch):
@@ -75,7 +90,8 @@ def save(path: str | Path, *, model, optimizer, schedule: dict, rng: list[dict],
            "extra": dict(extra or {})}
     buf = io.BytesIO()
     torch.save(obj, buf)
-    atomic_write_bytes(path, buf.getvalue())
+    payload = buf.getvalue()
+    atomic_write_bytes(path, payload + TRAILER_MAGIC + hashlib.sha256(payload).digest())
     return Path(path)
 
 
@@ -84,8 +100,15 @@ def load(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FormatError(f"{path}: checkpoint not found")
+    data = path.read_bytes()
+    if len(data) < 48 or data[-48:-32] != TRAILER_MAGIC:
+        raise FormatError(f"{path}: no dflash-prep checkpoint trailer (truncated, foreign, or written by an older "
+                          "dflash-prep); delete it or pass --from-scratch")
+    if hashlib.sha256(memoryview(data)[:-48]).digest() != data[-32:]:
+        raise FormatError(f"{path}: contents do not match the checkpoint's SHA-256 (corrupt); delete it or pass "
+                          "--from-scratch to start again")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(io.BytesIO(memoryview(data)[:-48]), map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for truncated / foreign files
         raise FormatError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e}); "
                           "delete it or pass --from-scratch") from e

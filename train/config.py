@@ -12,6 +12,8 @@ preset name, or a ``[model]`` table with an optional ``preset`` key plus field o
 
 from __future__ import annotations
 
+import math
+
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -20,6 +22,12 @@ from dflash_prep.errors import ConfigError
 
 ATTN_BACKENDS = ("auto", "reference", "triton")
 DEVICES = ("auto", "cpu", "cuda")
+
+
+def _positive_finite(name: str, v, *, zero_ok: bool = False) -> None:
+    """Every float option is a finite number in range (NaN and inf never pass a comparison check)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+        raise ConfigError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,8 @@ class ModelConfig:
                               f"({self.n_heads} * {self.head_dim})")
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim must be even for RoPE, got {self.head_dim}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            _positive_finite(f"model.{name}", getattr(self, name))
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -141,6 +151,11 @@ class TrainConfig:
     """Weights & Biases project name; empty = off. Needs ``pip install wandb``."""
 
     def __post_init__(self):
+        _positive_finite("--lr", self.lr)
+        for name in ("min_lr_ratio", "weight_decay", "grad_clip"):
+            _positive_finite(f"--{name.replace('_', '-')}", getattr(self, name), zero_ok=True)
+        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if self.epochs < 1:
             raise ConfigError(f"--epochs must be at least 1, got {self.epochs}")
         for name in ("max_steps", "warmup_steps", "ckpt_every", "prefetch"):

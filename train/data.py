@@ -87,8 +87,20 @@ def shifted_labels(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return out
 
 
-def _read(ds, sid: int, expect_len: int | None, where: str) -> tuple[np.ndarray, np.ndarray]:
+def _vocab(ds) -> int | None:
+    info = getattr(ds, "tokenizer_info", None)
+    v = info.get("vocab_size") if isinstance(info, dict) else getattr(info, "vocab_size", None)
+    return int(v) if v else None
+
+
+def _read(ds, sid: int, expect_len: int | None, where: str, vocab: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     ids, mask = ds.sample(int(sid))
+    if vocab is not None and ids.shape[0] and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+        bad = int(ids[(ids >= vocab) | (ids < 0)][0])
+        shard = ds.shard_of(int(sid)) if hasattr(ds, "shard_of") else getattr(ds, "folder", "the dataset")
+        raise FormatError(f"{shard}: sample {sid} holds token id {bad}, outside the vocabulary of {vocab} "
+                          f"({where}); the shard is corrupt or was tokenized with another tokenizer. Run "
+                          "`dflash-prep verify DATA`, then re-run `dflash-prep tokenize --overwrite`")
     if ids.shape[0] != mask.shape[0]:
         raise FormatError(f"{where}: sample {sid} has {ids.shape[0]} ids but {mask.shape[0]} mask entries; "
                           "the dataset is corrupt, re-run `dflash-prep tokenize --overwrite`")
@@ -104,7 +116,8 @@ def build_batch(ds, mb, layout: str, *, pad_id: int = 0, pin: bool = False) -> B
     where = f"epoch step {mb.step} rank {mb.rank} accum {mb.accum}"
     if sids.shape[0] == 0:
         raise FormatError(f"{where}: empty micro-batch; the manifest is corrupt, re-run `dflash-prep pack`")
-    samples = [_read(ds, s, int(mb.max_len) if layout == "padded" else None, where) for s in sids]
+    vocab = _vocab(ds)
+    samples = [_read(ds, s, int(mb.max_len) if layout == "padded" else None, where, vocab) for s in sids]
     lens = np.fromiter((a.shape[0] for a, _ in samples), np.int64, len(samples))
     real = int(lens.sum())
     if layout == "padded":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -31,8 +32,8 @@ from pathlib import Path
 import torch
 
 from dflash_prep import kernels
-from dflash_prep.errors import ConfigError, FormatError
-from dflash_prep.fileio import atomic_write_json
+from dflash_prep.errors import ConfigError, DflashError, FormatError
+from dflash_prep.fileio import atomic_write_bytes, atomic_write_json, strict_dumps
 
 from . import checkpoint as ckpt
 from . import distributed
@@ -105,30 +106,109 @@ def _set_determinism(device: torch.device) -> None:
 class RunLog:
     """Append-only JSONL on rank 0: a header record (format, version, config) then one per step.
 
-    Each line is written and flushed whole, so a crash loses at most the line in flight; a
-    resumed run appends below (records carry ``global_step``), ``--from-scratch`` starts a
-    new file.
+    Each line is written and flushed whole, so a crash loses at most the line in flight.
+    Records are strict JSON: a NaN/Infinity (the loss of a step with no targets) is written
+    as null. A resumed run first drops, by an atomic rewrite, every record past the
+    checkpoint's ``global_step`` (steps a killed run did after its last checkpoint, which the
+    resumed run does again) and any torn last line, then appends below; so each global
+    step appears once. ``--from-scratch`` starts a new file.
     """
 
-    def __init__(self, path: Path, header: dict, *, fresh: bool, enabled: bool):
+    def __init__(self, path: Path, header: dict, *, fresh: bool, enabled: bool, keep_through: int | None = None):
         self.f = None
+        self.dropped = 0
         if not enabled:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         if fresh or not path.exists():
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text(json.dumps({"format": LOG_FORMAT, "version": FORMAT_VERSION, **header}) + "\n")
-            os.replace(tmp, path)
+            atomic_write_bytes(path, (strict_dumps({"format": LOG_FORMAT, "version": FORMAT_VERSION, **header})
+                                      + "\n").encode())
+        elif keep_through is not None:
+            self.dropped = _trim_log(path, keep_through)
         self.f = open(path, "a")
 
     def write(self, rec: dict) -> None:
         if self.f:
-            self.f.write(json.dumps(rec) + "\n")
+            self.f.write(strict_dumps(_finite(rec)) + "\n")
             self.f.flush()
 
     def close(self) -> None:
         if self.f:
             self.f.close()
+
+
+def _finite(rec: dict) -> dict:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
+
+
+def _trim_log(path: Path, keep_through: int) -> int:
+    """Keep the header and the records with ``global_step <= keep_through``; returns how many were dropped."""
+    lines = path.read_bytes().split(b"\n")
+    kept, dropped = [], 0
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        try:
+            rec = json.loads(ln)
+        except ValueError:       # a line torn by a kill
+            dropped += 1
+            continue
+        if i == 0 or not isinstance(rec, dict) or int(rec.get("global_step", -1)) <= keep_through:
+            kept.append(ln)
+        else:
+            dropped += 1
+    if dropped:
+        atomic_write_bytes(path, b"\n".join(kept) + b"\n")
+    return dropped
+
+
+def check_run_folder(out: Path) -> None:
+    """Refuse a run folder holding checkpoint.pt / log.jsonl / summary.json that this trainer did not write.
+
+    ``log.jsonl`` (its first record carries our format) is the folder's ownership marker: a
+    folder with our log is ours, and a corrupt checkpoint in it is reported by the loader."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder; it was left untouched. Choose another --out")
+    lg = out / "log.jsonl"
+    ours = False
+    if lg.is_file():
+        with open(lg, "rb") as f:
+            first = f.readline()
+        try:
+            ours = json.loads(first).get("format") == LOG_FORMAT
+        except (ValueError, AttributeError):
+            ours = False
+    if not ours:
+        for name in ("log.jsonl", ckpt.CKPT_FILE, "summary.json"):
+            p = out / name
+            if p.exists() and not (name == ckpt.CKPT_FILE and ckpt.is_checkpoint(p)):
+                raise ConfigError(f"{p} exists and was not written by this trainer; it was left untouched. Choose "
+                                  "another --out")
+
+
+class PeerStopped(DflashError):
+    """Another rank stopped on a data error; this rank stops with it (after the shared checkpoint)."""
+
+
+def _fetch(pf, d: distributed.Dist):
+    """The next step's batches, with data errors agreed on by every rank (one int all-reduce).
+
+    A data error on any rank (a corrupt shard, a token id beyond the vocabulary) makes every
+    rank raise at the same step, so they can write the on-error checkpoint together."""
+    err = None
+    try:
+        sb = next(pf, None)
+    except DflashError as e:
+        sb, err = None, e
+    if d.active:
+        flag = torch.tensor([0 if err is None else 1], dtype=torch.int64, device=d.device)
+        distributed.all_reduce_sum(flag, d)
+        if int(flag.item()) and err is None:
+            err = PeerStopped("another rank stopped on a data error (see its message)")
+    if err is not None:
+        err.dflash_data_error = True
+        raise err
+    return sb
 
 
 def _wandb(cfg: TrainConfig, d: distributed.Dist):
@@ -181,7 +261,14 @@ def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = 
     """
     d = dist_ctx or distributed.setup(cfg.device)
     try:
-        return _train(cfg, source, d)
+        out = Path(cfg.out)
+        if not d.is_main:
+            return _train(cfg, source, d)
+        check_run_folder(out)
+        from dflash_prep.outputs import lock
+
+        with lock(out, inside=True):  # a second trainer on the same --out fails clearly
+            return _train(cfg, source, d)
     finally:
         if dist_ctx is None:
             distributed.teardown(d)
@@ -235,7 +322,10 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
     header = {"config": asdict(cfg), "model": asdict(mcfg), "params": model.num_parameters(),
               "run_key": run_key, "world_size": d.world_size, "device": str(d.device),
               "resumed_from": {"epoch": epoch, "step": step, "global_step": gstep} if resumed else None}
-    log = RunLog(out / "log.jsonl", header, fresh=not resumed, enabled=d.is_main)
+    log = RunLog(out / "log.jsonl", header, fresh=not resumed, enabled=d.is_main, keep_through=gstep)
+    if log.dropped:
+        print(f"log.jsonl: dropped {log.dropped} record(s) past the checkpoint (global step {gstep}); "
+              "they are trained again now", flush=True)
     wb = _wandb(cfg, d)
     autocast = _autocast_for(d.device, cfg.bf16)
     attn_ctx = (lambda: kernels.force_backend(cfg.attn)) if cfg.attn != "auto" else contextlib.nullcontext
@@ -252,6 +342,7 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
                       model_config=asdict(mcfg), extra={"config": asdict(cfg)})
         distributed.barrier(d)
 
+    consistent = True   # model and optimizer hold exactly the state after global step gstep
     try:
         while epoch < cfg.epochs and (limit is None or gstep < limit):
             m = loader.manifest(epoch)
@@ -264,9 +355,10 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
                 while limit is None or gstep < limit:
                     t0 = time.perf_counter()
                     w0 = pf.wait_s
-                    sb = next(pf, None)
+                    sb = _fetch(pf, d)
                     if sb is None:
                         break
+                    consistent = False
                     with attn_ctx():
                         st = train_step(model, opt, sb, lr=sched(gstep), grad_clip=cfg.grad_clip, d=d, autocast=autocast)
                     if d.device.type == "cuda":
@@ -274,6 +366,7 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
                     dt = time.perf_counter() - t0
                     wait = pf.wait_s - w0
                     step, gstep = sb.step + 1, gstep + 1
+                    consistent = True
                     _accumulate(totals, st, dt, wait)
                     if not st["skipped"]:
                         losses.append(st["loss"])
@@ -295,6 +388,14 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
             if step >= int(m.num_steps):
                 epoch, step = epoch + 1, 0
         save()
+    except (Exception, KeyboardInterrupt) as e:
+        # A stop on error keeps the progress: write the checkpoint when the state is that of a
+        # whole step. Across ranks only when every rank stops at the same point (data errors,
+        # agreed by _fetch); a lone rank's other error cannot run the collective save.
+        if consistent and (getattr(e, "dflash_data_error", False) or not d.active) and gstep > 0:
+            save()
+            e.dflash_saved = f"{ckpt_path} at global step {gstep}"
+        raise
     finally:
         if bar is not None:
             bar.stop()
@@ -302,7 +403,7 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
 
     summary = _summary(totals, losses, epoch, step, gstep, model, d)
     if d.is_main and totals["steps"]:  # a call with nothing left to do keeps the last run's summary
-        atomic_write_json(out / "summary.json", summary, format=SUMMARY_FORMAT, version=FORMAT_VERSION)
+        atomic_write_json(out / "summary.json", _finite(summary), format=SUMMARY_FORMAT, version=FORMAT_VERSION)
         if wb is not None:
             wb.summary.update(summary)
             wb.finish()

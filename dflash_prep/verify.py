@@ -1,0 +1,183 @@
+"""``dflash-prep verify``: full checks of a manifest epoch or a tokenized dataset.
+
+:func:`verify_epoch` recomputes an epoch from its arrays and the lengths (coverage, budget,
+layout, every summary metric). :func:`verify_dataset` re-hashes every shard against its
+``sha256`` in ``meta.json`` and checks the token ids against the vocabulary and the loss
+mask values, on top of the cheap checks of :func:`dflash_prep.dataset.open_dataset`. Both
+raise :class:`FormatError` / :class:`FingerprintMismatch` naming the file and the fix.
+:func:`verify_path` picks by what the folder holds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from . import lengths as lengths_mod
+from . import metrics
+from .dataset import META_FILE, open_dataset
+from .errors import FingerprintMismatch, FormatError
+from .fileio import fingerprint_file
+from .manifest import COL, MANIFEST_FILE, Manifest, data_path, epoch_dir, find_epochs, open  # noqa: A004
+
+
+# ----------------------------------------------------------------------------- manifests
+def _summary_metrics(m: Manifest, lens: np.ndarray, order: np.ndarray, offsets: np.ndarray, seg: np.ndarray,
+                     supervised: np.ndarray | None = None) -> dict:
+    """Every summary metric, recomputed from scratch with :mod:`dflash_prep.metrics`.
+
+    ``order``/``offsets`` are the segments in file order; ``seg`` maps them to table rows.
+    ``supervised`` (per sample id, dflash only) prices rank imbalance on the drafter cost."""
+    t = np.asarray(m.table)[seg]
+    varlen = m.layout == "varlen"
+    b = m.header["budget"]
+    if supervised is not None:                     # dflash: ranks were balanced on the drafter step cost
+        from . import pack_dflash
+
+        cost = pack_dflash.microbatch_cost(m.header, lens[order], supervised[order],
+                                           np.asarray(m.arrays["anchor_counts"]), offsets)
+    else:
+        cost = metrics.batch_cost(lens, order, offsets, float(b["cost_alpha"]), varlen=varlen)
+    eff = 1.0 if varlen else metrics.efficiency(lens, order, offsets)
+    return {"efficiency": eff, "fill": metrics.fill(lens, order, offsets, float(b["value"]), varlen=varlen,
+                                                      alpha=float(b["packing_alpha"])),
+            "microbatches": int(len(t)), "steps": int(len(t) // (m.world_size * m.grad_accum)),
+            "samples": int(len(order)), "dropped_samples": int(len(m.dropped_ids)),
+            "step_mix": metrics.step_mix(lens, order, offsets, t[:, COL["step"]]),
+            "rank_imbalance": metrics.rank_imbalance(cost, t[:, COL["step"]], t[:, COL["rank"]], m.world_size)}
+
+
+def verify_epoch(path: str | Path, *, data: str | Path | None = None, lengths: str | Path | None = None,
+                 plan_fingerprint: str | None = None) -> dict:
+    """Recompute an epoch from its arrays and the lengths; raise on any violation.
+
+    Checks, in order: everything :func:`dflash_prep.manifest.open` checks (format and
+    version, epoch fingerprint, root run, every array's SHA-256, header against arrays:
+    corrupt, truncated, edited or swapped files); the data fingerprint (the lengths are found by the path
+    the manifest records, or ``data`` / ``lengths``); exactly-once coverage of every
+    sample id apart from the listed drops; stored lengths, maxima and token counts; the
+    budget and ``max_batch_size``; the step/rank/accum layout with equal counts per rank;
+    ``cu_seqlens``; and every summary metric against :mod:`dflash_prep.metrics` (and the
+    repeat-pair rate when the previous epoch is beside this one). Returns the recomputed
+    metrics; raises :class:`FormatError` / :class:`FingerprintMismatch` listing problems.
+    """
+    path = Path(path)
+    m = open(path, plan_fingerprint=plan_fingerprint)
+    if data is None and lengths is None:
+        where = data_path(path, m.header)
+        data, lengths = (where, None) if m.header["data"].get("kind") == "dataset" else (None, where)
+    src = lengths_mod.load(data=data, lengths_file=lengths)
+    if src.fingerprint != m.data_fingerprint:
+        raise FingerprintMismatch(f"{path}: packed for data {m.data_fingerprint}, but {src.path} has fingerprint "
+                                  f"{src.fingerprint}; pass the right --data/--lengths or re-pack for this data")
+    lens = np.asarray(src.lengths, np.int64)
+    t = np.asarray(m.table)
+    ids = np.asarray(m.sample_ids)
+    # metrics run over the segments in file order: ``seg`` sorts the rows by start
+    seg = np.argsort(t[:, COL["start"]], kind="stable")
+    count = t[seg, COL["count"]]
+    offsets = np.concatenate([[0], np.cumsum(count)]).astype(np.int64)
+    problems = []
+    if (count < 1).any() or not np.array_equal(t[seg, COL["start"]], offsets[:-1]) or offsets[-1] != len(ids):
+        raise FormatError(f"{path}: micro-batch start/count columns do not tile sample_ids; re-pack the epoch")
+    if len(ids) and (ids.min() < 0 or ids.max() >= len(lens)):
+        raise FormatError(f"{path}: sample ids outside 0..{len(lens) - 1}; the manifest belongs to other data")
+    seen = np.bincount(np.concatenate([ids, m.dropped_ids]), minlength=len(lens))
+    if (seen != 1).any():
+        miss, dup = np.flatnonzero(seen == 0), np.flatnonzero(seen > 1)
+        problems.append(f"{len(miss)} samples missing (e.g. {miss[:5].tolist()}) and {len(dup)} appear more than once "
+                        f"(e.g. {dup[:5].tolist()})")
+    if not np.array_equal(np.asarray(m.sample_lens, np.int64), lens[ids]):
+        problems.append("sample_lens.npy does not match the dataset's lengths")
+    counts, real, mx = metrics.batch_stats(lens, ids, offsets)
+    varlen = m.layout == "varlen"
+    padded = real if varlen else counts * mx
+    sq = np.add.reduceat(lens[ids] ** 2, offsets[:-1]) if len(ids) else np.zeros(0, np.int64)
+    for col, want in (("max_len", mx), ("real_tokens", real), ("padded_tokens", padded), ("sum_sq_len", sq)):
+        if not np.array_equal(t[seg, COL[col]], want):
+            problems.append(f"column {col} disagrees with the lengths in {int((t[seg, COL[col]] != want).sum())} micro-batches")
+    b = m.header["budget"]
+    used = metrics.batch_cost(lens, ids, offsets, float(b["packing_alpha"]), varlen=varlen)
+    over = np.flatnonzero(used > float(b["value"]) * (1 + 1e-12))
+    if len(over):
+        problems.append(f"{len(over)} micro-batches exceed the budget {b['value']} {b['unit']} (e.g. row {over[0]}: "
+                        f"{used[over[0]]:.1f})")
+    if b.get("max_batch_size") and (count > int(b["max_batch_size"])).any():
+        problems.append(f"micro-batches exceed max_batch_size {b['max_batch_size']}")
+    s = m.world_size * m.grad_accum
+    pos = np.arange(len(t), dtype=np.int64)
+    if len(t) % s or len(t) // s != m.num_steps:
+        problems.append(f"{len(t)} micro-batches do not make {m.num_steps} whole steps of {s}")
+    elif not (np.array_equal(t[:, COL["step"]], pos // s) and np.array_equal(t[:, COL["rank"]], pos % s // m.grad_accum)
+              and np.array_equal(t[:, COL["accum"]], pos % m.grad_accum)):
+        problems.append("step/rank/accum columns break the layout (step, then rank, then accum): ranks get unequal counts")
+    if varlen and not np.array_equal(np.asarray(m.arrays["cu_seqlens"]), np.concatenate([[0], np.cumsum(lens[ids])])):
+        problems.append("cu_seqlens.npy is not the prefix sum of the sample lengths")
+    extra, sup = {}, None
+    if "dflash" in m.header and not problems:       # anchors: regenerated from the seed and the masks
+        problems, extra, sup = _verify_drafter(m, lens, ids, offsets, src)
+    if problems:
+        raise FormatError(f"{path}: verify failed: " + "; ".join(problems))
+    got = _summary_metrics(m, lens, ids, offsets, seg, supervised=sup) | extra
+    summ = m.summary
+    prev = epoch_dir(path.parent, m.epoch - 1) if m.epoch > 0 else None
+    if summ.get("repeat_pair_rate") is not None and prev is not None and (prev / MANIFEST_FILE).is_file():
+        p = open(prev, data_fingerprint=m.data_fingerprint)
+        p_seg = np.argsort(p.table[:, COL["start"]], kind="stable")
+        p_off = np.concatenate([[0], np.cumsum(p.table[p_seg, COL["count"]])]).astype(np.int64)
+        got["repeat_pair_rate"] = metrics.repeat_pair_rate(np.asarray(p.sample_ids), p_off, ids, offsets, len(lens))
+    wrong = [f"{k}: summary {summ.get(k)!r} vs recomputed {v!r}" for k, v in got.items()
+             if summ.get(k) is None or abs(float(summ[k]) - float(v)) > 1e-9]
+    if wrong:
+        raise FormatError(f"{path}: summary disagrees with the arrays: " + "; ".join(wrong) + ". Re-pack the epoch")
+    return got
+
+
+def _verify_drafter(m: Manifest, lens, ids, offsets, src):
+    """(problems, metrics, supervised) of :func:`pack_dflash.verify_epoch` against the dataset's masks."""
+    from . import pack_dflash
+    from .lengths import read_mask_counts
+
+    if src.kind != "dataset":
+        return [f"{src.path}: a dflash manifest is verified against its dataset folder (the loss masks); pass --data"], {}, None
+    mc = read_mask_counts(src.path)
+    problems, got = pack_dflash.verify_epoch(m.header, m.arrays, lens, ids, offsets,
+                                             pack_dflash.dataset_masks(open_dataset(src.path)), mc, m.epoch)
+    return problems, got, mc.supervised
+
+
+# ----------------------------------------------------------------------------- datasets
+def verify_dataset(folder: str | Path) -> dict:
+    """Re-hash every shard and check token ids and loss-mask values; returns counts."""
+    ds = open_dataset(folder)
+    vocab = int(ds.meta["tokenizer"]["vocab_size"])
+    problems = []
+    for sh in ds.meta["shards"]:
+        p = ds.folder / sh["file"]
+        if fingerprint_file(p) != sh["sha256"]:
+            problems.append(f"{p}: contents do not match the sha256 in {META_FILE} (corrupt or edited)")
+    if problems:
+        raise FormatError("; ".join(problems) + "; re-run `dflash-prep tokenize --overwrite`")
+    for first, ids, mask, off in ds.record_batches():
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            bad = int(np.flatnonzero((ids < 0) | (ids >= vocab))[0])
+            sid = first + int(np.searchsorted(off, bad, side="right")) - 1
+            raise FormatError(f"{ds.shard_of(sid)}: sample {sid} holds token id {int(ids[bad])}, outside the "
+                              f"tokenizer's vocabulary of {vocab}; re-run `dflash-prep tokenize --overwrite`")
+        if len(mask) and int(mask.max()) > 1:
+            raise FormatError(f"{ds.shard_of(first)}: loss_mask values other than 0/1; "
+                              "re-run `dflash-prep tokenize --overwrite`")
+    return {"samples": len(ds), "shards": len(ds.meta["shards"]), "tokens": int(ds.meta["tokens"]["total"]),
+            "fingerprint": ds.fingerprint}
+
+
+def is_dataset(path: str | Path) -> bool:
+    return (Path(path) / META_FILE).is_file() and not (Path(path) / MANIFEST_FILE).is_file()
+
+
+def verify_path(path: str | Path, *, data=None, lengths=None) -> list[tuple[str, dict]]:
+    """``[(name, result)]``: a dataset folder, an epoch folder, or every epoch of a root."""
+    if is_dataset(path):
+        return [(Path(path).name, verify_dataset(path))]
+    return [(d.name, verify_epoch(d, data=data, lengths=lengths)) for d in find_epochs(path)]
