@@ -24,7 +24,7 @@ from .fileio import fingerprint_array, load_npy, read_json
 from .lengths import DATASET_FORMAT, DATASET_VERSIONS, LENGTHS_FILE, META_FILE
 
 SHARD_FORMAT = "dflash-prep/shard"
-SHARD_VERSIONS = (1,)
+SHARD_VERSIONS = (1, 2)
 
 
 class Dataset:

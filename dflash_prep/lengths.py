@@ -21,7 +21,7 @@ from .errors import FormatError, InputError
 from .fileio import fingerprint_array, load_npy, read_json
 
 DATASET_FORMAT = "dflash-prep/dataset"
-DATASET_VERSIONS = (1,)
+DATASET_VERSIONS = (1, 2)
 LENGTHS_FILE = "lengths.npy"
 META_FILE = "meta.json"
 

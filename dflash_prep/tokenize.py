@@ -2,7 +2,7 @@
 
 Algorithm: load every input through ``datasets`` (:mod:`dflash_prep.records`), cut the
 records into chunks of ``chunk_rows`` within one file, and let ``num_proc`` forked workers
-validate, render (:func:`dflash_prep.encoders.render_chat`), tokenize and cut each chunk.
+validate, render (:mod:`dflash_prep.chat`), tokenize and cut each chunk (:func:`process_records`).
 Results come back in chunk order (``imap``), so the output is byte-identical for any
 ``num_proc``. The parent only appends them to shards. ``num_proc=1`` runs in-process on two
 threads so that Python work overlaps Rust encoding (:func:`_overlapped`). Measured against a
@@ -49,11 +49,12 @@ from . import records as rec
 from .errors import ConfigError, FormatError, InputError
 from .fileio import atomic_dir, atomic_save_npy, atomic_write_bytes, atomic_write_json, fingerprint_array, fingerprint_json, read_json
 from .lengths import DATASET_FORMAT, LENGTHS_FILE, META_FILE
-from .encoders import load_tokenizer, render_chat
+from .chat import MaskOptions, mark, plan_rows, read_template_arg
+from .encoders import load_tokenizer, template_sha
 
-DATASET_VERSION = 1
+DATASET_VERSION = 2
 SHARD_FORMAT = "dflash-prep/shard"
-SHARD_VERSION = 1
+SHARD_VERSION = 2
 MAX_EXAMPLES = 5
 
 
@@ -64,9 +65,13 @@ class TokenizeConfig:
     Attributes:
         inputs: paths, globs or folders (see :mod:`dflash_prep.records`).
         out: the dataset folder to write.
-        tokenizer: ``"byte"`` or a local tokenizer folder / ``tokenizer.json``.
-        format: ``auto``, ``messages``, ``sharegpt`` or ``text``.
+        tokenizer: ``"byte"`` or a local tokenizer folder / ``tokenizer.json`` (required).
+        chat_template: ``--chat-template``: a Jinja file or ``chatml``; sets or overrides the tokenizer's.
+        format: ``auto``, ``messages``, ``sharegpt``, ``alpaca``, ``prompt_completion`` or ``text``.
         text_field: the text column for ``--format text``.
+        messages_field: the message-list column for ``--format messages``.
+        role_map: ``--role-map`` ``NAME=ROLE,...`` added to the built-in role names.
+        mask: what the loss mask covers (:class:`dflash_prep.chat.MaskOptions`).
         max_len: longest sample kept, in tokens.
         on_overflow: ``truncate`` (keep the first max_len tokens) or ``drop``.
         on_error: ``fail`` at the first bad record, or ``skip`` and count it.
@@ -78,9 +83,13 @@ class TokenizeConfig:
 
     inputs: tuple[str, ...]
     out: Path
-    tokenizer: str = "byte"
+    tokenizer: str
+    chat_template: str | None = None
     format: str = "auto"
     text_field: str = "text"
+    messages_field: str = "messages"
+    role_map: str = ""
+    mask: MaskOptions = MaskOptions()
     max_len: int = 8192
     on_overflow: str = "truncate"
     on_error: str = "fail"
@@ -92,6 +101,9 @@ class TokenizeConfig:
     def __post_init__(self):
         if not self.inputs:
             raise ConfigError("give at least one input path or glob")
+        if not self.tokenizer:
+            raise ConfigError("--tokenizer is required: 'byte' (built in) or a local tokenizer folder")
+        rec.parse_role_map(self.role_map)
         if self.format not in rec.FORMATS:
             raise ConfigError(f"--format must be one of {', '.join(rec.FORMATS)}, got {self.format!r}")
         if self.max_len < 1:
@@ -106,8 +118,9 @@ class TokenizeConfig:
             raise ConfigError("--shard-mb and chunk_rows must be positive")
 
     def options(self) -> dict:
-        """The fields that change the output (fingerprinted)."""
-        return {k: getattr(self, k) for k in ("format", "text_field", "max_len", "on_overflow", "on_error")}
+        """The fields that change the output (fingerprinted; the template is in the tokenizer's fingerprint)."""
+        keys = ("format", "text_field", "messages_field", "role_map", "max_len", "on_overflow", "on_error")
+        return {**{k: getattr(self, k) for k in keys}, "mask": self.mask.to_dict()}
 
 
 # ----------------------------------------------------------------------------- workers
@@ -125,38 +138,90 @@ def _init_worker(state: dict | None) -> None:
 
 
 def _process(task: tuple[int, int, int]) -> dict:
-    """Validate, render, tokenize and cut one chunk of one source."""
+    """One chunk of one source (the work unit of both engines): :func:`process_records` on it."""
     si, start, stop = task
     src: rec.Source = _STATE["sources"][si]
-    cfg: TokenizeConfig = _STATE["cfg"]
-    tok = _STATE["tok"]
-    chat = src.schema != "text"
-    stats = {"truncated": 0, "dropped": 0, "skipped": 0, "no_loss": 0, "cut_tokens": 0, "dropped_tokens": 0}
-    examples: list[str] = []
-    segs, rows = [], []
+    def where(k: int, reason: str) -> rec.RecordError:
+        row = start + k
+        return rec.RecordError(src.path, row, reason, src.lines[row] if src.lines is not None else None)
 
-    def bad(row: int, reason: str) -> None:
+    try:
+        out = process_records(_STATE["tok"], _STATE["cfg"], src.get(start, stop), schema=src.schema,
+                              fields=src.fields, first_record=src.first_record + start)
+    except _BadRecord as e:
+        raise where(e.index, e.reason) from None
+    out["examples"] = [str(where(k, reason)) for k, reason in out["examples"]]
+    return out
+
+
+class _BadRecord(Exception):
+    def __init__(self, index: int, reason: str):
+        super().__init__(index, reason)
+        self.index, self.reason = index, reason
+
+
+def process_records(tok, cfg: TokenizeConfig, records: list[dict], *, schema: str, fields: tuple[str, ...],
+                    first_record: int) -> dict:
+    """Pure: validate, render, tokenize and cut a list of records (no files touched).
+
+    Returns ``ids`` (sum L,) int32, ``mask`` (sum L,) uint8, ``lengths`` (n,) int32,
+    ``records`` (n,) int64 global record index of each row, ``source_ids`` (n,) the
+    record's own ``id`` or None, ``stats`` and ``examples`` (``(index, reason)`` of the
+    first bad records skipped under ``--on-error skip``). A bad record raises :class:`_BadRecord` (its index in
+    ``records``) under ``--on-error fail``. An expanded conversation yields several rows
+    with the same ``records`` entry.
+    """
+    chat = schema != "text"
+    role_map = rec.parse_role_map(cfg.role_map)
+    stats = {"truncated": 0, "dropped": 0, "skipped": 0, "no_loss": 0, "cut_tokens": 0, "dropped_tokens": 0,
+             "expanded": 0, "expanded_rows": 0, "escaped": 0}
+    examples: list[tuple[int, str]] = []
+    skipped: set[int] = set()
+
+    def bad(k: int, reason: str) -> None:
         if cfg.on_error == "fail":
-            raise rec.RecordError(src.path, row, reason, src.lines[row] if src.lines is not None else None)
-        stats["skipped"] += 1
-        if len(examples) < MAX_EXAMPLES:
-            examples.append(str(rec.RecordError(src.path, row, reason, src.lines[row] if src.lines is not None else None)))
+            raise _BadRecord(k, reason)
+        if k not in skipped:  # an expanded record counts once
+            skipped.add(k)
+            stats["skipped"] += 1
+            if len(examples) < MAX_EXAMPLES:
+                examples.append((k, reason))
 
-    for off, value in enumerate(src.get(start, stop)):
-        row = start + off
+    owner, rows, texts = [], [], []
+    for k, r in enumerate(records):
         try:
             if chat:
-                segs.append(render_chat(tok, rec.to_messages(value, src.schema)))
+                msgs, marked = mark(rec.to_messages(r, schema, fields, role_map), tok.control)
+                got, expanded = plan_rows(msgs, tok.render, cfg.mask, has_generation=tok.has_generation,
+                                          control=tok.control, marked=marked)
+                stats["escaped"] += marked
+                stats["expanded"] += expanded
+                stats["expanded_rows"] += len(got) if expanded else 0
+                rows += got
+                owner += [k] * len(got)
             else:
-                segs.append([(rec.to_text(value, src.field), True)])
-            rows.append(row)
+                texts.append(rec.to_text(r.get(fields[0]), fields[0]))
+                owner.append(k)
         except (ValueError, InputError) as e:
-            bad(row, str(e))
-    ids_l, mask_l, lens, records = [], [], [], []
-    for row, (ids, mask) in zip(rows, tok.encode_segments_batch(segs, chat=chat) if segs else []):
+            bad(k, str(e))
+    try:
+        encoded = (tok.encode_rows(rows) if chat else tok.encode_plain(texts)) if owner else []
+    except ValueError:  # some record's content cannot be kept as text: find it, row by row
+        encoded = []
+        for k, row in zip(owner, rows):
+            try:
+                encoded.append(tok.encode_rows([row])[0])
+            except ValueError as e:
+                bad(k, str(e))
+                encoded.append(None)
+    ids_l, mask_l, lens, rec_l, sid_l = [], [], [], [], []
+    for k, enc in zip(owner, encoded):
+        if enc is None or k in skipped:
+            continue
+        ids, mask = enc
         n = ids.shape[0]
         if n == 0:
-            bad(row, "the record produced no tokens")
+            bad(k, "the record produced no tokens")
             continue
         if n > cfg.max_len:
             if cfg.on_overflow == "drop":
@@ -171,13 +236,15 @@ def _process(task: tuple[int, int, int]) -> dict:
         ids_l.append(ids)
         mask_l.append(mask)
         lens.append(ids.shape[0])
-        records.append(src.first_record + row)
+        rec_l.append(first_record + k)
+        sid_l.append(rec.record_id(records[k]))
     return {
         "ids": np.concatenate(ids_l) if ids_l else np.zeros(0, np.int32),   # (sum L,) int32
         "mask": np.concatenate(mask_l) if mask_l else np.zeros(0, np.uint8),  # (sum L,) uint8
         "lengths": np.asarray(lens, np.int32),                              # (n,)
-        "records": np.asarray(records, np.int64),                           # (n,)
-        "rows": stop - start, "stats": stats, "examples": examples,
+        "records": np.asarray(rec_l, np.int64),                             # (n,)
+        "source_ids": sid_l,                                                # (n,) str | None
+        "rows": len(records), "stats": stats, "examples": examples,
     }
 
 
@@ -189,7 +256,7 @@ def _features_dict() -> dict:
         "id": datasets.Value("int64"), "record": datasets.Value("int64"),
         "input_ids": datasets.Sequence(datasets.Value("int32")),
         "loss_mask": datasets.Sequence(datasets.Value("uint8")),
-        "length": datasets.Value("int32"),
+        "length": datasets.Value("int32"), "source_id": datasets.Value("string"),
     }).to_dict()
 
 
@@ -211,7 +278,7 @@ class _ShardWriter:
         meta = {"format": SHARD_FORMAT, "version": SHARD_VERSION, "first_id": self.next_id, "inputs": self.key}
         schema = pa.schema(
             [("id", pa.int64()), ("record", pa.int64()), ("input_ids", pa.list_(pa.int32())),
-             ("loss_mask", pa.list_(pa.uint8())), ("length", pa.int32())],
+             ("loss_mask", pa.list_(pa.uint8())), ("length", pa.int32()), ("source_id", pa.string())],
             metadata={"dflash-prep": json.dumps(meta), "huggingface": json.dumps({"info": {"features": self.features}})},
         )
         self.sink = pa.OSFile(str(self.folder / name), "wb")
@@ -225,10 +292,13 @@ class _ShardWriter:
             self.sink.close()
             self.writer = None
 
-    def add(self, ids: np.ndarray, mask: np.ndarray, lengths: np.ndarray, records: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, mask: np.ndarray, lengths: np.ndarray, records: np.ndarray,
+            source_ids: list | None = None) -> None:
         pa = self.pa
         offsets = np.zeros(len(lengths) + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
+        if source_ids is None:
+            source_ids = [None] * len(lengths)
         row_bytes = 5 * lengths.astype(np.int64) + 28  # ids + mask + id + record + length + 2 offsets
         lo = 0
         while lo < len(lengths):
@@ -251,6 +321,7 @@ class _ShardWriter:
                 pa.ListArray.from_arrays(pa.array(rel), pa.array(ids[a:b])),
                 pa.ListArray.from_arrays(pa.array(rel), pa.array(mask[a:b])),
                 pa.array(lengths[lo:hi]),
+                pa.array(source_ids[lo:hi], pa.string()),
             ], schema=self.schema)
             self.writer.write_batch(batch)
             cur["rows"] += fit
@@ -268,7 +339,8 @@ class _ShardWriter:
 def tokenize(cfg: TokenizeConfig, *, progress: bool = False) -> dict:
     """Run the stage; returns ``meta.json``'s content plus ``up_to_date`` and ``path``."""
     files = rec.expand(list(cfg.inputs))
-    tok = load_tokenizer(cfg.tokenizer)
+    template = read_template_arg(cfg.chat_template) if cfg.chat_template is not None else None
+    tok = load_tokenizer(cfg.tokenizer, chat_template=template)
     source_fp = rec.fingerprint(files)
     key = fingerprint_json({"source": source_fp, "tokenizer": tok.info.fingerprint, "options": cfg.options(),
                             "version": DATASET_VERSION})
@@ -283,8 +355,14 @@ def tokenize(cfg: TokenizeConfig, *, progress: bool = False) -> dict:
                 return {**old, "up_to_date": True, "path": str(out)}
             what = "was built from other inputs, tokenizer or options" if old else "is not a dflash-prep dataset"
             raise ConfigError(f"{out} exists and {what}; pass --overwrite to replace it or choose another --out")
-    sources, cleanup = rec.open_all(files, fmt=cfg.format, text_field=cfg.text_field, on_error=cfg.on_error)
+    sources, cleanup = rec.open_all(files, fmt=cfg.format, text_field=cfg.text_field, on_error=cfg.on_error,
+                                    messages_field=cfg.messages_field)
     try:
+        chat_src = next((s for s in sources if s.schema != "text"), None)
+        if chat_src is not None and tok.chat_template is None:
+            raise ConfigError(f"{chat_src.path}: chat records, but the tokenizer {cfg.tokenizer} has no chat template "
+                              "(tokenizer_config.json chat_template or chat_template.jinja); pass "
+                              "--chat-template FILE|chatml to set one")
         with atomic_dir(out, overwrite=cfg.overwrite) as tmp:
             meta = _run(cfg, tok, sources, tmp, key, progress)
             meta["source"] = {"fingerprint": source_fp, "files": [{"path": p, "kind": k} for p, k in files],
@@ -325,7 +403,7 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
     total_rows = sum(len(s) for s in sources)
     writer = _ShardWriter(tmp, int(cfg.shard_mb * 2**20), key)
     stats = {"truncated": 0, "dropped": 0, "skipped": sum(s.bad_lines for s in sources), "no_loss": 0,
-             "cut_tokens": 0, "dropped_tokens": 0}
+             "cut_tokens": 0, "dropped_tokens": 0, "expanded": 0, "expanded_rows": 0, "escaped": 0}
     examples: list[str] = [e for s in sources for e in s.bad_examples][:MAX_EXAMPLES]
     lengths, loss_tokens = [], 0
     _STATE.clear()
@@ -341,7 +419,7 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
         else:
             results = _overlapped(_process, _tasks(sources, cfg.chunk_rows))
         for r in results:
-            writer.add(r["ids"], r["mask"], r["lengths"], r["records"])
+            writer.add(r["ids"], r["mask"], r["lengths"], r["records"], r["source_ids"])
             lengths.append(r["lengths"])
             loss_tokens += int(r["mask"].sum(dtype=np.int64))
             for k, v in r["stats"].items():
@@ -370,11 +448,17 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
         "fingerprint": fingerprint_json({"inputs": key, "lengths": lengths_fp}),
         "inputs_fingerprint": key,
         "created_by": f"dflash-prep {__version__}",
-        "tokenizer": {**tok.info.to_dict(), "chat_template": "own" if tok.chat_template else "built-in ChatML"},
+        "tokenizer": {**tok.info.to_dict(), "files": tok.files,
+                      "chat_template": {"sha256": template_sha(tok.chat_template),
+                                        "source": "--chat-template" if cfg.chat_template else
+                                        ("built-in ChatML" if cfg.tokenizer == "byte" else "tokenizer"),
+                                        "generation_blocks": bool(tok.has_generation)}},
         "options": cfg.options(),
+        "mask": cfg.mask.to_dict(),
         "counts": {"samples": n, "records": total_rows + sum(s.bad_lines for s in sources),
                    "truncated": stats["truncated"], "dropped": stats["dropped"], "skipped": stats["skipped"],
-                   "no_loss": stats["no_loss"]},
+                   "no_loss": stats["no_loss"], "expanded_conversations": stats["expanded"],
+                   "rows_from_expansion": stats["expanded_rows"], "escaped_control_tokens": stats["escaped"]},
         "tokens": {"total": total, "loss": loss_tokens, "cut_by_truncation": stats["cut_tokens"],
                    "in_dropped": stats["dropped_tokens"], "max_len": int(lengths_arr.max())},
         "skipped_examples": examples,
@@ -433,6 +517,9 @@ def summary_rows(meta: dict) -> list[tuple[str, str]]:
         ("dropped", f"{c['dropped']:,} samples, {t['in_dropped']:,} tokens"),
         ("skipped", f"{c['skipped']:,} bad records"),
         ("no loss tokens", f"{c['no_loss']:,} samples"),
+        ("expanded", f"{c['expanded_conversations']:,} conversations into {c['rows_from_expansion']:,} rows "
+                     "(template rewrites earlier turns)"),
+        ("escaped", f"{c['escaped_control_tokens']:,} records whose content spells a control token (kept as text)"),
         ("shards", f"{len(meta['shards'])}"),
         ("tokenizer", f"{meta['tokenizer']['name']} (vocab {meta['tokenizer']['vocab_size']:,})"),
         ("fingerprint", meta["fingerprint"]),

@@ -14,7 +14,7 @@ from dflash_prep.dataset import open_dataset
 from dflash_prep.errors import ConfigError, InputError
 from dflash_prep.lengths import read_dataset_lengths
 from dflash_prep.tokenize import TokenizeConfig, tokenize
-from dflash_prep.encoders import ByteTokenizer, load_tokenizer, render_chat
+from dflash_prep.encoders import ByteTokenizer, encode_chats, load_tokenizer
 
 from .assets.fixtures import CHATS, train_bpe, write_jsonl
 
@@ -25,12 +25,12 @@ TEXTS = ["plain text one.", "Second text, a bit longer: café.", "x"]
 
 
 def run(tmp_path: Path, inputs, name="out", **kw) -> dict:
+    kw.setdefault("tokenizer", "byte")
     return tokenize(TokenizeConfig(inputs=tuple(str(i) for i in inputs), out=tmp_path / name, **kw))
 
 
 def byte_chat(messages):
-    tok = ByteTokenizer()
-    return tok.encode_segments_batch([render_chat(tok, messages)], chat=True)[0]
+    return encode_chats(ByteTokenizer(), [messages])[0]
 
 
 def samples(folder):
@@ -107,7 +107,7 @@ def test_hf_tokenizer_through_the_stage(tmp_path):
     tok = load_tokenizer(str(bpe))
     assert meta["tokenizer"]["fingerprint"] == tok.info.fingerprint and meta["tokenizer"]["eos_id"] == tok.info.eos_id
     for c, (ids, mask) in zip(CHATS, samples(tmp_path / "out")):
-        assert tok.tok.decode(ids[mask == 1].tolist(), skip_special_tokens=False) == \
+        assert tok.hf.decode(ids[mask == 1].tolist(), skip_special_tokens=False) == \
             "".join(m["content"] + "<|im_end|>" for m in c if m["role"] == "assistant")
 
 
@@ -201,9 +201,15 @@ def test_failure_midway_leaves_no_output(tmp_path):
 def test_bad_options():
     for kw, pat in (({"max_len": 0}, "--max-len"), ({"on_overflow": "cut"}, "--on-overflow"),
                     ({"on_error": "ignore"}, "--on-error"), ({"num_proc": 0}, "--num-proc"),
-                    ({"format": "alpaca"}, "--format")):
+                    ({"format": "csv"}, "--format"), ({"tokenizer": ""}, "--tokenizer is required"),
+                    ({"role_map": "human"}, "--role-map"),
+                    ({"mask": None}, "--train-on-eos")):
         with pytest.raises(ConfigError, match=pat):
-            TokenizeConfig(inputs=("x",), out=Path("y"), **kw)
+            if kw.get("mask", 0) is None:
+                from dflash_prep.chat import MaskOptions
+
+                MaskOptions(train_on_eos="always")
+            TokenizeConfig(inputs=("x",), out=Path("y"), **{"tokenizer": "byte", **kw})
 
 
 def test_missing_input(tmp_path):
@@ -236,11 +242,16 @@ def test_cli_synth_tokenize_up_to_date_and_clean_errors(tmp_path):
     r = CliRunner()
     res = r.invoke(app, ["synth", "--out", str(tmp_path / "c"), "--n", "30", "--seed", "2"])
     assert res.exit_code == 0, res.output
-    args = ["tokenize", str(tmp_path / "c"), "--out", str(tmp_path / "d"), "--max-len", "1000"]
+    args = ["tokenize", str(tmp_path / "c"), "--tokenizer", "byte", "--out", str(tmp_path / "d"), "--max-len", "1000"]
     res = r.invoke(app, args)
     assert res.exit_code == 0 and "truncated" in res.output, res.output
     assert "up to date" in r.invoke(app, args).output
+    # `make demo && make demo`: the corpus is rebuilt (new mtimes, same bytes), so still up to date
+    assert r.invoke(app, ["synth", "--out", str(tmp_path / "c"), "--n", "30", "--seed", "2", "--overwrite"]).exit_code == 0
+    assert "up to date" in r.invoke(app, args).output
+    res = r.invoke(app, args[:3] + args[5:])  # no --tokenizer: required, never a silent default
+    assert res.exit_code != 0 and "--tokenizer" in res.output
     bad = write_jsonl(tmp_path / "bad.jsonl", [GOOD, "{nope"])
-    res = r.invoke(app, ["tokenize", str(bad), "--out", str(tmp_path / "e")])
+    res = r.invoke(app, ["tokenize", str(bad), "--tokenizer", "byte", "--out", str(tmp_path / "e")])
     assert res.exit_code == 1 and "bad.jsonl:2: malformed JSON" in res.output and "Traceback" not in res.output
     assert not (tmp_path / "e").exists()
