@@ -11,7 +11,8 @@ them). :func:`plan_rows` turns one conversation into the rows to tokenize, each 
 Where a turn's characters come from, never by searching for content:
 
 - ``P_i = render(messages[:i], add_generation_prompt=True)`` (what the model sees before
-  it writes turn ``i``) and ``F_i = render(messages[:i + 1])``. Turn ``i`` occupies
+  it writes turn ``i``; for a role other than assistant, ``messages[:i]`` plus an empty
+  message of that role) and ``F_i = render(messages[:i + 1])``. Turn ``i`` occupies
   ``[lcp(P_i, F_i), len(F_i))`` of ``F_i`` (``lcp``: longest common prefix), and of the
   full rendering ``R`` when ``R`` starts with ``F_i`` (the turn is *stable*).
 - With ``{% generation %}`` blocks and ``--roles-to-train assistant``, a turn's trained
@@ -176,6 +177,19 @@ def _strip_tail(text: str, start: int, end: int, control: re.Pattern | None) -> 
     return end
 
 
+def _prompt(messages: list[dict], i: int, render: Renderer) -> str:
+    """What precedes turn ``i``'s own text: the generation prompt for an assistant turn; for
+    another role the rendering with an empty message of that role appended (its common
+    prefix with ``F_i`` ends where the content starts), else the rendering of ``messages[:i]``."""
+    role = messages[i]["role"]
+    if role == "assistant":
+        return render(messages[:i], True)[0] if i else ""
+    try:
+        return render(messages[:i] + [{"role": role, "content": ""}], False)[0]
+    except ValueError:  # the template refuses an empty message
+        return render(messages[:i], False)[0] if i else ""
+
+
 def messages_roles(messages: list[dict], opts: MaskOptions) -> list[int]:
     """Indices of the messages whose role is trained (before ``--train-turns``)."""
     return [i for i, m in enumerate(messages) if m["role"] in opts.roles]
@@ -190,20 +204,30 @@ class _Turn:
 
 
 def plan_rows(messages: list[dict], render: Renderer, opts: MaskOptions, *, has_generation: bool,
-              control: re.Pattern | None, marked: bool = False) -> tuple[list[Row], bool]:
-    """Rows for one validated conversation and whether it was expanded (see the module doc)."""
+              control: re.Pattern | None, marked: bool = False, stable_template: bool = False) -> tuple[list[Row], bool]:
+    """Rows for one validated conversation and whether it was expanded (see the module doc).
+
+    ``stable_template``: the renderer is known never to rewrite earlier turns (the built-in
+    ChatML), so the prefix renders that check it are skipped. Render count otherwise: one
+    ``F_i`` per trained turn to check stability, plus one ``P_i`` per turn only when spans
+    must be cut per turn (non-default options, no generation blocks, or expansion).
+    """
     full, gen_all = render(messages, False)
-    trained = messages_roles(messages, opts)
-    if not trained:
+    all_trained = messages_roles(messages, opts)
+    if not all_trained:
         raise ValueError(f"no message has a role in --roles-to-train ({', '.join(opts.roles)}), so nothing to train on")
-    if opts.train_turns == "last":
-        trained = trained[-1:]
-    turns = []
-    for i in trained:
-        f_i = full if i == len(messages) - 1 else render(messages[: i + 1], False)[0]
-        p_i = render(messages[:i], True)[0] if i else ""
-        turns.append(_Turn(i, (_lcp(p_i, f_i), len(f_i)), f_i, full.startswith(f_i)))
+    trained = all_trained[-1:] if opts.train_turns == "last" else all_trained
     use_blocks = has_generation and opts.roles == ("assistant",)
+    default = use_blocks and opts.train_on_eos == "turn" and opts.train_turns == "all"
+    if default and stable_template:
+        return [Row(full, tuple(gen_all), marked)], False
+    rendered = [(full, gen_all) if i == len(messages) - 1 else render(messages[: i + 1], False) for i in trained]
+    fulls = [f for f, _ in rendered]
+    stable = [full.startswith(f) for f in fulls]
+    if default and all(stable):
+        return [Row(full, tuple(gen_all), marked)], False
+    turns = [_Turn(i, (_lcp(_prompt(messages, i, render), f), len(f)), f, st)
+             for i, f, st in zip(trained, fulls, stable)]
 
     def spans_of(turn: _Turn, text: str, blocks: list, last: bool) -> list[tuple[int, int]]:
         lo, hi = turn.region
@@ -216,26 +240,22 @@ def plan_rows(messages: list[dict], render: Renderer, opts: MaskOptions, *, has_
             out[-1] = (a, _eos_start(text, a, b, control))
         return [(a, b) for a, b in out if b > a]
 
-    if all(t.stable for t in turns):
+    keep = None
+    if all(stable):
         keep = turns
     elif opts.expand_turns == "never":
         if not turns[-1].stable:
             raise ValueError("the chat template renders the last trained turn differently inside the whole "
                              "conversation; use --expand-turns auto")
         keep = turns[-1:]  # never: one row, trained on its last turn
-    else:
-        keep = None
     if keep is not None:
-        default = use_blocks and opts.train_on_eos == "turn" and len(keep) == len(messages_roles(messages, opts))
-        spans: list[tuple[int, int]] = list(gen_all) if default else []
-        if not default:
-            for k, t in enumerate(keep):
-                spans += spans_of(t, full, gen_all, k == len(keep) - 1)
+        spans: list[tuple[int, int]] = []
+        for k, t in enumerate(keep):
+            spans += spans_of(t, full, gen_all, k == len(keep) - 1)
         return [Row(full, tuple(sorted(spans)), marked)], False
     rows = []
-    for t in turns:
-        blocks = render(messages[: t.index + 1], False)[1] if use_blocks else []
-        rows.append(Row(t.full, tuple(spans_of(t, t.full, blocks, True)), marked))
+    for t, (_, blocks) in zip(turns, rendered):
+        rows.append(Row(t.full, tuple(spans_of(t, t.full, list(blocks) if use_blocks else [], True)), marked))
     return rows, True
 
 

@@ -114,6 +114,7 @@ class ByteTokenizer:
 
     SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
     has_generation = True
+    stable_template = True  # chatml_render never rewrites earlier turns
 
     def __init__(self):
         self._special_ids = {s: 256 + i for i, s in enumerate(self.SPECIALS)}
@@ -121,6 +122,7 @@ class ByteTokenizer:
         self.control = control_pattern(self.SPECIALS)
         alt = "|".join(re.escape(s) for s in self.SPECIALS)
         self._split = re.compile(f"{MARK_START}({alt}){MARK_END}|[{MARK_START}{MARK_END}]|({alt})")
+        self._specials_b = re.compile(alt.encode())
         self.files: dict[str, str] = {}
         self.info = TokenizerInfo(
             name=BYTE_NAME, vocab_size=256 + len(self.SPECIALS), pad_id=256, eos_id=256, bos_id=None,
@@ -164,11 +166,35 @@ class ByteTokenizer:
             return np.zeros(0, np.int32), z, z
         return np.concatenate(ids), np.concatenate(st), np.concatenate(en)
 
+    def _encode_fast(self, text: str, spans) -> tuple[np.ndarray, np.ndarray]:
+        """No markers: every special string is the template's. Works in byte offsets: the
+        bytes are the ids, each special's bytes collapse into its id; spans are moved to
+        byte offsets through a vectorized UTF-8 length table when the text is not ASCII."""
+        raw = text.encode("utf-8")
+        ids = np.frombuffer(raw, np.uint8).astype(np.int32)   # (B,) one id per byte
+        st = np.arange(ids.shape[0], dtype=np.int64)          # (B,) byte start of each token
+        en = st + 1
+        keep = np.ones(ids.shape[0], bool)
+        for m in self._specials_b.finditer(raw):
+            a, b = m.span()
+            ids[a] = self._special_ids[m.group().decode()]
+            keep[a + 1:b] = False
+            en[a] = b
+        if spans and len(raw) != len(text):
+            cp = np.frombuffer(text.encode("utf-32-le"), np.uint32)  # (C,) code points
+            blen = 1 + (cp >= 0x80) + (cp >= 0x800) + (cp >= 0x10000)
+            cum = np.concatenate([[0], np.cumsum(blen)])             # (C + 1,) char -> byte offset
+            spans = [(int(cum[a]), int(cum[b])) for a, b in spans]
+        return ids[keep], overlap_mask(st[keep], en[keep], spans)
+
     def encode_rows(self, rows: list[Row]) -> list[tuple[np.ndarray, np.ndarray]]:
         out = []
         for r in rows:
-            ids, st, en = self._encode(r.text)
-            out.append((ids, overlap_mask(st, en, r.spans)))
+            if r.marked:
+                ids, st, en = self._encode(r.text)
+                out.append((ids, overlap_mask(st, en, r.spans)))
+            else:
+                out.append(self._encode_fast(r.text, r.spans))
         return out
 
     def encode_plain(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -211,6 +237,8 @@ def _bytes_to_unicode() -> dict[int, str]:
 # ----------------------------------------------------------------------------- Hugging Face
 class HFTokenizer:
     """A transformers fast tokenizer loaded from local files, plus the chat template in effect."""
+
+    stable_template = False  # any Jinja template may rewrite earlier turns: checked per conversation
 
     def __init__(self, path: Path, hf, chat_template: str | None, files: dict[str, str]):
         self.path, self.hf, self.files = path, hf, files
@@ -388,5 +416,6 @@ def encode_chats(tok, conversations: list[list[dict]], opts=None) -> list[tuple[
     rows = []
     for msgs in conversations:
         m, marked = mark(msgs, tok.control)
-        rows += plan_rows(m, tok.render, opts, has_generation=tok.has_generation, control=tok.control, marked=marked)[0]
+        rows += plan_rows(m, tok.render, opts, has_generation=tok.has_generation, control=tok.control, marked=marked,
+                          stable_template=getattr(tok, "stable_template", False))[0]
     return tok.encode_rows(rows)

@@ -193,7 +193,7 @@ def process_records(tok, cfg: TokenizeConfig, records: list[dict], *, schema: st
             if chat:
                 msgs, marked = mark(rec.to_messages(r, schema, fields, role_map), tok.control)
                 got, expanded = plan_rows(msgs, tok.render, cfg.mask, has_generation=tok.has_generation,
-                                          control=tok.control, marked=marked)
+                                          control=tok.control, marked=marked, stable_template=tok.stable_template)
                 stats["escaped"] += marked
                 stats["expanded"] += expanded
                 stats["expanded_rows"] += len(got) if expanded else 0
