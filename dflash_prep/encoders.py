@@ -104,6 +104,30 @@ def overlap_mask(starts: np.ndarray, ends: np.ndarray, spans) -> np.ndarray:
     return (ok & (ends > sp[np.minimum(idx, sp.shape[0] - 1), 0])).astype(np.uint8)
 
 
+def _token_range(enc, a: int, b: int, n_chars: int, n: int) -> tuple[int, int]:
+    """Tokens ``[lo, hi)`` whose offsets overlap characters ``[a, b)``: :func:`overlap_mask`'s
+    rule for a batch encoding's ordered offsets, from a few ``char_to_token`` lookups per
+    span instead of converting every token's offsets (which costs ~15% of the encode).
+
+    ``lo`` is the first token holding a character of the span (a character split over
+    several byte-level tokens maps to its first); ``hi`` is the first token holding a
+    character at or after ``b``, plus one when that token starts before ``b`` (it
+    straddles the border and overlaps the span), or ``n`` when there is none.
+    """
+    lo = None
+    for c in range(a, b):
+        lo = enc.char_to_token(c)
+        if lo is not None:
+            break
+    if lo is None:
+        return 0, 0
+    for c in range(b, n_chars):
+        t = enc.char_to_token(c)
+        if t is not None:
+            return lo, t + 1 if enc.token_to_chars(t)[0] < b else t
+    return lo, n
+
+
 def template_sha(template: str | None) -> str | None:
     return hashlib.sha256(template.encode()).hexdigest() if template is not None else None
 
@@ -279,11 +303,12 @@ class HFTokenizer:
         encs = self.backend.encode_batch([rows[k].text for k in fast], add_special_tokens=False) if fast else []
         for k, enc in zip(fast, encs):
             ids = np.asarray(enc.ids, np.int32)
-            if rows[k].spans:
-                off = np.asarray(enc.offsets, np.int64).reshape(-1, 2)  # (n, 2) char offsets
-                out[k] = (ids, overlap_mask(off[:, 0], off[:, 1], rows[k].spans))
-            else:
-                out[k] = (ids, np.zeros(ids.shape[0], np.uint8))
+            mask = np.zeros(ids.shape[0], np.uint8)
+            n_chars = len(rows[k].text)
+            for a, b in rows[k].spans:
+                lo, hi = _token_range(enc, a, b, n_chars, ids.shape[0])
+                mask[lo:hi] = 1
+            out[k] = (ids, mask)
         for k, r in enumerate(rows):
             if r.marked:
                 ids, st, en = self._encode_marked(r.text)
