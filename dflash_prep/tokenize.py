@@ -2,7 +2,8 @@
 
 Algorithm: load every input through ``datasets`` (:mod:`dflash_prep.records`), cut the
 records into chunks of ``chunk_rows`` within one file, and let ``num_proc`` forked workers
-validate, render (:mod:`dflash_prep.chat`), tokenize and cut each chunk (:func:`process_records`).
+validate, render (:mod:`dflash_prep.chat`), tokenize and cut each chunk
+(:func:`dflash_prep.chunk.process_records`, pure, the work unit of any engine).
 Results come back in chunk order (``imap``), so the output is byte-identical for any
 ``num_proc``. The parent only appends them to shards. ``num_proc=1`` runs in-process on two
 threads so that Python work overlaps Rust encoding (:func:`_overlapped`). Measured against a
@@ -12,25 +13,31 @@ stage at ``--num-proc`` = core count matches or beats the bare call.
 
 Semantics:
 
-- sample id = position in ``lengths.npy`` = rank among the *kept* records in input order;
+- sample id = position in ``lengths.npy`` = rank among the *kept* rows in input order;
   ``record`` is the record's global input index (skipped and dropped records leave gaps
-  there, never in ids);
+  there, never in ids; the rows of an expanded conversation share it);
+- the ids and loss mask of a chat record: :mod:`dflash_prep.chat` and
+  :mod:`dflash_prep.encoders` (transformers' own rendering, ids and assistant mask);
 - ``--max-len`` / ``--on-overflow``: a longer sample keeps its first ``max_len`` tokens
   (``truncate``) or is left out (``drop``); both are counted, with the tokens they lose;
 - ``--on-error fail`` stops at the first bad record, naming file and line/row; ``skip``
   skips and counts it (with the first few messages kept in ``meta.json``);
 - the output folder is built in a temp folder beside it and renamed only on success, so a
   failure leaves nothing; an existing folder built from the same inputs, tokenizer and
-  options is reported up to date; ``--overwrite`` rebuilds it.
+  options is reported up to date (inputs by content, see :func:`dflash_prep.records.fingerprint`);
+  ``--overwrite`` rebuilds it.
 
-Folder layout (format ``dflash-prep/dataset`` v1)::
+Folder layout (format ``dflash-prep/dataset`` v2)::
 
-    meta.json         format, version, fingerprint, tokenizer, source, options, counts,
-                      tokens, lengths fingerprint, shards [{file, first_id, rows, tokens, bytes}]
+    meta.json         format, version, fingerprint, tokenizer (fingerprint, file hashes,
+                      chat template hash), mask options, source, options, counts (incl.
+                      expanded conversations), tokens, lengths fingerprint,
+                      shards [{file, first_id, rows, tokens, bytes}]
     lengths.npy       int32, one per sample id (analyze/pack read only this and meta.json)
     shard-00000.arrow Arrow IPC stream: id int64, record int64, input_ids list<int32>,
-                      loss_mask list<uint8>, length int32; schema metadata carries
-                      {"format": "dflash-prep/shard", "version": 1, "first_id": ...}
+                      loss_mask list<uint8>, length int32, source_id string (the record's
+                      own id or null); schema metadata carries
+                      {"format": "dflash-prep/shard", "version": 2, "first_id": ...}
     state.json, dataset_info.json   what ``datasets.load_from_disk`` reads
 """
 
@@ -49,13 +56,13 @@ from . import records as rec
 from .errors import ConfigError, FormatError, InputError
 from .fileio import atomic_dir, atomic_save_npy, atomic_write_bytes, atomic_write_json, fingerprint_array, fingerprint_json, read_json
 from .lengths import DATASET_FORMAT, LENGTHS_FILE, META_FILE
-from .chat import MaskOptions, mark, plan_rows, read_template_arg
+from .chat import MaskOptions, read_template_arg
+from .chunk import MAX_EXAMPLES, BadRecord, process_records
 from .encoders import load_tokenizer, template_sha
 
 DATASET_VERSION = 2
 SHARD_FORMAT = "dflash-prep/shard"
 SHARD_VERSION = 2
-MAX_EXAMPLES = 5
 
 
 @dataclass(frozen=True)
@@ -134,11 +141,13 @@ def _init_worker(state: dict | None) -> None:
     # known deadlock when the parent has used it (e.g. TOKENIZERS_PARALLELISM=true).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if "tok" not in _STATE:
-        _STATE["tok"] = load_tokenizer(_STATE["tokenizer"])
+        cfg: TokenizeConfig = _STATE["cfg"]
+        template = read_template_arg(cfg.chat_template) if cfg.chat_template is not None else None
+        _STATE["tok"] = load_tokenizer(cfg.tokenizer, chat_template=template)
 
 
 def _process(task: tuple[int, int, int]) -> dict:
-    """One chunk of one source (the work unit of both engines): :func:`process_records` on it."""
+    """One chunk of one source: :func:`dflash_prep.chunk.process_records` on it, errors placed."""
     si, start, stop = task
     src: rec.Source = _STATE["sources"][si]
     def where(k: int, reason: str) -> rec.RecordError:
@@ -148,104 +157,10 @@ def _process(task: tuple[int, int, int]) -> dict:
     try:
         out = process_records(_STATE["tok"], _STATE["cfg"], src.get(start, stop), schema=src.schema,
                               fields=src.fields, first_record=src.first_record + start)
-    except _BadRecord as e:
+    except BadRecord as e:
         raise where(e.index, e.reason) from None
     out["examples"] = [str(where(k, reason)) for k, reason in out["examples"]]
     return out
-
-
-class _BadRecord(Exception):
-    def __init__(self, index: int, reason: str):
-        super().__init__(index, reason)
-        self.index, self.reason = index, reason
-
-
-def process_records(tok, cfg: TokenizeConfig, records: list[dict], *, schema: str, fields: tuple[str, ...],
-                    first_record: int) -> dict:
-    """Pure: validate, render, tokenize and cut a list of records (no files touched).
-
-    Returns ``ids`` (sum L,) int32, ``mask`` (sum L,) uint8, ``lengths`` (n,) int32,
-    ``records`` (n,) int64 global record index of each row, ``source_ids`` (n,) the
-    record's own ``id`` or None, ``stats`` and ``examples`` (``(index, reason)`` of the
-    first bad records skipped under ``--on-error skip``). A bad record raises :class:`_BadRecord` (its index in
-    ``records``) under ``--on-error fail``. An expanded conversation yields several rows
-    with the same ``records`` entry.
-    """
-    chat = schema != "text"
-    role_map = rec.parse_role_map(cfg.role_map)
-    stats = {"truncated": 0, "dropped": 0, "skipped": 0, "no_loss": 0, "cut_tokens": 0, "dropped_tokens": 0,
-             "expanded": 0, "expanded_rows": 0, "escaped": 0}
-    examples: list[tuple[int, str]] = []
-    skipped: set[int] = set()
-
-    def bad(k: int, reason: str) -> None:
-        if cfg.on_error == "fail":
-            raise _BadRecord(k, reason)
-        if k not in skipped:  # an expanded record counts once
-            skipped.add(k)
-            stats["skipped"] += 1
-            if len(examples) < MAX_EXAMPLES:
-                examples.append((k, reason))
-
-    owner, rows, texts = [], [], []
-    for k, r in enumerate(records):
-        try:
-            if chat:
-                msgs, marked = mark(rec.to_messages(r, schema, fields, role_map), tok.control)
-                got, expanded = plan_rows(msgs, tok.render, cfg.mask, has_generation=tok.has_generation,
-                                          control=tok.control, marked=marked, stable_template=tok.stable_template)
-                stats["escaped"] += marked
-                stats["expanded"] += expanded
-                stats["expanded_rows"] += len(got) if expanded else 0
-                rows += got
-                owner += [k] * len(got)
-            else:
-                texts.append(rec.to_text(r.get(fields[0]), fields[0]))
-                owner.append(k)
-        except (ValueError, InputError) as e:
-            bad(k, str(e))
-    try:
-        encoded = (tok.encode_rows(rows) if chat else tok.encode_plain(texts)) if owner else []
-    except ValueError:  # some record's content cannot be kept as text: find it, row by row
-        encoded = []
-        for k, row in zip(owner, rows):
-            try:
-                encoded.append(tok.encode_rows([row])[0])
-            except ValueError as e:
-                bad(k, str(e))
-                encoded.append(None)
-    ids_l, mask_l, lens, rec_l, sid_l = [], [], [], [], []
-    for k, enc in zip(owner, encoded):
-        if enc is None or k in skipped:
-            continue
-        ids, mask = enc
-        n = ids.shape[0]
-        if n == 0:
-            bad(k, "the record produced no tokens")
-            continue
-        if n > cfg.max_len:
-            if cfg.on_overflow == "drop":
-                stats["dropped"] += 1
-                stats["dropped_tokens"] += n
-                continue
-            stats["truncated"] += 1
-            stats["cut_tokens"] += n - cfg.max_len
-            ids, mask = ids[: cfg.max_len], mask[: cfg.max_len]
-        if not mask.any():
-            stats["no_loss"] += 1
-        ids_l.append(ids)
-        mask_l.append(mask)
-        lens.append(ids.shape[0])
-        rec_l.append(first_record + k)
-        sid_l.append(rec.record_id(records[k]))
-    return {
-        "ids": np.concatenate(ids_l) if ids_l else np.zeros(0, np.int32),   # (sum L,) int32
-        "mask": np.concatenate(mask_l) if mask_l else np.zeros(0, np.uint8),  # (sum L,) uint8
-        "lengths": np.asarray(lens, np.int32),                              # (n,)
-        "records": np.asarray(rec_l, np.int64),                             # (n,)
-        "source_ids": sid_l,                                                # (n,) str | None
-        "rows": len(records), "stats": stats, "examples": examples,
-    }
 
 
 # ----------------------------------------------------------------------------- shards
