@@ -19,8 +19,10 @@ generation_spans)`` for :mod:`dflash_prep.chat`, ``encode_rows(rows)`` and
   ``encode_batch`` call on the backend transformers configured (``add_special_tokens=False``,
   as ``apply_chat_template(tokenize=True)`` does), so the ids are transformers' ids.
 
-The loss mask of a row marks every token whose character offsets overlap a trained span
-(:func:`overlap_mask`): transformers' rule for ``return_assistant_tokens_mask``.
+The loss mask of a row marks every token whose character offsets overlap a trained span:
+transformers' rule for ``return_assistant_tokens_mask`` (:func:`overlap_mask`; for a batch
+encoding the same ranges come from ``char_to_token`` at the span borders,
+:func:`_token_range`, which skips converting every token's offsets).
 
 Content never injects a control token: a row whose text carries the markers of
 :func:`dflash_prep.chat.mark` is encoded piece by piece with transformers'

@@ -1,5 +1,5 @@
 """ids and loss mask token for token against transformers: 2 real tokenizers x 4 template families
-x {plain, {% generation %}} x 120 generated conversations (adversarial ones included).
+x {plain, {% generation %}} x 100 generated conversations (adversarial ones included).
 
 References, all from transformers on the same tokenizer folder:
 
@@ -25,7 +25,7 @@ from dflash_prep.encoders import load_tokenizer
 pytest.importorskip("mistral_common")
 pytest.importorskip("sentencepiece")
 
-CONVS = conversations(120)
+CONVS = conversations(100)
 
 
 @pytest.fixture(scope="module")
