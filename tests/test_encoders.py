@@ -126,8 +126,11 @@ def test_fingerprint_covers_files_and_template_not_the_path(tmp_path, bpe_dir):
     assert load_tokenizer(str(moved)).info.fingerprint != a.info.fingerprint
 
 
-def test_mask_options_on_a_real_template(bpe_dir):
-    tok = load_tokenizer(str(bpe_dir), chat_template=CHATML_TEMPLATE)
+@pytest.mark.parametrize("generation", [True, False], ids=["generation", "derived"])
+def test_mask_options_on_a_real_template(bpe_dir, generation):
+    """Same trained text from {% generation %} blocks and from prefix renders (bpe_dir's plain ChatML)."""
+    tok = load_tokenizer(str(bpe_dir), chat_template=CHATML_TEMPLATE if generation else None)
+    assert tok.has_generation == generation
     msgs = CHATS[1]  # user, assistant, user, assistant
     dec = tok.hf.decode
 
