@@ -27,7 +27,9 @@ Where a turn's characters come from, never by searching for content:
 - ``--train-turns last`` trains only the last turn whose role is in ``--roles-to-train``.
 
 Templates that rewrite earlier turns (Qwen3 and DeepSeek-R1 drop the reasoning of
-assistant turns before the last user message) make some turns unstable. Then
+assistant turns before the last user message) make some turns unstable (with default
+options and generation blocks, the first trained turn is the one checked; see
+:func:`plan_rows`). Then
 ``--expand-turns auto`` (default) emits one row per trained turn ``i``, the text ``F_i``
 (the conversation as the template renders it when turn ``i`` is the latest), trained on
 turn ``i`` only; ``never`` keeps the single row ``R`` and trains its last trained turn,
@@ -208,9 +210,11 @@ def plan_rows(messages: list[dict], render: Renderer, opts: MaskOptions, *, has_
     """Rows for one validated conversation and whether it was expanded (see the module doc).
 
     ``stable_template``: the renderer is known never to rewrite earlier turns (the built-in
-    ChatML), so the prefix renders that check it are skipped. Render count otherwise: one
-    ``F_i`` per trained turn to check stability, plus one ``P_i`` per turn only when spans
-    must be cut per turn (non-default options, no generation blocks, or expansion).
+    ChatML), so no prefix is rendered. With generation blocks and default options the mask
+    is the blocks of the whole rendering whatever the check says, and the rewrite check
+    renders only the first trained turn's prefix ``F_first`` (history-rewriting templates
+    change every turn before the last user message, so the first one shows it): two renders
+    per conversation. Otherwise every ``F_i`` and ``P_i`` is rendered (spans cut per turn).
     """
     full, gen_all = render(messages, False)
     all_trained = messages_roles(messages, opts)
@@ -221,6 +225,10 @@ def plan_rows(messages: list[dict], render: Renderer, opts: MaskOptions, *, has_
     default = use_blocks and opts.train_on_eos == "turn" and opts.train_turns == "all"
     if default and stable_template:
         return [Row(full, tuple(gen_all), marked)], False
+    if default and len(trained) > 1:  # cheap rewrite check first: the first trained turn's prefix
+        first = render(messages[: trained[0] + 1], False)
+        if full.startswith(first[0]):
+            return [Row(full, tuple(gen_all), marked)], False
     rendered = [(full, gen_all) if i == len(messages) - 1 else render(messages[: i + 1], False) for i in trained]
     fulls = [f for f, _ in rendered]
     stable = [full.startswith(f) for f in fulls]
