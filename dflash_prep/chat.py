@@ -16,7 +16,7 @@ Where a turn's characters come from, never by searching for content:
   ``[lcp(P_i, F_i), len(F_i))`` of ``F_i`` (``lcp``: longest common prefix), and of the
   full rendering ``R`` when ``R`` starts with ``F_i`` (the turn is *stable*).
 - With ``{% generation %}`` blocks and ``--roles-to-train assistant``, a turn's trained
-  spans are the blocks inside its region; with default options on a stable conversation
+  spans are the blocks that end inside its region (a block may begin in the header); with default options on a stable conversation
   they are all blocks, i.e. exactly transformers' ``return_assistant_tokens_mask``.
 - Otherwise (no blocks, or other roles) the turn's span is its whole region, less any
   whitespace after its last control token (ChatML's ``<|im_end|>\\n`` trains the
@@ -240,7 +240,7 @@ def plan_rows(messages: list[dict], render: Renderer, opts: MaskOptions, *, has_
     def spans_of(turn: _Turn, text: str, blocks: list, last: bool) -> list[tuple[int, int]]:
         lo, hi = turn.region
         if use_blocks:
-            out = [(a, b) for a, b in blocks if a >= lo and b <= hi and b > a]
+            out = [(a, b) for a, b in blocks if lo < b <= hi and b > a]  # blocks ending in the turn
         else:
             out = [(lo, _strip_tail(text, lo, hi, control))] if hi > lo else []
         if out and (opts.train_on_eos == "none" or (opts.train_on_eos == "last" and not last)):
