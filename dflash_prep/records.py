@@ -24,7 +24,7 @@ passed to the template. A record's own ``id`` field, when present, is kept (as a
 A JSON file that ``datasets`` cannot load (a malformed line, or records whose types differ
 so that no Arrow schema fits) is re-read line by line with :mod:`json`, which names the bad
 line; with ``--on-error skip`` the bad lines are skipped and counted instead. Source
-fingerprints hash each file's bytes (BLAKE2b, ~1 GB/s) and its name relative to the input
+fingerprints hash each file's bytes (BLAKE2b, read in 4 MiB blocks) and its name relative to the input
 it was found under, never its absolute path or mtime: a rebuilt identical corpus, or a
 moved or copied one, is the same input.
 """
