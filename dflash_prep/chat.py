@@ -111,25 +111,31 @@ def control_pattern(tokens: Sequence[str]) -> re.Pattern | None:
 def mark(messages: list[dict], pattern: re.Pattern | None) -> tuple[list[dict], bool]:
     """Wrap control tokens spelled inside message strings in markers; ``(messages, changed)``.
 
+    Strings are found recursively (e.g. inside ``tool_calls``; dict keys are left alone).
     Markers already in the content are dropped first, so content cannot forge a marked
     token. Returns the input unchanged (and ``False``) when nothing spells a control token.
     """
     if pattern is None:
         return messages, False
     hit = False
-    out = []
-    for m in messages:
-        new = {}
-        for k, v in m.items():
-            if isinstance(v, str):
-                if MARK_START in v or MARK_END in v:
-                    v = v.replace(MARK_START, "").replace(MARK_END, "")
-                    hit = True
-                if pattern.search(v):
-                    v = pattern.sub(lambda x: MARK_START + x.group(0) + MARK_END, v)
-                    hit = True
-            new[k] = v
-        out.append(new)
+
+    def walk(v):
+        nonlocal hit
+        if isinstance(v, str):
+            if MARK_START in v or MARK_END in v:
+                v = v.replace(MARK_START, "").replace(MARK_END, "")
+                hit = True
+            if pattern.search(v):
+                hit = True
+                return pattern.sub(lambda x: MARK_START + x.group(0) + MARK_END, v)
+            return v
+        if isinstance(v, dict):
+            return {k: walk(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        return v
+
+    out = [walk(m) for m in messages]
     return (out, True) if hit else (messages, False)
 
 

@@ -18,8 +18,8 @@ Schemas (``--format``, or ``auto`` from the fields, checked in this order):
 In every message list a message is ``{"role", "content"}`` or ``{"from", "value"}``; roles
 go through the built-in map (human/gpt/... -> user/assistant) and ``--role-map``. Content is
 a string or OpenAI content parts (``[{"type": "text", "text": ...}]``, joined without a
-separator; any other part type is an error). A string ``reasoning_content`` on a message is
-passed to the template. A record's own ``id`` field, when present, is kept (as a string).
+separator; any other part type is an error). Every other key of a message
+(``reasoning_content``, ``tool_calls``, ``name``, ...) is passed to the template unchanged. A record's own ``id`` field, when present, is kept (as a string).
 
 A JSON file that ``datasets`` cannot load (a malformed line, or records whose types differ
 so that no Arrow schema fits) is re-read line by line with :mod:`json`, which names the bad
@@ -348,10 +348,10 @@ def _messages(value, name: str, roles: dict[str, str]) -> list[dict]:
         if role not in roles and role not in ROLES:
             raise ValueError(f"message {i}: unknown role {role!r}; expected one of {', '.join(ROLES)} or a name in "
                              "the role map (pass --role-map NAME=ROLE)")
-        msg = {"role": roles.get(role, role), "content": content}
-        rc = m.get("reasoning_content")
-        if isinstance(rc, str):
-            msg["reasoning_content"] = rc
+        # other keys (reasoning_content, tool_calls, name, ...) reach the template as they are;
+        # None values are dropped, as apply_chat_template drops them (datasets fills absent keys with None)
+        msg = {k: v for k, v in m.items() if k not in (rk, ck, "role", "content") and v is not None}
+        msg.update(role=roles.get(role, role), content=content)
         out.append(msg)
     return out
 

@@ -358,3 +358,15 @@ def test_up_to_date_keys_on_contents_not_paths(tmp_path):
     write_jsonl(moved / "c.jsonl", [{"messages": c} for c in CHATS[:2]])
     with pytest.raises(ConfigError, match="other inputs"):
         run(tmp_path, [moved])
+
+
+def test_message_keys_reach_the_template_as_they_are():
+    from dflash_prep import records as rec
+
+    msgs = rec.to_messages({"messages": [
+        {"role": "user", "content": "hi", "name": None},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}],
+         "reasoning_content": "r"}]}, "messages", ("messages",))
+    assert msgs == [{"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "", "reasoning_content": "r",
+                     "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]
