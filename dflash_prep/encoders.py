@@ -8,7 +8,7 @@ generation_spans)`` for :mod:`dflash_prep.chat`, ``encode_rows(rows)`` and
   bytes, then ``<|endoftext|>`` (256, eos and pad), ``<|im_start|>`` (257), ``<|im_end|>``
   (258). Its chat layout is :data:`dflash_prep.chat.CHATML_TEMPLATE`, rendered natively
   (:func:`dflash_prep.chat.chatml_render`; the tests check it against transformers). The
-  encoding is NumPy over ``str.encode``, 2.3-2.6x faster than ``tokenizers``
+  encoding is NumPy over ``str.encode``, about 3x faster than ``tokenizers``
   (README bench-tokenize); ``to_tokenizers()`` builds the equivalent ``tokenizers`` object.
 - :class:`HFTokenizer`: a local folder loaded with ``transformers.AutoTokenizer.
   from_pretrained(path, local_files_only=True)``, so every ``tokenizer_config.json``
