@@ -29,7 +29,7 @@ DEMO_N ?= 20000
 DEMO_BUDGET ?= 4096
 demo: venv
 	$(BIN)/dflash-prep synth --profile mini --n $(DEMO_N) --out $(DEMO)/corpus --overwrite
-	$(BIN)/dflash-prep tokenize $(DEMO)/corpus/chat.jsonl --out $(DEMO)/data --max-len 2048
+	$(BIN)/dflash-prep tokenize $(DEMO)/corpus/chat.jsonl --tokenizer byte --out $(DEMO)/data --max-len 2048
 	$(BIN)/dflash-prep verify $(DEMO)/data
 	$(BIN)/dflash-prep analyze $(DEMO)/data --budget $(DEMO_BUDGET) --out $(DEMO)/plan
 	$(BIN)/dflash-prep pack $(DEMO)/data --plan $(DEMO)/plan/plan.json --epochs 0-1 --world-size 2 \

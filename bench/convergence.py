@@ -124,7 +124,7 @@ def build_data(cfg: ConvConfig) -> tuple[Path, Path]:
     for name, n in (("train", cfg.n_train), ("val", cfg.n_val)):
         ds = w / f"data-{name}-{n}-v{cfg.vocab}-m{cfg.max_len}"
         tokenize(TokenizeConfig(inputs=(str(w / f"corpus-{name}-{n}" / "chat.jsonl"),), out=ds,
-                                tokenizer=str(tok_dir), max_len=cfg.max_len))
+                                tokenizer=str(tok_dir), chat_template="chatml", max_len=cfg.max_len))
         out.append(ds)
     return out[0], out[1]
 

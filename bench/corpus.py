@@ -9,7 +9,7 @@ between 65 and 8191 tokens. So, as issue 7 allows:
 2. a byte-level BPE (vocabulary 8192, ChatML special tokens) is trained with ``tokenizers``
    on the first ``train_on`` conversations' rendered text;
 3. every conversation is rendered with the built-in ChatML layout and encoded through
-   ``dflash_prep.encoders`` (``render_chat`` + ``encode_segments_batch``), exactly what
+   ``dflash_prep.encoders.encode_chats`` (``--chat-template chatml``), exactly what
    ``tokenize`` does per sample, giving one int64 length per sample.
 
 BPE compresses the demo text several-fold, so this set is shorter and differently shaped
@@ -46,15 +46,13 @@ def train_bpe(corpus: Path, out: Path, *, train_on: int, vocab: int = VOCAB) -> 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from dflash_prep.fileio import atomic_write_bytes
-    from dflash_prep.encoders import ByteTokenizer, render_chat
-
-    byte = ByteTokenizer()
+    from dflash_prep.chat import chatml_render
 
     def texts():
         for i, msgs in enumerate(_conversations(corpus)):
             if i >= train_on:
                 return
-            yield "".join(t for t, _ in render_chat(byte, msgs))
+            yield chatml_render(msgs, False)[0]
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -68,18 +66,19 @@ def train_bpe(corpus: Path, out: Path, *, train_on: int, vocab: int = VOCAB) -> 
 
 def tokenize_lengths(corpus: Path, tokenizer_dir: Path, *, batch: int = 512) -> np.ndarray:
     """Token length of every conversation under the library's chat rendering and encoder."""
-    from dflash_prep.encoders import load_tokenizer, render_chat
+    from dflash_prep.chat import CHATML_TEMPLATE
+    from dflash_prep.encoders import encode_chats, load_tokenizer
 
-    tok = load_tokenizer(str(tokenizer_dir))
+    tok = load_tokenizer(str(tokenizer_dir), chat_template=CHATML_TEMPLATE)
     out: list[int] = []
     buf = []
     for msgs in _conversations(corpus):
-        buf.append(render_chat(tok, msgs))
+        buf.append(msgs)
         if len(buf) == batch:
-            out.extend(len(ids) for ids, _ in tok.encode_segments_batch(buf, chat=True))
+            out.extend(len(ids) for ids, _ in encode_chats(tok, buf))
             buf = []
     if buf:
-        out.extend(len(ids) for ids, _ in tok.encode_segments_batch(buf, chat=True))
+        out.extend(len(ids) for ids, _ in encode_chats(tok, buf))
     return np.asarray(out, np.int64)
 
 

@@ -5,8 +5,8 @@
 
 What is timed (wall clock, tokens/s = tokens produced / seconds):
 
-- ``direct``: ``Tokenizer.encode_batch`` on the rendered texts (built-in ChatML layout, the
-  exact strings ``tokenize`` encodes), already in memory, in batches of 1024 (one call on
+- ``direct``: ``Tokenizer.encode_batch`` on the rendered texts (ChatML, the exact strings
+  ``tokenize`` encodes), already in memory, in batches of 1024 (one call on
   200k texts would hold ~20 GB of ``Encoding`` objects). Rust, all cores via rayon. Nothing
   else: no reading, no rendering, no id extraction, no writing.
 - ``tokenize --num-proc P``: the whole stage on the JSONL file: ``datasets`` load, record
@@ -15,7 +15,9 @@ What is timed (wall clock, tokens/s = tokens produced / seconds):
 Two tokenizers: the built-in byte-level one (its ``direct`` reference is the equivalent
 ``tokenizers`` object from ``ByteTokenizer.to_tokenizers()``, which gives the same ids),
 and a byte-level BPE (vocab 8192) trained here, offline, with ``tokenizers`` on the first
-5,000 conversations. Target: ``tokenize`` >= 0.8x ``direct`` at the same core count. The 1-minute load average
+5,000 conversations, loaded by ``tokenize`` through transformers (``--chat-template
+chatml``, a ``{% generation %}`` template); its ``direct`` reference is the backend
+``tokenizers`` object transformers configured, the one ``tokenize`` encodes with. Target: ``tokenize`` >= 0.8x ``direct`` at the same core count. The 1-minute load average
 at the start of each measurement is printed too: on a shared machine a phase that ran under
 heavier load than its reference skews the ratio, so compare rows with similar load.
 """
@@ -34,15 +36,16 @@ from pathlib import Path
 
 from dflash_prep.synth import SynthConfig, synth
 from dflash_prep.tokenize import TokenizeConfig, tokenize
-from dflash_prep.encoders import ByteTokenizer, load_tokenizer, render_chat
+from dflash_prep.chat import CHATML_TEMPLATE, chatml_render
+from dflash_prep.encoders import ByteTokenizer, load_tokenizer
 
 SPECIALS = ByteTokenizer.SPECIALS
 
 
 def rendered_texts(corpus: Path) -> list[str]:
-    tok = ByteTokenizer()  # the built-in layout does not depend on the tokenizer
+    """ChatML renderings (the byte tokenizer's layout, and ``--chat-template chatml`` for the BPE)."""
     with open(corpus) as f:
-        return ["".join(t for t, _ in render_chat(tok, json.loads(line)["messages"])) for line in f]
+        return [chatml_render(json.loads(line)["messages"], False)[0] for line in f]
 
 
 def train_bpe(texts: list[str], folder: Path, vocab: int = 8192) -> Path:
@@ -70,7 +73,8 @@ def direct(hf_tok, texts: list[str], batch: int = 1024) -> tuple[int, float]:
 def ours(corpus: Path, tokenizer: str, out: Path, num_proc: int) -> tuple[int, float]:
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    meta = tokenize(TokenizeConfig(inputs=(str(corpus),), out=out, tokenizer=tokenizer, num_proc=num_proc))
+    meta = tokenize(TokenizeConfig(inputs=(str(corpus),), out=out, tokenizer=tokenizer, num_proc=num_proc,
+                                   chat_template=None if tokenizer == "byte" else "chatml"))
     dt_ = time.perf_counter() - t0
     shutil.rmtree(out, ignore_errors=True)
     return meta["tokens"]["total"], dt_
@@ -97,7 +101,7 @@ def main() -> None:
         print(f"BPE (vocab 8192) trained on 5,000 conversations in {time.perf_counter() - t0:.1f} s")
         rows = []
         for name, spec, hf_tok in (("byte", "byte", ByteTokenizer().to_tokenizers()),
-                                   ("BPE 8192", str(bpe), load_tokenizer(str(bpe)).tok)):
+                                   ("BPE 8192", str(bpe), load_tokenizer(str(bpe), chat_template=CHATML_TEMPLATE).backend)):
             load = os.getloadavg()[0]
             n_d, t_d = direct(hf_tok, texts)
             rows.append((name, "tokenizers encode_batch (direct)", n_d, t_d, 1.0, load))

@@ -101,10 +101,17 @@ def synth_cmd(
 @command("tokenize")
 def tokenize_cmd(
     inputs: Annotated[list[str], typer.Argument(help="JSONL/JSON/Parquet/Arrow files, globs, folders, or save_to_disk folders.")],
+    tokenizer: Annotated[str, typer.Option(help="Required: 'byte' (built-in, ChatML layout) or a local tokenizer folder / tokenizer.json, loaded with transformers.")],
     out: Annotated[Path, typer.Option(help="Output dataset folder.")] = Path("demo/data"),
-    tokenizer: Annotated[str, typer.Option(help="'byte' (built-in) or a local tokenizer folder / tokenizer.json.")] = "byte",
-    format: Annotated[str, typer.Option("--format", help="auto, messages, sharegpt or text.")] = "auto",
+    chat_template: Annotated[Optional[str], typer.Option(help="Jinja template FILE, or 'chatml'; sets or overrides the tokenizer's chat template.")] = None,
+    format: Annotated[str, typer.Option("--format", help="auto, messages, sharegpt, alpaca, prompt_completion or text.")] = "auto",
     text_field: Annotated[str, typer.Option(help="Text column for --format text.")] = "text",
+    messages_field: Annotated[str, typer.Option(help="Message-list column for --format messages.")] = "messages",
+    role_map: Annotated[str, typer.Option(help="Extra role names, NAME=ROLE,... (ROLE: system, user, assistant, tool).")] = "",
+    roles_to_train: Annotated[str, typer.Option(help="Comma-separated roles whose turns are trained.")] = "assistant",
+    train_on_eos: Annotated[str, typer.Option(help="End-of-turn tokens trained on: turn (every trained turn), last (last turn only), none.")] = "turn",
+    train_turns: Annotated[str, typer.Option(help="all trained-role turns, or only the last one.")] = "all",
+    expand_turns: Annotated[str, typer.Option(help="auto: one row per turn when the template rewrites earlier turns (thinking templates); never: one row, last turn trained.")] = "auto",
     max_len: Annotated[int, typer.Option(help="Longest sample kept, in tokens.")] = 8192,
     on_overflow: Annotated[str, typer.Option(help="truncate (keep the first max-len tokens) or drop.")] = "truncate",
     on_error: Annotated[str, typer.Option(help="fail at the first bad record, or skip and count it.")] = "fail",
@@ -112,15 +119,19 @@ def tokenize_cmd(
     shard_mb: Annotated[float, typer.Option(help="Upper bound of one Arrow shard, MiB.")] = 256,
     overwrite: Annotated[bool, typer.Option(help="Rebuild even if the output is up to date.")] = False,
 ):
-    """Tokenize a corpus into Arrow shards, lengths.npy and meta.json (loss mask on assistant tokens)."""
+    """Tokenize a corpus into Arrow shards, lengths.npy and meta.json (ids and loss mask as transformers' chat template gives them)."""
+    from .chat import MaskOptions
     from .tokenize import TokenizeConfig, summary_rows, tokenize
 
-    cfg = TokenizeConfig(inputs=tuple(inputs), out=out, tokenizer=tokenizer, format=format, text_field=text_field,
+    mask = MaskOptions(roles=tuple(r.strip() for r in roles_to_train.split(",") if r.strip()),
+                       train_on_eos=train_on_eos, train_turns=train_turns, expand_turns=expand_turns)
+    cfg = TokenizeConfig(inputs=tuple(inputs), out=out, tokenizer=tokenizer, chat_template=chat_template, format=format,
+                         text_field=text_field, messages_field=messages_field, role_map=role_map, mask=mask,
                          max_len=max_len, on_overflow=on_overflow, on_error=on_error, num_proc=num_proc,
                          shard_mb=shard_mb, overwrite=overwrite)
     meta = tokenize(cfg, progress=sys.stderr.isatty())
     if meta["up_to_date"]:
-        typer.echo(f"{out} is up to date (same inputs, tokenizer and options); pass --overwrite to rebuild")
+        typer.echo(f"{out} is up to date (same input contents, tokenizer and options); pass --overwrite to rebuild")
         return
     typer.echo(f"wrote {out}")
     for k, v in summary_rows(meta):

@@ -54,8 +54,8 @@ DATASET_VERSIONS = (1, 2)   # lengths-only readers (analyze, pack) accept v1; op
 LENGTHS_FILE = "lengths.npy"
 META_FILE = "meta.json"
 SHARD_FORMAT = "dflash-prep/shard"
-SHARD_VERSION = 1
-SHARD_VERSIONS = (1,)
+SHARD_VERSION = 2      # v2: the source_id column (the record's own id)
+SHARD_VERSIONS = (1, 2)
 FIX = "the folder is corrupt or was edited; re-run `dflash-prep tokenize --overwrite`"
 
 
@@ -116,7 +116,7 @@ def features_dict() -> dict:
         "id": datasets.Value("int64"), "record": datasets.Value("int64"),
         "input_ids": datasets.Sequence(datasets.Value("int32")),
         "loss_mask": datasets.Sequence(datasets.Value("uint8")),
-        "length": datasets.Value("int32"),
+        "length": datasets.Value("int32"), "source_id": datasets.Value("string"),
     }).to_dict()
 
 
@@ -142,7 +142,7 @@ class ShardWriter:
         meta = {"format": SHARD_FORMAT, "version": SHARD_VERSION, "first_id": self.next_id, "inputs": self.key}
         schema = pa.schema(
             [("id", pa.int64()), ("record", pa.int64()), ("input_ids", pa.list_(pa.int32())),
-             ("loss_mask", pa.list_(pa.uint8())), ("length", pa.int32())],
+             ("loss_mask", pa.list_(pa.uint8())), ("length", pa.int32()), ("source_id", pa.string())],
             metadata={"dflash-prep": json.dumps(meta), "huggingface": json.dumps({"info": {"features": self.features}})},
         )
         self.sink = pa.OSFile(str(self.folder / name), "wb")
@@ -157,8 +157,11 @@ class ShardWriter:
             self.sink.close()
             self.writer = None
 
-    def add(self, ids: np.ndarray, mask: np.ndarray, lengths: np.ndarray, records: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, mask: np.ndarray, lengths: np.ndarray, records: np.ndarray,
+            source_ids: list | None = None) -> None:
         pa = self.pa
+        if source_ids is None:
+            source_ids = [None] * len(lengths)
         offsets = np.zeros(len(lengths) + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
         row_bytes = 5 * lengths.astype(np.int64) + 28  # ids + mask + id + record + length + 2 offsets
@@ -183,6 +186,7 @@ class ShardWriter:
                 pa.ListArray.from_arrays(pa.array(rel), pa.array(ids[a:b])),
                 pa.ListArray.from_arrays(pa.array(rel), pa.array(mask[a:b])),
                 pa.array(lengths[lo:hi]),
+                pa.array(source_ids[lo:hi], pa.string()),
             ], schema=self.schema)
             self.writer.write_batch(batch)
             cur["batches"].append(batch_digest(ids[a:b], mask[a:b], lengths[lo:hi]))

@@ -1,57 +1,60 @@
-"""Tokenizers for ``tokenize``: a built-in byte-level one, or a local Hugging Face one.
+"""Tokenizers for ``tokenize``: the built-in byte-level one, or a local Hugging Face folder.
 
-A chat sample reaches the tokenizer as *segments*: ``[(text, trainable), ...]`` whose
-concatenation is the rendered conversation (see :func:`render_chat`). Both
-tokenizers return ``(input_ids int32, loss_mask uint8)`` of equal length, where a token's
-mask is 1 exactly when it comes from a trainable segment:
+Both expose one interface: ``render(messages, add_generation_prompt) -> (text,
+generation_spans)`` for :mod:`dflash_prep.chat`, ``encode_rows(rows)`` and
+``encode_plain(texts)``, each returning ``(input_ids int32, loss_mask uint8)`` pairs.
 
 - :class:`ByteTokenizer` (``--tokenizer byte``, needs no files): ids 0-255 are the UTF-8
-  bytes, then three special tokens ``<|endoftext|>`` (256, eos and pad), ``<|im_start|>``
-  (257) and ``<|im_end|>`` (258). A segment whose whole text is a special token's string
-  becomes that one id; any other text is bytes, so content can never inject a control
-  token. Segments are encoded on their own and concatenated, which for a byte-level code is
-  identical to encoding the joined text (``to_tokenizers()`` builds the equivalent
-  ``tokenizers`` object; the tests check that the ids agree). Each segment is one
-  ``str.encode`` plus a NumPy cast, a few microseconds of Python per segment; in
-  ``bench/tokenize_speed.py`` the whole stage with it outruns ``tokenizers``'
-  ``encode_batch`` with the equivalent byte-level tokenizer several-fold (README).
-- :class:`HFTokenizer` (a local folder with ``tokenizer.json``, or a bare
-  ``tokenizer.json``): the joined text is encoded at once with ``encode_batch`` (Rust,
-  all cores), so merges across segment borders happen exactly as at inference. The mask
-  marks every token that overlaps a trainable character span (``_token_range``): a token
-  that straddles a border is trained on. That costs a few ``char_to_token`` Python
-  calls per span, not per token. A chat template comes from ``tokenizer_config.json``
-  (``chat_template``) or ``chat_template.jinja`` beside it.
+  bytes, then ``<|endoftext|>`` (256, eos and pad), ``<|im_start|>`` (257), ``<|im_end|>``
+  (258). Its chat layout is :data:`dflash_prep.chat.CHATML_TEMPLATE`, rendered natively
+  (:func:`dflash_prep.chat.chatml_render`; the tests check it against transformers). The
+  encoding is NumPy over ``str.encode``, about 3x faster than ``tokenizers``
+  (README bench-tokenize); ``to_tokenizers()`` builds the equivalent ``tokenizers`` object.
+- :class:`HFTokenizer`: a local folder loaded with ``transformers.AutoTokenizer.
+  from_pretrained(path, local_files_only=True)``, so every ``tokenizer_config.json``
+  setting applies (``legacy``, ``add_bos_token``, added and special tokens), or a bare
+  ``tokenizer.json`` (``PreTrainedTokenizerFast``, no template). Rendering is transformers'
+  ``render_jinja_template`` with the tokenizer's ``special_tokens_map``: the same text as
+  ``apply_chat_template(messages, tokenize=False)``. Rows are encoded in one
+  ``encode_batch`` call on the backend transformers configured (``add_special_tokens=False``,
+  as ``apply_chat_template(tokenize=True)`` does), so the ids are transformers' ids.
 
-Chat rendering (:func:`render_chat`): without a template of its own, a tokenizer gets the
-built-in ChatML layout ``<|im_start|>{role}\n{content}<|im_end|>\n`` per message, where
-an assistant's content and its ``<|im_end|>`` are trainable and everything else is not.
-With a Jinja template, the conversation is rendered once (through transformers' own
-compiler when installed, so ``{% generation %}`` and ``raise_exception`` work) and every
-assistant content is located, in order, in the rendered text; its span, extended over one
-special token that immediately follows it (the end-of-turn), is trainable. A template that
-rewrites assistant content beyond stripping whitespace cannot be aligned and is an error.
+The loss mask of a row marks every token whose character offsets overlap a trained span:
+transformers' rule for ``return_assistant_tokens_mask`` (:func:`overlap_mask`; for a batch
+encoding the same ranges come from ``char_to_token`` at the span borders,
+:func:`_token_range`, which skips converting every token's offsets).
 
-The fingerprint of a tokenizer covers its vocabulary, merges, normalizer and special
-tokens (the serialized ``tokenizer.json``) plus its chat template, so a dataset built with
-another tokenizer or template is never mistaken for this one. Nothing here reaches a hub:
-a path that does not exist locally is an error.
+Content never injects a control token: a row whose text carries the markers of
+:func:`dflash_prep.chat.mark` is encoded piece by piece with transformers'
+``sanitize_control_tokens`` rule: the text between markers as usual (each later piece
+after a ``"\\n"`` that is then dropped, so SentencePiece adds no prefix space), each marked
+control token as plain text with added tokens disabled. A tokenizer that produces the
+control token itself from that plain text is an error for that record.
+
+Fingerprint (:attr:`TokenizerInfo.fingerprint`): SHA-256 of every tokenizer file in the
+folder, of the chat template in effect and of the backend transformers built (its
+serialized ``tokenizer.json`` and special-token map); the file path is not part of it, so
+a moved or copied folder keeps it. Nothing here reaches a hub.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
+from .chat import CHATML_TEMPLATE, MARK_END, MARK_START, Row, chatml_render, control_pattern
 from .errors import ConfigError, InputError
-from .fileio import fingerprint_bytes
+from .fileio import fingerprint_bytes, fingerprint_json
 
 BYTE_NAME = "byte"
-Segments = Sequence[tuple[str, bool]]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+_GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class TokenizerInfo:
         pad_id: id used to pad batches.
         eos_id: end-of-sequence id appended to plain-text samples.
         bos_id: beginning-of-sequence id, or None when the tokenizer has none.
-        fingerprint: digest of the tokenizer and its chat template.
+        fingerprint: digest of the tokenizer files, the chat template and the built backend.
     """
 
     name: str
@@ -87,46 +90,145 @@ class TokenizerInfo:
                 "eos_id": self.eos_id, "bos_id": self.bos_id, "fingerprint": self.fingerprint}
 
 
-def _concat(parts_ids: list[np.ndarray], parts_mask: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    if not parts_ids:
-        return np.zeros(0, np.int32), np.zeros(0, np.uint8)
-    return np.concatenate(parts_ids), np.concatenate(parts_mask)
+def overlap_mask(starts: np.ndarray, ends: np.ndarray, spans) -> np.ndarray:
+    """uint8 mask: token k is 1 iff its ``[starts[k], ends[k])`` overlaps a span.
+
+    Exactly transformers' loop for ``return_assistant_tokens_mask`` (spans in order; a
+    pointer advances past spans ending at or before the token's start, never backwards),
+    vectorized: ``searchsorted`` on the span ends, then a running maximum.
+    """
+    n = starts.shape[0]
+    if not spans or n == 0:
+        return np.zeros(n, np.uint8)
+    sp = np.asarray(spans, np.int64).reshape(-1, 2)                      # (S, 2) char offsets
+    idx = np.maximum.accumulate(np.searchsorted(sp[:, 1], starts, side="right"))  # (n,) span pointer
+    ok = idx < sp.shape[0]
+    return (ok & (ends > sp[np.minimum(idx, sp.shape[0] - 1), 0])).astype(np.uint8)
 
 
+def _token_range(enc, a: int, b: int, n_chars: int, n: int) -> tuple[int, int]:
+    """Tokens ``[lo, hi)`` whose offsets overlap characters ``[a, b)``: :func:`overlap_mask`'s
+    rule for a batch encoding's ordered offsets, from a few ``char_to_token`` lookups per
+    span instead of converting every token's offsets (which costs ~15% of the encode).
+
+    ``lo`` is the first token holding a character of the span (a character split over
+    several byte-level tokens maps to its first); ``hi`` is the first token holding a
+    character at or after ``b``, plus one when that token starts before ``b`` (it
+    straddles the border and overlaps the span), or ``n`` when there is none.
+    """
+    lo = None
+    for c in range(a, b):
+        lo = enc.char_to_token(c)
+        if lo is not None:
+            break
+    if lo is None:
+        return 0, 0
+    for c in range(b, n_chars):
+        t = enc.char_to_token(c)
+        if t is not None:
+            return lo, t + 1 if enc.token_to_chars(t)[0] < b else t
+    return lo, n
+
+
+def template_sha(template: str | None) -> str | None:
+    return hashlib.sha256(template.encode()).hexdigest() if template is not None else None
+
+
+# ----------------------------------------------------------------------------- byte
 class ByteTokenizer:
-    """The built-in byte-level tokenizer (see the module docstring for the id layout)."""
+    """The built-in byte-level tokenizer with the built-in ChatML layout (module docstring)."""
 
     SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-    chat_template: str | None = None
-    special_strings: tuple[str, ...] = SPECIALS
+    has_generation = True
+    stable_template = True  # chatml_render never rewrites earlier turns
 
     def __init__(self):
         self._special_ids = {s: 256 + i for i, s in enumerate(self.SPECIALS)}
+        self.chat_template = CHATML_TEMPLATE
+        self.control = control_pattern(self.SPECIALS)
+        alt = "|".join(re.escape(s) for s in self.SPECIALS)
+        self._split = re.compile(f"{MARK_START}({alt}){MARK_END}|[{MARK_START}{MARK_END}]|({alt})")
+        self._specials_b = re.compile(alt.encode())
+        self.files: dict[str, str] = {}
         self.info = TokenizerInfo(
             name=BYTE_NAME, vocab_size=256 + len(self.SPECIALS), pad_id=256, eos_id=256, bos_id=None,
             fingerprint=fingerprint_bytes("dflash-prep/byte-tokenizer/v1", *self.SPECIALS),
         )
 
-    def encode_text(self, text: str) -> np.ndarray:
-        """Bytes of ``text`` as int32 ids; a text equal to a special token is that one id."""
-        sid = self._special_ids.get(text)
-        if sid is not None:
-            return np.array([sid], np.int32)
-        return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+    def render(self, messages: list, add_generation_prompt: bool):
+        return chatml_render(messages, add_generation_prompt)
 
-    def encode_segments_batch(self, batch: list[Segments], *, chat: bool) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Encode rendered samples; plain text (``chat=False``) also gets EOS, trained on."""
+    def _encode(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """ids, token start and end character offsets of ``text`` (templates' specials special,
+        marked ones and all other text bytes)."""
+        ids, st, en = [], [], []
+        pos = 0
+
+        def plain(a: int, b: int) -> None:
+            if b <= a:
+                return
+            piece = text[a:b]
+            raw = piece.encode("utf-8")
+            ids.append(np.frombuffer(raw, np.uint8).astype(np.int32))
+            if len(raw) == len(piece):  # ASCII: one byte per character
+                ch = np.arange(a, b, dtype=np.int64)
+            else:
+                ch = a + np.repeat(np.arange(len(piece), dtype=np.int64), [len(c.encode("utf-8")) for c in piece])
+            st.append(ch)
+            en.append(ch + 1)
+
+        for m in self._split.finditer(text):
+            plain(pos, m.start())
+            if m.group(1) is not None:
+                plain(m.start(1), m.end(1))
+            elif m.group(2) is not None:
+                ids.append(np.array([self._special_ids[m.group(2)]], np.int32))
+                st.append(np.array([m.start()], np.int64))
+                en.append(np.array([m.end()], np.int64))
+            pos = m.end()
+        plain(pos, len(text))
+        if not ids:
+            z = np.zeros(0, np.int64)
+            return np.zeros(0, np.int32), z, z
+        return np.concatenate(ids), np.concatenate(st), np.concatenate(en)
+
+    def _encode_fast(self, text: str, spans) -> tuple[np.ndarray, np.ndarray]:
+        """No markers: every special string is the template's. Works in byte offsets: the
+        bytes are the ids, each special's bytes collapse into its id; spans are moved to
+        byte offsets through a vectorized UTF-8 length table when the text is not ASCII."""
+        raw = text.encode("utf-8")
+        ids = np.frombuffer(raw, np.uint8).astype(np.int32)   # (B,) one id per byte
+        st = np.arange(ids.shape[0], dtype=np.int64)          # (B,) byte start of each token
+        en = st + 1
+        keep = np.ones(ids.shape[0], bool)
+        for m in self._specials_b.finditer(raw):
+            a, b = m.span()
+            ids[a] = self._special_ids[m.group().decode()]
+            keep[a + 1:b] = False
+            en[a] = b
+        if spans and len(raw) != len(text):
+            cp = np.frombuffer(text.encode("utf-32-le"), np.uint32)  # (C,) code points
+            blen = 1 + (cp >= 0x80) + (cp >= 0x800) + (cp >= 0x10000)
+            cum = np.concatenate([[0], np.cumsum(blen)])             # (C + 1,) char -> byte offset
+            spans = [(int(cum[a]), int(cum[b])) for a, b in spans]
+        return ids[keep], overlap_mask(st[keep], en[keep], spans)
+
+    def encode_rows(self, rows: list[Row]) -> list[tuple[np.ndarray, np.ndarray]]:
         out = []
-        for segs in batch:
-            ids, masks = [], []
-            for text, trainable in segs:
-                t = self.encode_text(text)
-                ids.append(t)
-                masks.append(np.full(t.shape[0], trainable, np.uint8))
-            if not chat:
-                ids.append(np.array([self.info.eos_id], np.int32))
-                masks.append(np.ones(1, np.uint8))
-            out.append(_concat(ids, masks))
+        for r in rows:
+            if r.marked:
+                ids, st, en = self._encode(r.text)
+                out.append((ids, overlap_mask(st, en, r.spans)))
+            else:
+                out.append(self._encode_fast(r.text, r.spans))
+        return out
+
+    def encode_plain(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Plain text: its bytes (specials too: plain text has no template) plus EOS, all trained."""
+        out = []
+        for t in texts:
+            ids = np.append(np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32), np.int32(self.info.eos_id))
+            out.append((ids, np.ones(ids.shape[0], np.uint8)))
         return out
 
     def to_tokenizers(self):
@@ -158,108 +260,131 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
+# ----------------------------------------------------------------------------- Hugging Face
 class HFTokenizer:
-    """A local ``tokenizers`` tokenizer plus its optional chat template."""
+    """A transformers fast tokenizer loaded from local files, plus the chat template in effect."""
 
-    def __init__(self, path: Path, tok, config: dict, chat_template: str | None):
-        self.path = path
-        self.tok = tok
-        self.config = config
+    stable_template = False  # any Jinja template may rewrite earlier turns: checked per conversation
+
+    def __init__(self, path: Path, hf, chat_template: str | None, files: dict[str, str]):
+        self.path, self.hf, self.files = path, hf, files
+        self.backend = hf.backend_tokenizer
         self.chat_template = chat_template
-        added = tok.get_added_tokens_decoder()  # id -> AddedToken
-        self.special_strings = tuple(sorted((a.content for a in added.values() if a.special), key=len, reverse=True))
-        self.special_map = {k: _token_str(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        eos_id = self._id_of(self.special_map["eos_token"], ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"))
-        bos_id = self._id_of(self.special_map["bos_token"], ("<s>", "<|begin_of_text|>", "<bos>"))
-        pad_id = self._id_of(self.special_map["pad_token"], ("<pad>", "<|pad|>"))
-        if pad_id is None:
-            pad_id = eos_id if eos_id is not None else 0
-        fp = fingerprint_bytes("dflash-prep/hf-tokenizer/v1", tok.to_str(), chat_template or "",
-                               json.dumps(self.special_map, sort_keys=True))
-        self.info = TokenizerInfo(name=str(path), vocab_size=int(tok.get_vocab_size(with_added_tokens=True)),
-                                  pad_id=int(pad_id), eos_id=eos_id, bos_id=bos_id, fingerprint=fp)
+        self.has_generation = bool(chat_template and _GENERATION_RE.search(chat_template))
+        self.template_kwargs = dict(hf.special_tokens_map)
+        added = hf.added_tokens_decoder  # id -> AddedToken
+        self._added = {a.content: i for i, a in added.items()}
+        self.control = control_pattern(_control_tokens(hf, added))
+        alt = "|".join(re.escape(t) for t in sorted(self._added, key=len, reverse=True)) or "(?!)"
+        self._markers = re.compile(f"{MARK_START}({alt}){MARK_END}|[{MARK_START}{MARK_END}]")
+        self._newline = self.backend.encode("\n", add_special_tokens=False).ids
+        eos, bos, pad = hf.eos_token_id, hf.bos_token_id, hf.pad_token_id
+        if pad is None:
+            pad = eos if eos is not None else 0
+        backend_sha = fingerprint_bytes(self.backend.to_str(), json.dumps(self.template_kwargs, sort_keys=True))
+        fp = fingerprint_json({"files": files, "chat_template": template_sha(chat_template), "backend": backend_sha})
+        self.info = TokenizerInfo(name=str(path), vocab_size=int(len(hf)), pad_id=int(pad),
+                                  eos_id=None if eos is None else int(eos), bos_id=None if bos is None else int(bos),
+                                  fingerprint=fp)
 
-    def _id_of(self, configured: str | None, fallbacks: tuple[str, ...]) -> int | None:
-        for s in ((configured,) if configured else ()) + fallbacks:
-            i = self.tok.token_to_id(s)
-            if i is not None:
-                return int(i)
-        return None
+    def render(self, messages: list, add_generation_prompt: bool):
+        from transformers.utils.chat_template_utils import render_jinja_template
 
-    def encode_segments_batch(self, batch: list[Segments], *, chat: bool) -> list[tuple[np.ndarray, np.ndarray]]:
-        texts = ["".join(t for t, _ in segs) for segs in batch]
-        # Plain text gets the tokenizer's own special tokens (e.g. BOS) and an EOS; a
-        # rendered chat already carries whatever its template put there.
-        encs = self.tok.encode_batch(texts, add_special_tokens=not chat)
-        eos_id = self.info.eos_id
-        out = []
-        for segs, enc, text_all in zip(batch, encs, texts):
-            ids = np.array(enc.ids, np.int32)
-            if not chat:
-                mask = np.ones(ids.shape[0], np.uint8)  # plain text: every token is trained on
-                if eos_id is not None and (ids.shape[0] == 0 or ids[-1] != eos_id):
-                    ids = np.append(ids, np.int32(eos_id))
-                    mask = np.append(mask, np.uint8(1))
-                out.append((ids, mask))
-                continue
+        try:
+            texts, gens = render_jinja_template(
+                conversations=[messages], chat_template=self.chat_template,
+                return_assistant_tokens_mask=self.has_generation, add_generation_prompt=add_generation_prompt,
+                **self.template_kwargs)
+        except Exception as e:  # jinja raises many kinds; the template's own raise_exception among them
+            raise ValueError(f"the chat template refused the conversation ({type(e).__name__}: {e})") from None
+        return texts[0], [tuple(g) for g in gens[0]] if self.has_generation and gens else []
+
+    def encode_rows(self, rows: list[Row]) -> list[tuple[np.ndarray, np.ndarray]]:
+        out: list = [None] * len(rows)
+        fast = [k for k, r in enumerate(rows) if not r.marked]
+        encs = self.backend.encode_batch([rows[k].text for k in fast], add_special_tokens=False) if fast else []
+        for k, enc in zip(fast, encs):
+            ids = np.asarray(enc.ids, np.int32)
             mask = np.zeros(ids.shape[0], np.uint8)
-            pos = 0
-            for text, trainable in segs:
-                end = pos + len(text)
-                if trainable and end > pos:
-                    lo, hi = _token_range(enc, pos, end, len(text_all))
-                    mask[lo:hi] = 1
-                pos = end
-            out.append((ids, mask))
+            n_chars = len(rows[k].text)
+            for a, b in rows[k].spans:
+                lo, hi = _token_range(enc, a, b, n_chars, ids.shape[0])
+                mask[lo:hi] = 1
+            out[k] = (ids, mask)
+        for k, r in enumerate(rows):
+            if r.marked:
+                ids, st, en = self._encode_marked(r.text)
+                out[k] = (ids, overlap_mask(st, en, r.spans))
+        return out
+
+    def _encode_marked(self, text: str):
+        """transformers' ``sanitize_control_tokens`` encoding, with offsets in ``text``'s coordinates."""
+        pieces, pos = [], 0
+        for m in self._markers.finditer(text):
+            pieces.append((pos, text[pos:m.start()], False))
+            if m.group(1) is not None:
+                pieces.append((m.start(1), m.group(1), True))
+            pos = m.end()
+        pieces.append((pos, text[pos:], False))
+        ids, st, en = [], [], []
+        nl = self._newline
+        try:
+            for j, (at, piece, as_text) in enumerate(pieces):
+                if j and not piece:
+                    continue
+                self.backend.encode_special_tokens = as_text
+                shift = at
+                enc = self.backend.encode("\n" + piece if j else piece, add_special_tokens=False)
+                p_ids, p_off = enc.ids, enc.offsets
+                if j:
+                    if p_ids[: len(nl)] == nl:
+                        p_ids, p_off, shift = p_ids[len(nl):], p_off[len(nl):], at - 1
+                    else:
+                        enc = self.backend.encode(piece, add_special_tokens=False)
+                        p_ids, p_off = enc.ids, enc.offsets
+                if as_text and self._added.get(piece) in p_ids:
+                    raise ValueError(f"content spells {piece!r}, and this tokenizer produces that control token "
+                                     "even from plain text, so it cannot be kept as text")
+                ids += p_ids
+                st += [a + shift for a, _ in p_off]
+                en += [b + shift for _, b in p_off]
+        finally:
+            self.backend.encode_special_tokens = False
+        return np.asarray(ids, np.int32), np.asarray(st, np.int64), np.asarray(en, np.int64)
+
+    def encode_plain(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Plain text as ``tokenizer(text)`` encodes it (BOS etc. per its config), plus EOS, all trained."""
+        eos = self.info.eos_id
+        out = []
+        for enc in self.backend.encode_batch(texts, add_special_tokens=True):
+            ids = np.asarray(enc.ids, np.int32)
+            if eos is not None and (ids.shape[0] == 0 or ids[-1] != eos):
+                ids = np.append(ids, np.int32(eos))
+            out.append((ids, np.ones(ids.shape[0], np.uint8)))
         return out
 
 
-def _token_range(enc, start: int, end: int, n_chars: int) -> tuple[int, int]:
-    """Token index range ``[lo, hi)`` of the tokens that overlap characters ``[start, end)``.
+def _control_tokens(hf, added: dict) -> list[str]:
+    """Control tokens: the added tokens flagged special, plus any listed in ``chat_control_tokens``.
 
-    ``lo`` is the first token of the first character that has one. ``hi`` is the first
-    token of the first character at or after ``end``, plus one when that token starts
-    before ``end`` (it straddles the border); without such a character, the token count.
-    Per-character lookups, not per-token work: a character split over several byte-level
-    tokens maps to its first token, and its later tokens are covered because ``hi`` is
-    found from the next character.
+    Non-special added tokens (Qwen3's ``<think>``) are vocabulary that content may use, as
+    in transformers' plain ``apply_chat_template``; they are not escaped.
     """
-    lo = None
-    for c in range(start, end):
-        lo = enc.char_to_token(c)
-        if lo is not None:
-            break
-    if lo is None:  # the span produced no tokens (e.g. removed by the normalizer)
-        return 0, 0
-    for c in range(end, n_chars):
-        t = enc.char_to_token(c)
-        if t is not None:
-            return lo, t + 1 if enc.token_to_chars(t)[0] < end else t
-    return lo, len(enc)
+    listed = set(getattr(hf, "chat_control_tokens", None) or ())
+    return [a.content for a in added.values() if a.special or a.content in listed]
 
 
-def _token_str(v) -> str | None:
-    if isinstance(v, str):
-        return v
-    if isinstance(v, dict) and isinstance(v.get("content"), str):
-        return v["content"]
-    return None
+def _file_hashes(folder: Path) -> dict[str, str]:
+    return {n: hashlib.sha256((folder / n).read_bytes()).hexdigest()
+            for n in TOKENIZER_FILES if (folder / n).is_file()}
 
 
-def _read_template(folder: Path, config: dict) -> str | None:
-    jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text()
-    tpl = config.get("chat_template")
-    if isinstance(tpl, list):  # named templates: use "default"
-        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
-        tpl = named.get("default") or next(iter(named.values()), None)
-    return tpl if isinstance(tpl, str) else None
-
-
-def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
-    """``"byte"`` for the built-in tokenizer, else a local folder or ``tokenizer.json`` path."""
+def load_tokenizer(spec: str, *, chat_template: str | None = None) -> ByteTokenizer | HFTokenizer:
+    """``"byte"``, or a local folder / ``tokenizer.json``; ``chat_template`` sets or overrides the template."""
     if spec == BYTE_NAME:
+        if chat_template is not None and chat_template != CHATML_TEMPLATE:
+            raise ConfigError("--tokenizer byte has the built-in ChatML layout only; drop --chat-template "
+                              "or pass a tokenizer folder")
         return ByteTokenizer()
     path = Path(spec).expanduser()
     if not path.exists():
@@ -267,101 +392,66 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
             f"--tokenizer {spec}: no such local file or folder. dflash-prep never downloads; "
             "pass a folder holding tokenizer.json (e.g. a downloaded model snapshot), a tokenizer.json, or 'byte'."
         )
-    folder, file = (path, path / "tokenizer.json") if path.is_dir() else (path.parent, path)
-    if not file.is_file():
-        raise ConfigError(f"--tokenizer {spec}: {file} not found; the folder needs a tokenizer.json "
-                          "(slow/sentencepiece-only tokenizers are not supported; convert with transformers first)")
-    from tokenizers import Tokenizer
-
     try:
-        tok = Tokenizer.from_file(str(file))
-    except Exception as e:  # tokenizers raises a bare Exception on a bad file
-        raise InputError(f"{file}: not a valid tokenizer.json ({e}); re-save it with `tokenizers` or transformers") from e
-    config = {}
+        import transformers
+        from transformers.utils.chat_template_utils import render_jinja_template  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"--tokenizer {spec}: a Hugging Face tokenizer needs transformers (>= 4.51) and jinja2: "
+                          "pip install 'dflash-prep[chat]'") from e
+    transformers.logging.set_verbosity_error()
+    folder = path if path.is_dir() else path.parent
     cfg_file = folder / "tokenizer_config.json"
-    if path.is_dir() and cfg_file.is_file():
+    if path.is_dir() and cfg_file.is_file():      # transformers would fail on these with a bare traceback
         try:
-            config = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise InputError(f"{cfg_file}: not valid JSON ({e}); fix or remove it") from e
+            config = json.loads(cfg_file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InputError(f"{cfg_file}: not valid UTF-8 JSON ({e}); fix or remove it") from e
         if not isinstance(config, dict):
             raise InputError(f"{cfg_file}: holds a JSON {type(config).__name__}, not an object of settings; fix or "
                              "remove it")
-    template = _read_template(folder, config) if path.is_dir() else None
-    return HFTokenizer(path, tok, config, template)
-
-
-# ----------------------------------------------------------------------------- chat
-def render_chat(tokenizer: ByteTokenizer | HFTokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
-    """Render validated ``[{"role", "content"}]`` into trainable/untrainable segments."""
-    if tokenizer.chat_template is None:
-        segs = []
-        for m in messages:
-            train = m["role"] == "assistant"
-            segs += [("<|im_start|>", False), (m["role"] + "\n", False), (m["content"], train),
-                     ("<|im_end|>", train), ("\n", False)]
-        return segs
-    text = _compiled(tokenizer)(messages)
-    segs, pos = [], 0
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant" or not m["content"]:
-            continue
-        content = m["content"]
-        at = text.find(content, pos)
-        if at < 0:
-            content = content.strip()
-            at = text.find(content, pos) if content else -1
-        if at < 0:
-            raise InputError(
-                f"message {i}: the chat template of {tokenizer.info.name} rewrites assistant content, so the "
-                "loss mask cannot be aligned; use a template that emits content verbatim"
-            )
-        end = at + len(content)
-        for sp in tokenizer.special_strings:  # longest first
-            if text.startswith(sp, end):
-                end += len(sp)
-                break
-        segs += [(text[pos:at], False), (text[at:end], True)]
-        pos = end
-    segs.append((text[pos:], False))
-    return [s for s in segs if s[0]]
-
-
-def _compiled(tokenizer: HFTokenizer):
-    fn = getattr(tokenizer, "_render_fn", None)
-    if fn is not None:
-        return fn
-    kwargs = {k: v for k, v in tokenizer.special_map.items() if v is not None}
     try:
-        template = _compile(tokenizer.chat_template)
-    except ImportError as e:
-        raise ConfigError(f"{tokenizer.info.name} has a chat template, which needs jinja2: "
-                          "pip install 'dflash-prep[chat]'") from e
-    except Exception as e:  # jinja2's TemplateSyntaxError and friends
-        raise InputError(f"{tokenizer.info.name}: its chat template does not compile ({e}); "
-                         "fix tokenizer_config.json or chat_template.jinja") from e
-
-    def fn(messages):
+        if path.is_dir():
+            hf = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        elif path.name.endswith(".json"):
+            hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
+        else:
+            raise ConfigError(f"--tokenizer {spec}: pass a tokenizer folder or a tokenizer.json file")
+    except ConfigError:
+        raise
+    except Exception as e:  # transformers/tokenizers raise many kinds for unreadable folders
+        raise InputError(f"--tokenizer {spec}: transformers cannot load it ({type(e).__name__}: {_short(e)}); "
+                         "the folder needs tokenizer.json or a convertible tokenizer.model with its "
+                         "tokenizer_config.json") from e
+    if not getattr(hf, "is_fast", False):
+        raise ConfigError(f"--tokenizer {spec}: transformers loaded a slow (Python) tokenizer; save it with "
+                          "a tokenizer.json (tokenizer.save_pretrained) so the fast backend can be used")
+    files = _file_hashes(folder) if path.is_dir() else {path.name: hashlib.sha256(path.read_bytes()).hexdigest()}
+    template = chat_template
+    if template is None and path.is_dir():
         try:
-            return template.render(messages=messages, add_generation_prompt=False, **kwargs)
-        except Exception as e:  # jinja raises many kinds; the template's own raise_exception among them
-            raise InputError(f"the chat template of {tokenizer.info.name} refused the conversation: {e}") from e
-
-    tokenizer._render_fn = fn
-    return fn
+            template = hf.get_chat_template()
+        except ValueError:  # transformers: "Cannot use chat template functions ... no chat template"
+            template = None
+    return HFTokenizer(path, hf, template, files)
 
 
-def _compile(source: str):
-    """transformers' own compiler when installed ({% generation %}, raise_exception), else jinja2's sandbox."""
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-    except ImportError:
-        import jinja2.sandbox
+def _short(e: Exception) -> str:
+    s = str(e).strip().splitlines()
+    return s[0][:200] if s else type(e).__name__
 
-        def _raise(msg):
-            raise jinja2.exceptions.TemplateError(msg)
 
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        return env.from_string(source)
-    return _compile_jinja_template(source)
+def encode_chats(tok, conversations: list[list[dict]], opts=None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(ids, mask)`` of every row of validated conversations, in order (for checks and benchmarks).
+
+    The same path as ``tokenize`` (:func:`dflash_prep.chat.mark`, :func:`~dflash_prep.chat.plan_rows`,
+    ``encode_rows``) without files; an expanded conversation contributes several rows.
+    """
+    from .chat import MaskOptions, mark, plan_rows
+
+    opts = opts or MaskOptions()
+    rows = []
+    for msgs in conversations:
+        m, marked = mark(msgs, tok.control)
+        rows += plan_rows(m, tok.render, opts, has_generation=tok.has_generation, control=tok.control, marked=marked,
+                          stable_template=getattr(tok, "stable_template", False))[0]
+    return tok.encode_rows(rows)

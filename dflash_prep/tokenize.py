@@ -2,26 +2,31 @@
 
 Algorithm: load every input through ``datasets`` (:mod:`dflash_prep.records`), cut the
 records into chunks of ``chunk_rows`` within one file, and let ``num_proc`` forked workers
-validate, render (:func:`dflash_prep.encoders.render_chat`), tokenize and cut each chunk.
+validate, render (:mod:`dflash_prep.chat`), tokenize and cut each chunk
+(:func:`dflash_prep.chunk.process_records`, pure, the work unit of any engine).
 Results come back in chunk order (``imap``), so the output is byte-identical for any
 ``num_proc``. The parent only appends them to shards. ``num_proc=1`` runs in-process on two
 threads so that Python work overlaps Rust encoding (:func:`_overlapped`). Measured against a
 bare ``tokenizers.encode_batch`` on the same rendered texts (``bench/tokenize_speed.py``,
-README bench-tokenize): the byte-level path is several times faster, and with a BPE the
-stage at ``--num-proc`` = core count matches or beats the bare call.
+README bench-tokenize, 20k conversations, one run): the byte-level path is ~3x faster,
+and with a BPE loaded through transformers the stage measured 0.81x (``--num-proc 1``)
+and 1.03x (``--num-proc 2``) the bare call on a heavily loaded 2-core machine.
 
 Semantics:
 
-- sample id = position in ``lengths.npy`` = rank among the *kept* records in input order;
+- sample id = position in ``lengths.npy`` = rank among the *kept* rows in input order;
   ``record`` is the record's global input index (skipped and dropped records leave gaps
-  there, never in ids);
+  there, never in ids; the rows of an expanded conversation share it);
+- the ids and loss mask of a chat record: :mod:`dflash_prep.chat` and
+  :mod:`dflash_prep.encoders` (transformers' own rendering, ids and assistant mask);
 - ``--max-len`` / ``--on-overflow``: a longer sample keeps its first ``max_len`` tokens
   (``truncate``) or is left out (``drop``); both are counted, with the tokens they lose;
 - ``--on-error fail`` stops at the first bad record, naming file and line/row; ``skip``
   skips and counts it (with the first few messages kept in ``meta.json``);
 - the output folder is built in a temp folder beside it and renamed only on success, so a
   failure or a kill leaves nothing under ``--out``; an existing folder built from the same
-  inputs, tokenizer and options is reported up to date; ``--overwrite`` rebuilds it, but
+  inputs, tokenizer and options is reported up to date (inputs by content, see
+  :func:`dflash_prep.records.fingerprint`); ``--overwrite`` rebuilds it, but
   only when it holds a dataset ``meta.json`` (never a user's folder, an input or the
   working directory: :func:`dflash_prep.outputs.check_out`). The write holds the folder's
   advisory lock, and first clears the debris of killed runs (:mod:`dflash_prep.outputs`).
@@ -49,9 +54,10 @@ from .dataset import (DATASET_FORMAT, DATASET_VERSION, LENGTHS_FILE, META_FILE, 
 from .errors import ConfigError, DflashError, FormatError, InputError
 from .fileio import atomic_dir, atomic_save_npy, fingerprint_array, fingerprint_json, holds_marker
 from .lengths import chunk_mask_counts, write_mask_counts
-from .encoders import load_tokenizer, render_chat
+from .chat import MaskOptions, read_template_arg
+from .chunk import MAX_EXAMPLES, BadRecord, process_records
+from .encoders import load_tokenizer, template_sha
 
-MAX_EXAMPLES = 5
 MAX_SHARD_MB = 1 << 20  # 1 TiB: beyond any file system's comfort, and finite
 
 
@@ -62,9 +68,13 @@ class TokenizeConfig:
     Attributes:
         inputs: paths, globs or folders (see :mod:`dflash_prep.records`).
         out: the dataset folder to write.
-        tokenizer: ``"byte"`` or a local tokenizer folder / ``tokenizer.json``.
-        format: ``auto``, ``messages``, ``sharegpt`` or ``text``.
+        tokenizer: ``"byte"`` or a local tokenizer folder / ``tokenizer.json`` (required).
+        chat_template: ``--chat-template``: a Jinja file or ``chatml``; sets or overrides the tokenizer's.
+        format: ``auto``, ``messages``, ``sharegpt``, ``alpaca``, ``prompt_completion`` or ``text``.
         text_field: the text column for ``--format text``.
+        messages_field: the message-list column for ``--format messages``.
+        role_map: ``--role-map`` ``NAME=ROLE,...`` added to the built-in role names.
+        mask: what the loss mask covers (:class:`dflash_prep.chat.MaskOptions`).
         max_len: longest sample kept, in tokens.
         on_overflow: ``truncate`` (keep the first max_len tokens) or ``drop``.
         on_error: ``fail`` at the first bad record, or ``skip`` and count it.
@@ -76,9 +86,13 @@ class TokenizeConfig:
 
     inputs: tuple[str, ...]
     out: Path
-    tokenizer: str = "byte"
+    tokenizer: str
+    chat_template: str | None = None
     format: str = "auto"
     text_field: str = "text"
+    messages_field: str = "messages"
+    role_map: str = ""
+    mask: MaskOptions = MaskOptions()
     max_len: int = 8192
     on_overflow: str = "truncate"
     on_error: str = "fail"
@@ -90,6 +104,9 @@ class TokenizeConfig:
     def __post_init__(self):
         if not self.inputs:
             raise ConfigError("give at least one input path or glob")
+        if not self.tokenizer:
+            raise ConfigError("--tokenizer is required: 'byte' (built in) or a local tokenizer folder")
+        rec.parse_role_map(self.role_map)
         if self.format not in rec.FORMATS:
             raise ConfigError(f"--format must be one of {', '.join(rec.FORMATS)}, got {self.format!r}")
         if self.max_len < 1:
@@ -106,8 +123,9 @@ class TokenizeConfig:
             raise ConfigError("chunk_rows must be positive")
 
     def options(self) -> dict:
-        """The fields that change the output (fingerprinted)."""
-        return {k: getattr(self, k) for k in ("format", "text_field", "max_len", "on_overflow", "on_error")}
+        """The fields that change the output (fingerprinted; the template is in the tokenizer's fingerprint)."""
+        keys = ("format", "text_field", "messages_field", "role_map", "max_len", "on_overflow", "on_error")
+        return {**{k: getattr(self, k) for k in keys}, "mask": self.mask.to_dict()}
 
 
 # ----------------------------------------------------------------------------- workers
@@ -121,64 +139,26 @@ def _init_worker(state: dict | None) -> None:
     # known deadlock when the parent has used it (e.g. TOKENIZERS_PARALLELISM=true).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if "tok" not in _STATE:
-        _STATE["tok"] = load_tokenizer(_STATE["tokenizer"])
+        cfg: TokenizeConfig = _STATE["cfg"]
+        template = read_template_arg(cfg.chat_template) if cfg.chat_template is not None else None
+        _STATE["tok"] = load_tokenizer(cfg.tokenizer, chat_template=template)
 
 
 def _process(task: tuple[int, int, int]) -> dict:
-    """Validate, render, tokenize and cut one chunk of one source."""
+    """One chunk of one source: :func:`dflash_prep.chunk.process_records` on it, errors placed."""
     si, start, stop = task
     src: rec.Source = _STATE["sources"][si]
-    cfg: TokenizeConfig = _STATE["cfg"]
-    tok = _STATE["tok"]
-    chat = src.schema != "text"
-    stats = {"truncated": 0, "dropped": 0, "skipped": 0, "no_loss": 0, "cut_tokens": 0, "dropped_tokens": 0}
-    examples: list[str] = []
-    segs, rows = [], []
+    def where(k: int, reason: str) -> rec.RecordError:
+        row = start + k
+        return rec.RecordError(src.path, row, reason, src.lines[row] if src.lines is not None else None)
 
-    def bad(row: int, reason: str) -> None:
-        if cfg.on_error == "fail":
-            raise rec.RecordError(src.path, row, reason, src.lines[row] if src.lines is not None else None)
-        stats["skipped"] += 1
-        if len(examples) < MAX_EXAMPLES:
-            examples.append(str(rec.RecordError(src.path, row, reason, src.lines[row] if src.lines is not None else None)))
-
-    for off, value in enumerate(src.get(start, stop)):
-        row = start + off
-        try:
-            if chat:
-                segs.append(render_chat(tok, rec.to_messages(value, src.schema)))
-            else:
-                segs.append([(rec.to_text(value, src.field), True)])
-            rows.append(row)
-        except (ValueError, InputError) as e:
-            bad(row, str(e))
-    ids_l, mask_l, lens, records = [], [], [], []
-    for row, (ids, mask) in zip(rows, tok.encode_segments_batch(segs, chat=chat) if segs else []):
-        n = ids.shape[0]
-        if n == 0:
-            bad(row, "the record produced no tokens")
-            continue
-        if n > cfg.max_len:
-            if cfg.on_overflow == "drop":
-                stats["dropped"] += 1
-                stats["dropped_tokens"] += n
-                continue
-            stats["truncated"] += 1
-            stats["cut_tokens"] += n - cfg.max_len
-            ids, mask = ids[: cfg.max_len], mask[: cfg.max_len]
-        if not mask.any():
-            stats["no_loss"] += 1
-        ids_l.append(ids)
-        mask_l.append(mask)
-        lens.append(ids.shape[0])
-        records.append(src.first_record + row)
-    return {
-        "ids": np.concatenate(ids_l) if ids_l else np.zeros(0, np.int32),   # (sum L,) int32
-        "mask": np.concatenate(mask_l) if mask_l else np.zeros(0, np.uint8),  # (sum L,) uint8
-        "lengths": np.asarray(lens, np.int32),                              # (n,)
-        "records": np.asarray(records, np.int64),                           # (n,)
-        "rows": stop - start, "stats": stats, "examples": examples,
-    }
+    try:
+        out = process_records(_STATE["tok"], _STATE["cfg"], src.get(start, stop), schema=src.schema,
+                              fields=src.fields, first_record=src.first_record + start)
+    except BadRecord as e:
+        raise where(e.index, e.reason) from None
+    out["examples"] = [str(where(k, reason)) for k, reason in out["examples"]]
+    return out
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -187,7 +167,8 @@ def tokenize(cfg: TokenizeConfig, *, progress: bool = False) -> dict:
     files = rec.expand(list(cfg.inputs))
     out = outputs.check_out(cfg.out, inputs=[p for p, _ in files])
     inputcheck.check_inputs(files)
-    tok = load_tokenizer(cfg.tokenizer)
+    template = read_template_arg(cfg.chat_template) if cfg.chat_template is not None else None
+    tok = load_tokenizer(cfg.tokenizer, chat_template=template)
     source_fp = rec.fingerprint(files)
     key = fingerprint_json({"source": source_fp, "tokenizer": tok.info.fingerprint, "options": cfg.options(),
                             "version": DATASET_VERSION})
@@ -209,8 +190,14 @@ def tokenize(cfg: TokenizeConfig, *, progress: bool = False) -> dict:
                 what = "was built from other inputs, tokenizer or options" if old else "was built by an older dflash-prep"
                 raise ConfigError(f"{out} exists and {what}; pass --overwrite to replace it or choose another --out")
         outputs.remove_stale_caches()
-        sources, cleanup = rec.open_all(files, fmt=cfg.format, text_field=cfg.text_field, on_error=cfg.on_error)
+        sources, cleanup = rec.open_all(files, fmt=cfg.format, text_field=cfg.text_field, on_error=cfg.on_error,
+                                        messages_field=cfg.messages_field)
         try:
+            chat_src = next((s for s in sources if s.schema != "text"), None)
+            if chat_src is not None and tok.chat_template is None:
+                raise ConfigError(f"{chat_src.path}: chat records, but the tokenizer {cfg.tokenizer} has no chat "
+                                  "template (tokenizer_config.json chat_template or chat_template.jinja); pass "
+                                  "--chat-template FILE|chatml to set one")
             with atomic_dir(out, overwrite=cfg.overwrite, marker=(META_FILE, DATASET_FORMAT)) as tmp:
                 meta = _run(cfg, tok, sources, tmp, key, progress)
                 meta["source"] = {"fingerprint": source_fp, "files": [{"path": p, "kind": k} for p, k in files],
@@ -251,7 +238,7 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
     total_rows = sum(len(s) for s in sources)
     writer = ShardWriter(tmp, int(cfg.shard_mb * 2**20), key)
     stats = {"truncated": 0, "dropped": 0, "skipped": sum(s.bad_lines for s in sources), "no_loss": 0,
-             "cut_tokens": 0, "dropped_tokens": 0}
+             "cut_tokens": 0, "dropped_tokens": 0, "expanded": 0, "expanded_rows": 0, "escaped": 0}
     examples: list[str] = [e for s in sources for e in s.bad_examples][:MAX_EXAMPLES]
     lengths, mask_counts, loss_tokens = [], [], 0
     _STATE.clear()
@@ -267,7 +254,7 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
         else:
             results = _overlapped(_process, _tasks(sources, cfg.chunk_rows))
         for r in results:
-            writer.add(r["ids"], r["mask"], r["lengths"], r["records"])
+            writer.add(r["ids"], r["mask"], r["lengths"], r["records"], r["source_ids"])
             lengths.append(r["lengths"])
             mask_counts.append(chunk_mask_counts(r["mask"], r["lengths"]))
             loss_tokens += int(r["mask"].sum(dtype=np.int64))
@@ -298,11 +285,17 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
         "fingerprint": fingerprint_json({"inputs": key, "lengths": lengths_fp}),
         "inputs_fingerprint": key,
         "created_by": f"dflash-prep {__version__}",
-        "tokenizer": {**tok.info.to_dict(), "chat_template": "own" if tok.chat_template else "built-in ChatML"},
+        "tokenizer": {**tok.info.to_dict(), "files": tok.files,
+                      "chat_template": {"sha256": template_sha(tok.chat_template),
+                                        "source": "--chat-template" if cfg.chat_template else
+                                        ("built-in ChatML" if cfg.tokenizer == "byte" else "tokenizer"),
+                                        "generation_blocks": bool(tok.has_generation)}},
         "options": cfg.options(),
+        "mask": cfg.mask.to_dict(),
         "counts": {"samples": n, "records": total_rows + sum(s.bad_lines for s in sources),
                    "truncated": stats["truncated"], "dropped": stats["dropped"], "skipped": stats["skipped"],
-                   "no_loss": stats["no_loss"]},
+                   "no_loss": stats["no_loss"], "expanded_conversations": stats["expanded"],
+                   "rows_from_expansion": stats["expanded_rows"], "escaped_control_tokens": stats["escaped"]},
         "tokens": {"total": total, "loss": loss_tokens, "cut_by_truncation": stats["cut_tokens"],
                    "in_dropped": stats["dropped_tokens"], "max_len": int(lengths_arr.max())},
         "skipped_examples": examples,
@@ -351,6 +344,9 @@ def summary_rows(meta: dict) -> list[tuple[str, str]]:
         ("dropped", f"{c['dropped']:,} samples, {t['in_dropped']:,} tokens"),
         ("skipped", f"{c['skipped']:,} bad records"),
         ("no loss tokens", f"{c['no_loss']:,} samples"),
+        ("expanded", f"{c['expanded_conversations']:,} conversations into {c['rows_from_expansion']:,} rows "
+                     "(template rewrites earlier turns)"),
+        ("escaped", f"{c['escaped_control_tokens']:,} records whose content spells a control token (kept as text)"),
         ("shards", f"{len(meta['shards'])}"),
         ("tokenizer", f"{meta['tokenizer']['name']} (vocab {meta['tokenizer']['vocab_size']:,})"),
         ("fingerprint", meta["fingerprint"]),

@@ -22,7 +22,8 @@ N = 120
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
     synth(SynthConfig(out=root / "corpus", n=N, seed=5))
-    meta = tokenize(TokenizeConfig(inputs=(str(root / "corpus"),), out=root / "data", shard_mb=0.05, chunk_rows=16))
+    meta = tokenize(TokenizeConfig(inputs=(str(root / "corpus"),), out=root / "data", tokenizer="byte", shard_mb=0.05,
+                                    chunk_rows=16))
     return root / "data", meta
 
 
@@ -107,7 +108,7 @@ def test_missing_shard_and_wrong_version(built, tmp_path):
 
 def test_shard_from_another_run_is_rejected(built, tmp_path):
     d = _copy(built[0], tmp_path)
-    other = tokenize(TokenizeConfig(inputs=(str(built[0].parent / "corpus"),), out=tmp_path / "other",
+    other = tokenize(TokenizeConfig(inputs=(str(built[0].parent / "corpus"),), out=tmp_path / "other", tokenizer="byte",
                                     shard_mb=0.05, chunk_rows=16, max_len=4000))
     name = built[1]["shards"][0]["file"]
     (d / name).write_bytes((tmp_path / "other" / other["shards"][0]["file"]).read_bytes())

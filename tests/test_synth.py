@@ -12,7 +12,7 @@ from dflash_prep.errors import ConfigError, FormatError
 from dflash_prep.fileio import read_json
 from dflash_prep.profiles import make_lengths
 from dflash_prep.synth import CORPUS_FILE, META_FILE, SYNTH_FORMAT, SynthConfig, synth
-from dflash_prep.encoders import ByteTokenizer, render_chat
+from dflash_prep.encoders import ByteTokenizer, encode_chats
 
 
 def _rows(folder):
@@ -23,8 +23,7 @@ def _rows(folder):
 def test_lengths_match_profile_exactly(tmp_path, profile):
     synth(SynthConfig(out=tmp_path / "c", profile=profile, n=300, seed=3))
     tok = ByteTokenizer()
-    batch = [render_chat(tok, r["messages"]) for r in _rows(tmp_path / "c")]
-    got = np.array([len(ids) for ids, _ in tok.encode_segments_batch(batch, chat=True)])
+    got = np.array([len(ids) for ids, _ in encode_chats(tok, [r["messages"] for r in _rows(tmp_path / "c")])])
     want = make_lengths(profile, 300, 3)
     assert np.array_equal(got, want), f"max abs diff {np.abs(got - want).max()}"
 

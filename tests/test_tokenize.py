@@ -14,7 +14,7 @@ from dflash_prep.dataset import open_dataset
 from dflash_prep.errors import ConfigError, InputError
 from dflash_prep.lengths import read_dataset_lengths
 from dflash_prep.tokenize import TokenizeConfig, tokenize
-from dflash_prep.encoders import ByteTokenizer, load_tokenizer, render_chat
+from dflash_prep.encoders import ByteTokenizer, encode_chats, load_tokenizer
 
 from .assets.fixtures import CHATS, train_bpe, write_jsonl
 
@@ -25,12 +25,12 @@ TEXTS = ["plain text one.", "Second text, a bit longer: café.", "x"]
 
 
 def run(tmp_path: Path, inputs, name="out", **kw) -> dict:
+    kw.setdefault("tokenizer", "byte")
     return tokenize(TokenizeConfig(inputs=tuple(str(i) for i in inputs), out=tmp_path / name, **kw))
 
 
 def byte_chat(messages):
-    tok = ByteTokenizer()
-    return tok.encode_segments_batch([render_chat(tok, messages)], chat=True)[0]
+    return encode_chats(ByteTokenizer(), [messages])[0]
 
 
 def samples(folder):
@@ -107,7 +107,7 @@ def test_hf_tokenizer_through_the_stage(tmp_path):
     tok = load_tokenizer(str(bpe))
     assert meta["tokenizer"]["fingerprint"] == tok.info.fingerprint and meta["tokenizer"]["eos_id"] == tok.info.eos_id
     for c, (ids, mask) in zip(CHATS, samples(tmp_path / "out")):
-        assert tok.tok.decode(ids[mask == 1].tolist(), skip_special_tokens=False) == \
+        assert tok.hf.decode(ids[mask == 1].tolist(), skip_special_tokens=False) == \
             "".join(m["content"] + "<|im_end|>" for m in c if m["role"] == "assistant")
 
 
@@ -201,9 +201,15 @@ def test_failure_midway_leaves_no_output(tmp_path):
 def test_bad_options():
     for kw, pat in (({"max_len": 0}, "--max-len"), ({"on_overflow": "cut"}, "--on-overflow"),
                     ({"on_error": "ignore"}, "--on-error"), ({"num_proc": 0}, "--num-proc"),
-                    ({"format": "alpaca"}, "--format")):
+                    ({"format": "csv"}, "--format"), ({"tokenizer": ""}, "--tokenizer is required"),
+                    ({"role_map": "human"}, "--role-map"),
+                    ({"mask": None}, "--train-on-eos")):
         with pytest.raises(ConfigError, match=pat):
-            TokenizeConfig(inputs=("x",), out=Path("y"), **kw)
+            if kw.get("mask", 0) is None:
+                from dflash_prep.chat import MaskOptions
+
+                MaskOptions(train_on_eos="always")
+            TokenizeConfig(inputs=("x",), out=Path("y"), **{"tokenizer": "byte", **kw})
 
 
 def test_missing_input(tmp_path):
@@ -236,11 +242,131 @@ def test_cli_synth_tokenize_up_to_date_and_clean_errors(tmp_path):
     r = CliRunner()
     res = r.invoke(app, ["synth", "--out", str(tmp_path / "c"), "--n", "30", "--seed", "2"])
     assert res.exit_code == 0, res.output
-    args = ["tokenize", str(tmp_path / "c"), "--out", str(tmp_path / "d"), "--max-len", "1000"]
+    args = ["tokenize", str(tmp_path / "c"), "--tokenizer", "byte", "--out", str(tmp_path / "d"), "--max-len", "1000"]
     res = r.invoke(app, args)
     assert res.exit_code == 0 and "truncated" in res.output, res.output
     assert "up to date" in r.invoke(app, args).output
+    # `make demo && make demo`: the corpus is rebuilt (new mtimes, same bytes), so still up to date
+    assert r.invoke(app, ["synth", "--out", str(tmp_path / "c"), "--n", "30", "--seed", "2", "--overwrite"]).exit_code == 0
+    assert "up to date" in r.invoke(app, args).output
+    res = r.invoke(app, args[:3] + args[5:])  # no --tokenizer: required, never a silent default
+    assert res.exit_code != 0 and "--tokenizer" in res.output
     bad = write_jsonl(tmp_path / "bad.jsonl", [GOOD, "{nope"])
-    res = r.invoke(app, ["tokenize", str(bad), "--out", str(tmp_path / "e")])
+    res = r.invoke(app, ["tokenize", str(bad), "--tokenizer", "byte", "--out", str(tmp_path / "e")])
     assert res.exit_code == 1 and "bad.jsonl:2: malformed JSON" in res.output and "Traceback" not in res.output
     assert not (tmp_path / "e").exists()
+
+
+# ----------------------------------------------------------------------------- chat inputs and options
+def _shard_column(folder: Path, name: str) -> list:
+    import datasets
+
+    return datasets.load_from_disk(str(folder))[name]
+
+
+def test_other_input_schemas_equal_their_messages(tmp_path):
+    """alpaca, prompt/completion (text and conversational), OpenAI content parts and
+    --messages-field + --role-map give the ids of the equivalent messages records; ids kept."""
+    want = [
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "Do it\n\nwith this"},
+         {"role": "assistant", "content": "done"}],
+        [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}],
+    ]
+    cases = {
+        "alpaca": [{"instruction": "Do it", "input": "with this", "output": "done", "system": "S", "id": "a1"},
+                   {"instruction": "Q?", "input": "", "output": "A.", "system": "", "id": "a2"}],
+        "prompt_completion": [{"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "Do it\n\nwith this"}],
+                               "completion": [{"role": "assistant", "content": "done"}], "id": "a1"},
+                              {"prompt": "Q?", "completion": "A.", "id": "a2"}],
+        "parts": [{"messages": [{"role": m["role"], "content": [{"type": "text", "text": m["content"][:1]},
+                                                               {"type": "text", "text": m["content"][1:]}]}
+                                for m in c], "id": f"a{k + 1}"} for k, c in enumerate(want)],
+    }
+    cases["field"] = [{"dialog": [{"role": {"system": "narrator", "user": "asker", "assistant": "helper"}[m["role"]],
+                                   "content": m["content"]} for m in c], "id": f"a{k + 1}"} for k, c in enumerate(want)]
+    for name, rows in cases.items():
+        f = write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        kw = {"messages_field": "dialog", "role_map": "narrator=system,asker=user,helper=assistant"} if name == "field" else {}
+        meta = run(tmp_path, [f], name=name, **kw)
+        got = samples(tmp_path / name)
+        assert [i.tolist() for i, _ in got] == [byte_chat(c)[0].tolist() for c in want], name
+        assert [m.tolist() for _, m in got] == [byte_chat(c)[1].tolist() for c in want], name
+        assert _shard_column(tmp_path / name, "source_id") == ["a1", "a2"], name
+        assert meta["counts"]["samples"] == 2
+    bad = write_jsonl(tmp_path / "img.jsonl", [{"messages": [{"role": "user", "content": [{"type": "image_url"}]},
+                                                             {"role": "assistant", "content": "x"}]}])
+    with pytest.raises(InputError, match=r"img\.jsonl:1: message 0: content part 0 is 'image_url'"):
+        run(tmp_path, [bad], name="img")
+    with pytest.raises(InputError, match=r"field\.jsonl:1: message 0: unknown role 'narrator'.*--role-map"):
+        run(tmp_path, [tmp_path / "field.jsonl"], name="nomap", messages_field="dialog")
+
+
+def test_chat_data_without_a_template_is_an_error(tmp_path):
+    bpe = train_bpe(tmp_path / "bpe", template=False)
+    f = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS])
+    for spec in (bpe, bpe / "tokenizer.json"):
+        with pytest.raises(ConfigError, match=r"chat\.jsonl: chat records.*no chat template.*--chat-template FILE\|chatml"):
+            run(tmp_path, [f], tokenizer=str(spec))
+        assert_no_leftovers(tmp_path)
+    meta = run(tmp_path, [f], tokenizer=str(bpe), chat_template="chatml")
+    assert meta["tokenizer"]["chat_template"]["source"] == "--chat-template"
+    tok = load_tokenizer(str(bpe))
+    for c, (ids, mask) in zip(CHATS, samples(tmp_path / "out")):
+        # <|im_end|> is one trained token per answer, never seven pieces of text
+        assert tok.hf.decode(ids[mask == 1].tolist()) == "".join(m["content"] + "<|im_end|>" for m in c
+                                                                 if m["role"] == "assistant")
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text((Path(__file__).parent / "assets/templates/chatml.jinja").read_text())
+    run(tmp_path, [f], name="file", tokenizer=str(bpe), chat_template=str(tpl))
+    assert [i.tolist() for i, _ in samples(tmp_path / "file")] == [i.tolist() for i, _ in samples(tmp_path / "out")]
+
+
+def test_provenance_expansion_counts_and_mask_options_in_meta(tmp_path):
+    from dflash_prep.chat import MaskOptions
+
+    bpe = train_bpe(tmp_path / "bpe", extra_tokens=["<think>", "</think>"])
+    qwen = Path(__file__).parent / "assets/templates/qwen3-gen.jinja"
+    rows = [{"messages": c} for c in CHATS]  # CHATS[1] has two assistant turns
+    f = write_jsonl(tmp_path / "chat.jsonl", rows)
+    meta = run(tmp_path, [f], tokenizer=str(bpe), chat_template=str(qwen))
+    assert meta["counts"]["expanded_conversations"] == 1 and meta["counts"]["rows_from_expansion"] == 2
+    assert meta["counts"]["samples"] == 4 and _shard_column(tmp_path / "out", "record") == [0, 1, 1, 2]
+    t = meta["tokenizer"]
+    assert set(t["files"]) == {"tokenizer.json", "tokenizer_config.json"} and t["chat_template"]["generation_blocks"]
+    import hashlib
+
+    assert t["chat_template"]["sha256"] == hashlib.sha256(qwen.read_bytes()).hexdigest()
+    assert meta["mask"] == MaskOptions().to_dict()
+    never = run(tmp_path, [f], name="never", tokenizer=str(bpe), chat_template=str(qwen),
+                mask=MaskOptions(expand_turns="never", train_on_eos="none"))
+    assert never["counts"]["samples"] == 3 and never["mask"]["expand_turns"] == "never"
+    assert never["inputs_fingerprint"] != meta["inputs_fingerprint"]
+
+
+def test_up_to_date_keys_on_contents_not_paths(tmp_path):
+    import shutil
+
+    d = tmp_path / "corpus"
+    d.mkdir()
+    write_jsonl(d / "c.jsonl", [{"messages": c} for c in CHATS])
+    first = run(tmp_path, [d])
+    moved = tmp_path / "moved"
+    shutil.copytree(d, moved)
+    (moved / "c.jsonl").touch()
+    again = run(tmp_path, [moved])  # a copied corpus with new mtimes: same contents, same key
+    assert again["up_to_date"] and again["fingerprint"] == first["fingerprint"]
+    write_jsonl(moved / "c.jsonl", [{"messages": c} for c in CHATS[:2]])
+    with pytest.raises(ConfigError, match="other inputs"):
+        run(tmp_path, [moved])
+
+
+def test_message_keys_reach_the_template_as_they_are():
+    from dflash_prep import records as rec
+
+    msgs = rec.to_messages({"messages": [
+        {"role": "user", "content": "hi", "name": None},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}],
+         "reasoning_content": "r"}]}, "messages", ("messages",))
+    assert msgs == [{"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "", "reasoning_content": "r",
+                     "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]

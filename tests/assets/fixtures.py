@@ -20,9 +20,12 @@ CHATS = [
 ]
 
 
-def train_bpe(folder: Path, *, template: bool = True, vocab_size: int = 400) -> Path:
-    """Train a byte-level BPE on synth text (seconds, no network) and save an HF-style folder."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def train_bpe(folder: Path, *, template: bool = True, vocab_size: int = 400, extra_specials=(), extra_tokens=()) -> Path:
+    """Train a byte-level BPE on synth text (seconds, no network) and save an HF-style folder.
+
+    ``extra_specials`` become special added tokens, ``extra_tokens`` plain (non-special) ones.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from dflash_prep.synth import _pool
 
@@ -34,10 +37,12 @@ def train_bpe(folder: Path, *, template: bool = True, vocab_size: int = 400) -> 
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     text = _pool(1)[:100_000]
     tok.train_from_iterator([text[i:i + 1000] for i in range(0, len(text), 1000)], trainer=trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra_specials])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra_tokens])
     tok.save(str(folder / "tokenizer.json"))
     config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}
     if template:
-        config["chat_template"] = (ASSETS / "chatml.jinja").read_text()
+        config["chat_template"] = (ASSETS / "templates" / "chatml.jinja").read_text()
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 

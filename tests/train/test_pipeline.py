@@ -22,7 +22,7 @@ SMALL = dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
 def pipeline(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipe")
     synth(SynthConfig(out=root / "corpus", n=40, seed=0))
-    tokenize(TokenizeConfig(inputs=(str(root / "corpus" / "chat.jsonl"),), out=root / "data", max_len=128))
+    tokenize(TokenizeConfig(inputs=(str(root / "corpus" / "chat.jsonl"),), out=root / "data", tokenizer="byte", max_len=128))
     src = lengths_mod.load(data=root / "data")
     plan_mod.save(plan_mod.Plan(data=src.describe(), boundaries=(64,), budget=plan_mod.Budget(value=512), seed=0),
                   root / "plan")
