@@ -74,7 +74,7 @@ def demo_inputs(n: int, work: Path):
     from dflash_prep.tokenize import TokenizeConfig, tokenize
 
     synth(SynthConfig(out=work / "corpus", profile="mini", n=n, seed=0, overwrite=True))
-    tokenize(TokenizeConfig(inputs=(str(work / "corpus" / "chat.jsonl"),), out=work / "data", max_len=2048,
+    tokenize(TokenizeConfig(tokenizer="byte", inputs=(str(work / "corpus" / "chat.jsonl"),), out=work / "data", max_len=2048,
                             overwrite=True))
     return np.asarray(lengths_mod.read_dataset_lengths(work / "data").lengths), lengths_mod.read_mask_counts(work / "data")
 

@@ -27,7 +27,7 @@ def dataset(tmp_path_factory):
         c = CHATS[i % len(CHATS)]
         rows.append({"messages": [dict(m, content=m["content"] * int(rng.integers(1, 12))) for m in c]})
     f = write_jsonl(tmp / "chat.jsonl", rows)
-    tokenize(TokenizeConfig(inputs=(str(f),), out=tmp / "data", chunk_rows=50))
+    tokenize(TokenizeConfig(tokenizer="byte", inputs=(str(f),), out=tmp / "data", chunk_rows=50))
     return tmp / "data"
 
 

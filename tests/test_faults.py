@@ -45,7 +45,7 @@ def _cli(*args: str, cwd: Path | None = None, **kw) -> subprocess.Popen:
 def pipe(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     synth(SynthConfig(out=root / "corpus", n=60, seed=1))
-    tokenize(TokenizeConfig(inputs=(str(root / "corpus" / "chat.jsonl"),), out=root / "data", max_len=400,
+    tokenize(TokenizeConfig(tokenizer="byte", inputs=(str(root / "corpus" / "chat.jsonl"),), out=root / "data", max_len=400,
                             shard_mb=0.02, chunk_rows=8))
     src = lengths_mod.load(data=root / "data")
     plan_mod.save(plan_mod.Plan(data=src.describe(), boundaries=(200,), budget=plan_mod.Budget(value=1600), seed=0),
@@ -168,7 +168,7 @@ def test_meta_each_field(p, key, how):
 
 
 def test_dataset_folder_swapped_for_another_run(p, tmp_path):
-    other = tokenize(TokenizeConfig(inputs=(str(p / "corpus" / "chat.jsonl"),), out=tmp_path / "other", max_len=300,
+    other = tokenize(TokenizeConfig(tokenizer="byte", inputs=(str(p / "corpus" / "chat.jsonl"),), out=tmp_path / "other", max_len=300,
                                     shard_mb=0.02, chunk_rows=8))
     shutil.rmtree(p / "data")
     shutil.copytree(tmp_path / "other", p / "data")
@@ -279,12 +279,12 @@ def _kill_during_write(args, cwd: Path, where: Path, seed: int) -> bool:
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_sigkill_tokenize_leaves_nothing_and_rerun_succeeds(p, seed):
-    _kill_during_write(["tokenize", "corpus/chat.jsonl", "--out", "fresh", "--max-len", "400", "--shard-mb", "0.02"],
+    _kill_during_write(["tokenize", "corpus/chat.jsonl", "--tokenizer", "byte", "--out", "fresh", "--max-len", "400", "--shard-mb", "0.02"],
                        p, p, seed)
     fresh = p / "fresh"
     if fresh.exists():            # the kill came after the rename: then it is complete
         assert len(open_dataset(fresh)) == 60
-    meta = tokenize(TokenizeConfig(inputs=(str(p / "corpus" / "chat.jsonl"),), out=fresh, max_len=400, shard_mb=0.02))
+    meta = tokenize(TokenizeConfig(tokenizer="byte", inputs=(str(p / "corpus" / "chat.jsonl"),), out=fresh, max_len=400, shard_mb=0.02))
     assert len(_read_all(fresh)) == 60 and meta["counts"]["samples"] == 60
     assert not [q for q in p.iterdir() if outputs.is_temp_name(q.name)], "debris of the killed run was not reclaimed"
 
@@ -315,7 +315,7 @@ def test_second_writer_fails_clearly_while_the_first_holds_the_lock(p):
     try:
         _refused(lambda: pack_epochs(plan=p / "plan" / "plan.json", epochs=[2], out=p / "man", world_size=2),
                  "being written by another")
-        _refused(lambda: tokenize(TokenizeConfig(inputs=(str(p / "corpus" / "chat.jsonl"),), out=p / "man")),
+        _refused(lambda: tokenize(TokenizeConfig(tokenizer="byte", inputs=(str(p / "corpus" / "chat.jsonl"),), out=p / "man")),
                  "being written by another")
     finally:
         release.set()
@@ -349,19 +349,19 @@ def _snapshot(folder: Path) -> dict:
 def test_overwrite_never_deletes_inputs_user_folders_or_the_cwd(p, monkeypatch):
     corpus = _snapshot(p / "corpus")
     for out in (p / "corpus", p):   # the input folder itself, and a folder holding it
-        _refused(lambda: tokenize(TokenizeConfig(inputs=(str(p / "corpus"),), out=out, overwrite=True)), "input")
+        _refused(lambda: tokenize(TokenizeConfig(tokenizer="byte", inputs=(str(p / "corpus"),), out=out, overwrite=True)), "input")
     _untouched(p / "corpus", corpus)
     user = p / "mine"
     user.mkdir()
     (user / "notes.txt").write_text("mine")
-    _refused(lambda: tokenize(TokenizeConfig(inputs=(str(p / "corpus"),), out=user, overwrite=True)), "mine")
+    _refused(lambda: tokenize(TokenizeConfig(tokenizer="byte", inputs=(str(p / "corpus"),), out=user, overwrite=True)), "mine")
     _refused(lambda: synth(SynthConfig(out=user, n=3, overwrite=True)), "mine")
     assert (user / "notes.txt").read_text() == "mine"
     monkeypatch.chdir(user)
-    _refused(lambda: tokenize(TokenizeConfig(inputs=(str(p / "corpus"),), out=Path("."), overwrite=True)),
+    _refused(lambda: tokenize(TokenizeConfig(tokenizer="byte", inputs=(str(p / "corpus"),), out=Path("."), overwrite=True)),
              "working directory")
     (p / "afile").write_text("x")
-    _refused(lambda: tokenize(TokenizeConfig(inputs=(str(p / "corpus"),), out=p / "afile")), "afile")
+    _refused(lambda: tokenize(TokenizeConfig(tokenizer="byte", inputs=(str(p / "corpus"),), out=p / "afile")), "afile")
     assert (p / "afile").read_text() == "x"
 
 
@@ -449,7 +449,7 @@ def test_strict_json_and_finite_options(p):
         with pytest.raises(ConfigError):
             plan_mod.Budget(value=bad)
         with pytest.raises(ConfigError):
-            TokenizeConfig(inputs=("x",), out=p / "z", shard_mb=bad)
+            TokenizeConfig(tokenizer="byte", inputs=("x",), out=p / "z", shard_mb=bad)
 
 
 def test_bad_inputs_are_one_line_errors(p, monkeypatch):
@@ -457,11 +457,11 @@ def test_bad_inputs_are_one_line_errors(p, monkeypatch):
     (p / "bad.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
     (p / "deep.jsonl").write_text('{"messages": ' + "[" * 5000 + "]" * 5000 + "}\n")
     os.mkfifo(p / "fifo.jsonl")
-    cases = [(["tokenize", "bad.jsonl", "--out", "o1"], "bad.jsonl:1"),
-             (["tokenize", "deep.jsonl", "--out", "o2"], "deep.jsonl:1"),
-             (["tokenize", "fifo.jsonl", "--out", "o3"], "FIFO"),
-             (["tokenize", "/dev/zero", "--out", "o4"], "/dev/zero"),
-             (["tokenize", "corpus", "--out", "o5", "--shard-mb", "inf"], "--shard-mb"),
+    cases = [(["tokenize", "bad.jsonl", "--tokenizer", "byte", "--out", "o1"], "bad.jsonl:1"),
+             (["tokenize", "deep.jsonl", "--tokenizer", "byte", "--out", "o2"], "deep.jsonl:1"),
+             (["tokenize", "fifo.jsonl", "--tokenizer", "byte", "--out", "o3"], "FIFO"),
+             (["tokenize", "/dev/zero", "--tokenizer", "byte", "--out", "o4"], "/dev/zero"),
+             (["tokenize", "corpus", "--tokenizer", "byte", "--out", "o5", "--shard-mb", "inf"], "--shard-mb"),
              (["analyze", "data", "--out", "o6", "--budget", "nan"], "budget"),
              (["pack", "data", "--plan", "plan/plan.json", "--out", "corpus/chat.jsonl", "--epoch", "0"], "chat.jsonl"),
              (["verify", "man", "--lengths", "corpus/chat.jsonl"], "chat.jsonl")]

@@ -19,7 +19,7 @@ from dflash_prep.train.loader import ManifestLoader
 def pipe(tmp_path_factory):
     root = tmp_path_factory.mktemp("loader")
     synth(SynthConfig(out=root / "corpus", n=60, seed=3))
-    tokenize(TokenizeConfig(inputs=(str(root / "corpus" / "chat.jsonl"),), out=root / "data", max_len=160))
+    tokenize(TokenizeConfig(tokenizer="byte", inputs=(str(root / "corpus" / "chat.jsonl"),), out=root / "data", max_len=160))
     src = lengths_mod.load(data=root / "data")
     plan_mod.save(plan_mod.Plan(data=src.describe(), boundaries=(80,), budget=plan_mod.Budget(value=480), seed=1),
                   root / "plan")
