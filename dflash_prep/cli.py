@@ -126,11 +126,14 @@ def analyze_cmd(
     budget_unit: Annotated[str, typer.Option(help="tokens | cost")] = "tokens",
     model_dim: Annotated[Optional[int], typer.Option(help="d_model for alpha = 1/(12 d_model); needed by --budget-unit cost")] = None,
     max_batch_size: Annotated[Optional[int], typer.Option(help="cap on samples per micro-batch")] = None,
-    buckets: Annotated[Optional[int], typer.Option(help="number of buckets K (default 6)")] = None,
+    buckets: Annotated[Optional[int], typer.Option(help="number of buckets K (default: chosen with the window under --max-repeat-pair)")] = None,
     target_efficiency: Annotated[Optional[float], typer.Option(help="pick the smallest K whose predicted efficiency reaches this")] = None,
     seed: Annotated[int, typer.Option(help="shuffle seed recorded in the plan")] = 0,
-    window: Annotated[Optional[int], typer.Option(help="local sort window recorded in the plan; 0 disables; default: auto, the largest window whose repeat-pair rate stays within 0.01 of window 0's (2048 on 902K seedlike)")] = None,
-    epochs: Annotated[int, typer.Option(help="epochs simulated per strategy row (>= 3)")] = 3,
+    window: Annotated[Optional[int], typer.Option(help="local sort window recorded in the plan; 0 disables; default: chosen with K, the highest simulated efficiency whose repeat-pair rate is <= --max-repeat-pair")] = None,
+    max_repeat_pair: Annotated[float, typer.Option(help="limit on the default plan's simulated repeat-pair rate (0.05: >= 95% of co-batched pairs new each epoch)")] = 0.05,
+    world_size: Annotated[int, typer.Option(help="W of the step mix reported beside the plan")] = 8,
+    grad_accum: Annotated[int, typer.Option(help="A of the step mix reported beside the plan")] = 1,
+    sim_epochs: Annotated[int, typer.Option(help="epochs simulated per row (>= 2)")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON instead of tables")] = False,
     plot: Annotated[bool, typer.Option(help="write analyze.png")] = True,
 ):
@@ -140,7 +143,9 @@ def analyze_cmd(
 
     cfg = AnalyzeConfig(data=data, lengths_file=lengths, out=out, budget=budget, budget_unit=budget_unit,
                         model_dim=model_dim, max_batch_size=max_batch_size, buckets=buckets,
-                        target_efficiency=target_efficiency, seed=seed, window=window, epochs=epochs, plot=plot)
+                        target_efficiency=target_efficiency, seed=seed, window=window,
+                        max_repeat_pair=max_repeat_pair, world_size=world_size, grad_accum=grad_accum,
+                        sim_epochs=sim_epochs, plot=plot)
     rep = run(cfg)
     if json_out:
         typer.echo(to_json(rep))
@@ -186,7 +191,7 @@ def pack_cmd(
 ):
     """Pack deterministic per-epoch manifests (batches, steps, ranks) from a plan."""
     from . import manifest
-    from .pack import budget_override, pack_epochs, parse_epochs, summary_warnings
+    from .pack import REPEAT_PAIR_WARN, budget_override, pack_epochs, parse_epochs, summary_warnings
 
     from .plan import load as load_plan
 
@@ -197,7 +202,8 @@ def pack_cmd(
                        data=data, lengths=lengths, overwrite=overwrite)
     rows = [(d.name, manifest.open(d).summary) for d in dirs]
     _print_summaries(rows)
-    for line in (w for name, s in rows for w in summary_warnings(name, s)):
+    limit = p.predicted.get("max_repeat_pair") or REPEAT_PAIR_WARN
+    for line in (w for name, s in rows for w in summary_warnings(name, s, limit)):
         typer.secho(f"warning: {line}", fg=typer.colors.YELLOW, err=True)
 
 
