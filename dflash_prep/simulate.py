@@ -143,7 +143,10 @@ def _bucket_repeat_pairs(order_a, offsets_a, bucket_a, order_b, offsets_b, n_sam
             batch_of[order_b[i]] = m
     pairs = np.zeros(n_buckets, np.int64)
     again = np.zeros(n_buckets, np.int64)
-    buf = np.empty(n_samples, np.int64)
+    widest = 0
+    for m in range(offsets_a.shape[0] - 1):
+        widest = max(widest, offsets_a[m + 1] - offsets_a[m])
+    buf = np.empty(widest, np.int64)
     for m in range(offsets_a.shape[0] - 1):
         n = offsets_a[m + 1] - offsets_a[m]
         k = bucket_a[m]
@@ -257,7 +260,9 @@ def rescale_repeat(rate_sub: float, window: int, n_full: int, n_sub: int, q_mode
 def _pack_epochs(sub, boundaries, window, *, budget, alpha, max_batch_size, seed, epochs, cache):
     """Pack the subsample ``epochs`` times: (per-epoch efficiency, fill, spread, micro-batches per
     bucket summed over epochs, pairs and repeated pairs per bucket between epochs 0 and 1)."""
-    key = (tuple(int(b) for b in boundaries), int(window), epochs)
+    # a window holding every subsampled bucket whole sorts each of them: the same packing
+    window = min(int(window), max(int(sub.bucket_sizes(boundaries)[1].max()), 1))
+    key = (tuple(int(b) for b in boundaries), window, epochs)
     if cache is not None and key in cache:
         return cache[key]
     n_b = len(boundaries) + 1
