@@ -188,6 +188,7 @@ def pack_cmd(
     model_dim: Annotated[Optional[int], typer.Option(help="override d_model of the cost model (alpha = 1/(12 d))")] = None,
     lengths: Annotated[Optional[Path], typer.Option(help="what-if lengths file (.npy or one int per line)")] = None,
     overwrite: Annotated[bool, typer.Option(help="replace epochs built from other inputs")] = False,
+    resume_from_step: Annotated[Optional[int], typer.Option(help="re-pack the rest of --epoch N (already in OUT) from step K for this --world-size/--grad-accum, into OUT/resume/epoch-000N")] = None,
 ):
     """Pack deterministic per-epoch manifests (batches, steps, ranks) from a plan."""
     from . import manifest
@@ -196,6 +197,16 @@ def pack_cmd(
     from .plan import load as load_plan
 
     p = load_plan(plan)
+    if resume_from_step is not None:
+        from .repack import resume_epoch
+
+        if epoch is None:
+            raise typer.BadParameter("--resume-from-step needs --epoch N (the epoch being resumed)")
+        d = resume_epoch(plan=p, out=out, epoch=epoch, from_step=resume_from_step, world_size=world_size,
+                         grad_accum=grad_accum, schedule=schedule, drop_last=drop_last, data=data, lengths=lengths,
+                         overwrite=overwrite)
+        _print_summaries([(f"{d.parent.name}/{d.name}", manifest.open(d).summary)])
+        return
     dirs = pack_epochs(plan=p, epochs=parse_epochs(epoch, epochs), out=out, world_size=world_size,
                        grad_accum=grad_accum, layout=layout, schedule=schedule, window=window, drop_last=drop_last,
                        open_bins=open_bins, budget=budget_override(p.budget, budget_unit, budget, model_dim),

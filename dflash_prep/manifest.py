@@ -30,10 +30,11 @@ Every row of a step has the same ``world_size * grad_accum`` micro-batches, so r
 fingerprints; :func:`verify` (``dflash-prep verify``) re-hashes every array and
 recomputes everything from the lengths with :mod:`dflash_prep.metrics`.
 
-World size is not elastic: a manifest packed for ``W x A`` is refused under any other
-``W' x A'`` (:meth:`Manifest.check_world`), because its steps were balanced for ``W``
-ranks. Re-pack the epoch with the new ``--world-size`` instead; the samples of every step
-before the resume point are those the old manifest listed, so resume at a step boundary.
+World size is not elastic within a manifest: one packed for ``W x A`` is refused under any
+other ``W' x A'`` (:meth:`Manifest.check_world`), because its steps were balanced for ``W``
+ranks. ``pack --resume-from-step K --world-size W'`` writes a continuation
+(:mod:`dflash_prep.repack`, header ``resume``) holding the epoch's unconsumed rest for
+``W' x A'``; ``verify`` checks coverage across the parent's first K steps and it.
 """
 
 from __future__ import annotations
@@ -287,7 +288,9 @@ def verify(path: str | Path, *, data: str | Path | None = None, lengths: str | P
         raise FormatError(f"{path}: micro-batch start/count columns do not tile sample_ids; re-pack the epoch")
     if len(ids) and (ids.min() < 0 or ids.max() >= len(lens)):
         raise FormatError(f"{path}: sample ids outside 0..{len(lens) - 1}; the manifest belongs to other data")
-    seen = np.bincount(np.concatenate([ids, m.dropped_ids]), minlength=len(lens))
+    from .repack import consumed_ids  # a continuation (pack --resume-from-step) covers the epoch with its parent
+
+    seen = np.bincount(np.concatenate([ids, m.dropped_ids, consumed_ids(m)]), minlength=len(lens))
     if (seen != 1).any():
         miss, dup = np.flatnonzero(seen == 0), np.flatnonzero(seen > 1)
         problems.append(f"{len(miss)} samples missing (e.g. {miss[:5].tolist()}) and {len(dup)} appear more than once "
