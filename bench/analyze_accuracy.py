@@ -5,8 +5,8 @@
 
 ``--scale`` (the scale table): for each N, seedlike lengths go through ``analyze``'s
 default plan (a 2^19-sample subsample, rescaled), and the plan's K with its window, a
-quarter of it and four times it are packed by ``pack``'s packer over all N samples for two
-epochs; the table shows predicted and realized efficiency and repeat-pair rate side by side.
+quarter of it, four times it and the window table's largest window are packed by
+``pack``'s packer over all N samples for two epochs; the table shows predicted and realized efficiency and repeat-pair rate side by side.
 
 For each profile (seedlike, bimodal, heavytail), budget and K, the optimal boundaries are
 packed for ``--epochs`` epochs and compared with:
@@ -119,7 +119,8 @@ def scale_table(ns: list[int], json_path: Path | None) -> int:
         k, w, bounds = rep["k"], rep["window"], rep["boundaries"]
         full = Subsample(histogram(lengths), lengths)        # every sample: what pack realizes
         ev = tradeoff.Evaluator(Subsample.of(full.hist), 65536.0, 0.0, None, 0, 2)
-        for window in sorted({w // 4, w, 4 * w}):
+        last = rep["pareto_window"][-1]["window"]   # the table's largest window: the large-window model's path
+        for window in sorted({w // 4, w, 4 * w, last}):
             pred = ev(bounds, window)
             real = simulate(full, bounds, budget=65536.0, window=window)
             rows.append({"n": n, "k": k, "window": window, "plan": window == w, "analyze_s": secs,
