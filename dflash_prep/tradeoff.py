@@ -122,14 +122,36 @@ def best_window(ev: Evaluator, boundaries, k: int, grid: list[int], limit: float
     return r
 
 
-def smallest_window_reaching(ev: Evaluator, boundaries, k: int, grid: list[int], upto: int, target: float) -> dict:
-    """The smallest grid window <= ``upto`` whose efficiency is >= ``target`` (bisection:
-    efficiency grows with the window; ``upto``'s row is assumed to reach it)."""
-    lo, hi = -1, grid.index(upto)      # grid[hi] reaches the target; grid[lo] does not (or lo = -1)
-    best = row(ev(boundaries, grid[hi]), k, grid[hi])
+def smallest_window_reaching(ev: Evaluator, boundaries, k: int, grid: list[int], upto: int, target: float,
+                             start: int | None = None) -> dict:
+    """The smallest grid window <= ``upto`` whose efficiency is >= ``target`` (efficiency grows
+    with the window; ``upto``'s row is assumed to reach it). From ``start`` (e.g. the previous
+    K's answer) it walks one grid step at a time, else it bisects."""
+    hi = grid.index(upto)
+
+    def at(i):
+        return row(ev(boundaries, grid[i]), k, grid[i])
+
+    if start is not None and start in grid and grid.index(start) < hi:
+        i = grid.index(start)
+        r = at(i)
+        if r["efficiency"] >= target:
+            while i > 0:
+                lower = at(i - 1)
+                if lower["efficiency"] < target:
+                    break
+                r, i = lower, i - 1
+            return r
+        while i + 1 < hi:
+            i += 1
+            r = at(i)
+            if r["efficiency"] >= target:
+                return r
+        return at(hi)
+    lo, best = -1, at(hi)               # grid[hi] reaches the target; grid[lo] does not (or lo = -1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        r = row(ev(boundaries, grid[mid]), k, grid[mid])
+        r = at(mid)
         if r["efficiency"] >= target:
             hi, best = mid, r
         else:
@@ -183,8 +205,12 @@ def choose(ev: Evaluator, refined: list, *, ks, window: int | None, limit: float
     if ok_rows:
         target = max(r["efficiency"] for r in ok_rows) - TIE
         # smaller windows of the same K have a lower repeat-pair rate: the smallest still near E*
-        evaluated += [smallest_window_reaching(ev, refined[r["k"] - 1], r["k"], grids[r["k"]], r["window"], target)
-                      for r in ok_rows if r["efficiency"] >= target]
+        start = None
+        for r in ok_rows:
+            if r["efficiency"] >= target:
+                evaluated.append(smallest_window_reaching(ev, refined[r["k"] - 1], r["k"], grids[r["k"]], r["window"],
+                                                          target, start))
+                start = evaluated[-1]["window"]
     chosen, ok = pick(evaluated, limit)
     per_k = [pick([r for r in evaluated if r["k"] == k], limit)[0] for k in ks]
     return {"k": chosen["k"], "window": chosen["window"], "within_limit": ok, "candidates": per_k,
