@@ -323,7 +323,7 @@ def window_warnings(plan_row: dict, pareto_w: list[dict], limit: float) -> list[
     rp, window = plan_row["repeat_pair"], plan_row["window"]
     if rp <= limit:
         return []
-    ok = [r["window"] for r in pareto_w if r["repeat_pair"] <= limit and r["window"]]
+    ok = [r["window"] for r in pareto_w if r["repeat_pair"] <= limit]
     fix = (f"The largest window in the table within it: --window {max(ok)}." if ok else
            "No window of this K is within it: use fewer --buckets, a smaller --window, or more data.")
     return [f"K={plan_row['k']} window {window}: simulated repeat-pair rate {rp:.3f} is above --max-repeat-pair "
