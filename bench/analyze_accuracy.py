@@ -1,6 +1,12 @@
 """How right analyze's predictions are: models against simulated ``pack_padded_epoch``.
 
     NUMBA_CACHE_DIR=.numba_cache python -m bench.analyze_accuracy [--n 902087] [--epochs 3]
+    NUMBA_CACHE_DIR=.numba_cache python -m bench.analyze_accuracy --scale 1000000,10000000,100000000
+
+``--scale`` (the scale table): for each N, seedlike lengths go through ``analyze``'s
+default plan (a 2^19-sample subsample, rescaled), and the plan's K with its window, a
+quarter of it, four times it and the window table's largest window are packed by
+``pack``'s packer over all N samples for two epochs; the table shows predicted and realized efficiency and repeat-pair rate side by side.
 
 For each profile (seedlike, bimodal, heavytail), budget and K, the optimal boundaries are
 packed for ``--epochs`` epochs and compared with:
@@ -39,7 +45,10 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--budgets", type=str, default="65536,16384,8192")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--scale", type=str, default=None, help="comma-separated N: the scale table instead")
     args = ap.parse_args(argv)
+    if args.scale:
+        return scale_table([int(x) for x in args.scale.split(",")], args.json)
 
     rows, summary = [], []
     for profile in ("seedlike", "bimodal", "heavytail"):
@@ -87,6 +96,51 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"format": "dflash-prep/bench-analyze-accuracy", "version": 1,
                                          "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+def scale_table(ns: list[int], json_path: Path | None) -> int:
+    """Predicted (analyze, subsampled) against realized (pack over all N) at each N."""
+    import tempfile
+
+    from dflash_prep import analyze, tradeoff
+    from dflash_prep.optimize import histogram
+    from dflash_prep.profiles import make_lengths
+    from dflash_prep.simulate import Subsample, simulate
+
+    rows = []
+    for n in ns:
+        lengths = make_lengths("seedlike", n, 1)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "lengths.npy"
+            np.save(path, lengths)
+            t0 = time.perf_counter()
+            rep = analyze.run(analyze.AnalyzeConfig(lengths_file=path, out=Path(tmp), plot=False))
+            secs = time.perf_counter() - t0
+        k, w, bounds = rep["k"], rep["window"], rep["boundaries"]
+        full = Subsample(histogram(lengths), lengths)        # every sample: what pack realizes
+        ev = tradeoff.Evaluator(Subsample.of(full.hist), 65536.0, 0.0, None, 0, 2)
+        last = rep["pareto_window"][-1]["window"]   # the table's largest window: the large-window model's path
+        for window in sorted({w // 4, w, 4 * w, last}):
+            pred = ev(bounds, window)
+            real = simulate(full, bounds, budget=65536.0, window=window)
+            rows.append({"n": n, "k": k, "window": window, "plan": window == w, "analyze_s": secs,
+                         "eff_pred": pred.efficiency, "eff_pack": real.efficiency,
+                         "rp_pred": pred.repeat_pair, "rp_pack": real.repeat_pair})
+            print(rows[-1], flush=True)
+        del lengths, full
+    print(f"\n# analyze predictions at scale, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: seedlike, "
+          "T = 65536, predicted from a 2^19-sample subsample vs pack's packer over all N, epochs 0-1\n")
+    print("| N | K | window | efficiency pred | efficiency pack | diff pp | repeat-pair pred | repeat-pair pack | diff |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        w = f"**{r['window']}** (plan)" if r["plan"] else str(r["window"])
+        print(f"| {r['n']:,} | {r['k']} | {w} | {r['eff_pred']:.4f} | {r['eff_pack']:.4f} | "
+              f"{100 * (r['eff_pred'] - r['eff_pack']):+.2f} | {r['rp_pred']:.4f} | {r['rp_pack']:.4f} | "
+              f"{r['rp_pred'] - r['rp_pack']:+.4f} |")
+    if json_path:
+        json_path.write_text(json.dumps({"format": "dflash-prep/bench-analyze-scale", "version": 1, "rows": rows},
+                                        indent=2) + "\n")
     return 0
 
 

@@ -3,7 +3,7 @@
 ``python -m bench.drafter_data`` compares, in one run, three ways of feeding a drafter
 trainer, on two inputs:
 
-- *seedlike*: DESIGN.md's 902,087 seedlike lengths with synthetic loss masks: a prompt
+- *seedlike*: definitions.md's 902,087 seedlike lengths with synthetic loss masks: a prompt
   prefix of ``floor(u * L)`` tokens, ``u ~ U(0, 0.8)`` (keyed), then a supervised response;
   T = 65536;
 - *demo*: the ``make demo`` corpus (``synth --profile mini``, 20,000 chats, byte tokenizer,

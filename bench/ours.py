@@ -9,14 +9,15 @@ algorithms is re-implemented here; this module only turns a manifest's arrays in
 
 Rows (keys for ``--skip``):
 
-- ``k6``: analyze's K optimal boundaries, packed with no sorting window;
+- ``window``: analyze's default plan: K and window chosen together (the highest simulated
+  efficiency whose repeat-pair rate is <= 0.05, near-ties to the least repeat-pair;
+  :mod:`dflash_prep.tradeoff`): the default padded layout (HF's batch size is matched to
+  its mean micro-batch);
+- ``k6``: ``analyze --buckets K --window 0``: K optimal boundaries, no sorting window;
 - ``auto``: auto-K, ``analyze --target-efficiency 0.95 --window 0`` (the smallest K whose
   predicted efficiency reaches 0.95), no window;
-- ``window``: analyze's default plan, K optimal + its auto window (the largest whose
-  repeat-pair rate is within 0.01 of window 0's; 2048 on seedlike): the default padded
-  layout (HF's batch size is matched to its mean micro-batch);
-- ``window-small``: the same plan packed with window 512 (less efficient, fewer repeats);
-- ``window-cost``: K optimal + auto window under a cost budget of 1.3 T (docs/definitions.md);
+- ``window-small``: the K-bucket plan packed with window 512;
+- ``window-cost``: the default plan's rule under a cost budget of 1.3 T (docs/definitions.md);
 - ``varlen``: concatenated sequences, keyed random order, first-fit into 4 open bins.
 """
 
@@ -101,19 +102,19 @@ def our_rows(lengths: np.ndarray, cfg, measure, *, work: Path) -> list:
             b = plan.budget
             return epoch_fn(lens, plan, pc), {**info, "window": used, "default": default,
                                               "budget": {"unit": b.unit, "value": b.value}}
-        if "{window}" in name:  # the plan's own (auto) window goes into the row's name
-            name = name.format(window=plan_for(plan_key, options)[0].window)
+        if "{window}" in name:  # the plan's own K and window go into the row's name
+            p = plan_for(plan_key, options)[0]
+            name = name.format(window=p.window, k=p.num_buckets)
         print(f"  {name} ...", flush=True, file=sys.stderr)
         rows.append(measure(name, "ours", setup, lens, cfg))
 
     k = cfg.k
-    default = {**base, "buckets": k}  # analyze's auto window
-    row("window", f"dflash-prep padded K={k}, auto window {{window}} (default)", "default", default, default=True)
-    row("k6", f"dflash-prep padded K={k}, no window", "default", default, window=0)
-    row("window-small", f"dflash-prep padded K={k}, window {SMALL_WINDOW}", "default", default, window=SMALL_WINDOW)
+    fixed = {**base, "buckets": k, "window": 0}
+    row("window", "dflash-prep padded K={k}, window {window} (default)", "default", base, default=True)
+    row("k6", f"dflash-prep padded K={k}, no window", "fixed", fixed)
+    row("window-small", f"dflash-prep padded K={k}, window {SMALL_WINDOW}", "fixed", fixed, window=SMALL_WINDOW)
     row("auto", f"dflash-prep padded auto-K (target {AUTO_TARGET}), no window", "auto",
         {**base, "target_efficiency": AUTO_TARGET, "window": 0})
-    row("window-cost", f"dflash-prep padded K={k}, auto window {{window}}, cost budget {COST_BUDGET_FACTOR}T", "cost",
-        {**cost, "buckets": k})
-    row("varlen", "dflash-prep varlen, first-fit 4 open bins", "default", default, layout="varlen")
+    row("window-cost", f"dflash-prep padded K={{k}}, window {{window}}, cost budget {COST_BUDGET_FACTOR}T", "cost", cost)
+    row("varlen", "dflash-prep varlen, first-fit 4 open bins", "default", base, layout="varlen")
     return rows

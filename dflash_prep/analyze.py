@@ -1,25 +1,27 @@
-"""``dflash-prep analyze``: choose bucket boundaries, compare strategies, write ``plan.json``.
+"""``dflash-prep analyze``: choose bucket boundaries and window, compare strategies, write ``plan.json``.
 
 Pipeline: lengths (dataset folder or what-if file) -> histogram -> boundary search for
 K = 1..32 (:mod:`dflash_prep.optimize`) -> polish against the renewal chain where the
-search's O(1) model is off -> strategy table, Pareto tables -> ``plan.json``, plus the
-JSON report and PNG rendered by :mod:`dflash_prep.report`.
+search's O(1) model is off -> K and window chosen together (:mod:`dflash_prep.tradeoff`)
+-> strategy, K x window, window and K tables -> ``plan.json``, plus the JSON report and
+PNG rendered by :mod:`dflash_prep.report`.
 
-What is predicted and what is simulated:
+What is predicted and what is simulated; none of it grows with N beyond the O(N) histogram:
 
 - "pred" figures (window 0, any boundaries) come from the renewal chain
   (:mod:`dflash_prep.renewal`), within 0.05 pp of simulated efficiency in
   ``bench/analyze_accuracy.py``.
-- Every strategy row is also *simulated*: ``pack_padded_epoch`` (the exact procedure
-  ``pack`` runs) over ``epochs`` epochs (>= 3); efficiency, fill and micro-batches are the
-  mean over them, repeat-pair rate and within-batch spread come from epochs 0 and 1.
-- The Pareto table over K = 1..32 uses the chain for efficiency and analytic estimates
-  for repeat-pair rate (two co-batched samples of bucket b meet again with probability
-  ``(n_b - 1) / (N_b - 1)``; measured error < 1e-5) and within-batch spread
-  (``(E[max] - E[min]) / E[max]`` of ~n_b i.i.d. draws; within 0.06 for K >= 6, poor for
-  K <= 2 at small budgets). The Pareto table over windows is simulated.
-- ``plan.predicted`` is for the plan's window: the chain when the window is 0, the mean of
-  the simulated epochs otherwise; ``predicted["window0"]`` always holds the chain's figures.
+- Strategy rows, the window table and the joint (K, window) choice are *simulated*:
+  ``pack``'s own packer over a fixed-size subsample of the histogram (at most 2^19
+  samples), ``sim_epochs`` epochs, with the repeat-pair rate rescaled to the full bucket
+  sizes (:mod:`dflash_prep.simulate`). Up to 2^19 samples they are exact simulations.
+  Sorted-static is computed exactly from the histogram.
+- The K table over K = 1..32 (window 0) uses the chain for efficiency and analytic
+  estimates for repeat-pair rate (two co-batched samples of bucket b meet again with
+  probability ``(n_b - 1) / (N_b - 1)``) and within-batch spread.
+- ``plan.predicted`` is for the plan's (K, window): the chain when the window is 0, the
+  simulation otherwise, with the step mix of ``pack``'s class-aware schedule at
+  ``world_size x grad_accum`` beside it; ``predicted["window0"]`` holds the chain's figures.
 """
 
 from __future__ import annotations
@@ -30,18 +32,14 @@ from pathlib import Path
 import numba as nb
 import numpy as np
 
-from . import metrics
 from . import plan as plan_mod
+from . import tradeoff
 from .errors import ConfigError
 from .lengths import LengthSource, load
 from .optimize import Histogram, Model, PackModel, histogram
-from .bucketing import greedy_offsets, pack_padded_epoch
+from .simulate import SUBSAMPLE, Subsample
+from .simulate import sorted_static as sorted_static_hist
 
-WINDOWS = (0, 1024, 2048, 4096)   # local sort windows the Pareto table simulates
-SMALL_WINDOWS = (64, 128, 256, 512)  # added for small data, where a window covers much of a bucket
-SMALL_DATA = 200_000
-REPEAT_PAIR_WARN = 0.05           # above this an epoch barely changes batch composition
-AUTO_REPEAT_SLACK = 0.01          # auto window: repeat-pair may rise at most this much over window 0
 MAX_K = 32
 MULTI_START_GAP = 0.005  # model disagreement (efficiency) above which refine also starts from the baselines
 
@@ -66,20 +64,28 @@ class AnalyzeConfig:
     max_batch_size: int | None = None
     """Optional cap on samples per micro-batch."""
     buckets: int | None = None
-    """Number of buckets K (default 6 unless ``target_efficiency`` is given)."""
+    """Number of buckets K (default: chosen together with the window, see ``max_repeat_pair``)."""
     target_efficiency: float | None = None
     """Pick the smallest K <= 32 whose predicted efficiency reaches this (instead of K)."""
     seed: int = 0
     """Shuffle seed recorded in the plan (simulations use it too)."""
     window: int | None = None
-    """Local sort window recorded in the plan (0 disables). None = auto: the largest simulated
-    window whose repeat-pair rate stays within AUTO_REPEAT_SLACK (0.01) of window 0's. On
-    seedlike (902K) that is 2048 (efficiency 0.990, repeat-pair 0.0064); on small data it
-    shrinks, because a fixed window covers more of each bucket."""
-    epochs: int = 3
-    """Epochs simulated per strategy row (at least 3)."""
+    """Local sort window recorded in the plan (0 disables). None: chosen together with K
+    (:mod:`dflash_prep.tradeoff`): the highest simulated efficiency whose repeat-pair rate
+    stays <= ``max_repeat_pair``."""
+    max_repeat_pair: float = plan_mod.MAX_REPEAT_PAIR
+    """Limit on the simulated repeat-pair rate of the default plan (0.05: at least 95% of
+    co-batched pairs are new each epoch); pack warns above the plan's limit."""
+    world_size: int = 8
+    """W of the step mix reported beside the plan (pack's class-aware schedule)."""
+    grad_accum: int = 1
+    """A of the step mix reported beside the plan."""
+    sim_epochs: int = 2
+    """Epochs simulated per row (at least 2: the repeat-pair rate compares two)."""
+    subsample: int = SUBSAMPLE
+    """Samples every simulated row packs at most (2^19); larger data is subsampled."""
     plot: bool = True
-    """Write the PNG (histogram with boundaries, efficiency per K)."""
+    """Write the PNG (histogram on a log length axis, the efficiency / repeat-pair trade-off)."""
     drafter: object | None = None
     """``--objective dflash``: :class:`dflash_prep.pack_dflash.DrafterOptions`; the report then
     predicts ``pack --objective dflash`` (:func:`dflash_prep.pack_dflash.predict`)."""
@@ -98,9 +104,15 @@ class AnalyzeConfig:
             raise ConfigError(f"--target-efficiency must be in (0, 1], got {self.target_efficiency}")
         if self.window is not None and self.window < 0:
             raise ConfigError(f"--window must be >= 0 (0 disables), got {self.window}")
-        if self.epochs < 3:
-            raise ConfigError(f"--epochs must be at least 3 (a simulated figure is a mean over >= 3), "
-                              f"got {self.epochs}")
+        if self.sim_epochs < 2:
+            raise ConfigError(f"--sim-epochs must be at least 2 (the repeat-pair rate compares two epochs), "
+                              f"got {self.sim_epochs}")
+        if not 0 < self.max_repeat_pair <= 1:
+            raise ConfigError(f"--max-repeat-pair must be in (0, 1], got {self.max_repeat_pair}")
+        if self.world_size < 1 or self.grad_accum < 1:
+            raise ConfigError(f"--world-size and --grad-accum must be >= 1, got {self.world_size} and {self.grad_accum}")
+        if self.subsample < 1000:
+            raise ConfigError(f"the simulation subsample must hold at least 1000 samples, got {self.subsample}")
         self.budget_spec  # validates unit / model_dim / max_batch_size
 
     @property
@@ -164,55 +176,6 @@ def _clean(hist: Histogram, b) -> tuple[int, ...]:
     return tuple(int(x) for x in b if hist.values[0] < x <= hist.values[-1])
 
 
-# ----------------------------------------------------------------------------- simulation
-@dataclass
-class Simulated:
-    """Means over the simulated epochs."""
-
-    efficiency: float
-    fill: float
-    microbatches: float
-    repeat_pair: float
-    spread: float
-    per_bucket_microbatches: list = field(default_factory=list)
-
-
-def simulate(lengths: np.ndarray, boundaries, cfg: AnalyzeConfig, *, window: int) -> Simulated:
-    """Run ``pack_padded_epoch`` for ``cfg.epochs`` epochs; average the definitions.md metrics."""
-    b = cfg.budget_spec
-    effs, fills, mbs, rps, sps = [], [], [], [], []
-    per_bucket = np.zeros(len(boundaries) + 1)
-    prev = None
-    for ep in range(cfg.epochs):
-        order, offsets, bb = pack_padded_epoch(lengths, boundaries, seed=cfg.seed, epoch=ep, budget=b, window=window)
-        eff, fl = metrics.efficiency_and_fill(lengths, order, offsets, b.value, alpha=b.packing_alpha)
-        effs.append(eff)
-        fills.append(fl)
-        mbs.append(len(offsets) - 1)
-        per_bucket += np.bincount(bb, minlength=len(per_bucket))
-        if ep < 2:  # diversity from epochs 0 and 1 (one repeat-pair rate); the rest only for means
-            sps.append(metrics.within_batch_spread(lengths, order, offsets))
-            if prev is not None:
-                rps.append(metrics.repeat_pair_rate(prev[0], prev[1], order, offsets, len(lengths)))
-            prev = (order, offsets)
-    return Simulated(float(np.mean(effs)), float(np.mean(fills)), float(np.mean(mbs)), float(np.mean(rps)),
-                     float(np.mean(sps)), (per_bucket / cfg.epochs).tolist())
-
-
-def _fill(lengths, order, offsets, b: plan_mod.Budget) -> float:
-    return metrics.fill(lengths, order, offsets, b.value, alpha=b.packing_alpha)
-
-
-def sorted_static(lengths: np.ndarray, b: plan_mod.Budget) -> dict:
-    """Global sort by length, fixed greedy batches: deterministic, so exact (not simulated)."""
-    ids = np.argsort(lengths, kind="stable")
-    offsets = greedy_offsets(ids, lengths, b)
-    eff = metrics.efficiency(lengths, ids, offsets)
-    return {"boundaries": [], "efficiency_pred": eff, "efficiency_sim": eff, "fill": _fill(lengths, ids, offsets, b),
-            "microbatches": float(len(offsets) - 1), "repeat_pair": 1.0,
-            "spread": metrics.within_batch_spread(lengths, ids, offsets), "how": "exact (deterministic)"}
-
-
 # ----------------------------------------------------------------------------- analytic diversity
 def analytic_diversity(model: Model, boundaries) -> tuple[float, float]:
     """(repeat-pair rate, mean within-batch spread) estimated from the histogram (window 0)."""
@@ -253,11 +216,12 @@ def length_stats(hist: Histogram) -> dict:
             "pile_at_max": {"length": hist.max_len, "count": pile, "share": pile / n}}
 
 
-def choose_k(cfg: AnalyzeConfig, model: Model, boundaries: list) -> int:
-    """K from --buckets, or the smallest K whose predicted efficiency reaches --target-efficiency."""
+def fixed_k(cfg: AnalyzeConfig, model: Model, boundaries: list) -> int | None:
+    """K from --buckets, the smallest K whose predicted efficiency reaches --target-efficiency,
+    or None (K is then chosen together with the window)."""
     kmax = len(boundaries)
     if cfg.target_efficiency is None:
-        return min(cfg.buckets or 6, kmax)
+        return None if cfg.buckets is None else min(cfg.buckets, kmax)
     best = 0.0
     for k in range(1, kmax + 1):
         best = model.predict(boundaries[k - 1])["efficiency"]
@@ -283,10 +247,10 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
 def _run(cfg: AnalyzeConfig, source: LengthSource | None, report) -> dict:
     clock = _Clock()
     src = source or load(data=cfg.data, lengths_file=cfg.lengths_file)
-    lengths = src.lengths
     b = cfg.budget_spec
-    hist = histogram(lengths)
+    hist = histogram(src.lengths)
     model = Model(hist, PackModel(b.value, b.packing_alpha, b.max_batch_size))  # checks the budget fits
+    sub = Subsample.of(hist, cfg.subsample)
     clock("load + histogram")
     result = model.search(max(MAX_K, cfg.buckets or 0))
     clock("search")
@@ -296,69 +260,72 @@ def _run(cfg: AnalyzeConfig, source: LengthSource | None, report) -> dict:
                             if model.disagreement(bd) > MULTI_START_GAP else ())
                for kk, bd in enumerate(result.boundaries, 1)]
     clock("refine")
-    k = choose_k(cfg, model, refined)
+    ev = tradeoff.Evaluator(sub, b.value, b.packing_alpha, b.max_batch_size, cfg.seed, cfg.sim_epochs)
+    k_fixed = fixed_k(cfg, model, refined)
+    ks = [k_fixed] if k_fixed else [k for k in tradeoff.JOINT_KS if k <= len(refined)]
+    joint = tradeoff.choose(ev, refined, ks=ks, window=cfg.window, limit=cfg.max_repeat_pair)
+    k, window = joint["k"], joint["window"]
     bounds = refined[k - 1]
-    strategies = strategy_rows(lengths, model, cfg, k, bounds)
+    clock("choose K x window")
+    strategies = strategy_rows(ev, model, cfg, k, bounds)
     clock("strategies")
-    pareto_w = pareto_windows(lengths, cfg, bounds, strategies[-1])
-    window = auto_window(pareto_w) if cfg.window is None else cfg.window
+    full, _ = sub.bucket_sizes(bounds)
+    pareto_w = tradeoff.window_table(ev, bounds, k, tradeoff.window_grid(int(full.max())), cfg.max_repeat_pair,
+                                     extra=(window,))
     plan_row = next(r for r in pareto_w if r["window"] == window)
     if window:
         strategies.append({"name": f"optimal K={k} + window {window}", "boundaries": list(bounds),
                            "efficiency_pred": plan_row["efficiency"], "efficiency_sim": plan_row["efficiency"],
                            **{m: plan_row[m] for m in ("fill", "microbatches", "repeat_pair", "spread")},
-                           "how": f"{cfg.epochs} sim epochs"})
-    clock("pareto windows")
+                           "how": plan_row["how"]})
+    clock("window table")
     pareto_k = [{"k": kk, "boundaries": list(bd), **_pareto_k_row(model, bd),
                  "equal_mass_efficiency": model.predict(equal_mass_boundaries(hist, kk))["efficiency"]}
                 for kk, bd in enumerate(refined, 1)]
-    clock("pareto K")
-    plan = _plan(src, model, cfg, bounds, plan_row, window)
+    clock("K table")
+    plan = _plan(src, model, cfg, bounds, plan_row, window).with_fingerprint()
+    mix = tradeoff.step_mix(sub, plan, world_size=cfg.world_size, grad_accum=cfg.grad_accum)
+    plan = _plan(src, model, cfg, bounds, plan_row, window, mix)
+    clock("step mix")
     plan_path = plan_mod.save(plan, cfg.out_dir, overwrite=cfg.overwrite)
+    strip = ("per_bucket_microbatches",)
     rep = {"data": src.describe(), "stats": length_stats(hist),
            "budget": {"unit": b.unit, "value": b.value, "alpha": b.packing_alpha, "max_batch_size": b.max_batch_size},
            "k": k, "boundaries": list(bounds), "window": window,
-           "window_how": "auto" if cfg.window is None else "given", "strategies": strategies, "pareto_k": pareto_k,
-           "pareto_window": [{kk: vv for kk, vv in r.items() if kk != "per_bucket_microbatches"} for r in pareto_w],
+           "window_how": "given" if cfg.window is not None else "joint",
+           "k_how": "joint" if k_fixed is None else ("target" if cfg.target_efficiency else "given"),
+           "max_repeat_pair": cfg.max_repeat_pair, "simulated_samples": int(len(sub.lengths)),
+           "strategies": strategies, "pareto_k": pareto_k,
+           "pareto_window": [{kk: vv for kk, vv in r.items() if kk not in strip} for r in pareto_w],
+           "joint": [{kk: vv for kk, vv in r.items() if kk not in strip} for r in joint["candidates"]],
            "predicted": plan.predicted, "plan": str(plan_path), "fingerprint": plan_mod.load(plan_path).fingerprint,
-           "warnings": window_warnings(window, pareto_w)}
+           "warnings": window_warnings(plan_row, pareto_w, cfg.max_repeat_pair)}
     if cfg.drafter is not None:                   # --objective dflash (needs the dataset's mask counts)
         from .pack_dflash import predict_source
         rep["dflash"] = predict_source(src, cfg.drafter, b, seed=cfg.seed)
     rep["png"] = str(report.plot(hist, rep, cfg.out_dir)) if cfg.plot else None
     clock("plan + plot")
     rep["seconds"] = clock.laps
+    rep["cpu_seconds"] = clock.cpu
     rep["report"] = str(report.write_json(rep, cfg.out_dir))
     return rep
 
 
-def strategy_rows(lengths, model: Model, cfg: AnalyzeConfig, k: int, bounds) -> list[dict]:
-    """sorted-static, full random, equal-count, equal-mass and optimal: chain + simulated."""
+def strategy_rows(ev: tradeoff.Evaluator, model: Model, cfg: AnalyzeConfig, k: int, bounds) -> list[dict]:
+    """sorted-static (exact, from the histogram), full random, equal-count, equal-mass and optimal:
+    chain prediction + simulation (window 0)."""
     hist = model.hist
-    rows = [{"name": "sorted-static", **sorted_static(lengths, cfg.budget_spec)}]
+    b = cfg.budget_spec
+    st = sorted_static_hist(hist, budget=b.value, alpha=b.packing_alpha, max_batch_size=b.max_batch_size)
+    rows = [{"name": "sorted-static", "boundaries": [], "efficiency_pred": st["efficiency"],
+             "efficiency_sim": st["efficiency"], "fill": st["fill"], "microbatches": st["microbatches"],
+             "repeat_pair": 1.0, "spread": st["spread"], "how": "exact, from the histogram"}]
     for name, bd in (("full random", ()), (f"equal-count K={k}", equal_count_boundaries(hist, k)),
                      (f"equal-mass K={k}", equal_mass_boundaries(hist, k)), (f"optimal K={k}", bounds)):
-        sim = simulate(lengths, bd, cfg, window=0)
+        sim = ev(bd, 0)
         rows.append({"name": name, "boundaries": list(bd), "efficiency_pred": model.predict(bd)["efficiency"],
                      "efficiency_sim": sim.efficiency, "fill": sim.fill, "microbatches": sim.microbatches,
-                     "repeat_pair": sim.repeat_pair, "spread": sim.spread,
-                     "how": f"chain model + {cfg.epochs} sim epochs"})
-    return rows
-
-
-def pareto_windows(lengths, cfg: AnalyzeConfig, bounds, window0_row: dict) -> list[dict]:
-    """Simulated rows for each local sort window at the chosen boundaries (window 0 reused)."""
-    windows = set(WINDOWS) | {cfg.window or 0} | (set(SMALL_WINDOWS) if len(lengths) < SMALL_DATA else set())
-    rows = []
-    for w in sorted(windows):
-        if w == 0:
-            rows.append({"window": 0, "how": "sim", **{m: window0_row[m] for m in (
-                "fill", "microbatches", "repeat_pair", "spread")}, "efficiency": window0_row["efficiency_sim"]})
-            continue
-        sim = simulate(lengths, bounds, cfg, window=w)
-        rows.append({"window": w, "efficiency": sim.efficiency, "fill": sim.fill, "microbatches": sim.microbatches,
-                     "repeat_pair": sim.repeat_pair, "spread": sim.spread, "how": "sim",
-                     "per_bucket_microbatches": sim.per_bucket_microbatches})
+                     "repeat_pair": sim.repeat_pair, "spread": sim.spread, "how": "chain model + " + sim.how})
     return rows
 
 
@@ -369,29 +336,20 @@ def _pareto_k_row(model: Model, bd) -> dict:
             "repeat_pair": rp, "spread": sp, "how": "chain model + analytic"}
 
 
-def auto_window(pareto_w: list[dict]) -> int:
-    """The largest simulated window whose repeat-pair rate is at most window 0's + AUTO_REPEAT_SLACK.
-
-    Window 0 already sets the floor of how often pairs meet again (small buckets repeat pairs
-    by chance); a window may add at most 0.01 to that, so composition keeps changing.
-    """
-    base = next(r for r in pareto_w if r["window"] == 0)["repeat_pair"]
-    return max(r["window"] for r in pareto_w if r["repeat_pair"] <= base + AUTO_REPEAT_SLACK)
-
-
-def window_warnings(window: int, pareto_w: list[dict]) -> list[str]:
-    """A warning when the plan's window leaves a repeat-pair rate above REPEAT_PAIR_WARN."""
-    row = next(r for r in pareto_w if r["window"] == window)
-    if not window or row["repeat_pair"] <= REPEAT_PAIR_WARN:
+def window_warnings(plan_row: dict, pareto_w: list[dict], limit: float) -> list[str]:
+    """A warning when the plan's (K, window) leaves a repeat-pair rate above ``limit``."""
+    rp, window = plan_row["repeat_pair"], plan_row["window"]
+    if rp <= limit:
         return []
-    ok = [r["window"] for r in pareto_w if r["repeat_pair"] <= REPEAT_PAIR_WARN and r["window"]]
-    return [f"window {window}: repeat-pair rate {row['repeat_pair']:.3f} (> {REPEAT_PAIR_WARN}); the window "
-            "covers much of a bucket, so batches barely change between epochs. "
-            + (f"The largest window in the table that stays below it: --window {max(ok)}." if ok
-               else "Use a smaller --window.")]
+    ok = [r["window"] for r in pareto_w if r["repeat_pair"] <= limit]
+    fix = (f"The largest window in the table within it: --window {max(ok)}." if ok else
+           "No window of this K is within it: use fewer --buckets, a smaller --window, or more data.")
+    return [f"K={plan_row['k']} window {window}: simulated repeat-pair rate {rp:.3f} is above --max-repeat-pair "
+            f"{limit:g}, so fewer than {1 - limit:.0%} of co-batched pairs are new each epoch. {fix}"]
 
 
-def _plan(src: LengthSource, model: Model, cfg: AnalyzeConfig, bounds, plan_row: dict, window: int) -> plan_mod.Plan:
+def _plan(src: LengthSource, model: Model, cfg: AnalyzeConfig, bounds, plan_row: dict, window: int,
+          mix: dict | None = None) -> plan_mod.Plan:
     """The plan: boundaries, budget, seed, window, per-bucket figures and the prediction."""
     pred0 = model.predict(bounds)
     w0 = {"efficiency": pred0["efficiency"], "fill": pred0["fill"], "microbatches": pred0["microbatches"],
@@ -401,9 +359,11 @@ def _plan(src: LengthSource, model: Model, cfg: AnalyzeConfig, bounds, plan_row:
         per_bucket_mb = [bk["microbatches"] for bk in pred0["buckets"]]
     else:
         predicted = {"efficiency": plan_row["efficiency"], "fill": plan_row["fill"],
-                     "microbatches": plan_row["microbatches"], "window": window,
-                     "how": f"simulated, mean of {cfg.epochs} epochs"}
+                     "microbatches": plan_row["microbatches"], "window": window, "how": "simulated, " + plan_row["how"]}
         per_bucket_mb = plan_row["per_bucket_microbatches"]
+    predicted["repeat_pair"] = plan_row["repeat_pair"]
+    predicted["max_repeat_pair"] = cfg.max_repeat_pair
+    predicted["step_mix"] = mix
     predicted["window0"] = w0
     edges = [0, *bounds, model.hist.max_len + 1]  # bucket t holds [edges[t], edges[t+1])
     buckets = tuple({"lo": edges[t], "hi": edges[t + 1], "count": bk["count"], "tokens": bk["tokens"],
@@ -414,16 +374,18 @@ def _plan(src: LengthSource, model: Model, cfg: AnalyzeConfig, bounds, plan_row:
 
 
 class _Clock:
-    """Wall-clock laps of the stage's phases (reported, so the benchmark can break them down)."""
+    """Wall-clock and CPU laps of the stage's phases (reported, so the benchmark can break them
+    down; on a shared machine the CPU seconds are the fair measure)."""
 
     def __init__(self):
         import time
 
-        self._now = time.perf_counter
-        self._t = self._now()
+        self._now, self._cpu = time.perf_counter, time.process_time
+        self._t, self._c = self._now(), self._cpu()
         self.laps: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
 
     def __call__(self, name: str) -> None:
-        t = self._now()
-        self.laps[name] = t - self._t
-        self._t = t
+        t, c = self._now(), self._cpu()
+        self.laps[name], self.cpu[name] = t - self._t, c - self._c
+        self._t, self._c = t, c

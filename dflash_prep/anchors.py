@@ -1,6 +1,6 @@
 """The DFlash anchor sampler: which positions of a sample start a draft block.
 
-Definitions (DESIGN.md "Drafter training"): position ``a`` of a sample is *eligible* when
+Definitions (docs/definitions.md "Drafter training"): position ``a`` of a sample is *eligible* when
 ``loss_mask[a] == loss_mask[a + 1] == 1``; the sample's *candidates* are
 ``C = sum_t lm[t] * lm[t + 1]`` and its *supervised* tokens ``S = sum_t lm[t]``. Every
 sample gets ``k`` anchors, drawn without replacement among its candidates and sorted:

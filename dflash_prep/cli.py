@@ -200,11 +200,14 @@ def analyze_cmd(
     budget_unit: Annotated[str, typer.Option(help="tokens | cost")] = "tokens",
     model_dim: Annotated[Optional[int], typer.Option(help="d_model for alpha = 1/(12 d_model); needed by --budget-unit cost")] = None,
     max_batch_size: Annotated[Optional[int], typer.Option(help="cap on samples per micro-batch")] = None,
-    buckets: Annotated[Optional[int], typer.Option(help="number of buckets K (default 6)")] = None,
+    buckets: Annotated[Optional[int], typer.Option(help="number of buckets K (default: chosen with the window under --max-repeat-pair)")] = None,
     target_efficiency: Annotated[Optional[float], typer.Option(help="pick the smallest K whose predicted efficiency reaches this")] = None,
     seed: Annotated[int, typer.Option(help="shuffle seed recorded in the plan")] = 0,
-    window: Annotated[Optional[int], typer.Option(help="local sort window recorded in the plan; 0 disables; default: auto, the largest window whose repeat-pair rate stays within 0.01 of window 0's (2048 on 902K seedlike)")] = None,
-    epochs: Annotated[int, typer.Option(help="epochs simulated per strategy row (>= 3)")] = 3,
+    window: Annotated[Optional[int], typer.Option(help="local sort window recorded in the plan; 0 disables; default: chosen with K, the highest simulated efficiency whose repeat-pair rate is <= --max-repeat-pair")] = None,
+    max_repeat_pair: Annotated[float, typer.Option(help="limit on the default plan's simulated repeat-pair rate (0.05: >= 95% of co-batched pairs new each epoch)")] = 0.05,
+    world_size: Annotated[int, typer.Option(help="W of the step mix reported beside the plan")] = 8,
+    grad_accum: Annotated[int, typer.Option(help="A of the step mix reported beside the plan")] = 1,
+    sim_epochs: Annotated[int, typer.Option(help="epochs simulated per row (>= 2)")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON instead of tables")] = False,
     plot: Annotated[bool, typer.Option(help="write analyze.png")] = True,
     objective: Annotated[str, typer.Option(help="lm, or dflash: also predict pack --objective dflash (needs the cost model flags)")] = "lm",
@@ -228,8 +231,9 @@ def analyze_cmd(
         max_anchors=max_anchors, anchor_policy=anchor_policy)
     cfg = AnalyzeConfig(data=data, lengths_file=lengths, out=out, budget=budget, budget_unit=budget_unit,
                         model_dim=model_dim, max_batch_size=max_batch_size, buckets=buckets,
-                        target_efficiency=target_efficiency, seed=seed, window=window, epochs=epochs, plot=plot,
-                        drafter=drafter, overwrite=overwrite)
+                        target_efficiency=target_efficiency, seed=seed, window=window,
+                        max_repeat_pair=max_repeat_pair, world_size=world_size, grad_accum=grad_accum,
+                        sim_epochs=sim_epochs, plot=plot, drafter=drafter, overwrite=overwrite)
     rep = run(cfg)
     if json_out:
         typer.echo(to_json(rep))
@@ -303,15 +307,26 @@ def pack_cmd(
     target_config: Annotated[Optional[Path], typer.Option(help="dflash cost model: the target's folder or config.json")] = None,
     target_dims: Annotated[Optional[str], typer.Option(help="dflash cost model: hidden=,layers=,intermediate=,heads=,kv_heads=,head_dim=,vocab=")] = None,
     draft_layers: Annotated[int, typer.Option(help="dflash cost model: drafter decoder layers")] = 1,
+    resume_from_step: Annotated[Optional[int], typer.Option(help="re-pack the rest of --epoch N (already in OUT) from step K for this --world-size/--grad-accum, into OUT/resume/epoch-000N")] = None,
 ):
     """Pack deterministic per-epoch manifests (batches, steps, ranks) from a plan."""
     from . import manifest
-    from .pack import PackConfig, budget_override, pack_epochs, parse_epochs, summary_warnings
+    from .pack import REPEAT_PAIR_WARN, PackConfig, budget_override, pack_epochs, parse_epochs, summary_warnings
     from .pack_dflash import drafter_options
 
     from .plan import load as load_plan
 
     p = load_plan(plan)
+    if resume_from_step is not None:
+        from .repack import resume_epoch
+
+        if epoch is None:
+            raise typer.BadParameter("--resume-from-step needs --epoch N (the epoch being resumed)")
+        d = resume_epoch(plan=p, out=out, epoch=epoch, from_step=resume_from_step, world_size=world_size,
+                         grad_accum=grad_accum, schedule=schedule, drop_last=drop_last, data=data, lengths=lengths,
+                         overwrite=overwrite)
+        _print_summaries([(f"{d.parent.name}/{d.name}", manifest.open(d).summary)])
+        return
     drafter = None if objective != "dflash" else drafter_options(
         target_config=target_config, target_dims=target_dims, draft_layers=draft_layers, block_size=block_size,
         max_anchors=max_anchors, anchor_policy=anchor_policy, anchor_budget=anchor_budget, cost_fill=cost_fill,
@@ -323,7 +338,8 @@ def pack_cmd(
                        overwrite=overwrite)
     rows = [(d.name, manifest.read_header(d).get("summary", {})) for d in dirs]  # just written: no re-hash
     _print_summaries(rows, json_out)
-    for line in (w for name, s in rows for w in summary_warnings(name, s)):
+    limit = p.predicted.get("max_repeat_pair") or REPEAT_PAIR_WARN
+    for line in (w for name, s in rows for w in summary_warnings(name, s, limit)):
         typer.secho(f"warning: {line}", fg=typer.colors.YELLOW, err=True)
 
 

@@ -1,6 +1,6 @@
 """What one DFlash drafter training step costs, per sample and per micro-batch (FLOPs).
 
-DESIGN.md "Drafter step cost", made exact. Per sample of ``L`` tokens with ``k`` anchors
+docs/definitions.md "Drafter step cost", made exact. Per sample of ``L`` tokens with ``k`` anchors
 (blocks of ``B`` tokens) and anchor positions ``a_j``:
 
 - target forward (frozen, no backward): ``2 * P_t * L`` plus causal attention within the

@@ -48,10 +48,11 @@ A``, segment and sample counts). :func:`verify` (``dflash-prep verify``,
 :mod:`dflash_prep.verify`) also recomputes everything from the lengths with
 :mod:`dflash_prep.metrics`, the summary included.
 
-World size is not elastic: a manifest packed for ``W x A`` is refused under any other
-``W' x A'`` (:meth:`Manifest.check_world`), because its steps were balanced for ``W``
-ranks. Re-pack the epoch with the new ``--world-size`` instead; the samples of every step
-before the resume point are those the old manifest listed, so resume at a step boundary.
+World size is not elastic within a manifest: one packed for ``W x A`` is refused under any
+other ``W' x A'`` (:meth:`Manifest.check_world`), because its steps were balanced for ``W``
+ranks. ``pack --resume-from-step K --world-size W'`` writes a continuation
+(:mod:`dflash_prep.repack`, header ``resume``) holding the epoch's unconsumed rest for
+``W' x A'``; ``verify`` checks coverage across the parent's first K steps and it.
 """
 
 from __future__ import annotations

@@ -87,14 +87,26 @@ class Histogram:
         return int(self.values[-1])
 
 
+@nb.njit(cache=True)
+def _count_lengths(lengths, top):
+    # one pass in the array's own dtype: np.bincount would first copy 100M int32 lengths to
+    # int64 (0.8 GB, 2.8 s CPU against 0.1 s here)
+    c = np.zeros(top + 1, np.int64)
+    for i in range(lengths.shape[0]):
+        c[lengths[i]] += 1
+    return c
+
+
 def histogram(lengths: np.ndarray) -> Histogram:
-    """Histogram of a lengths array in O(N) (``bincount``; int64 counts)."""
+    """Histogram of a lengths array in O(N) (a numba counting pass; int64 counts)."""
     lengths = np.asarray(lengths)
     if lengths.shape[0] == 0:
         raise InputError("no samples; nothing to analyze (the length source is empty)")
-    hi = int(lengths.max())
+    lo, hi = int(lengths.min()), int(lengths.max())
+    if lo < 0:
+        raise InputError(f"found a negative length ({lo}); lengths count tokens")
     if hi <= 1 << 24:
-        c = np.bincount(lengths, minlength=hi + 1).astype(np.int64)
+        c = _count_lengths(lengths, hi)
         v = np.flatnonzero(c).astype(np.int64)
         return Histogram(v, c[v])
     v, c = np.unique(lengths, return_counts=True)

@@ -35,7 +35,7 @@ from . import manifest, metrics, bucketing, outputs, pack_config, pack_dflash, s
 from .errors import ConfigError, FormatError
 from .fileio import fingerprint_json, holds_marker
 from .pack_config import PackConfig
-from .plan import Budget, Plan
+from .plan import MAX_REPEAT_PAIR, Budget, Plan
 from .plan import load as load_plan
 
 __all__ = ["PackConfig", "EpochResult", "build_epoch", "pack_epochs", "inputs_fingerprint"]
@@ -419,18 +419,20 @@ def budget_override(base: Budget, unit: str | None, value: float | None, model_d
     return replace(base, **{k: v for k, v in (("unit", unit), ("value", value), ("model_dim", model_dim)) if v is not None})
 
 
-#: Above this repeat-pair rate an epoch barely changes composition (sorted-static is 1.0).
-REPEAT_PAIR_WARN = 0.05
+#: The repeat-pair limit of plans that record none (analyze's --max-repeat-pair default).
+REPEAT_PAIR_WARN = MAX_REPEAT_PAIR
 
 
-def summary_warnings(name: str, summary: dict) -> list[str]:
-    """Plain-language warnings about an epoch's summary (printed by ``dflash-prep pack``)."""
+def summary_warnings(name: str, summary: dict, limit: float = REPEAT_PAIR_WARN) -> list[str]:
+    """Plain-language warnings about an epoch's summary (printed by ``dflash-prep pack``);
+    ``limit`` is the plan's repeat-pair limit (``plan.predicted["max_repeat_pair"]``)."""
     out = []
     rp = summary.get("repeat_pair_rate")
-    if rp is not None and rp > REPEAT_PAIR_WARN:
-        out.append(f"{name}: {rp:.1%} of co-batched pairs meet again (repeat-pair rate); batches barely change "
-                   "between epochs. The sort window covers too much of each bucket for this dataset: lower "
-                   "--window (or re-run analyze with a smaller --window)")
+    if rp is not None and rp > limit:
+        out.append(f"{name}: {rp:.1%} of the pairs co-batched in the previous epoch meet again (repeat-pair rate), "
+                   f"above the plan's limit of {limit:.1%}: fewer than {1 - limit:.0%} of pairs are new this epoch. "
+                   "The sort window covers much of each bucket for this dataset: lower --window, or re-run "
+                   "analyze without --window (it then picks K and window within --max-repeat-pair)")
     pred, eff = summary.get("predicted_efficiency"), summary.get("efficiency")
     if pred is not None and eff is not None and abs(eff - pred) > 0.005:
         out.append(f"{name}: efficiency {eff:.4f} differs from analyze's prediction {pred:.4f} by more than 0.5 pp")

@@ -363,7 +363,7 @@ def verify_epoch(header: dict, arrays: dict, lens: np.ndarray, order: np.ndarray
 
 
 # ----------------------------------------------------------------------------- analyze
-#: World size of analyze's drafter-cost balance prediction (DESIGN.md's benchmark W).
+#: World size of analyze's drafter-cost balance prediction (definitions.md's benchmark W).
 PREDICT_WORLD_SIZE = 8
 
 

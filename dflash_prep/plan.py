@@ -28,6 +28,10 @@ from .lengths import LengthSource
 PLAN_FORMAT = "dflash-prep/plan"
 PLAN_VERSION = 2  # v2: file_fingerprint over every field, data.path relative to the plan
 PLAN_FILE = "plan.json"
+#: Default limit on the repeat-pair rate (``analyze --max-repeat-pair``): at least 95% of the
+#: pairs that share a micro-batch in one epoch share none in the next. ``pack`` warns above
+#: the limit its plan records in ``predicted["max_repeat_pair"]``.
+MAX_REPEAT_PAIR = 0.05
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 The report dict is built by :func:`dflash_prep.analyze.run`; this module only renders it.
 ``analyze-report.json`` (format ``dflash-prep/analyze-report`` v1) is the same dict that
 ``--json`` prints. The PNG (matplotlib, Agg backend, no display needed) has two panels:
-the length histogram with the chosen boundaries, and predicted efficiency per K for the
-optimal and the equal-mass boundaries.
+the length histogram on a log length axis with the chosen boundaries, and the trade-off of
+efficiency against repeat-pair rate over the window and K tables, the plan's point marked.
 """
 
 from __future__ import annotations
@@ -52,7 +52,14 @@ def to_json(rep: dict) -> str:
 
 
 def plot(hist, rep: dict, out: Path) -> Path:
-    """Histogram with boundaries + efficiency per K; written atomically, path returned."""
+    """Two panels, written atomically (path returned):
+
+    - the length histogram on a log length axis (samples per distinct length, log scale),
+      with the plan's boundaries;
+    - the trade-off: efficiency against repeat-pair rate for the window table (at the plan's
+      K), the K x window candidates and the K table (window 0), the limit as a vertical
+      line and the plan's point marked.
+    """
     import io
 
     import matplotlib
@@ -60,29 +67,42 @@ def plot(hist, rep: dict, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
-    import numpy as np
-
-    # one step per length (zeros included): a single path; bars would draw thousands of patches
-    lo, hi = int(hist.values[0]), int(hist.values[-1])
-    dense = np.zeros(hi - lo + 1)
-    dense[hist.values - lo] = hist.counts
-    ax1.stairs(dense, np.arange(lo, hi + 2, dtype=np.float64), fill=True, color="#4c72b0", baseline=0.5)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    ax1.plot(hist.values, hist.counts, drawstyle="steps-mid", color="#4c72b0", lw=0.8)
     for b in rep["boundaries"]:
         ax1.axvline(b, color="#c44e52", lw=1)
+    ax1.set_xscale("log")
     ax1.set_yscale("log")
-    ax1.set_xlabel("length (tokens)")
-    ax1.set_ylabel("samples")
-    ax1.set_title(f"{rep['stats']['count']:,} samples; K={rep['k']} optimal boundaries")
-    ks = [r["k"] for r in rep["pareto_k"]]
-    ax2.plot(ks, [r["efficiency"] for r in rep["pareto_k"]], "o-", ms=3, label="optimal (model)")
-    ax2.plot(ks, [r["equal_mass_efficiency"] for r in rep["pareto_k"]], "s--", ms=3, label="equal-mass (model)")
-    ax2.axvline(rep["k"], color="#c44e52", lw=1)
-    ax2.set_xlabel("buckets K")
-    ax2.set_ylabel("padding efficiency (window 0)")
+    ax1.set_xlabel("length (tokens, log scale)")
+    ax1.set_ylabel("samples per length")
+    ax1.set_title(f"{rep['stats']['count']:,} samples; K={rep['k']} boundaries")
+    floor = 1e-6  # repeat-pair 0 on a log axis
+
+    def pts(rows):
+        return [max(r["repeat_pair"], floor) for r in rows], [r["efficiency"] for r in rows]
+
+    x, y = pts(rep["pareto_window"])
+    ax2.plot(x, y, "o-", ms=4, label=f"windows at K={rep['k']} (simulated)")
+    rows = rep["pareto_window"]
+    every = max(1, -(-len(rows) // 9))        # at most ~9 labels, so large tables stay legible
+    for i, r in enumerate(rows):
+        if i % every == 0 or i == len(rows) - 1:
+            ax2.annotate(f"{r['window']:,}", (max(r["repeat_pair"], floor), r["efficiency"]), fontsize=7,
+                         textcoords="offset points", xytext=(3, -9))
+    x, y = pts(rep["joint"])
+    ax2.plot(x, y, "s", ms=5, mfc="none", label="per-K pick (simulated)")
+    x, y = pts(rep["pareto_k"])
+    ax2.plot(x, y, ".--", ms=4, alpha=0.7, label="K = 1..32, window 0 (model)")
+    ax2.axvline(rep["max_repeat_pair"], color="#888888", lw=1, ls=":", label=f"limit {rep['max_repeat_pair']:g}")
+    p = rep["predicted"]
+    ax2.plot([max(p["repeat_pair"], floor)], [p["efficiency"]], "*", ms=16, color="#c44e52",
+             label=f"plan: K={rep['k']}, window {rep['window']}")
+    ax2.set_xscale("log")
+    ax2.set_xlabel("repeat-pair rate (log scale)")
+    ax2.set_ylabel("padding efficiency")
     ax2.set_title(f"budget {rep['budget']['value']:.0f} {rep['budget']['unit']}")
     ax2.grid(alpha=0.3)
-    ax2.legend()
+    ax2.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, metadata={"Software": PNG_SOFTWARE})
@@ -92,55 +112,75 @@ def plot(hist, rep: dict, out: Path) -> Path:
     return path
 
 
-def render(rep: dict, console=None) -> None:
-    """Print the stats, strategy and Pareto tables and the output paths."""
-    from rich.console import Console
+def _table(title: str, cols: list[str]):
+    """A rich table whose cells wrap (fold) instead of being cut: it fits 80 columns."""
     from rich.table import Table
+
+    t = Table(title=title, title_justify="left", pad_edge=False, padding=(0, 1))
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("strategy", "boundaries") else "right", overflow="fold")
+    return t
+
+
+def render(rep: dict, console=None) -> None:
+    """Print the stats, strategy, K x window, window and K tables and the output paths.
+
+    Every table has at most 7 short columns and folds long cells (boundaries), so it reads
+    in an 80-column terminal; how each figure was obtained is said once under each table.
+    """
+    from rich.console import Console
 
     con = console or Console()
     s = rep["stats"]
-    t = Table(title=f"lengths: {rep['data']['path']}")
-    for c in ("count", "total tokens", "min", "p1", "p50", "p90", "p99", "max", f"pile at {s['max']}"):
-        t.add_column(c, justify="right")
+    t = _table(f"lengths: {rep['data']['path']}", ["count", "tokens", "p1", "p50", "p99", "max", "at max"])
     pile = s["pile_at_max"]
-    qs = (str(s[k]) for k in ("min", "p1", "p50", "p90", "p99", "max"))
-    t.add_row(f"{s['count']:,}", f"{s['total_tokens']:,}", *qs,
-              f"{pile['count']:,} ({100 * pile['share']:.2f}%)")
+    t.add_row(f"{s['count']:,}", f"{s['total_tokens']:,}", *(str(s[k]) for k in ("p1", "p50", "p99", "max")),
+              f"{100 * pile['share']:.2f}%")
     con.print(t)
 
     b = rep["budget"]
-    t = Table(title=f"strategies at budget {b['value']:.0f} {b['unit']} "
-                    "(pred = renewal-chain model; sim = mean of simulated epochs)")
-    for c in ("strategy", "eff pred", "eff sim", "fill", "micro-batches", "repeat-pair", "spread", "how"):
-        t.add_column(c, justify="left" if c in ("strategy", "how") else "right")
+    t = _table(f"strategies at budget {b['value']:.0f} {b['unit']}",
+               ["strategy", "eff pred", "eff sim", "fill", "repeat", "spread"])
     for r in rep["strategies"]:
         t.add_row(r["name"], f"{r['efficiency_pred']:.4f}", f"{r['efficiency_sim']:.4f}", f"{r['fill']:.4f}",
-                  f"{r['microbatches']:,.0f}", f"{r['repeat_pair']:.5f}", f"{r['spread']:.3f}", r["how"])
+                  f"{r['repeat_pair']:.4f}", f"{r['spread']:.3f}")
+    con.print(t)
+    sim = rep["simulated_samples"]
+    con.print(f"pred: renewal-chain model; sim: pack's packer over {sim:,} samples"
+              + ("" if sim >= s["count"] else " (a subsample; repeat-pair rescaled to the full buckets)")
+              + "; repeat = repeat-pair rate")
+
+    t = _table(f"K x window: per K, the rule's pick (repeat-pair <= {rep['max_repeat_pair']:g}, "
+               "then within 0.5 pp of the best, least repeat-pair)",
+               ["K", "window", "efficiency", "repeat", "spread", "micro-batches"])
+    for r in rep["joint"]:
+        mark = " *" if (r["k"], r["window"]) == (rep["k"], rep["window"]) else ""
+        t.add_row(f"{r['k']}{mark}", str(r["window"]), f"{r['efficiency']:.4f}", f"{r['repeat_pair']:.4f}",
+                  f"{r['spread']:.3f}", f"{r['microbatches']:,.0f}")
     con.print(t)
 
-    t = Table(title="Pareto over K (window 0): efficiency = renewal-chain model; "
-                    "repeat-pair, spread = analytic estimates")
-    for c in ("K", "efficiency", "equal-mass", "micro-batches", "repeat-pair", "spread"):
-        t.add_column(c, justify="right")
-    t.add_column("boundaries", no_wrap=True, overflow="ellipsis", max_width=48)
+    t = _table(f"windows at K={rep['k']} (simulated; up to the first past the limit)",
+               ["window", "efficiency", "fill", "repeat", "spread", "micro-batches"])
+    for r in rep["pareto_window"]:
+        t.add_row(f"{r['window']:,}", f"{r['efficiency']:.4f}", f"{r['fill']:.4f}", f"{r['repeat_pair']:.4f}",
+                  f"{r['spread']:.3f}", f"{r['microbatches']:,.0f}")
+    con.print(t)
+
+    t = _table("K table, window 0 (efficiency: chain model; repeat, spread: analytic)",
+               ["K", "efficiency", "equal-mass", "repeat", "boundaries"])
     for r in rep["pareto_k"]:
         t.add_row(str(r["k"]), f"{r['efficiency']:.4f}", f"{r['equal_mass_efficiency']:.4f}",
-                  f"{r['microbatches']:,.0f}", f"{r['repeat_pair']:.5f}", f"{r['spread']:.3f}",
-                  ", ".join(map(str, r["boundaries"])))
-    con.print(t)
-
-    t = Table(title=f"Pareto over the local sort window, K={rep['k']} optimal (simulated)")
-    for c in ("window", "efficiency", "fill", "micro-batches", "repeat-pair", "spread"):
-        t.add_column(c, justify="right")
-    for r in rep["pareto_window"]:
-        t.add_row(str(r["window"]), f"{r['efficiency']:.4f}", f"{r['fill']:.4f}", f"{r['microbatches']:,.0f}",
-                  f"{r['repeat_pair']:.5f}", f"{r['spread']:.3f}")
+                  f"{r['repeat_pair']:.5f}", " ".join(map(str, r["boundaries"])))
     con.print(t)
 
     p = rep["predicted"]
-    how = " (auto: largest window within +0.01 repeat-pair of window 0)" if rep.get("window_how") == "auto" else ""
-    line = (f"K={rep['k']} boundaries {rep['boundaries']}; window {p['window']}{how}: predicted efficiency "
-            f"{p['efficiency']:.4f} ({p['how']})")
+    how = {"joint": "K and window chosen together", "given": "given"}
+    line = (f"plan: K={rep['k']} ({how.get(rep.get('k_how'), rep.get('k_how'))}), window {p['window']} "
+            f"({'given' if rep.get('window_how') == 'given' else 'chosen'}), boundaries {rep['boundaries']}: "
+            f"efficiency {p['efficiency']:.4f}, repeat-pair {p['repeat_pair']:.4f} (limit {rep['max_repeat_pair']:g})")
+    mix = p.get("step_mix")
+    if mix:
+        line += f", step mix {mix['step_mix']:.3f} at W={mix['world_size']} x A={mix['grad_accum']}"
     if p["window"]:
         line += f"; window 0: {p['window0']['efficiency']:.4f} (model)"
     con.print(line)

@@ -83,7 +83,9 @@ def verify_epoch(path: str | Path, *, data: str | Path | None = None, lengths: s
         raise FormatError(f"{path}: micro-batch start/count columns do not tile sample_ids; re-pack the epoch")
     if len(ids) and (ids.min() < 0 or ids.max() >= len(lens)):
         raise FormatError(f"{path}: sample ids outside 0..{len(lens) - 1}; the manifest belongs to other data")
-    seen = np.bincount(np.concatenate([ids, m.dropped_ids]), minlength=len(lens))
+    from .repack import consumed_ids  # a continuation (pack --resume-from-step) covers the epoch with its parent
+
+    seen = np.bincount(np.concatenate([ids, m.dropped_ids, consumed_ids(m)]), minlength=len(lens))
     if (seen != 1).any():
         miss, dup = np.flatnonzero(seen == 0), np.flatnonzero(seen > 1)
         problems.append(f"{len(miss)} samples missing (e.g. {miss[:5].tolist()}) and {len(dup)} appear more than once "

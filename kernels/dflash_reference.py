@@ -1,6 +1,6 @@
 """PyTorch reference of DFlash attention: the CPU path and the oracle of the Triton kernels.
 
-Semantics (DESIGN.md "Mask"). Document ``d`` holds ``S_d`` context rows
+Semantics (docs/definitions.md "Mask"). Document ``d`` holds ``S_d`` context rows
 (``k_ctx``/``v_ctx[cu_ctx[d]:cu_ctx[d+1]]``) and ``N_d`` blocks of ``B`` draft rows
 (``q``/``k_blk``/``v_blk[cu_blk[d]:cu_blk[d+1]]``); block ``j`` has anchor ``a_j``. Each of
 block ``j``'s B queries attends to

@@ -37,16 +37,29 @@ def cfg(path, out, **kw) -> AnalyzeConfig:
     return AnalyzeConfig(lengths_file=path, out=out, **kw)
 
 
-def test_auto_window_is_largest_within_repeat_slack(lengths_file, tmp_path):
+def test_default_plan_chooses_k_and_window_jointly(lengths_file, tmp_path):
+    from dflash_prep.tradeoff import TIE
+
     rep = run(cfg(lengths_file, tmp_path))
-    rows = {r["window"]: r for r in rep["pareto_window"]}
-    limit = rows[0]["repeat_pair"] + 0.01
-    chosen = rep["window"]
-    assert rep["window_how"] == "auto" and plan_mod.load(tmp_path / "plan.json").window == chosen
-    assert rows[chosen]["repeat_pair"] <= limit
-    assert all(r["repeat_pair"] > limit for w, r in rows.items() if w > chosen)
-    assert 0 < chosen < 2048  # 20k samples: a 2048 window would cover much of a bucket
-    assert rep["predicted"]["window"] == chosen
+    plan = plan_mod.load(tmp_path / "plan.json")
+    assert rep["window_how"] == "joint" and rep["k_how"] == "joint"
+    assert (plan.window, len(plan.boundaries) + 1) == (rep["window"], rep["k"])
+    p = rep["predicted"]
+    assert p["repeat_pair"] <= 0.05 and p["max_repeat_pair"] == 0.05 and rep["warnings"] == []
+    assert 0 <= p["step_mix"]["step_mix"] < 0.5 and p["step_mix"]["world_size"] == 8
+    # the rule over the per-K picks: within the limit, within TIE of the best, least repeat-pair
+    ok = [r for r in rep["joint"] if r["repeat_pair"] <= 0.05]
+    top = max(r["efficiency"] for r in ok)
+    assert p["efficiency"] >= top - TIE
+    assert all(r["repeat_pair"] >= p["repeat_pair"] for r in ok if r["efficiency"] >= top - TIE)
+    assert [r["k"] for r in rep["joint"]] == [1, 2, 4, 6, 8, 16]
+    # the window table runs up to the first window past the limit
+    rows = rep["pareto_window"]
+    assert rows[0]["window"] == 0 and rows[-1]["repeat_pair"] > 0.05
+    assert all(r["repeat_pair"] <= 0.05 for r in rows[:-1])
+    # a tighter limit gives a plan with fewer repeated pairs
+    strict = run(cfg(lengths_file, tmp_path / "strict", max_repeat_pair=0.02))
+    assert strict["predicted"]["repeat_pair"] <= 0.02 < p["repeat_pair"]
 
 
 def test_plan_report_and_png(lengths_file, tmp_path):
@@ -70,10 +83,11 @@ def test_plan_report_and_png(lengths_file, tmp_path):
     eff = {s["name"]: s["efficiency_sim"] for s in rep["strategies"]}
     assert eff["full random"] < eff["equal-mass K=5"] < eff["optimal K=5"] < eff["optimal K=5 + window 2048"]
     assert [r["k"] for r in rep["pareto_k"]] == list(range(1, 33))
-    assert [r["window"] for r in rep["pareto_window"]] == [0, 64, 128, 256, 512, 1024, 2048, 4096]  # small data: +64..512
-    # 20k samples in 5 buckets: a 2048 window sorts most of a bucket, so batches barely change
+    windows = [r["window"] for r in rep["pareto_window"]]
+    assert windows[:3] == [0, 64, 128] and 2048 in windows and windows == sorted(windows)
+    # 20k samples in 5 buckets: a 2048 window sorts most of a bucket, so pairs meet again
     rp = {r["window"]: r["repeat_pair"] for r in rep["pareto_window"]}
-    assert rp[2048] > 0.05 and len(rep["warnings"]) == 1
+    assert rp[2048] > 0.05 and len(rep["warnings"]) == 1 and "95%" in rep["warnings"][0]
     assert f"--window {max(w for w in rp if w and rp[w] <= 0.05)}" in rep["warnings"][0]
 
 
@@ -163,3 +177,23 @@ def test_cli(lengths_file, tmp_path):
     assert res.exit_code == 1 and "lengths file not found" in res.output and "Traceback" not in res.output
     res = runner.invoke(app, ["analyze", "--lengths", str(lengths_file), "--buckets", "0"])
     assert res.exit_code == 1 and "--buckets must be at least 1" in res.output
+    res = runner.invoke(app, ["analyze", "--lengths", str(lengths_file), "--sim-epochs", "1"])
+    assert res.exit_code == 1 and "--sim-epochs must be at least 2" in res.output
+    res = runner.invoke(app, ["analyze", "--lengths", str(lengths_file), "--epochs", "3"])
+    assert res.exit_code != 0  # the simulated-epoch count is --sim-epochs; --epochs belongs to pack
+
+
+def test_tables_fit_80_columns(lengths_file, tmp_path):
+    from rich.console import Console
+
+    from dflash_prep.report import render
+
+    rep = run(cfg(lengths_file, tmp_path, buckets=6))
+    con = Console(width=80, record=True, color_system=None)
+    render(rep, con)
+    text = con.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "\u2026" not in text and "..." not in text  # folded, never cut
+    # every boundary of the widest K row is printed in full (folded over lines)
+    flat = "".join(text.split())
+    assert all(str(b) in flat for b in rep["pareto_k"][-1]["boundaries"])

@@ -156,13 +156,12 @@ def test_peers_smoke_writes_versioned_report(tmp_path):
         rand = rows["full random"]
         fairseq = next(r for r in res["rows"] if r["name"].startswith("fairseq"))
         assert fairseq["repeat_pair"] == 1.0
-        # the default bucketed layout (auto window: 0 or small on 2,500 samples) is far more
-        # efficient than random and mixes steps better than static batches; its window keeps
-        # repeat-pair within 0.01 of the unwindowed K rows'
+        # the default plan (K and window chosen together under repeat-pair <= 0.05) is far more
+        # efficient than random and mixes steps better than static batches; pack realizes
+        # the limit it was chosen under (2,500 samples: simulated exactly)
         assert default["efficiency"] > rand["efficiency"] + 0.2
         assert default["step_mix"] < fairseq["step_mix"]
-        no_window = next(r for r in res["rows"] if r["name"].endswith("no window"))
-        assert default["repeat_pair"] <= no_window["repeat_pair"] + 0.011
+        assert default["repeat_pair"] <= 0.05 + 0.01
         for r in res["rows"]:
             assert 0.0 <= r["repeat_pair"] <= 1.0 and 0.0 <= r["step_mix"] <= 1.0
             assert r["microbatches"] > 0 and r["epoch_s"] >= 0.0
