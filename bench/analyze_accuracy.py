@@ -106,6 +106,7 @@ def scale_table(ns: list[int], json_path: Path | None) -> int:
     from dflash_prep import analyze, tradeoff
     from dflash_prep.optimize import histogram
     from dflash_prep.profiles import make_lengths
+    from dflash_prep.plan import Budget
     from dflash_prep.simulate import Subsample, simulate
 
     rows = []
@@ -119,11 +120,11 @@ def scale_table(ns: list[int], json_path: Path | None) -> int:
             secs = time.perf_counter() - t0
         k, w, bounds = rep["k"], rep["window"], rep["boundaries"]
         full = Subsample(histogram(lengths), lengths)        # every sample: what pack realizes
-        ev = tradeoff.Evaluator(Subsample.of(full.hist), 65536.0, 0.0, None, 0, 2)
+        ev = tradeoff.Evaluator(Subsample.of(full.hist), Budget(value=65536), 0, 2)
         last = rep["pareto_window"][-1]["window"]   # the table's largest window: the large-window model's path
         for window in sorted({w // 4, w, 4 * w, last}):
             pred = ev(bounds, window)
-            real = simulate(full, bounds, budget=65536.0, window=window)
+            real = simulate(full, bounds, budget=Budget(value=65536), window=window)
             rows.append({"n": n, "k": k, "window": window, "plan": window == w, "analyze_s": secs,
                          "eff_pred": pred.efficiency, "eff_pack": real.efficiency,
                          "rp_pred": pred.repeat_pair, "rp_pack": real.repeat_pair})

@@ -260,7 +260,7 @@ def _run(cfg: AnalyzeConfig, source: LengthSource | None, report) -> dict:
                             if model.disagreement(bd) > MULTI_START_GAP else ())
                for kk, bd in enumerate(result.boundaries, 1)]
     clock("refine")
-    ev = tradeoff.Evaluator(sub, b.value, b.packing_alpha, b.max_batch_size, cfg.seed, cfg.sim_epochs)
+    ev = tradeoff.Evaluator(sub, b, cfg.seed, cfg.sim_epochs)
     k_fixed = fixed_k(cfg, model, refined)
     ks = [k_fixed] if k_fixed else [k for k in tradeoff.JOINT_KS if k <= len(refined)]
     joint = tradeoff.choose(ev, refined, ks=ks, window=cfg.window, limit=cfg.max_repeat_pair)
@@ -316,7 +316,7 @@ def strategy_rows(ev: tradeoff.Evaluator, model: Model, cfg: AnalyzeConfig, k: i
     chain prediction + simulation (window 0)."""
     hist = model.hist
     b = cfg.budget_spec
-    st = sorted_static_hist(hist, budget=b.value, alpha=b.packing_alpha, max_batch_size=b.max_batch_size)
+    st = sorted_static_hist(hist, budget=b)
     rows = [{"name": "sorted-static", "boundaries": [], "efficiency_pred": st["efficiency"],
              "efficiency_sim": st["efficiency"], "fill": st["fill"], "microbatches": st["microbatches"],
              "repeat_pair": 1.0, "spread": st["spread"], "how": "exact, from the histogram"}]

@@ -23,6 +23,8 @@ tokens, summed over its ``W' x A'`` micro-batches.
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 import numpy as np
@@ -138,6 +140,10 @@ def resume_epoch(*, plan: Plan | str | Path, out: str | Path, epoch: int, from_s
             return path
         if not overwrite:
             raise ConfigError(f"{path} already holds a continuation built from other inputs; pass --overwrite")
+    # recorded paths are relative to the folder that records them (one level deeper than the parent)
+    res["header"]["data"] = {**res["header"]["data"], "kind": src.kind,
+                             "path": os.path.relpath(Path(src.path).resolve(), path.resolve())}
+    res["header"]["resume"]["parent"] = os.path.relpath(Path(parent.path).resolve(), path.resolve())
     return manifest.write(path, res["header"], res["arrays"], overwrite=True)
 
 
@@ -148,7 +154,7 @@ def consumed_ids(m: manifest.Manifest) -> np.ndarray:
     r = m.header.get("resume")
     if not r:
         return np.empty(0, np.int64)
-    parent = manifest.open(r["parent"], data_fingerprint=m.data_fingerprint)
+    parent = manifest.open(Path(m.path) / r["parent"], data_fingerprint=m.data_fingerprint)
     if parent.fingerprint != r["parent_fingerprint"]:
         raise FingerprintMismatch(f"{m.path}: continues {r['parent']} fingerprint {r['parent_fingerprint']}, but that "
                                   f"folder now holds {parent.fingerprint}; re-run pack --resume-from-step")

@@ -51,6 +51,7 @@ import numba as nb
 import numpy as np
 
 from .bucketing import pack_padded
+from .plan import Budget
 from .errors import ConfigError
 from .optimize import Histogram
 
@@ -257,7 +258,7 @@ def rescale_repeat(rate_sub: float, window: int, n_full: int, n_sub: int, q_mode
     return min(1.0, q * same_window_probability(w_full, n_full))
 
 
-def _pack_epochs(sub, boundaries, window, *, budget, alpha, max_batch_size, seed, epochs, cache):
+def _pack_epochs(sub, boundaries, window, *, budget: Budget, seed, epochs, cache):
     """Pack the subsample ``epochs`` times: (per-epoch efficiency, fill, spread, micro-batches per
     bucket summed over epochs, pairs and repeated pairs per bucket between epochs 0 and 1)."""
     # a window holding every subsampled bucket whole sorts each of them: the same packing
@@ -271,11 +272,12 @@ def _pack_epochs(sub, boundaries, window, *, budget, alpha, max_batch_size, seed
     prev = pairs = again = None
     for ep in range(epochs):
         order, offsets, bucket, olens = pack_padded(sub.lengths, boundaries, seed=seed, epoch=ep, budget=budget,
-                                                    alpha=alpha, max_batch_size=max_batch_size, window=window)
+                                                    window=window)
+        alpha = budget.packing_alpha
         real, padded, occ, spread = _epoch_stats(olens, offsets, bucket, float(alpha), n_b, mb)
         m = len(offsets) - 1
         effs.append(real / padded)
-        fills.append((occ if alpha else padded) / (m * float(budget)))
+        fills.append((occ if alpha else padded) / (m * float(budget.value)))
         sps.append(spread / m)
         if ep == 1:
             pairs, again = _bucket_repeat_pairs(prev[0], prev[1], prev[2], order, offsets, len(sub.lengths), n_b)
@@ -287,8 +289,8 @@ def _pack_epochs(sub, boundaries, window, *, budget, alpha, max_batch_size, seed
     return out
 
 
-def simulate(sub: Subsample, boundaries, *, budget: float, alpha: float = 0.0, max_batch_size: int | None = None,
-             window: int = 0, seed: int = 0, epochs: int = 2, cache: dict | None = None) -> Simulated:
+def simulate(sub: Subsample, boundaries, *, budget: Budget, window: int = 0, seed: int = 0, epochs: int = 2,
+             cache: dict | None = None) -> Simulated:
     """Pack the subsample for ``epochs`` epochs (>= 2) and scale the means to the full data.
 
     Efficiency, fill and spread are means over the epochs; the repeat-pair rate compares
@@ -301,7 +303,7 @@ def simulate(sub: Subsample, boundaries, *, budget: float, alpha: float = 0.0, m
         raise ConfigError(f"--sim-epochs must be at least 2 (the repeat-pair rate compares two), got {epochs}")
     n_b = len(boundaries) + 1
     full, part = sub.bucket_sizes(boundaries)
-    kw = dict(budget=budget, alpha=alpha, max_batch_size=max_batch_size, seed=seed, epochs=epochs, cache=cache)
+    kw = dict(budget=budget, seed=seed, epochs=epochs, cache=cache)
     effs, fills, sps, mb, pairs, again = _pack_epochs(sub, boundaries, window, **kw)
     scaled = (full > part) & (part >= 2)
     w_cal = min([calibration_window(window, int(part[k])) for k in range(n_b) if scaled[k]] or [window])
@@ -312,11 +314,11 @@ def simulate(sub: Subsample, boundaries, *, budget: float, alpha: float = 0.0, m
     scale = np.divide(full, part, out=np.zeros(n_b), where=part > 0)
     hv, hc = sub.hist.values, sub.hist.counts
     edges = np.searchsorted(hv, np.asarray([0, *boundaries, int(hv[-1]) + 1], np.int64), side="left")
-    cap = float(max_batch_size) if max_batch_size else 1e18
+    cap = float(budget.max_batch_size) if budget.max_batch_size else 1e18
 
     def q_model(k):
         vals, cnts = hv[edges[k]:edges[k + 1]], hc[edges[k]:edges[k + 1]].astype(np.float64)
-        return lambda w: _q_model(vals, cnts, float(w), float(budget), float(alpha), cap)
+        return lambda w: _q_model(vals, cnts, float(w), float(budget.value), float(budget.packing_alpha), cap)
 
     rates = []
     for k in range(n_b):
@@ -380,13 +382,13 @@ def _sorted_greedy(values, counts, budget, alpha, cap):
     return m, padded, occ, spread
 
 
-def sorted_static(hist: Histogram, *, budget: float, alpha: float = 0.0, max_batch_size: int | None = None) -> dict:
+def sorted_static(hist: Histogram, *, budget: Budget) -> dict:
     """Global sort by length, fixed greedy batches, from the histogram in O(distinct + batches).
 
     Exactly ``greedy_offsets(argsort(lengths))``'s efficiency, fill, micro-batches and spread,
     without sorting N samples (the tests compare both).
     """
-    cap = np.int64(max_batch_size) if max_batch_size else np.int64(2**62)
-    m, padded, occ, spread = _sorted_greedy(hist.values, hist.counts, float(budget), float(alpha), cap)
-    return {"efficiency": hist.total_tokens / padded, "fill": (occ if alpha else padded) / (m * float(budget)),
+    cap, alpha = np.int64(budget.batch_cap), budget.packing_alpha
+    m, padded, occ, spread = _sorted_greedy(hist.values, hist.counts, float(budget.value), float(alpha), cap)
+    return {"efficiency": hist.total_tokens / padded, "fill": (occ if alpha else padded) / (m * float(budget.value)),
             "microbatches": float(m), "spread": spread / m}

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .plan import Budget
 from .simulate import Simulated, Subsample, simulate
 
 JOINT_KS = (1, 2, 4, 6, 8, 16)   # K candidates of the joint choice
@@ -53,9 +54,7 @@ class Evaluator:
     """Simulated rows for (boundaries, window), memoised: the same pair is never packed twice."""
 
     sub: Subsample
-    budget: float
-    alpha: float
-    max_batch_size: int | None
+    budget: Budget
     seed: int
     epochs: int
 
@@ -69,8 +68,7 @@ class Evaluator:
         w_key = min(int(window), int(full.max()) if full.max() > 1 else 1)
         key = (tuple(int(b) for b in boundaries), w_key)
         if key not in self._memo:
-            self._memo[key] = simulate(self.sub, boundaries, budget=self.budget, alpha=self.alpha,
-                                       max_batch_size=self.max_batch_size, window=int(window), seed=self.seed,
+            self._memo[key] = simulate(self.sub, boundaries, budget=self.budget, window=int(window), seed=self.seed,
                                        epochs=self.epochs, cache=self._packs)
         return self._memo[key]
 

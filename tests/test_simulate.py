@@ -8,6 +8,7 @@ import pytest
 from dflash_prep import metrics
 from dflash_prep.bucketing import greedy_offsets, pack_padded_epoch
 from dflash_prep.optimize import histogram
+from dflash_prep.plan import Budget
 from dflash_prep.profiles import make_lengths
 from dflash_prep.simulate import (Subsample, rescale_repeat, same_window_probability, simulate, sorted_static,
                                   subsample_counts)
@@ -33,10 +34,10 @@ def test_subsample_is_systematic_and_deterministic(lengths):
 
 def test_exact_when_the_subsample_is_everything(lengths):
     sub = Subsample.of(histogram(lengths), 10**7)
-    sim = simulate(sub, BOUNDS, budget=T, window=1024, seed=4)
+    sim = simulate(sub, BOUNDS, budget=Budget(value=T), window=1024, seed=4)
     effs, prev, rps = [], None, []
     for e in range(2):
-        order, offsets, _ = pack_padded_epoch(sub.lengths, BOUNDS, seed=4, epoch=e, budget=T, window=1024)
+        order, offsets, _ = pack_padded_epoch(sub.lengths, BOUNDS, seed=4, epoch=e, budget=Budget(value=T), window=1024)
         effs.append(metrics.efficiency(sub.lengths, order, offsets))
         if prev is not None:
             rps.append(metrics.repeat_pair_rate(*prev, order, offsets, len(sub.lengths)))
@@ -51,8 +52,8 @@ def test_subsample_predicts_full_pack(lengths, window):
     """A 2^15 subsample (8% of the data) against packing all 400K samples: efficiency within
     0.5 pp and repeat-pair within 0.005, including windows larger than the subsample's buckets."""
     h = histogram(lengths)
-    small = simulate(Subsample.of(h, 1 << 15), BOUNDS, budget=T, window=window)
-    full = simulate(Subsample.of(h, 10**7), BOUNDS, budget=T, window=window)
+    small = simulate(Subsample.of(h, 1 << 15), BOUNDS, budget=Budget(value=T), window=window)
+    full = simulate(Subsample.of(h, 10**7), BOUNDS, budget=Budget(value=T), window=window)
     assert abs(small.efficiency - full.efficiency) < 0.005, (window, small, full)
     assert abs(small.repeat_pair - full.repeat_pair) < 0.005, (window, small.repeat_pair, full.repeat_pair)
     assert small.microbatches == pytest.approx(full.microbatches, rel=0.01)
@@ -69,8 +70,8 @@ def test_sorted_static_from_histogram_matches_greedy(lengths, cap):
     h = histogram(lengths[:50_000])
     lens = lengths[:50_000]
     ids = np.argsort(lens, kind="stable")
-    off = greedy_offsets(ids, lens, T, max_batch_size=cap)
-    got = sorted_static(h, budget=T, max_batch_size=cap)
+    off = greedy_offsets(ids, lens, Budget(value=T, max_batch_size=cap))
+    got = sorted_static(h, budget=Budget(value=T, max_batch_size=cap))
     assert got["microbatches"] == len(off) - 1
     assert got["efficiency"] == pytest.approx(metrics.efficiency(lens, ids, off), abs=1e-12)
     assert got["fill"] == pytest.approx(metrics.fill(lens, ids, off, T), abs=1e-12)
