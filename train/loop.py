@@ -275,6 +275,11 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
             m = first if epoch == 0 else source.manifest(epoch)
             _check_manifest_shape(m, d)
             shape = _manifest_key(m)
+            if epoch > 0 and cfg.objective == "dflash":
+                from .objectives import anchor_spec
+                if anchor_spec(cfg, m)[0] != obj.spec:
+                    raise FormatError(f"epoch {epoch} manifest draws anchors with {anchor_spec(cfg, m)[0]}, epoch 0 "
+                                      f"with {obj.spec}; pack every epoch with the same drafter options")
             if any(run_key[k] != v for k, v in shape.items()):
                 raise FormatError(f"epoch {epoch} manifest was packed with {shape}, epoch 0 with "
                                   f"{ {k: run_key[k] for k in shape} }; pack every epoch with the same options")
