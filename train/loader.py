@@ -149,11 +149,13 @@ class ManifestLoader(torch.utils.data.IterableDataset):
             self._opened = {epoch: m}   # one epoch at a time: manifests are memory-mapped, not held
         return self._opened[epoch]
 
-    def open_epoch(self, epoch: int, start_step: int = 0) -> Prefetcher:
+    def open_epoch(self, epoch: int, start_step: int = 0, build=None) -> Prefetcher:
         """This rank's steps ``start_step..`` of ``epoch`` as a FIFO :class:`Prefetcher` of
-        :class:`StepBatches` (a context manager; ``wait_s`` is the consumer's blocked time)."""
+        :class:`StepBatches` (a context manager; ``wait_s`` is the consumer's blocked time).
+        ``build(mb)`` replaces the default micro-batch builder (the trainer's objectives use it:
+        a drafter batch adds anchors and blocks)."""
         it = iter_steps(self.source.dataset, self.manifest(epoch), self.rank, start_step=start_step,
-                        pad_id=self.pad_id, pin=self.pin)
+                        pad_id=self.pad_id, pin=self.pin, build=build)
         return Prefetcher(it, self.prefetch)
 
     def steps(self, *, start: tuple[int, int] | None = None) -> Iterator[StepBatches]:
