@@ -48,6 +48,7 @@ from .loader import ManifestLoader
 from .model import Decoder
 from .objectives import build_objective
 from .lr import Schedule
+from .source import tokenizer_field
 
 LOG_FORMAT = "dflash-prep/train-log"
 SUMMARY_FORMAT = "dflash-prep/train-summary"
