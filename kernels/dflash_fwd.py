@@ -18,7 +18,10 @@ Forward of one tile, online softmax with fp32 accumulation:
 - context tiles from there up to ``a_max`` (the tile's last anchor) apply the per-row
   limit ``col < a_row``; nothing at or beyond ``a_max`` is loaded;
 - the tile's own blocks are one dense ``BLOCK_M x BLOCK_M`` diagonal tile of ``k_blk`` /
-  ``v_blk`` (the same rows as the queries), masked to ``row // B == col // B``.
+  ``v_blk`` (the same rows as the queries), masked to ``row // B == col // B``. It is walked
+  in ``BLOCK_N`` wide column chunks by the same loop as the context: a single
+  ``BLOCK_M x BLOCK_M`` fp32 score tile spilled far more registers at D = 128 (cuobjdump
+  on the sm_90 cubin) than the chunks do.
 
 Masked scores are ``-1e30`` rather than ``-inf``: a row whose first context tile is fully
 masked (anchor 0 in a tile with larger anchors) stays finite, and its weight is wiped to
@@ -67,28 +70,44 @@ def locate(CU_TILES, t, num_docs, docs_iter):
     return doc, t - tl.load(CU_TILES + doc)
 
 
+# how a key tile is masked (constexpr MODE of the inner loops)
+FULL = tl.constexpr(0)  # context keys every row sees: no mask
+LIMIT = tl.constexpr(1)  # context keys: keep col < lim[row] (the row's anchor)
+SAME_BLOCK = tl.constexpr(2)  # own-block keys, cols local to the tile: keep col // B == lim[row] (the row's block)
+
+
 @triton.jit
-def _fwd_ctx(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, lo, hi, qk_scale,
-             BLOCK_N: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax over context keys ``[lo, hi)``; ``MASK``: keep ``col < a_row`` (and load ``col < hi``)."""
+def keep_mask(cols, lim, MODE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """(rows, cols) keep mask of a LIMIT or SAME_BLOCK tile; ``lim`` per row, ``cols`` per column."""
+    if MODE == SAME_BLOCK:
+        return (cols[None, :] // BLOCK_SIZE) == lim[:, None]
+    else:
+        return cols[None, :] < lim[:, None]
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skt, svt, offs_d, lim, lo, hi, load_hi, qk_scale,
+               BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MODE: tl.constexpr,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over keys ``[lo, hi)`` of ``k_base``/``v_base``; masked MODEs load only ``col < load_hi``."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        kt_ptrs = kc_base + cols[None, :].to(tl.int64) * skct + offs_d[:, None]  # (D, BLOCK_N)
-        v_ptrs = vc_base + cols[:, None].to(tl.int64) * svct + offs_d[None, :]  # (BLOCK_N, D)
-        if MASK:
-            kt = tl.load(kt_ptrs, mask=cols[None, :] < hi, other=0.0)
-            v = tl.load(v_ptrs, mask=cols[:, None] < hi, other=0.0)
-        else:
+        kt_ptrs = k_base + cols[None, :].to(tl.int64) * skt + offs_d[:, None]  # (D, BLOCK_N)
+        v_ptrs = v_base + cols[:, None].to(tl.int64) * svt + offs_d[None, :]  # (BLOCK_N, D)
+        if MODE == FULL:
             kt = tl.load(kt_ptrs)
             v = tl.load(v_ptrs)
+        else:
+            kt = tl.load(kt_ptrs, mask=cols[None, :] < load_hi, other=0.0)
+            v = tl.load(v_ptrs, mask=cols[:, None] < load_hi, other=0.0)
         in_dtype = v.dtype
         if UPCAST:
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        if MASK:
-            qk = tl.where(cols[None, :] < a_row[:, None], qk, MASKED)
+        if MODE != FULL:
+            qk = tl.where(keep_mask(cols, lim, MODE, BLOCK_SIZE), qk, MASKED)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
@@ -131,27 +150,21 @@ def dflash_fwd_kernel(
         kc_base = KC + c0 * skct + hk * skch
         vc_base = VC + c0 * svct + hk * svch
         full = (a_lo // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _fwd_ctx(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, 0, full,
-                                 qk_scale, BLOCK_N, False, UPCAST, PRECISION)
-        acc, l_i, m_i = _fwd_ctx(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, full, a_hi,
-                                 qk_scale, BLOCK_N, True, UPCAST, PRECISION)
-        # own blocks: one dense diagonal tile over the same rows, block-diagonal mask
-        kbt = tl.load(KB + grow[None, :] * skbt + hk * skbh + offs_d[:, None], mask=row_ok[None, :], other=0.0)
-        vb = tl.load(VB + grow[:, None] * svbt + hk * svbh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        in_dtype = vb.dtype
-        if UPCAST:
-            kbt = kbt.to(tl.float32)
-            vb = vb.to(tl.float32)
-        qk = tl.dot(q, kbt, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_M)
-        same = (offs_m[:, None] // BLOCK_SIZE) == (offs_m[None, :] // BLOCK_SIZE)
-        qk = tl.where(same, qk, MASKED)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(rounded(p, in_dtype, UPCAST), vb, acc * alpha[:, None], input_precision=PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, 0, full, full,
+                                   qk_scale, BLOCK_N, BLOCK_SIZE, FULL, UPCAST, PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, full, a_hi, a_hi,
+                                   qk_scale, BLOCK_N, BLOCK_SIZE, LIMIT, UPCAST, PRECISION)
+        # own blocks: the dense BLOCK_M x BLOCK_M diagonal tile over the same rows (walked in BLOCK_N
+        # wide column chunks, which bounds registers), block-diagonal mask
+        t0 = (r0 + tile * BLOCK_M).to(tl.int64)
+        kb_base = KB + t0 * skbt + hk * skbh
+        vb_base = VB + t0 * svbt + hk * svbh
+        row_blk = tl.arange(0, BLOCK_M) // BLOCK_SIZE
+        left = rows - tile * BLOCK_M  # draft rows of the document from this tile on
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kb_base, vb_base, skbt, svbt, offs_d, row_blk, 0,
+                                   tl.minimum(left, BLOCK_M), left, qk_scale, BLOCK_N, BLOCK_SIZE, SAME_BLOCK, UPCAST, PRECISION)
         acc = acc / l_i[:, None]
-        lse = (m_new + tl.math.log2(l_i)) * LN2  # natural-log LSE of scale * q.k
+        lse = (m_i + tl.math.log2(l_i)) * LN2  # natural-log LSE of scale * q.k
         tl.store(O + grow[:, None] * sot + h64 * soh + offs_d[None, :],
                  rounded(acc, O.dtype.element_ty, UPCAST).to(O.dtype.element_ty), mask=row_ok[:, None])
         tl.store(LSE + h64 * slh + grow, lse, mask=row_ok)
