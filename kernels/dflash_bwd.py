@@ -76,7 +76,7 @@ def dflash_bwd_dq_kernel(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     h = tl.program_id(0)
-    t = tl.program_id(1)
+    t = tl.num_programs(1) - 1 - tl.program_id(1)  # last tiles (largest anchors, most work) first
     if t < tl.load(CU_TILES + num_docs):
         doc, tile = locate(CU_TILES, t, num_docs, docs_iter)
         r0 = tl.load(CU_BLK + doc)

@@ -10,6 +10,8 @@ head; ``BLOCK_M`` is a multiple of B and tiles start at multiples of ``BLOCK_M``
 document, so a tile holds whole blocks. Tiles are numbered across documents by the device
 table ``CU_TILES`` (``cu_tiles[d]`` = tiles before document ``d``, computed with torch ops,
 no host sync); a program finds its document by binary search over it (:func:`locate`).
+Programs run the last tiles first: their anchors are the largest, so they carry the most
+work, and the grid's surplus programs (it is sized by an upper bound) exit at once.
 
 Forward of one tile, online softmax with fp32 accumulation:
 
@@ -126,7 +128,7 @@ def dflash_fwd_kernel(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     h = tl.program_id(0)
-    t = tl.program_id(1)
+    t = tl.num_programs(1) - 1 - tl.program_id(1)  # last tiles (largest anchors, most work) first
     if t < tl.load(CU_TILES + num_docs):
         doc, tile = locate(CU_TILES, t, num_docs, docs_iter)
         r0 = tl.load(CU_BLK + doc)
