@@ -71,7 +71,7 @@ class DFlashBenchConfig:
     """D."""
     seed: int = 0
     """Seed of the anchors and the random inputs."""
-    budget_s: float = 120.0
+    budget_s: float = 100.0
     """After this many seconds, baselines (Flex, SDPA) are skipped; ours and the checks still run."""
 
     def __post_init__(self) -> None:

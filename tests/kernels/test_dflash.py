@@ -111,3 +111,23 @@ def test_triton_path_refuses_what_it_does_not_support():
     args = make_dflash([(9, [1, 8])], 4, 2, 1, 32, torch.float64)
     with force_backend("triton"), pytest.raises(AttentionConfigError, match="float16, bfloat16 or float32"):
         attention_dflash(*args[:5], *args[6:], 4)
+
+
+def _random_docs(seed: int, n_docs: int, max_ctx: int, max_blocks: int):
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for _ in range(n_docs):
+        s = int(torch.randint(1, max_ctx + 1, (1,), generator=g))
+        n = int(torch.randint(0, min(s, max_blocks) + 1, (1,), generator=g))
+        docs.append((s, sorted(torch.randperm(s, generator=g)[:n].tolist())))
+    return docs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+@pytest.mark.parametrize("heads", [(2, 2), (4, 1), (8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_sweep_random_documents(block_size, heads, dtype, d):
+    seed = block_size * 1000 + heads[0] * 100 + d + {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[dtype]
+    _check(_random_docs(seed, 3, 80, 64 // block_size), block_size, *heads, d, dtype, seed=seed)
