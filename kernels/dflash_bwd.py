@@ -84,17 +84,20 @@ def dflash_bwd_dq_kernel(
         c0 = tl.load(CU_CTX + doc).to(tl.int64)
         h64 = h.to(tl.int64)
         hk = (h // group).to(tl.int64)
-        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # draft rows within the document
+        t0 = r0 + tile * BLOCK_M  # the tile's first global draft row
+        left = rows - tile * BLOCK_M  # draft rows of the document from this tile on
+        loc = tl.arange(0, BLOCK_M)  # rows within the tile: int32 offsets from the tile's base
         offs_d = tl.arange(0, HEAD_DIM)
-        row_ok = offs_m < rows
-        grow = (r0 + offs_m).to(tl.int64)
-        a_row = tl.load(ANCHORS + grow // BLOCK_SIZE, mask=row_ok, other=0)
-        a_lo = tl.load(ANCHORS + (r0 + tile * BLOCK_M) // BLOCK_SIZE)
+        row_ok = loc < left
+        a_row = tl.load(ANCHORS + (t0 + loc) // BLOCK_SIZE, mask=row_ok, other=0)
+        a_lo = tl.load(ANCHORS + t0 // BLOCK_SIZE)
         a_hi = tl.max(a_row, 0)
-        q = tl.load(Q + grow[:, None] * sqt + h64 * sqh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + grow[:, None] * sdot + h64 * sdoh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        lse2 = tl.load(LSE + h64 * slh + grow, mask=row_ok, other=float("inf")) * LOG2E
-        delta = tl.load(DELTA + h64 * slh + grow, mask=row_ok, other=0.0)
+        t64 = t0.to(tl.int64)
+        q = tl.load(Q + t64 * sqt + h64 * sqh + loc[:, None] * sqt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + t64 * sdot + h64 * sdoh + loc[:, None] * sdot + offs_d[None, :], mask=row_ok[:, None],
+                     other=0.0)
+        lse2 = tl.load(LSE + h64 * slh + t64 + loc, mask=row_ok, other=float("inf")) * LOG2E
+        delta = tl.load(DELTA + h64 * slh + t64 + loc, mask=row_ok, other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -106,13 +109,11 @@ def dflash_bwd_dq_kernel(
                        BLOCK_N, BLOCK_SIZE, FULL, UPCAST, PRECISION)
         dq = _dq_inner(dq, q, do, lse2, delta, kc_base, vc_base, skct, svct, offs_d, a_row, full, a_hi, a_hi,
                        qk_scale, BLOCK_N, BLOCK_SIZE, LIMIT, UPCAST, PRECISION)
-        t0 = (r0 + tile * BLOCK_M).to(tl.int64)
-        left = rows - tile * BLOCK_M
-        dq = _dq_inner(dq, q, do, lse2, delta, KB + t0 * skbt + hk * skbh, VB + t0 * svbt + hk * svbh, skbt, svbt,
-                       offs_d, tl.arange(0, BLOCK_M) // BLOCK_SIZE, 0, tl.minimum(left, BLOCK_M), left, qk_scale,
+        dq = _dq_inner(dq, q, do, lse2, delta, KB + t64 * skbt + hk * skbh, VB + t64 * svbt + hk * svbh, skbt, svbt,
+                       offs_d, loc // BLOCK_SIZE, 0, tl.minimum(left, BLOCK_M), left, qk_scale,
                        BLOCK_N, BLOCK_SIZE, SAME_BLOCK, UPCAST, PRECISION)
         dq = dq * sm_scale
-        tl.store(DQ + grow[:, None] * sdqt + h64 * sdqh + offs_d[None, :],
+        tl.store(DQ + t64 * sdqt + h64 * sdqh + loc[:, None] * sdqt + offs_d[None, :],
                  rounded(dq, DQ.dtype.element_ty, UPCAST).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -173,9 +174,10 @@ def dflash_bwd_dkdv_blk_kernel(
         offs_n = k_lo + tl.arange(0, BLOCK_N)  # global draft rows = this tile's own-block keys
         offs_d = tl.arange(0, HEAD_DIM)
         key_ok = offs_n < k_hi
-        krow = offs_n.to(tl.int64)
-        kb = tl.load(KB + krow[:, None] * skbt + hk64 * skbh + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-        vb = tl.load(VB + krow[:, None] * svbt + hk64 * svbh + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        loc = tl.arange(0, BLOCK_N)[:, None]  # int32 offsets from the tile's base row
+        k64 = k_lo.to(tl.int64)
+        kb = tl.load(KB + k64 * skbt + hk64 * skbh + loc * skbt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        vb = tl.load(VB + k64 * svbt + hk64 * svbh + loc * svbt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         if UPCAST:
             kb = kb.to(tl.float32)
             vb = vb.to(tl.float32)
@@ -187,9 +189,9 @@ def dflash_bwd_dkdv_blk_kernel(
                                 ANCHORS, sqt, sdot, offs_n, offs_d, k_lo, k_hi, qk_scale,
                                 BLOCK_M, BLOCK_SIZE, SAME_BLOCK, UPCAST, PRECISION)
         dk = dk * sm_scale
-        tl.store(DKB + krow[:, None] * sdkt + hk64 * sdkh + offs_d[None, :],
+        tl.store(DKB + k64 * sdkt + hk64 * sdkh + loc * sdkt + offs_d[None, :],
                  rounded(dk, DKB.dtype.element_ty, UPCAST).to(DKB.dtype.element_ty), mask=key_ok[:, None])
-        tl.store(DVB + krow[:, None] * sdvt + hk64 * sdvh + offs_d[None, :],
+        tl.store(DVB + k64 * sdvt + hk64 * sdvh + loc * sdvt + offs_d[None, :],
                  rounded(dv, DVB.dtype.element_ty, UPCAST).to(DVB.dtype.element_ty), mask=key_ok[:, None])
 
 
@@ -217,9 +219,10 @@ def dflash_bwd_dkdv_ctx_kernel(
             offs_n = col_lo + tl.arange(0, BLOCK_N)  # context positions within the document
             offs_d = tl.arange(0, HEAD_DIM)
             col_ok = offs_n < seq
-            gcol = (c0 + offs_n).to(tl.int64)
-            kc = tl.load(KC + gcol[:, None] * skct + hk64 * skch + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-            vc = tl.load(VC + gcol[:, None] * svct + hk64 * svch + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            loc = tl.arange(0, BLOCK_N)[:, None]  # int32 offsets from the tile's base position
+            c64 = (c0 + col_lo).to(tl.int64)
+            kc = tl.load(KC + c64 * skct + hk64 * skch + loc * skct + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            vc = tl.load(VC + c64 * svct + hk64 * svch + loc * svct + offs_d[None, :], mask=col_ok[:, None], other=0.0)
             if UPCAST:
                 kc = kc.to(tl.float32)
                 vc = vc.to(tl.float32)
@@ -238,7 +241,7 @@ def dflash_bwd_dkdv_ctx_kernel(
                                     offs_n, offs_d, j1 * BLOCK_SIZE, b1 * BLOCK_SIZE, qk_scale,
                                     BLOCK_M, BLOCK_SIZE, FULL, UPCAST, PRECISION)
             dk = dk * sm_scale
-            tl.store(DKC + gcol[:, None] * sdkt + hk64 * sdkh + offs_d[None, :],
+            tl.store(DKC + c64 * sdkt + hk64 * sdkh + loc * sdkt + offs_d[None, :],
                      rounded(dk, DKC.dtype.element_ty, UPCAST).to(DKC.dtype.element_ty), mask=col_ok[:, None])
-            tl.store(DVC + gcol[:, None] * sdvt + hk64 * sdvh + offs_d[None, :],
+            tl.store(DVC + c64 * sdvt + hk64 * sdvh + loc * sdvt + offs_d[None, :],
                      rounded(dv, DVC.dtype.element_ty, UPCAST).to(DVC.dtype.element_ty), mask=col_ok[:, None])

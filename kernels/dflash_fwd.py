@@ -30,7 +30,9 @@ masked (anchor 0 in a tile with larger anchors) stays finite, and its weight is 
 exactly 0 by the rescale ``exp2(-1e30 - m)`` once a real score arrives, which the own block
 guarantees. The natural-log log-sum-exp of the scaled scores is saved per (head, row).
 ``UPCAST``/``rounded`` handle the interpreter's bf16 ``tl.dot`` as in
-:mod:`dflash_prep.kernels.flash_fwd`.
+:mod:`dflash_prep.kernels.flash_fwd`. Addresses are a per-tile int64 base plus int32 offsets
+inside the tile: a vector of int64 row indices kept alive across the key loops (for the
+final store) cost registers that spilled at D = 128.
 """
 
 from __future__ import annotations
@@ -136,14 +138,16 @@ def dflash_fwd_kernel(
         c0 = tl.load(CU_CTX + doc).to(tl.int64)
         h64 = h.to(tl.int64)
         hk = (h // group).to(tl.int64)
-        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # draft rows within the document
+        t0 = r0 + tile * BLOCK_M  # the tile's first global draft row
+        left = rows - tile * BLOCK_M  # draft rows of the document from this tile on
+        loc = tl.arange(0, BLOCK_M)  # rows within the tile: int32 offsets from the tile's base
         offs_d = tl.arange(0, HEAD_DIM)
-        row_ok = offs_m < rows
-        grow = (r0 + offs_m).to(tl.int64)  # global draft rows
-        a_row = tl.load(ANCHORS + grow // BLOCK_SIZE, mask=row_ok, other=0)  # (BLOCK_M,)
-        a_lo = tl.load(ANCHORS + (r0 + tile * BLOCK_M) // BLOCK_SIZE)  # sorted: the tile's smallest
+        row_ok = loc < left
+        a_row = tl.load(ANCHORS + (t0 + loc) // BLOCK_SIZE, mask=row_ok, other=0)  # (BLOCK_M,)
+        a_lo = tl.load(ANCHORS + t0 // BLOCK_SIZE)  # sorted: the tile's smallest
         a_hi = tl.max(a_row, 0)
-        q = tl.load(Q + grow[:, None] * sqt + h64 * sqh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        t64 = t0.to(tl.int64)
+        q = tl.load(Q + t64 * sqt + h64 * sqh + loc[:, None] * sqt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -158,15 +162,13 @@ def dflash_fwd_kernel(
                                    qk_scale, BLOCK_N, BLOCK_SIZE, LIMIT, UPCAST, PRECISION)
         # own blocks: the dense BLOCK_M x BLOCK_M diagonal tile over the same rows (walked in BLOCK_N
         # wide column chunks, which bounds registers), block-diagonal mask
-        t0 = (r0 + tile * BLOCK_M).to(tl.int64)
-        kb_base = KB + t0 * skbt + hk * skbh
-        vb_base = VB + t0 * svbt + hk * svbh
-        row_blk = tl.arange(0, BLOCK_M) // BLOCK_SIZE
-        left = rows - tile * BLOCK_M  # draft rows of the document from this tile on
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kb_base, vb_base, skbt, svbt, offs_d, row_blk, 0,
-                                   tl.minimum(left, BLOCK_M), left, qk_scale, BLOCK_N, BLOCK_SIZE, SAME_BLOCK, UPCAST, PRECISION)
+        kb_base = KB + t64 * skbt + hk * skbh
+        vb_base = VB + t64 * svbt + hk * svbh
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kb_base, vb_base, skbt, svbt, offs_d, loc // BLOCK_SIZE,
+                                   0, tl.minimum(left, BLOCK_M), left, qk_scale,
+                                   BLOCK_N, BLOCK_SIZE, SAME_BLOCK, UPCAST, PRECISION)
         acc = acc / l_i[:, None]
         lse = (m_i + tl.math.log2(l_i)) * LN2  # natural-log LSE of scale * q.k
-        tl.store(O + grow[:, None] * sot + h64 * soh + offs_d[None, :],
+        tl.store(O + t64 * sot + h64 * soh + loc[:, None] * sot + offs_d[None, :],
                  rounded(acc, O.dtype.element_ty, UPCAST).to(O.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE + h64 * slh + grow, lse, mask=row_ok)
+        tl.store(LSE + h64 * slh + t64 + loc, lse, mask=row_ok)
