@@ -12,8 +12,11 @@ larger, and B must be a power of two (``tl.arange``) of at most :data:`MAX_BLOCK
 Under ``TRITON_INTERPRET=1`` the small :data:`INTERPRET_BLOCKS` are used (several tiles
 per test document) and 16-bit operands are upcast, as in :mod:`dflash_prep.kernels.flash`.
 
-Launch grids use upper bounds known from the shapes, ``cdiv(rows, BLOCK) + docs`` tiles per
-head, so nothing syncs with the host; surplus programs exit at once.
+Launch grids are (heads, tiles), heads first so that the heads of one tile (which share its
+GQA keys) run side by side and the heaviest tiles of every head start first. The tile count
+is an upper bound known from the shapes, ``cdiv(rows, BLOCK) + docs``, so nothing syncs with
+the host; surplus programs exit at once. It must stay within CUDA's 65535 on that axis
+(about 2M draft rows or 8M context rows per call), else the call is refused.
 """
 
 from __future__ import annotations
@@ -91,6 +94,20 @@ def _rh(t: torch.Tensor) -> tuple[int, int]:
     return t.stride(0), t.stride(1)  # (row, head)
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension (tiles; heads are the first)
+
+
+def _grid(heads: int, rows: int, block: int, docs: int) -> tuple[int, int]:
+    """(heads, tile bound): ``cdiv(rows, block) + docs`` tiles cover every document's partial last tile."""
+    tiles = triton.cdiv(rows, block) + docs
+    if tiles > MAX_GRID_Y:
+        raise AttentionConfigError(
+            f"attention_dflash: {rows} rows in tiles of {block} plus {docs} documents need {tiles} programs per "
+            f"head, over CUDA's grid limit of {MAX_GRID_Y}; split the batch into smaller calls"
+        )
+    return heads, tiles
+
+
 def _iters(n: int) -> int:
     return max(1, int(n).bit_length())
 
@@ -102,8 +119,7 @@ def _forward(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, prob: DFlas
         return o, lse
     bm, bn, warps, stages = blocks_for("fwd", prob)
     tiles = tile_table(cu_blk, bm)
-    grid = (prob.heads_q, triton.cdiv(q.shape[0], bm) + prob.num_docs)
-    dflash_fwd_kernel[grid](
+    dflash_fwd_kernel[_grid(prob.heads_q, q.shape[0], bm, prob.num_docs)](
         q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_ctx, cu_blk, anchors, tiles,
         *_rh(q), *_rh(k_ctx), *_rh(v_ctx), *_rh(k_blk), *_rh(v_blk), *_rh(o), lse.stride(0),
         prob.scale * LOG2E.value, prob.num_docs, prob.group, _iters(prob.num_docs + 1),
@@ -127,14 +143,14 @@ def _backward(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_ctx, cu_blk, anchors
     docs_iter = _iters(prob.num_docs + 1)
 
     bm, bn, warps, stages = blocks_for("dq", prob)
-    dflash_bwd_dq_kernel[(prob.heads_q, triton.cdiv(rows, bm) + prob.num_docs)](
+    dflash_bwd_dq_kernel[_grid(prob.heads_q, rows, bm, prob.num_docs)](
         q, k_ctx, v_ctx, k_blk, v_blk, do, dq, lse, delta, cu_ctx, cu_blk, anchors, tile_table(cu_blk, bm),
         *_rh(q), *_rh(k_ctx), *_rh(v_ctx), *_rh(k_blk), *_rh(v_blk), *_rh(do), *_rh(dq), lse.stride(0),
         *scales, prob.num_docs, prob.group, docs_iter,
         num_warps=warps, num_stages=stages, **_consts(q, prob, bm, bn))
 
     bm, bn, warps, stages = blocks_for("dkdv_blk", prob)
-    dflash_bwd_dkdv_blk_kernel[(prob.heads_kv, triton.cdiv(rows, bn) + prob.num_docs)](
+    dflash_bwd_dkdv_blk_kernel[_grid(prob.heads_kv, rows, bn, prob.num_docs)](
         q, k_blk, v_blk, do, dkb, dvb, lse, delta, cu_blk, anchors, tile_table(cu_blk, bn),
         *_rh(q), *_rh(k_blk), *_rh(v_blk), *_rh(do), *_rh(dkb), *_rh(dvb), lse.stride(0),
         *scales, prob.num_docs, prob.group, docs_iter,
@@ -142,7 +158,7 @@ def _backward(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_ctx, cu_blk, anchors
 
     if prob.ctx_tokens:
         bm, bn, warps, stages = blocks_for("dkdv_ctx", prob)
-        dflash_bwd_dkdv_ctx_kernel[(prob.heads_kv, triton.cdiv(prob.ctx_tokens, bn) + prob.num_docs)](
+        dflash_bwd_dkdv_ctx_kernel[_grid(prob.heads_kv, prob.ctx_tokens, bn, prob.num_docs)](
             q, k_ctx, v_ctx, do, dkc, dvc, lse, delta, cu_ctx, cu_blk, anchors, tile_table(cu_ctx, bn),
             *_rh(q), *_rh(k_ctx), *_rh(v_ctx), *_rh(do), *_rh(dkc), *_rh(dvc), lse.stride(0),
             *scales, prob.num_docs, prob.group, docs_iter, _iters(prob.num_blocks),
