@@ -131,3 +131,11 @@ def _random_docs(seed: int, n_docs: int, max_ctx: int, max_blocks: int):
 def test_sweep_random_documents(block_size, heads, dtype, d):
     seed = block_size * 1000 + heads[0] * 100 + d + {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[dtype]
     _check(_random_docs(seed, 3, 80, 64 // block_size), block_size, *heads, d, dtype, seed=seed)
+
+
+def test_grids_over_cudas_limit_are_refused_with_a_fix():
+    from dflash_prep.kernels import dflash
+
+    assert dflash._grid(8, 1000, 16, 3) == (8, 63 + 3)
+    with pytest.raises(AttentionConfigError, match="split the batch"):
+        dflash._grid(8, 16 * 65535, 16, 1)
