@@ -21,9 +21,10 @@ and ``dS = P * (dO V^T - delta)``:
   accumulates ``dK_ctx``/``dV_ctx`` over those rows and every query head of the group.
 
 Every gradient element is written by exactly one program, in a fixed order, so results
-are bitwise reproducible. The price is recomputing ``P`` per kernel (backward about 2.5x the
-forward FLOPs for the context part). Rows past a document's draft rows load ``lse = +inf``, so their
-probabilities are exactly 0.
+are bitwise reproducible. The price is that the dQ kernel recomputes ``P`` and ``dP``: 7
+matmuls per (query, key) tile pair instead of the 5 of an atomic-add dQ, i.e. 3.5x the
+forward's 2 (the benchmark's TFLOP/s still counts the backward as 2.5x, by convention).
+Rows past a document's draft rows load ``lse = +inf``, so their probabilities are exactly 0.
 """
 
 from __future__ import annotations
