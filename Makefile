@@ -62,10 +62,12 @@ train: venv
 	$(BIN)/python -m dflash_prep.train.launch $(TORCHRUN_ARGS) --nproc_per_node $$nproc -m dflash_prep.train --data $(TRAIN_DATA) --plan $(TRAIN_PLAN) \
 		--manifests $(TRAIN_MANIFESTS) --out $(TRAIN_OUT) $$extra $(ARGS)
 
-# GPU benchmarks, <= 5 min each: attention kernels vs SDPA/Flex (results/kernels-bench.*),
-# then the trainer's benchmark when train/bench.py exists.
+# GPU benchmarks, <= 5 min each: attention kernels vs SDPA/Flex (results/kernels-bench.*), the
+# DFlash attention check vs Flex/SDPA (<= 3 min, results/attention-dflash.*), then the trainer's
+# benchmark when train/bench.py exists.
 bench-gpu: venv
 	$(BIN)/python -m bench.attention --out results/
+	$(BIN)/python -m bench.attention_dflash --out results/
 	@if $(BIN)/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec("dflash_prep.train.bench") is None)"; then \
 		$(BIN)/python -m dflash_prep.train.bench --gpu; else echo "bench-gpu: train.bench not present, skipped"; fi
 

@@ -71,7 +71,7 @@ class DFlashBenchConfig:
     """D."""
     seed: int = 0
     """Seed of the anchors and the random inputs."""
-    budget_s: float = 120.0
+    budget_s: float = 100.0
     """After this many seconds, baselines (Flex, SDPA) are skipped; ours and the checks still run."""
 
     def __post_init__(self) -> None:
@@ -236,9 +236,9 @@ class Runner:
             return None
         try:
             fwd_ms, bwd_ms, out = _measure(self.timer, fn_maker(*inputs), inputs)
-        except (RuntimeError, NotImplementedError, ValueError, AssertionError, torch.OutOfMemoryError) as e:
+        except Exception as e:  # a baseline's compile or launch may fail in many ways (OOM, no kernel, ...)
             if ours:
-                raise  # our kernel must run; only a baseline may be unavailable
+                raise  # our kernel must run; only a baseline may be unavailable, and it is recorded
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             self.rows.append(row)
             if self.cuda:

@@ -12,8 +12,11 @@ larger, and B must be a power of two (``tl.arange``) of at most :data:`MAX_BLOCK
 Under ``TRITON_INTERPRET=1`` the small :data:`INTERPRET_BLOCKS` are used (several tiles
 per test document) and 16-bit operands are upcast, as in :mod:`dflash_prep.kernels.flash`.
 
-Launch grids use upper bounds known from the shapes, ``cdiv(rows, BLOCK) + docs`` tiles per
-head, so nothing syncs with the host; surplus programs exit at once.
+Launch grids are (heads, tiles), heads first so that the heads of one tile (which share its
+GQA keys) run side by side and the heaviest tiles of every head start first. The tile count
+is an upper bound known from the shapes, ``cdiv(rows, BLOCK) + docs``, so nothing syncs with
+the host; surplus programs exit at once. It must stay within CUDA's 65535 on that axis
+(about 2M draft rows or 8M context rows per call), else the call is refused.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .dflash_bwd import dflash_bwd_dkdv_ctx_kernel, dflash_bwd_dq_kernel
+from .dflash_bwd import dflash_bwd_dkdv_blk_kernel, dflash_bwd_dkdv_ctx_kernel, dflash_bwd_dq_kernel
 from .dflash_fwd import dflash_fwd_kernel
 from .errors import AttentionConfigError
 from .flash import HEAD_DIMS, INTERPRETED, PREPROCESS_BLOCK_M, _last_contiguous
@@ -31,21 +34,29 @@ from .inputs import DFlashProblem
 
 MAX_BLOCK_SIZE = 128
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel
-INTERPRET_BLOCKS = {"fwd": (16, 8, 4, 1), "dq": (16, 8, 4, 1), "dkdv": (16, 16, 4, 1)}
+# fwd/dq tile queries (BLOCK_M >= B), dkdv_blk tiles own-block keys (BLOCK_N >= B), dkdv_ctx context keys.
+INTERPRET_BLOCKS = {"fwd": (16, 8, 4, 1), "dq": (16, 8, 4, 1), "dkdv_blk": (8, 16, 4, 1), "dkdv_ctx": (16, 16, 4, 1)}
+# GPU tiles, picked without a GPU: among a few candidates per kernel, those whose sm_90 cubin,
+# compiled ahead of time by Triton 3.6 (the GPU machine's), spills least. Stack bytes at
+# D=128 / D=64, from `python -m bench.dflash_resources` with Triton 3.6 first on PYTHONPATH:
+# fwd 0 / 0, dq 80 / 0, dkdv_blk 8 / 0, dkdv_ctx 80 / 0. Not yet timed on a GPU.
 FIXED_BLOCKS = {
-    64: {"fwd": (128, 64, 4, 3), "dq": (64, 64, 4, 3), "dkdv": (64, 128, 8, 3)},
-    128: {"fwd": (128, 64, 8, 3), "dq": (64, 64, 4, 2), "dkdv": (64, 128, 8, 2)},
+    64: {"fwd": (128, 64, 8, 3), "dq": (128, 64, 8, 3), "dkdv_blk": (32, 64, 4, 2), "dkdv_ctx": (64, 128, 8, 2)},
+    128: {"fwd": (128, 32, 8, 3), "dq": (128, 32, 8, 2), "dkdv_blk": (32, 32, 4, 2), "dkdv_ctx": (64, 128, 8, 2)},
 }
 
 
 def blocks_for(name: str, prob: DFlashProblem) -> tuple[int, int, int, int]:
-    """Tile shape of kernel ``name``; BLOCK_M of the query-tiled kernels is at least B."""
+    """(BLOCK_M, BLOCK_N, warps, stages) of kernel ``name``; a tile that must hold whole blocks
+    (fwd/dq queries, dkdv_blk keys) is raised to at least B."""
     if INTERPRETED:
         bm, bn, warps, stages = INTERPRET_BLOCKS[name]
     else:
         bm, bn, warps, stages = FIXED_BLOCKS[128 if prob.head_dim > 64 else 64][name]
     if name in ("fwd", "dq"):
         bm = max(bm, prob.block_size)
+    elif name == "dkdv_blk":
+        bn = max(bn, prob.block_size)
     return bm, bn, warps, stages
 
 
@@ -83,6 +94,20 @@ def _rh(t: torch.Tensor) -> tuple[int, int]:
     return t.stride(0), t.stride(1)  # (row, head)
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension (tiles; heads are the first)
+
+
+def _grid(heads: int, rows: int, block: int, docs: int) -> tuple[int, int]:
+    """(heads, tile bound): ``cdiv(rows, block) + docs`` tiles cover every document's partial last tile."""
+    tiles = triton.cdiv(rows, block) + docs
+    if tiles > MAX_GRID_Y:
+        raise AttentionConfigError(
+            f"attention_dflash: {rows} rows in tiles of {block} plus {docs} documents need {tiles} programs per "
+            f"head, over CUDA's grid limit of {MAX_GRID_Y}; split the batch into smaller calls"
+        )
+    return heads, tiles
+
+
 def _iters(n: int) -> int:
     return max(1, int(n).bit_length())
 
@@ -94,8 +119,7 @@ def _forward(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, prob: DFlas
         return o, lse
     bm, bn, warps, stages = blocks_for("fwd", prob)
     tiles = tile_table(cu_blk, bm)
-    grid = (prob.heads_q, triton.cdiv(q.shape[0], bm) + prob.num_docs)
-    dflash_fwd_kernel[grid](
+    dflash_fwd_kernel[_grid(prob.heads_q, q.shape[0], bm, prob.num_docs)](
         q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_ctx, cu_blk, anchors, tiles,
         *_rh(q), *_rh(k_ctx), *_rh(v_ctx), *_rh(k_blk), *_rh(v_blk), *_rh(o), lse.stride(0),
         prob.scale * LOG2E.value, prob.num_docs, prob.group, _iters(prob.num_docs + 1),
@@ -119,15 +143,22 @@ def _backward(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_ctx, cu_blk, anchors
     docs_iter = _iters(prob.num_docs + 1)
 
     bm, bn, warps, stages = blocks_for("dq", prob)
-    dflash_bwd_dq_kernel[(prob.heads_kv, triton.cdiv(rows, bm) + prob.num_docs)](
-        q, k_ctx, v_ctx, k_blk, v_blk, do, dq, dkb, dvb, lse, delta, cu_ctx, cu_blk, anchors, tile_table(cu_blk, bm),
-        *_rh(q), *_rh(k_ctx), *_rh(v_ctx), *_rh(k_blk), *_rh(v_blk), *_rh(do), *_rh(dq), *_rh(dkb), *_rh(dvb),
-        lse.stride(0), *scales, prob.num_docs, prob.group, docs_iter,
+    dflash_bwd_dq_kernel[_grid(prob.heads_q, rows, bm, prob.num_docs)](
+        q, k_ctx, v_ctx, k_blk, v_blk, do, dq, lse, delta, cu_ctx, cu_blk, anchors, tile_table(cu_blk, bm),
+        *_rh(q), *_rh(k_ctx), *_rh(v_ctx), *_rh(k_blk), *_rh(v_blk), *_rh(do), *_rh(dq), lse.stride(0),
+        *scales, prob.num_docs, prob.group, docs_iter,
+        num_warps=warps, num_stages=stages, **_consts(q, prob, bm, bn))
+
+    bm, bn, warps, stages = blocks_for("dkdv_blk", prob)
+    dflash_bwd_dkdv_blk_kernel[_grid(prob.heads_kv, rows, bn, prob.num_docs)](
+        q, k_blk, v_blk, do, dkb, dvb, lse, delta, cu_blk, anchors, tile_table(cu_blk, bn),
+        *_rh(q), *_rh(k_blk), *_rh(v_blk), *_rh(do), *_rh(dkb), *_rh(dvb), lse.stride(0),
+        *scales, prob.num_docs, prob.group, docs_iter,
         num_warps=warps, num_stages=stages, **_consts(q, prob, bm, bn))
 
     if prob.ctx_tokens:
-        bm, bn, warps, stages = blocks_for("dkdv", prob)
-        dflash_bwd_dkdv_ctx_kernel[(prob.heads_kv, triton.cdiv(prob.ctx_tokens, bn) + prob.num_docs)](
+        bm, bn, warps, stages = blocks_for("dkdv_ctx", prob)
+        dflash_bwd_dkdv_ctx_kernel[_grid(prob.heads_kv, prob.ctx_tokens, bn, prob.num_docs)](
             q, k_ctx, v_ctx, do, dkc, dvc, lse, delta, cu_ctx, cu_blk, anchors, tile_table(cu_ctx, bn),
             *_rh(q), *_rh(k_ctx), *_rh(v_ctx), *_rh(do), *_rh(dkc), *_rh(dvc), lse.stride(0),
             *scales, prob.num_docs, prob.group, docs_iter, _iters(prob.num_blocks),
@@ -136,7 +167,7 @@ def _backward(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_ctx, cu_blk, anchors
 
 
 class _DFlash(torch.autograd.Function):
-    """Forward saves (inputs, o, lse); backward runs preprocess, dQ + dK/dV_blk, dK/dV_ctx."""
+    """Forward saves (inputs, o, lse); backward runs preprocess, dQ, dK/dV_blk, dK/dV_ctx."""
 
     @staticmethod
     def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, prob: DFlashProblem):

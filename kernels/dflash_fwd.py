@@ -10,6 +10,8 @@ head; ``BLOCK_M`` is a multiple of B and tiles start at multiples of ``BLOCK_M``
 document, so a tile holds whole blocks. Tiles are numbered across documents by the device
 table ``CU_TILES`` (``cu_tiles[d]`` = tiles before document ``d``, computed with torch ops,
 no host sync); a program finds its document by binary search over it (:func:`locate`).
+Programs run the last tiles first: their anchors are the largest, so they carry the most
+work, and the grid's surplus programs (it is sized by an upper bound) exit at once.
 
 Forward of one tile, online softmax with fp32 accumulation:
 
@@ -18,14 +20,19 @@ Forward of one tile, online softmax with fp32 accumulation:
 - context tiles from there up to ``a_max`` (the tile's last anchor) apply the per-row
   limit ``col < a_row``; nothing at or beyond ``a_max`` is loaded;
 - the tile's own blocks are one dense ``BLOCK_M x BLOCK_M`` diagonal tile of ``k_blk`` /
-  ``v_blk`` (the same rows as the queries), masked to ``row // B == col // B``.
+  ``v_blk`` (the same rows as the queries), masked to ``row // B == col // B``. It is walked
+  in ``BLOCK_N`` wide column chunks by the same loop as the context: a single
+  ``BLOCK_M x BLOCK_M`` fp32 score tile spilled far more registers at D = 128 (cuobjdump
+  on the sm_90 cubin) than the chunks do.
 
 Masked scores are ``-1e30`` rather than ``-inf``: a row whose first context tile is fully
 masked (anchor 0 in a tile with larger anchors) stays finite, and its weight is wiped to
 exactly 0 by the rescale ``exp2(-1e30 - m)`` once a real score arrives, which the own block
 guarantees. The natural-log log-sum-exp of the scaled scores is saved per (head, row).
 ``UPCAST``/``rounded`` handle the interpreter's bf16 ``tl.dot`` as in
-:mod:`dflash_prep.kernels.flash_fwd`.
+:mod:`dflash_prep.kernels.flash_fwd`. Addresses are a per-tile int64 base plus int32 offsets
+inside the tile: a vector of int64 row indices kept alive across the key loops (for the
+final store) cost registers that spilled at D = 128.
 """
 
 from __future__ import annotations
@@ -67,28 +74,44 @@ def locate(CU_TILES, t, num_docs, docs_iter):
     return doc, t - tl.load(CU_TILES + doc)
 
 
+# how a key tile is masked (constexpr MODE of the inner loops)
+FULL = tl.constexpr(0)  # context keys every row sees: no mask
+LIMIT = tl.constexpr(1)  # context keys: keep col < lim[row] (the row's anchor)
+SAME_BLOCK = tl.constexpr(2)  # own-block keys, cols local to the tile: keep col // B == lim[row] (the row's block)
+
+
 @triton.jit
-def _fwd_ctx(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, lo, hi, qk_scale,
-             BLOCK_N: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax over context keys ``[lo, hi)``; ``MASK``: keep ``col < a_row`` (and load ``col < hi``)."""
+def keep_mask(cols, lim, MODE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """(rows, cols) keep mask of a LIMIT or SAME_BLOCK tile; ``lim`` per row, ``cols`` per column."""
+    if MODE == SAME_BLOCK:
+        return (cols[None, :] // BLOCK_SIZE) == lim[:, None]
+    else:
+        return cols[None, :] < lim[:, None]
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skt, svt, offs_d, lim, lo, hi, load_hi, qk_scale,
+               BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MODE: tl.constexpr,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over keys ``[lo, hi)`` of ``k_base``/``v_base``; masked MODEs load only ``col < load_hi``."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        kt_ptrs = kc_base + cols[None, :].to(tl.int64) * skct + offs_d[:, None]  # (D, BLOCK_N)
-        v_ptrs = vc_base + cols[:, None].to(tl.int64) * svct + offs_d[None, :]  # (BLOCK_N, D)
-        if MASK:
-            kt = tl.load(kt_ptrs, mask=cols[None, :] < hi, other=0.0)
-            v = tl.load(v_ptrs, mask=cols[:, None] < hi, other=0.0)
-        else:
+        kt_ptrs = k_base + cols[None, :].to(tl.int64) * skt + offs_d[:, None]  # (D, BLOCK_N)
+        v_ptrs = v_base + cols[:, None].to(tl.int64) * svt + offs_d[None, :]  # (BLOCK_N, D)
+        if MODE == FULL:
             kt = tl.load(kt_ptrs)
             v = tl.load(v_ptrs)
+        else:
+            kt = tl.load(kt_ptrs, mask=cols[None, :] < load_hi, other=0.0)
+            v = tl.load(v_ptrs, mask=cols[:, None] < load_hi, other=0.0)
         in_dtype = v.dtype
         if UPCAST:
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        if MASK:
-            qk = tl.where(cols[None, :] < a_row[:, None], qk, MASKED)
+        if MODE != FULL:
+            qk = tl.where(keep_mask(cols, lim, MODE, BLOCK_SIZE), qk, MASKED)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
@@ -107,7 +130,7 @@ def dflash_fwd_kernel(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     h = tl.program_id(0)
-    t = tl.program_id(1)
+    t = tl.num_programs(1) - 1 - tl.program_id(1)  # last tiles (largest anchors, most work) first
     if t < tl.load(CU_TILES + num_docs):
         doc, tile = locate(CU_TILES, t, num_docs, docs_iter)
         r0 = tl.load(CU_BLK + doc)
@@ -115,14 +138,16 @@ def dflash_fwd_kernel(
         c0 = tl.load(CU_CTX + doc).to(tl.int64)
         h64 = h.to(tl.int64)
         hk = (h // group).to(tl.int64)
-        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # draft rows within the document
+        t0 = r0 + tile * BLOCK_M  # the tile's first global draft row
+        left = rows - tile * BLOCK_M  # draft rows of the document from this tile on
+        loc = tl.arange(0, BLOCK_M)  # rows within the tile: int32 offsets from the tile's base
         offs_d = tl.arange(0, HEAD_DIM)
-        row_ok = offs_m < rows
-        grow = (r0 + offs_m).to(tl.int64)  # global draft rows
-        a_row = tl.load(ANCHORS + grow // BLOCK_SIZE, mask=row_ok, other=0)  # (BLOCK_M,)
-        a_lo = tl.load(ANCHORS + (r0 + tile * BLOCK_M) // BLOCK_SIZE)  # sorted: the tile's smallest
+        row_ok = loc < left
+        a_row = tl.load(ANCHORS + (t0 + loc) // BLOCK_SIZE, mask=row_ok, other=0)  # (BLOCK_M,)
+        a_lo = tl.load(ANCHORS + t0 // BLOCK_SIZE)  # sorted: the tile's smallest
         a_hi = tl.max(a_row, 0)
-        q = tl.load(Q + grow[:, None] * sqt + h64 * sqh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        t64 = t0.to(tl.int64)
+        q = tl.load(Q + t64 * sqt + h64 * sqh + loc[:, None] * sqt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -131,27 +156,19 @@ def dflash_fwd_kernel(
         kc_base = KC + c0 * skct + hk * skch
         vc_base = VC + c0 * svct + hk * svch
         full = (a_lo // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _fwd_ctx(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, 0, full,
-                                 qk_scale, BLOCK_N, False, UPCAST, PRECISION)
-        acc, l_i, m_i = _fwd_ctx(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, full, a_hi,
-                                 qk_scale, BLOCK_N, True, UPCAST, PRECISION)
-        # own blocks: one dense diagonal tile over the same rows, block-diagonal mask
-        kbt = tl.load(KB + grow[None, :] * skbt + hk * skbh + offs_d[:, None], mask=row_ok[None, :], other=0.0)
-        vb = tl.load(VB + grow[:, None] * svbt + hk * svbh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        in_dtype = vb.dtype
-        if UPCAST:
-            kbt = kbt.to(tl.float32)
-            vb = vb.to(tl.float32)
-        qk = tl.dot(q, kbt, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_M)
-        same = (offs_m[:, None] // BLOCK_SIZE) == (offs_m[None, :] // BLOCK_SIZE)
-        qk = tl.where(same, qk, MASKED)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(rounded(p, in_dtype, UPCAST), vb, acc * alpha[:, None], input_precision=PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, 0, full, full,
+                                   qk_scale, BLOCK_N, BLOCK_SIZE, FULL, UPCAST, PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, full, a_hi, a_hi,
+                                   qk_scale, BLOCK_N, BLOCK_SIZE, LIMIT, UPCAST, PRECISION)
+        # own blocks: the dense BLOCK_M x BLOCK_M diagonal tile over the same rows (walked in BLOCK_N
+        # wide column chunks, which bounds registers), block-diagonal mask
+        kb_base = KB + t64 * skbt + hk * skbh
+        vb_base = VB + t64 * svbt + hk * svbh
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kb_base, vb_base, skbt, svbt, offs_d, loc // BLOCK_SIZE,
+                                   0, tl.minimum(left, BLOCK_M), left, qk_scale,
+                                   BLOCK_N, BLOCK_SIZE, SAME_BLOCK, UPCAST, PRECISION)
         acc = acc / l_i[:, None]
-        lse = (m_new + tl.math.log2(l_i)) * LN2  # natural-log LSE of scale * q.k
-        tl.store(O + grow[:, None] * sot + h64 * soh + offs_d[None, :],
+        lse = (m_i + tl.math.log2(l_i)) * LN2  # natural-log LSE of scale * q.k
+        tl.store(O + t64 * sot + h64 * soh + loc[:, None] * sot + offs_d[None, :],
                  rounded(acc, O.dtype.element_ty, UPCAST).to(O.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE + h64 * slh + grow, lse, mask=row_ok)
+        tl.store(LSE + h64 * slh + t64 + loc, lse, mask=row_ok)

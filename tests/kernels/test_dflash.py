@@ -35,8 +35,9 @@ def _check(docs, block_size, hq, hkv, d, dtype, seed=0):
     return got
 
 
-# BLOCK_N is 8 (fwd/dQ) and 16 (dK/dV) under the interpreter, BLOCK_M 16: the anchors below
-# fall inside key tiles, on tile borders (8, 16, 32), at 0 and at S-1.
+# Under the interpreter fwd/dQ tile 16 query rows x 8 keys, dK/dV_ctx 16 context keys x 16 rows
+# and dK/dV_blk 16 own-block keys x 8 rows: the anchors below fall inside key tiles, on tile
+# borders (8, 16, 32), at 0 and at S-1, and the row ranges of dK/dV_ctx start mid-tile.
 def test_mixed_documents_empty_doc_anchor_0_and_last_gqa_8_2_bf16_b4():
     docs = [(40, [0, 1, 8, 16, 23, 39]), (17, []), (3, [2]), (70, [5, 5, 31, 32, 33, 64, 69])]
     _check(docs, 4, 8, 2, 32, torch.bfloat16)
@@ -64,8 +65,10 @@ def test_only_empty_documents():
 
 
 @pytest.mark.parametrize("blocks", [
-    {"fwd": (32, 16, 4, 1), "dq": (32, 16, 4, 1), "dkdv": (32, 8, 4, 1)},  # query tiles of 8 blocks
-    {"fwd": (16, 32, 4, 1), "dq": (16, 32, 4, 1), "dkdv": (64, 16, 4, 1)},  # key tiles wider than most gaps
+    # query tiles of 8 blocks, own-block key tiles of 2 blocks queried 4 rows at a time
+    {"fwd": (32, 16, 4, 1), "dq": (32, 16, 4, 1), "dkdv_blk": (4, 8, 4, 1), "dkdv_ctx": (32, 8, 4, 1)},
+    # key tiles wider than the query tiles and than most anchor gaps
+    {"fwd": (16, 32, 4, 1), "dq": (16, 32, 4, 1), "dkdv_blk": (16, 32, 4, 1), "dkdv_ctx": (64, 16, 4, 1)},
 ])
 def test_other_tile_shapes(monkeypatch, blocks):
     from dflash_prep.kernels import dflash
@@ -108,3 +111,31 @@ def test_triton_path_refuses_what_it_does_not_support():
     args = make_dflash([(9, [1, 8])], 4, 2, 1, 32, torch.float64)
     with force_backend("triton"), pytest.raises(AttentionConfigError, match="float16, bfloat16 or float32"):
         attention_dflash(*args[:5], *args[6:], 4)
+
+
+def _random_docs(seed: int, n_docs: int, max_ctx: int, max_blocks: int):
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for _ in range(n_docs):
+        s = int(torch.randint(1, max_ctx + 1, (1,), generator=g))
+        n = int(torch.randint(0, min(s, max_blocks) + 1, (1,), generator=g))
+        docs.append((s, sorted(torch.randperm(s, generator=g)[:n].tolist())))
+    return docs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+@pytest.mark.parametrize("heads", [(2, 2), (4, 1), (8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_sweep_random_documents(block_size, heads, dtype, d):
+    seed = block_size * 1000 + heads[0] * 100 + d + {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[dtype]
+    _check(_random_docs(seed, 3, 80, 64 // block_size), block_size, *heads, d, dtype, seed=seed)
+
+
+def test_grids_over_cudas_limit_are_refused_with_a_fix():
+    from dflash_prep.kernels import dflash
+
+    assert dflash._grid(8, 1000, 16, 3) == (8, 63 + 3)
+    with pytest.raises(AttentionConfigError, match="split the batch"):
+        dflash._grid(8, 16 * 65535, 16, 1)

@@ -15,7 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from dflash_prep.kernels import dflash
 from dflash_prep.kernels.dflash_fwd import dflash_fwd_kernel
-from dflash_prep.kernels.dflash_bwd import dflash_bwd_dkdv_ctx_kernel, dflash_bwd_dq_kernel
+from dflash_prep.kernels.dflash_bwd import dflash_bwd_dkdv_blk_kernel, dflash_bwd_dkdv_ctx_kernel, dflash_bwd_dq_kernel
 
 dtype, dims, block_sizes = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], [int(x) for x in sys.argv[3].split(",")]
 I32 = ("CU_CTX", "CU_BLK", "ANCHORS", "CU_TILES")
@@ -38,10 +38,10 @@ def signature(fn, consts):
 out = []
 for d in dims:
     for b in block_sizes:
-        for kernel, name in ((dflash_fwd_kernel, "fwd"), (dflash_bwd_dq_kernel, "dq"), (dflash_bwd_dkdv_ctx_kernel, "dkdv")):
-            bm, bn, warps, stages = dflash.FIXED_BLOCKS[128 if d > 64 else 64][name]
-            if name != "dkdv":
-                bm = max(bm, b)
+        for kernel, name in ((dflash_fwd_kernel, "fwd"), (dflash_bwd_dq_kernel, "dq"),
+                             (dflash_bwd_dkdv_blk_kernel, "dkdv_blk"), (dflash_bwd_dkdv_ctx_kernel, "dkdv_ctx")):
+            bm, bn, warps, stages = dflash.blocks_for(name, dflash.DFlashProblem(
+                num_docs=1, heads_q=4, heads_kv=1, head_dim=d, block_size=b, num_blocks=1, ctx_tokens=1, scale=1.0))
             consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_SIZE=b, UPCAST=False,
                           PRECISION="ieee" if dtype == "fp32" else "tf32")
             src = ASTSource(fn=kernel, signature=signature(kernel, consts),
@@ -55,7 +55,7 @@ print(json.dumps(out))
 
 
 def _check(results: list[dict]) -> None:
-    assert {r["kernel"] for r in results} == {"fwd", "dq", "dkdv"}
+    assert {r["kernel"] for r in results} == {"fwd", "dq", "dkdv_blk", "dkdv_ctx"}
     for r in results:
         assert r["ptx"], f"{r}: no global loads in the PTX"
         assert 0 < r["shared"] <= SM90_SMEM, f"{r}: {r['shared']} bytes of shared memory do not fit sm_90"
