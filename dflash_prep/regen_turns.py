@@ -22,23 +22,13 @@ from .regen_store import Entry
 _THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.S)
 
 
-def to_conversation(value, schema: str, field: str = "text") -> list[dict]:
-    """Validate one record as a conversation to answer; raises ValueError with the reason.
-    A ``text`` record (column ``field``) is one user prompt."""
+def to_conversation(record: dict, schema: str, fields: tuple[str, ...] = ("text",)) -> list[dict]:
+    """Validate one record (a dict of its source's ``fields``) as a conversation to answer;
+    raises ValueError with the reason. Reads every input format ``tokenize`` reads, through the
+    same :func:`dflash_prep.records.to_messages`; a ``text`` record is one user prompt."""
     if schema == "text":
-        return [{"role": "user", "content": rec.to_text(value, field)}]
-    if not isinstance(value, list) or not value:
-        raise ValueError("empty conversation (no messages)" if value == [] else
-                         f"the conversation is a {type(value).__name__}, not a list of messages")
-    rk, ck = ("role", "content") if schema == "messages" else ("from", "value")
-    roles = {r: r for r in rec.ROLES} if schema == "messages" else rec.SHAREGPT_ROLES
-    out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict) or m.get(rk) is None or not isinstance(m.get(ck), str):
-            raise ValueError(f"message {i} is not an object with a '{rk}' and a string '{ck}'")
-        if m[rk] not in roles:
-            raise ValueError(f"message {i}: unknown {rk} {m[rk]!r}; expected one of {', '.join(roles)}")
-        out.append({"role": roles[m[rk]], "content": m[ck]})
+        return [{"role": "user", "content": rec.to_text(record.get(fields[0]), fields[0])}]
+    out = [{"role": m["role"], "content": m["content"]} for m in rec.to_messages(record, schema, fields)]
     if not any(m["role"] == "user" and m["content"].strip() for m in out):
         raise ValueError("no non-empty user message, so no prompt to answer")
     return out

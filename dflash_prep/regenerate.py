@@ -204,7 +204,7 @@ def _prepare(cfg: RegenerateConfig, index: int, src, row: int, value) -> Convers
     source = {"file": src.path, "row": row, "line": line}
     where = f"{src.path}:{line}" if line is not None else f"{src.path} row {row}"
     try:
-        return Conversation(cfg, index, source, where, to_conversation(value, src.schema, src.field))
+        return Conversation(cfg, index, source, where, to_conversation(value, src.schema, src.fields))
     except ValueError as e:
         if cfg.on_error == "fail":
             return rec.RecordError(src.path, row, str(e), line)
