@@ -232,8 +232,9 @@ def fixed_k(cfg: AnalyzeConfig, model: Model, boundaries: list) -> int | None:
                       "or keep the local sort window (--window) that pack applies")
 
 
-def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
-    """Analyze, write ``plan.json`` (+ report JSON and PNG) and return the report dict."""
+def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None, progress: bool = False) -> dict:
+    """Analyze, write ``plan.json`` (+ report JSON and PNG) and return the report dict.
+    ``progress``: one stderr line per finished phase (name, seconds)."""
     from . import report  # matplotlib / rich stay out of library imports that do not report
 
     from .outputs import lock
@@ -241,11 +242,11 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
     out = cfg.out_dir
     report.check_outputs(out, plot=cfg.plot)
     with lock(out, inside=True):
-        return _run(cfg, source, report)
+        return _run(cfg, source, report, progress)
 
 
-def _run(cfg: AnalyzeConfig, source: LengthSource | None, report) -> dict:
-    clock = _Clock()
+def _run(cfg: AnalyzeConfig, source: LengthSource | None, report, progress: bool = False) -> dict:
+    clock = _Clock(log=progress)
     src = source or load(data=cfg.data, lengths_file=cfg.lengths_file)
     b = cfg.budget_spec
     hist = histogram(src.lengths)
@@ -377,9 +378,10 @@ class _Clock:
     """Wall-clock and CPU laps of the stage's phases (reported, so the benchmark can break them
     down; on a shared machine the CPU seconds are the fair measure)."""
 
-    def __init__(self):
+    def __init__(self, log: bool = False):
         import time
 
+        self.log = log
         self._now, self._cpu = time.perf_counter, time.process_time
         self._t, self._c = self._now(), self._cpu()
         self.laps: dict[str, float] = {}
@@ -389,3 +391,7 @@ class _Clock:
         t, c = self._now(), self._cpu()
         self.laps[name], self.cpu[name] = t - self._t, c - self._c
         self._t, self._c = t, c
+        if self.log:
+            import sys
+
+            print(f"analyze: {name} done ({self.laps[name]:.1f} s)", file=sys.stderr, flush=True)

@@ -129,7 +129,7 @@ def tokenize_cmd(
                          text_field=text_field, messages_field=messages_field, role_map=role_map, mask=mask,
                          max_len=max_len, on_overflow=on_overflow, on_error=on_error, num_proc=num_proc,
                          shard_mb=shard_mb, overwrite=overwrite)
-    meta = tokenize(cfg, progress=sys.stderr.isatty())
+    meta = tokenize(cfg, progress=True)   # a bar on a terminal, log lines elsewhere
     if meta["up_to_date"]:
         typer.echo(f"{out} is up to date (same input contents, tokenizer and options); pass --overwrite to rebuild")
         return
@@ -234,7 +234,7 @@ def analyze_cmd(
                         target_efficiency=target_efficiency, seed=seed, window=window,
                         max_repeat_pair=max_repeat_pair, world_size=world_size, grad_accum=grad_accum,
                         sim_epochs=sim_epochs, plot=plot, drafter=drafter, overwrite=overwrite)
-    rep = run(cfg)
+    rep = run(cfg, progress=not sys.stderr.isatty())   # a phase line each off a terminal
     if json_out:
         typer.echo(to_json(rep))
     else:
@@ -335,7 +335,7 @@ def pack_cmd(
                      drop_last=drop_last, open_bins=open_bins, objective=objective, drafter=drafter,
                      budget=budget_override(p.budget, budget_unit, budget, model_dim))
     dirs = pack_epochs(plan=p, epochs=parse_epochs(epoch, epochs), out=out, config=cfg, data=data, lengths=lengths,
-                       overwrite=overwrite)
+                       overwrite=overwrite, progress=True)
     rows = [(d.name, manifest.read_header(d).get("summary", {})) for d in dirs]  # just written: no re-hash
     _print_summaries(rows, json_out)
     limit = p.predicted.get("max_repeat_pair") or REPEAT_PAIR_WARN

@@ -298,10 +298,11 @@ def previous_epoch(out: Path, epoch: int, data_fingerprint: str):
 
 def pack_epochs(*, plan: Plan | str | Path, epochs, out: str | Path, config: PackConfig | None = None,
                 data: str | Path | None = None, lengths: str | Path | None = None,
-                overwrite: bool = False, **options) -> list[Path]:
+                overwrite: bool = False, progress: bool = False, **options) -> list[Path]:
     """Pack and write ``out/epoch-000N`` for every N in ``epochs``; returns the folders.
 
     The options are ``config``, or its fields as keywords (``world_size=4, layout="varlen"``).
+    ``progress`` reports each epoch (:mod:`dflash_prep.progress`: a bar, or log lines off a terminal).
     An epoch folder that already holds the same inputs (plan, options, epoch: its
     ``inputs_fingerprint``) is kept as is, so a trainer can call this for a missing epoch
     on the fly. One built from other inputs is replaced only with ``overwrite``. The
@@ -333,10 +334,18 @@ def pack_epochs(*, plan: Plan | str | Path, epochs, out: str | Path, config: Pac
     out = outputs.check_out(out, inputs=[src.path] + ([plan_path] if plan_path else []))
     with outputs.lock(out, inside=True):
         run_fp = manifest.prepare_root(out, run_identity(plan, cfg), overwrite=overwrite)
-        return _pack_into(out, run_fp, plan, cfg, src, lens, epochs, overwrite)
+        return _pack_into(out, run_fp, plan, cfg, src, lens, epochs, overwrite, show=progress)
 
 
-def _pack_into(out: Path, run_fp: str, plan: Plan, cfg: PackConfig, src, lens, epochs, overwrite: bool) -> list[Path]:
+def _pack_into(out: Path, run_fp: str, plan: Plan, cfg: PackConfig, src, lens, epochs, overwrite: bool,
+               show: bool = False) -> list[Path]:
+    from .progress import progress
+
+    with progress("pack", total=len(set(epochs)), unit="epochs", enabled=show) as bar:
+        return _pack_loop(out, run_fp, plan, cfg, src, lens, epochs, overwrite, bar)
+
+
+def _pack_loop(out, run_fp, plan, cfg, src, lens, epochs, overwrite, bar) -> list[Path]:
     committed = False
     edges = bucketing.class_edges(lens)
     counts, masks = _drafter_inputs(cfg, src)
@@ -355,6 +364,7 @@ def _pack_into(out: Path, run_fp: str, plan: Plan, cfg: PackConfig, src, lens, e
             if same:
                 written.append(path)
                 prev = None
+                bar.advance()
                 continue
             if not overwrite:
                 raise ConfigError(f"{path} already holds a manifest built from other inputs (plan, options or data); "
@@ -375,6 +385,7 @@ def _pack_into(out: Path, run_fp: str, plan: Plan, cfg: PackConfig, src, lens, e
         written.append(path)
         prev = (res.arrays["microbatches"], res.arrays["sample_ids"])
         del res
+        bar.advance()
     pack_config.save(out, cfg, plan)
     return written
 

@@ -88,8 +88,11 @@ class progress:  # noqa: N801 - used as a context manager, like open()
     def advance(self, n: int = 1) -> None:
         self._impl.advance(n)
 
+    def close(self) -> None:
+        self._impl.close()
+
     def __enter__(self) -> "progress":
         return self
 
     def __exit__(self, *exc) -> None:
-        self._impl.close()
+        self.close()

@@ -266,7 +266,7 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
         src = next(s for s in sources if s.path == e.path)
         raise rec.RecordError(e.path, e.row, e.reason, e.line if e.line is not None else src.line_of(e.row)) from None
     finally:
-        bar.stop()
+        bar.close()
         if pool is not None:
             pool.terminate()
             pool.join()
@@ -307,31 +307,12 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
     return meta
 
 
-class _NoBar:
-    def advance(self, n):
-        pass
-
-    def stop(self):
-        pass
-
-
-class _RichBar:
-    def __init__(self, total: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
-        self.p = Progress("tokenize", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True)
-        self.t = self.p.add_task("tokenize", total=total)
-        self.p.start()
-
-    def advance(self, n):
-        self.p.advance(self.t, n)
-
-    def stop(self):
-        self.p.stop()
-
-
 def _progress(on: bool, total: int):
-    return _RichBar(total) if on else _NoBar()
+    """The shared progress helper: a bar on a terminal, plain log lines elsewhere."""
+    from .progress import progress as progress_
+
+    return progress_("tokenize", total=total, unit="records", enabled=on)
+
 
 
 def summary_rows(meta: dict) -> list[tuple[str, str]]:

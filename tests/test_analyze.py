@@ -170,7 +170,7 @@ def test_cli(lengths_file, tmp_path):
     res = runner.invoke(app, ["analyze", "--lengths", str(lengths_file), "--out", str(tmp_path), "--budget", str(T),
                               "--buckets", "3", "--window", "0", "--json", "--no-plot"])
     assert res.exit_code == 0, res.output
-    rep = json.loads(res.output)
+    rep = json.loads(res.stdout)
     assert rep["format"] == "dflash-prep/analyze-report" and rep["k"] == 3
     assert plan_mod.load(tmp_path).boundaries == tuple(rep["boundaries"])
     res = runner.invoke(app, ["analyze", "--lengths", str(tmp_path / "nope.txt"), "--out", str(tmp_path)])

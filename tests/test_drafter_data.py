@@ -201,7 +201,7 @@ def test_analyze_dflash_predicts_the_pack(dataset, planned, tmp_path):
                                    "--no-plot", "--objective", "dflash", "--max-anchors", "24", "--target-config",
                                    str(dataset.parent / "target"), "--draft-layers", "2", "--buckets", "2"])
     assert res.exit_code == 0, res.output
-    pred = json.loads(res.output)["dflash"]
+    pred = json.loads(res.stdout)["dflash"]
     [d] = pack_epochs(plan=tmp_path / "plan.json", epochs=[0], out=tmp_path / "m",
                       config=PackConfig(world_size=8, objective="dflash", drafter=_cfg(dataset).drafter))
     s = manifest.open(d).summary
