@@ -11,8 +11,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_wheel_installs_only_dflash_prep(tmp_path):
+    import shutil
+
+    src = tmp_path / "src"      # build from a copy: setuptools writes build/ and *.egg-info into the tree
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__",
+                                                            ".numba_cache", "demo", "demo-dflash", "results"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)
+                    str(tmp_path), str(src)], check=True, capture_output=True, timeout=300)
     (whl,) = tmp_path.glob("dflash_prep-*.whl")
     names = zipfile.ZipFile(whl).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
