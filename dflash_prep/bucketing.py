@@ -388,7 +388,9 @@ def _batch_stats(olens, offsets, edges, real, mx, sum_sq, class_tok):
 
 
 @nb.njit(cache=True)
-def _histogram(lens, top):
+def count_lengths(lens, top):
+    """Counts of every length 0..top in one pass in the array's own dtype (int64 counts);
+    np.bincount would first copy 100M int32 lengths to int64 (0.8 GB, 2.8 s of CPU vs 0.1 s)."""
     h = np.zeros(top + 1, np.int64)
     for i in range(lens.shape[0]):
         h[lens[i]] += 1
@@ -399,7 +401,7 @@ def class_edges(lengths: np.ndarray, n_classes: int = 8) -> np.ndarray:
     """:func:`dflash_prep.metrics.class_edges` from a length histogram: O(N), no sort and no
     N-sized temporary (np.unique over 100M lengths takes ~4 s and 1.3 GB). Same result."""
     lengths = np.asarray(lengths)
-    h = _histogram(lengths, int(lengths.max()))
+    h = count_lengths(lengths, int(lengths.max()))
     vals = np.flatnonzero(h).astype(np.int64)
     cum = np.cumsum(vals * h[vals])
     qs = [cum[-1] * q / n_classes for q in range(1, n_classes)]
