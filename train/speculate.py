@@ -78,6 +78,10 @@ class Target:
         if bad:
             raise ConfigError(f"target layer ids {bad} are outside the target's {n} layers")
         self.cache = None
+        import inspect
+
+        # transformers >= 5.2x names the argument `cache` (`past_key_values` is deprecated there)
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @property
     def device(self) -> torch.device:
@@ -95,7 +99,11 @@ class Target:
         self.cache = DynamicCache()
 
     def crop(self, n: int) -> None:
-        self.cache.crop(n)
+        """Keep the first ``n`` cached positions (a negative ``crop``: "remove this many", which
+        transformers 4.x and 5.x both read the same way)."""
+        extra = self.cache.get_seq_length() - n
+        if extra > 0:
+            self.cache.crop(-extra)
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, start: int, *, feats: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -103,9 +111,8 @@ class Target:
         if have != start:
             raise RuntimeError(f"target cache holds {have} positions, expected {start}")
         pos = torch.arange(start, start + ids.numel(), device=self.device)[None]  # (1, T)
-        out = self.model(input_ids=ids.view(1, -1).to(self.device), position_ids=pos, past_key_values=self.cache,
-                         use_cache=True, output_hidden_states=feats and bool(self.layer_ids))
-        self.cache = out.past_key_values
+        out = self.model(input_ids=ids.view(1, -1).to(self.device), position_ids=pos, use_cache=True,
+                         output_hidden_states=feats and bool(self.layer_ids), **{self._cache_arg: self.cache})
         f = None
         if feats and self.layer_ids:
             f = torch.cat([out.hidden_states[l + 1][0] for l in self.layer_ids], dim=-1)  # (T, k*H)
