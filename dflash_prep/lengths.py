@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import FormatError, InputError
-from .fileio import fingerprint_array, load_npy, read_json
+from .fileio import atomic_save_npy, fingerprint_array, load_npy, read_json
 
 DATASET_FORMAT = "dflash-prep/dataset"
 DATASET_VERSIONS = (1,)
@@ -112,3 +112,61 @@ def load(data: str | Path | None = None, lengths_file: str | Path | None = None)
     if (data is None) == (lengths_file is None):
         raise InputError("give exactly one of a dataset folder or --lengths FILE")
     return read_dataset_lengths(data) if data is not None else read_lengths_file(lengths_file)
+
+
+# ----------------------------------------------------------------------------- mask counts
+#: Per-sample loss-mask counts beside lengths.npy (int32, one per sample id), listed in
+#: meta.json under these keys with their fingerprints: supervised tokens S = sum lm[t] and
+#: anchor candidates C = sum lm[t] * lm[t+1] (:mod:`dflash_prep.anchors`).
+MASK_COUNT_FILES = {"supervised": "supervised.npy", "anchor_candidates": "anchor_candidates.npy"}
+
+
+@dataclass(frozen=True)
+class MaskCounts:
+    """``supervised`` and ``anchor_candidates`` (int32, one per sample id) of a dataset."""
+
+    supervised: np.ndarray
+    anchor_candidates: np.ndarray
+
+
+def chunk_mask_counts(mask: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(S, C)`` of consecutive samples whose masks are concatenated in ``mask``."""
+    from .anchors import mask_counts
+
+    cu = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(np.asarray(lengths, np.int64), out=cu[1:])
+    return mask_counts(mask, cu)
+
+
+def write_mask_counts(folder: Path, parts: list[tuple[np.ndarray, np.ndarray]]) -> dict:
+    """Write the two arrays from per-chunk ``(S, C)`` parts; returns their meta.json entries."""
+    meta = {}
+    for j, (key, name) in enumerate(MASK_COUNT_FILES.items()):
+        arr = np.concatenate([p[j] for p in parts]).astype(np.int32) if parts else np.zeros(0, np.int32)
+        atomic_save_npy(Path(folder) / name, arr)
+        meta[key] = {"file": name, "dtype": "int32", "fingerprint": fingerprint_array(arr)}
+    return meta
+
+
+def read_mask_counts(folder: str | Path) -> MaskCounts:
+    """Read and check a dataset's mask counts (fingerprints, sample count, ``C < S <= L``).
+
+    A dataset tokenized before these arrays existed has none: the error says to re-tokenize.
+    """
+    folder = Path(folder)
+    src = read_dataset_lengths(folder)
+    meta = read_json(folder / META_FILE, format=DATASET_FORMAT, versions=DATASET_VERSIONS)
+    fix = f"re-run `dflash-prep tokenize ... --out {folder} --overwrite` with this dflash-prep"
+    out = {}
+    for key, name in MASK_COUNT_FILES.items():
+        entry = meta.get(key)
+        if not entry:
+            raise FormatError(f"{folder}: meta.json lists no {name} (tokenized before drafter support); {fix}")
+        arr = load_npy(folder / entry["file"], dtype=np.int32)
+        if fingerprint_array(arr) != entry.get("fingerprint") or arr.shape != src.lengths.shape:
+            raise FormatError(f"{folder / entry['file']}: does not match meta.json (fingerprint or sample count); {fix}")
+        out[key] = arr
+    s, c = out["supervised"], out["anchor_candidates"]
+    if (s < 0).any() or (s > src.lengths).any() or (c < 0).any() or (c >= np.maximum(s, 1)).any():
+        raise FormatError(f"{folder}: supervised/anchor_candidates break 0 <= C < S <= L; {fix}")
+    return MaskCounts(supervised=s, anchor_candidates=c)

@@ -28,6 +28,9 @@ Folder layout (format ``dflash-prep/dataset`` v1)::
     meta.json         format, version, fingerprint, tokenizer, source, options, counts,
                       tokens, lengths fingerprint, shards [{file, first_id, rows, tokens, bytes}]
     lengths.npy       int32, one per sample id (analyze/pack read only this and meta.json)
+    supervised.npy, anchor_candidates.npy
+                      int32 per sample id: loss-mask tokens S and DFlash anchor candidates
+                      C = sum lm[t]*lm[t+1] (pack --objective dflash budgets anchors from them)
     shard-00000.arrow Arrow IPC stream: id int64, record int64, input_ids list<int32>,
                       loss_mask list<uint8>, length int32; schema metadata carries
                       {"format": "dflash-prep/shard", "version": 1, "first_id": ...}
@@ -48,7 +51,7 @@ from . import __version__
 from . import records as rec
 from .errors import ConfigError, FormatError, InputError
 from .fileio import atomic_dir, atomic_save_npy, atomic_write_bytes, atomic_write_json, fingerprint_array, fingerprint_json, read_json
-from .lengths import DATASET_FORMAT, LENGTHS_FILE, META_FILE
+from .lengths import DATASET_FORMAT, LENGTHS_FILE, META_FILE, chunk_mask_counts, write_mask_counts
 from .encoders import load_tokenizer, render_chat
 
 DATASET_VERSION = 1
@@ -327,7 +330,7 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
     stats = {"truncated": 0, "dropped": 0, "skipped": sum(s.bad_lines for s in sources), "no_loss": 0,
              "cut_tokens": 0, "dropped_tokens": 0}
     examples: list[str] = [e for s in sources for e in s.bad_examples][:MAX_EXAMPLES]
-    lengths, loss_tokens = [], 0
+    lengths, mask_counts, loss_tokens = [], [], 0
     _STATE.clear()
     _STATE.update(sources=sources, cfg=cfg, tokenizer=cfg.tokenizer, tok=tok)
     bar = _progress(progress, total_rows)
@@ -343,6 +346,7 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
         for r in results:
             writer.add(r["ids"], r["mask"], r["lengths"], r["records"])
             lengths.append(r["lengths"])
+            mask_counts.append(chunk_mask_counts(r["mask"], r["lengths"]))
             loss_tokens += int(r["mask"].sum(dtype=np.int64))
             for k, v in r["stats"].items():
                 stats[k] += v
@@ -364,6 +368,7 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
                          f"{stats['dropped']}); check --format, --on-error and --max-len")
     atomic_save_npy(tmp / LENGTHS_FILE, lengths_arr)
     lengths_fp = fingerprint_array(lengths_arr)
+    mask_meta = write_mask_counts(tmp, mask_counts)   # supervised.npy + anchor_candidates.npy
     n = int(lengths_arr.shape[0])
     total = int(lengths_arr.sum(dtype=np.int64))
     meta = {
@@ -379,6 +384,7 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
                    "in_dropped": stats["dropped_tokens"], "max_len": int(lengths_arr.max())},
         "skipped_examples": examples,
         "lengths": {"file": LENGTHS_FILE, "dtype": "int32", "fingerprint": lengths_fp},
+        **mask_meta,
         "shards": shards,
     }
     _write_hf_files(tmp, shards, meta["fingerprint"])

@@ -7,6 +7,9 @@ Public API (the trainer codes against exactly this)::
         # q [T,Hq,D], k/v [T,Hkv,D], cu_seqlens int32 [N+1] -> o [T,Hq,D]
     o = attention_padded(q, k, v, lengths, causal=True, scale=None)
         # q [B,Hq,L,D], k/v [B,Hkv,L,D], lengths int32 [B] -> o [B,Hq,L,D]
+    o = attention_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size, scale=None)
+        # the DFlash drafter's mask: q/k_blk/v_blk [sum N_d*B, H, D], k_ctx/v_ctx [sum S_d, Hkv, D],
+        # cu_ctx/cu_blk int32 [docs+1], anchors int32 [sum N_d] -> o [sum N_d*B, Hq, D]
     with force_backend("reference"):  # or "triton"; default "auto"
         ...
 
@@ -31,19 +34,20 @@ from __future__ import annotations
 import torch
 
 from .backend import force_backend, resolve_backend
-from .inputs import check_padded, check_varlen
+from .dflash_reference import attention_dflash_reference
+from .inputs import check_dflash, check_padded, check_varlen
 from .reference import attention_padded_reference, attention_varlen_grouped
 
-__all__ = ["attention_varlen", "attention_padded", "force_backend"]
+__all__ = ["attention_varlen", "attention_padded", "attention_dflash", "force_backend"]
 
 
-def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Cast floating q, k, v to the autocast dtype when autocast is on for their device."""
+def _autocast(q: torch.Tensor, *rest: torch.Tensor):
+    """Cast floating q, k, v (and any further tensors) to the autocast dtype when autocast is on."""
     dev = q.device.type
     if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
         dtype = torch.get_autocast_dtype(dev)
-        return tuple(t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
-    return q, k, v
+        return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, *rest))
+    return (q, *rest)
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -78,3 +82,27 @@ def attention_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
 
     prob = check_padded(q, k, v, lengths, scale)
     return flash.flash_padded(q, k, v, lengths, prob, causal)
+
+
+def attention_dflash(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_blk: torch.Tensor,
+                     v_blk: torch.Tensor, cu_ctx: torch.Tensor, cu_blk: torch.Tensor, anchors: torch.Tensor,
+                     block_size: int, *, scale: float | None = None) -> torch.Tensor:
+    """DFlash drafter attention over packed documents -> o ``[sum_d N_d*B, Hq, D]``.
+
+    Document ``d`` has ``S_d`` context rows ``k_ctx``/``v_ctx[cu_ctx[d]:cu_ctx[d+1]]``
+    (``[sum S_d, Hkv, D]``) and ``N_d`` blocks of ``B = block_size`` draft rows
+    ``q``/``k_blk``/``v_blk[cu_blk[d]:cu_blk[d+1]]`` (``[sum N_d*B, H, D]``; ``cu_blk`` holds
+    multiples of B). ``anchors`` int32 ``[sum N_d]`` gives block ``j``'s anchor ``a_j``, sorted
+    within a document, ``0 <= a_j < S_d``. Block ``j``'s queries see context positions
+    ``[0, a_j)`` of their document and the B draft keys of their own block (bidirectional),
+    nothing else. ``N_d = 0`` is allowed. GQA when Hq is a multiple of Hkv; ``scale``
+    defaults to 1/sqrt(D). Differentiable in q, k_ctx, v_ctx, k_blk and v_blk.
+    """
+    q, k_ctx, v_ctx, k_blk, v_blk = _autocast(q, k_ctx, v_ctx, k_blk, v_blk)
+    if resolve_backend(q.device) == "reference":
+        return attention_dflash_reference(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size,
+                                          scale=scale)
+    from . import dflash  # lazy, as above
+
+    prob = check_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size, scale)
+    return dflash.flash_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, prob)

@@ -12,6 +12,9 @@ decreases, ends at T, no sequence longer than ``max_seqlen``; ``0 <= lengths <= 
 the values, so they run only when the tensor is on the CPU: on a GPU they would cost a
 device sync per call. Build ``cu_seqlens``/``lengths`` on the CPU (the loader does) to have
 them checked before moving them.
+
+:func:`check_dflash` does the same for :func:`~dflash_prep.kernels.attention_dflash` (context
+and draft rows per document, one anchor per block) and returns a :class:`DFlashProblem`.
 """
 
 from __future__ import annotations
@@ -136,4 +139,131 @@ def check_padded(q, k, v, lengths, scale) -> Problem:
     return Problem(
         num_seqs=b, heads_q=q.shape[1], heads_kv=k.shape[1], head_dim=d,
         max_seqlen=seq, scale=_scale(scale, d),
+    )
+
+
+# ----------------------------------------------------------------------------- DFlash
+@dataclass(frozen=True)
+class DFlashProblem:
+    """Shapes of one :func:`~dflash_prep.kernels.attention_dflash` call, after checks."""
+
+    num_docs: int
+    """Documents: ``len(cu_ctx) - 1``."""
+    heads_q: int
+    """Query heads Hq."""
+    heads_kv: int
+    """Key/value heads Hkv; Hq is a multiple of it."""
+    head_dim: int
+    """D, shared by q and every k/v."""
+    block_size: int
+    """B: draft tokens per block (rows of q per anchor)."""
+    num_blocks: int
+    """sum_d N_d: anchors, i.e. ``q.shape[0] // B``."""
+    ctx_tokens: int
+    """sum_d S_d: rows of k_ctx / v_ctx."""
+    scale: float
+    """Softmax scale applied to q.k (default 1/sqrt(D))."""
+
+    def __post_init__(self) -> None:
+        if self.heads_kv <= 0 or self.heads_q % self.heads_kv:
+            raise AttentionConfigError(
+                f"attention_dflash: query heads ({self.heads_q}) must be a positive multiple of "
+                f"key/value heads ({self.heads_kv}); repeat or regroup the heads"
+            )
+        if not math.isfinite(self.scale):
+            raise AttentionConfigError(f"attention_dflash: softmax scale must be finite, got {self.scale}")
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.heads_q // self.heads_kv
+
+
+def _offsets(name: str, cu: torch.Tensor, total: int, what: str) -> torch.Tensor:
+    """Check a CPU offsets tensor: starts at 0, never decreases, ends at ``total``; int64 copy."""
+    c = cu.to(torch.int64)
+    if int(c[0]) != 0 or int(c[-1]) != total:
+        raise AttentionInputError(
+            f"{what}: {name} must start at 0 and end at {total}; got {int(c[0])} .. {int(c[-1])}. "
+            "Build it as the cumulative sum of the per-document counts with a leading 0."
+        )
+    steps = c[1:] - c[:-1]
+    if steps.numel() and int(steps.min()) < 0:
+        bad = int(torch.nonzero(steps < 0)[0])
+        raise AttentionInputError(f"{what}: {name} decreases at index {bad} ({int(c[bad])} -> {int(c[bad + 1])})")
+    return c
+
+
+def check_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size, scale) -> DFlashProblem:
+    """Validate a DFlash attention call; return its :class:`DFlashProblem`.
+
+    Shapes, dtypes and devices are always checked. The values of ``cu_ctx``, ``cu_blk`` and
+    ``anchors`` (offsets from 0 to the totals, never decreasing, ``cu_blk`` a multiple of B,
+    anchors sorted within a document and ``0 <= a < S_d``) are checked only when all three are
+    on the CPU, as for :func:`check_varlen`: on a GPU it would cost a sync per call.
+    """
+    what = "attention_dflash"
+    tensors = (("q", q), ("k_ctx", k_ctx), ("v_ctx", v_ctx), ("k_blk", k_blk), ("v_blk", v_blk))
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise AttentionConfigError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in DTYPES:
+            raise AttentionConfigError(f"{what}: {name} has dtype {t.dtype}; use float16, bfloat16 or float32 "
+                                       "(float64 on the reference backend)")
+        if t.dim() != 3:
+            raise AttentionConfigError(f"{what}: {name} must be [tokens, heads, D]; got {tuple(t.shape)}")
+        if t.dtype != q.dtype:
+            raise AttentionConfigError(f"{what}: {name} has dtype {t.dtype} but q has {q.dtype}; cast them to one dtype")
+        if t.device != q.device:
+            raise AttentionConfigError(f"{what}: {name} is on {t.device} but q is on {q.device}")
+    rows, hq, d = q.shape
+    if k_ctx.shape != v_ctx.shape or k_blk.shape != v_blk.shape:
+        raise AttentionConfigError(f"{what}: k_ctx {tuple(k_ctx.shape)} / v_ctx {tuple(v_ctx.shape)} and "
+                                   f"k_blk {tuple(k_blk.shape)} / v_blk {tuple(v_blk.shape)} must match pairwise")
+    if k_blk.shape[0] != rows or k_blk.shape[2] != d or k_ctx.shape[2] != d or k_ctx.shape[1] != k_blk.shape[1]:
+        raise AttentionConfigError(
+            f"{what}: q {tuple(q.shape)}, k_blk {tuple(k_blk.shape)} and k_ctx {tuple(k_ctx.shape)} must be "
+            "[sum N_d*B, Hq, D], [sum N_d*B, Hkv, D] and [sum S_d, Hkv, D]"
+        )
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise AttentionConfigError(f"{what}: block_size must be a positive int, got {block_size!r}")
+    if rows % block_size:
+        raise AttentionConfigError(f"{what}: q has {rows} rows, not a multiple of block_size={block_size}")
+    num_blocks = rows // block_size
+    for name, t, n in (("cu_ctx", cu_ctx, None), ("cu_blk", cu_blk, None), ("anchors", anchors, num_blocks)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+            raise AttentionConfigError(f"{what}: {name} must be a 1-D int32 tensor (build it with torch.int32)")
+        if t.device != q.device:
+            raise AttentionConfigError(f"{what}: {name} is on {t.device} but q is on {q.device}")
+        if n is not None and t.numel() != n:
+            raise AttentionConfigError(f"{what}: anchors holds {t.numel()} entries but q has {n} blocks "
+                                       f"({rows} rows / block_size {block_size}); pass one anchor per block")
+    if cu_ctx.numel() < 1 or cu_ctx.numel() != cu_blk.numel():
+        raise AttentionConfigError(f"{what}: cu_ctx ({cu_ctx.numel()}) and cu_blk ({cu_blk.numel()}) must both "
+                                   "hold docs+1 offsets (at least the leading 0)")
+    if all(t.device.type == "cpu" for t in (cu_ctx, cu_blk, anchors)):
+        cc = _offsets("cu_ctx", cu_ctx, k_ctx.shape[0], what)
+        cb = _offsets("cu_blk", cu_blk, rows, what)
+        if bool((cb % block_size != 0).any()):
+            bad = int(torch.nonzero(cb % block_size != 0)[0])
+            raise AttentionInputError(f"{what}: cu_blk[{bad}]={int(cb[bad])} is not a multiple of "
+                                      f"block_size={block_size}; each document holds whole blocks")
+        a = anchors.to(torch.int64)
+        doc = torch.repeat_interleave(torch.arange(cc.numel() - 1), (cb[1:] - cb[:-1]) // block_size)  # (blocks,)
+        ctx_len = (cc[1:] - cc[:-1])[doc]
+        bad = torch.nonzero((a < 0) | (a >= ctx_len))
+        if bad.numel():
+            i = int(bad[0])
+            raise AttentionInputError(
+                f"{what}: anchors[{i}]={int(a[i])} lies outside [0, S_d={int(ctx_len[i])}) of document "
+                f"{int(doc[i])}; an anchor is a position within its document's context"
+            )
+        down = torch.nonzero((a[1:] < a[:-1]) & (doc[1:] == doc[:-1]))
+        if down.numel():
+            i = int(down[0])
+            raise AttentionInputError(f"{what}: anchors decrease within document {int(doc[i])} at index {i} "
+                                      f"({int(a[i])} -> {int(a[i + 1])}); sort each document's anchors")
+    return DFlashProblem(
+        num_docs=cu_ctx.numel() - 1, heads_q=hq, heads_kv=k_ctx.shape[1], head_dim=d, block_size=block_size,
+        num_blocks=num_blocks, ctx_tokens=k_ctx.shape[0], scale=_scale(scale, d),
     )

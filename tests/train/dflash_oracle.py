@@ -1,7 +1,5 @@
 """Independent oracles for the DFlash tests (plain loops, no packing, nothing shared with train/).
 
-- :func:`dense_dflash_attention`: the ``attention_dflash`` contract by an explicit per-block loop
-  (block j of document d: keys = context rows ``[0, a_j)`` of d, then its own B rows).
 - :func:`public_block_forward`: one block of the drafter the way the public DFlash inference
   code runs it after a prefill of ``a`` tokens: context features ``[0, a)`` and the B block
   embeddings, positions ``0 .. a + B - 1``, no mask; RoPE from transformers' Qwen3 rotary
@@ -12,24 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-
-def dense_dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size, *, scale=None):
-    B = int(block_size)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    group = q.shape[1] // k_ctx.shape[1]
-    out = torch.zeros_like(q)
-    cc, cb = cu_ctx.tolist(), cu_blk.tolist()
-    blk = 0
-    for d in range(len(cc) - 1):
-        for r0 in range(cb[d], cb[d + 1], B):
-            a = int(anchors[blk])
-            blk += 1
-            k = torch.cat([k_ctx[cc[d]:cc[d] + a], k_blk[r0:r0 + B]]).repeat_interleave(group, dim=1)  # (a+B, Hq, D)
-            v = torch.cat([v_ctx[cc[d]:cc[d] + a], v_blk[r0:r0 + B]]).repeat_interleave(group, dim=1)
-            s = torch.einsum("qhd,khd->hqk", q[r0:r0 + B].double(), k.double()) * scale
-            out[r0:r0 + B] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v.double()).to(q.dtype)
-    return out
 
 
 def _rms(x, w, eps):

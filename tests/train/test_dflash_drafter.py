@@ -3,24 +3,10 @@
 import pytest
 import torch
 
-from dflash_prep import kernels
 from dflash_prep.errors import ConfigError
 from dflash_prep.train.drafter import Drafter, DrafterConfig, build_target_layer_ids
 
-from dflash_oracle import dense_dflash_attention, public_block_forward
-
-
-@pytest.fixture(autouse=True)
-def _attention():
-    """Use the kernels' attention_dflash when it exists; the dense oracle until it lands."""
-    if hasattr(kernels, "attention_dflash"):
-        yield
-        return
-    kernels.attention_dflash = dense_dflash_attention
-    try:
-        yield
-    finally:
-        del kernels.attention_dflash
+from dflash_oracle import public_block_forward
 
 
 def _cfg(**kw):

@@ -1,0 +1,109 @@
+"""anchors.py: the DFlash anchor sampler (eligibility, order, determinism, batching, counts)."""
+
+import numpy as np
+import pytest
+
+from dflash_prep import anchors
+from dflash_prep.bucketing import mix_key
+from dflash_prep.errors import ConfigError
+
+
+def _masks(n, seed=0, top=300):
+    """n random masks: a prompt prefix of random share, a supervised response, random holes."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        L = int(rng.integers(1, top))
+        m = np.zeros(L, np.uint8)
+        m[int(rng.integers(0, L + 1)):] = 1
+        m[rng.random(L) < 0.05] = 0
+        out.append(m)
+    return out
+
+
+def _eligible(m):
+    m = np.asarray(m, bool)
+    return np.flatnonzero(m[:-1] & m[1:])
+
+
+def test_counts_match_definition():
+    for m in _masks(200, seed=1):
+        s, c = anchors.mask_counts(m)
+        assert s == int(m.sum()) and c == len(_eligible(m))
+    masks = _masks(50, seed=2)
+    cu = np.concatenate([[0], np.cumsum([len(m) for m in masks])])
+    sup, cand = anchors.mask_counts(np.concatenate(masks), cu)
+    assert sup.dtype == np.int32 and cand.tolist() == [len(_eligible(m)) for m in masks]
+    k = anchors.anchor_counts(cand, sup, 40, "cap")
+    assert k.dtype == np.int32 and np.array_equal(k, np.minimum(cand, 40))
+    kd = anchors.anchor_counts(cand, sup, 40, "density", block_size=16)
+    assert np.array_equal(kd, np.minimum(np.minimum(cand, 40), -(-sup.astype(np.int64) // 16)))
+
+
+@pytest.mark.parametrize("policy", ["cap", "density"])
+def test_anchors_are_sorted_distinct_eligible_and_counted(policy):
+    for i, m in enumerate(_masks(300, seed=3)):
+        a = anchors.sample_anchors(m, seed=7, epoch=1, sample_id=i, max_anchors=25, policy=policy, block_size=8)
+        s, c = anchors.mask_counts(m)
+        assert a.dtype == np.int32
+        assert np.all(np.diff(a) > 0)
+        assert np.isin(a, _eligible(m)).all()
+        assert len(a) == anchors.anchor_counts([c], [s], 25, policy, block_size=8)[0]
+
+
+def test_deterministic_keyed_and_uniform():
+    m = np.ones(101, np.uint8)                       # 100 candidates, 10 anchors
+    a = anchors.sample_anchors(m, seed=1, epoch=0, sample_id=5, max_anchors=10)
+    assert np.array_equal(a, anchors.sample_anchors(m, seed=1, epoch=0, sample_id=5, max_anchors=10))
+    others = [anchors.sample_anchors(m, seed=s, epoch=e, sample_id=i, max_anchors=10)
+              for s, e, i in ((2, 0, 5), (1, 1, 5), (1, 0, 6))]
+    assert all(not np.array_equal(a, o) for o in others)
+    # a uniform 10-of-100 draw: every position is picked ~1/10 of the time over many keys
+    hits = np.zeros(100)
+    for i in range(2000):
+        hits[anchors.sample_anchors(m, seed=0, epoch=0, sample_id=i, max_anchors=10)] += 1
+    assert np.abs(hits / 2000 - 0.1).max() < 0.03, hits.min()
+    # all candidates when the cap is not binding (no draw)
+    assert np.array_equal(anchors.sample_anchors(m, seed=9, epoch=3, sample_id=1, max_anchors=512), np.arange(100))
+
+
+def test_independent_of_batching():
+    masks = _masks(120, seed=4)
+    ids = np.arange(1000, 1120, dtype=np.int64)
+    alone = [anchors.sample_anchors(m, seed=3, epoch=2, sample_id=int(i), max_anchors=17) for m, i in zip(masks, ids)]
+    for lo, hi in ((0, 120), (10, 37), (50, 51)):
+        cu = np.concatenate([[0], np.cumsum([len(m) for m in masks[lo:hi]])])
+        pos, off = anchors.sample_anchors_batch(np.concatenate(masks[lo:hi]), cu, ids[lo:hi], seed=3, epoch=2,
+                                                max_anchors=17)
+        for j in range(hi - lo):
+            assert np.array_equal(pos[off[j]:off[j + 1]], alone[lo + j])
+
+
+def test_fold_matches_mix_key():
+    base = anchors._base_key(11, 4)
+    assert int(anchors._fold(base, np.uint64(123456789))) == mix_key(11, 4, anchors.PURPOSE_ANCHORS, 123456789)
+
+
+def test_selection_digest_tracks_the_draw():
+    masks = _masks(80, seed=5)
+    cu = np.concatenate([[0], np.cumsum([len(m) for m in masks])])
+    sup, cand = anchors.mask_counts(np.concatenate(masks), cu)
+    k = anchors.anchor_counts(cand, sup, 9)
+    ids = np.arange(80)[::-1].copy()
+    d = anchors.selection_digest(ids, cand, k, seed=0, epoch=0)
+    assert d == anchors.selection_digest(ids, cand, k, seed=0, epoch=0)
+    assert d != anchors.selection_digest(ids, cand, k, seed=0, epoch=1)
+    assert d != anchors.selection_digest(ids[::-1].copy(), cand, k, seed=0, epoch=0)
+    k2 = k.copy()
+    k2[np.argmax(k)] -= 1
+    assert d != anchors.selection_digest(ids, cand, k2, seed=0, epoch=0)
+
+
+def test_bad_options():
+    m = np.ones(10, np.uint8)
+    with pytest.raises(ConfigError, match="anchor-policy"):
+        anchors.sample_anchors(m, seed=0, epoch=0, sample_id=0, max_anchors=4, policy="all")
+    with pytest.raises(ConfigError, match="max-anchors"):
+        anchors.anchor_counts([3], [4], 0)
+    with pytest.raises(ConfigError, match="cu_seqlens"):
+        anchors.sample_anchors_batch(m, np.array([0, 4]), np.array([0, 1]), seed=0, epoch=0, max_anchors=2)
