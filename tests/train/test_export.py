@@ -5,26 +5,10 @@ import json
 import pytest
 import torch
 
-from dflash_prep import kernels
 from dflash_prep.errors import FingerprintMismatch, FormatError
 from dflash_prep.train import checkpoint as ckpt
 from dflash_prep.train.drafter import Drafter, DrafterConfig, build_target_layer_ids
 from dflash_prep.train.export import export, load_export, public_config, write_export
-
-from dflash_oracle import dense_dflash_attention
-
-
-@pytest.fixture(autouse=True)
-def _attention():
-    """The kernels' attention_dflash when present; the tests' dense oracle until it lands."""
-    if hasattr(kernels, "attention_dflash"):
-        yield
-        return
-    kernels.attention_dflash = dense_dflash_attention
-    try:
-        yield
-    finally:
-        del kernels.attention_dflash
 
 
 def _cfg(**kw):

@@ -5,29 +5,13 @@ import json
 import pytest
 import torch
 
-from dflash_prep import kernels
 from dflash_prep.train.drafter import Drafter, DrafterConfig
 from dflash_prep.train.export import write_export
 from dflash_prep.train.speculate import (DFlashProposer, Target, greedy_generate, main, speculative_generate,
                                          summarize)
 from dflash_prep.train.target_init import TargetSpec, build_target, default_texts
 
-from dflash_oracle import dense_dflash_attention
-
 B = 4
-
-
-@pytest.fixture(autouse=True)
-def _attention():
-    """The kernels' attention_dflash when present; the tests' dense oracle until it lands."""
-    if hasattr(kernels, "attention_dflash"):
-        yield
-        return
-    kernels.attention_dflash = dense_dflash_attention
-    try:
-        yield
-    finally:
-        del kernels.attention_dflash
 
 
 @pytest.fixture(scope="module")
