@@ -119,3 +119,21 @@ def test_eval_entry_point_writes_a_versioned_report(tiny, tmp_path):
         write_export(Drafter(cfg), tmp_path / "wrong", source={})
         main(["--target", str(path), "--drafter", str(tmp_path / "wrong"), "--prompts", str(prompts),
               "--out", str(tmp_path / "e2.json")])
+
+
+def test_proposer_drafts_what_the_public_algorithm_drafts(tiny):
+    """One DFlashProposer block == the public per-block computation after a prefill of ``start``."""
+    from dflash_oracle import public_block_forward
+
+    _, model, _ = tiny
+    drafter = _drafter(model, seed=2)
+    target = Target(model, drafter.target_layer_ids)
+    prop = DFlashProposer(drafter, target, block_size=B, mask_token_id=3)
+    target.reset()
+    _, feats = target.forward(torch.tensor(PROMPTS[1] + [5, 6, 7]), 0)
+    for start in (1, 4, 12):
+        block = torch.tensor([PROMPTS[1][0] if start < len(PROMPTS[1]) else 9] + [3] * (B - 1))
+        with torch.no_grad():
+            h = public_block_forward(drafter, target.embed(block), feats[:start], start)
+            want = target.lm_head(h[1:]).argmax(-1)
+        assert torch.equal(prop.propose(block, feats[:start], start), want), start
