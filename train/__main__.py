@@ -48,8 +48,20 @@ def main(
     from_scratch: Annotated[Optional[bool], typer.Option("--from-scratch", help="ignore an existing checkpoint: new run on the current plan")] = None,
     progress: Annotated[Optional[bool], typer.Option(help="progress bar on rank 0")] = None,
     wandb: Annotated[Optional[str], typer.Option(help="Weights & Biases project (needs wandb installed)")] = None,
+    objective: Annotated[Optional[str], typer.Option(help="lm (next-token) or dflash (a drafter on --target)")] = None,
+    init_from: Annotated[Optional[str], typer.Option(help="LM: start from this transformers folder; saved to OUT/hf")] = None,
+    target: Annotated[Optional[str], typer.Option(help="DFlash: the frozen target, a transformers folder")] = None,
+    draft_layers: Annotated[Optional[int], typer.Option(help="DFlash: draft layers N")] = None,
+    block_size: Annotated[Optional[int], typer.Option(help="DFlash: block size B")] = None,
+    gamma: Annotated[Optional[float], typer.Option(help="DFlash: slot-weight decay (0 = (B-2)/2)")] = None,
+    max_anchors: Annotated[Optional[int], typer.Option(help="DFlash: anchors per sample at most")] = None,
+    anchor_policy: Annotated[Optional[str], typer.Option(help="DFlash: cap or density")] = None,
+    anchor_seed: Annotated[Optional[int], typer.Option(help="DFlash: anchor seed (-1 = manifest's, else --seed)")] = None,
+    mask_token_id: Annotated[Optional[int], typer.Option(help="DFlash: mask token id (-1 = auto)")] = None,
+    ce_chunk: Annotated[Optional[int], typer.Option(help="rows per LM-head + CE chunk")] = None,
 ):
-    """Train the small decoder on the manifests, exactly in manifest order."""
+    """Train on the manifests, exactly in manifest order: the small decoder or a transformers LM
+    (``--objective lm``), or a DFlash drafter on a frozen target (``--objective dflash``)."""
     from . import config as config_mod
 
     rank = int(os.environ.get("RANK", "0"))
@@ -58,7 +70,10 @@ def main(
                                max_steps=max_steps, pack_missing=pack_missing, lr=lr, warmup_steps=warmup_steps,
                                grad_clip=grad_clip, seed=seed, attn=attn, device=device, bf16=bf16,
                                prefetch=prefetch, ckpt_every=ckpt_every, resume=resume, from_scratch=from_scratch,
-                               progress=progress, wandb=wandb)
+                               progress=progress, wandb=wandb, objective=objective, init_from=init_from,
+                               target=target, draft_layers=draft_layers, block_size=block_size, gamma=gamma,
+                               max_anchors=max_anchors, anchor_policy=anchor_policy, anchor_seed=anchor_seed,
+                               mask_token_id=mask_token_id, ce_chunk=ce_chunk)
         from .loop import train
 
         s = train(cfg)
@@ -66,8 +81,10 @@ def main(
         typer.secho(f"error (rank {rank}): {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     if rank == 0:
+        tau = f", tau {s['tau_first']:.3f} -> {s['tau_last']:.3f}, {s['anchors_per_s']:,.0f} anchors/s" \
+            if s.get("tau_last") is not None else ""
         typer.echo(f"done: {s['steps']} steps (global {s['global_step']}), loss {s['loss_first']:.4f} -> "
-                   f"{s['loss_last']:.4f} ({'fell' if s['loss_fell'] else 'did NOT fall'}), "
+                   f"{s['loss_last']:.4f} ({'fell' if s['loss_fell'] else 'did NOT fall'}){tau}, "
                    f"{s['tokens_per_s']:,.0f} real tok/s, efficiency {s['efficiency']:.3f}, "
                    f"data wait {100 * s['data_wait_share']:.1f}%, summary in {Path(cfg.out) / 'summary.json'}"
                    if s["steps"] else f"nothing to do: the run is already at epoch {s['cursor']['epoch']} "

@@ -10,7 +10,11 @@ written to a temp path and renamed into place) holds:
 - ``cursor``: ``epoch``, ``step`` (the next step inside that epoch) and ``global_step``;
 - ``run_key``: what fixes the data order: the plan's identity and fingerprint, the dataset
   fingerprint, and the manifest's layout, world size and accumulation;
-- ``model_config``: the decoder's shape.
+- ``run_key["contract"]``: what the objective fixes besides the data: ``objective``; for DFlash
+  the target's fingerprint, tokenizer and chat-template hashes, taps, mask id, B, gamma and the
+  anchor policy (seed, cap, policy, sampler version); for an LM started ``--init-from`` a
+  folder, that folder's fingerprint;
+- ``model_config``: the trained module's shape (decoder, transformers config or drafter config).
 
 Resume is exact: with the loader a pure function of (manifest, cursor) and no dropout,
 ``k`` steps + save + load + ``N - k`` steps equals ``N`` straight steps bit for bit on CPU.
@@ -125,10 +129,12 @@ def check_run_key(saved: dict, current: dict, *, path: str | Path) -> None:
             diffs.append(f"  {k}: checkpoint {_describe(a.get(k))} -> now {_describe(b.get(k))}")
     if diffs:
         raise PlanChanged(
-            f"{path}: refusing to resume: the checkpoint was trained under a different data plan.\n"
+            f"{path}: refusing to resume: the checkpoint was trained under a different data plan or run "
+            "contract.\n"
             + "\n".join(diffs) + "\n"
             "Changing how data flows (boundaries, budget, seed, window, layout, world size, accumulation or the "
-            "dataset) changes the run, so continuing this checkpoint would mix two batch orders. Either point "
+            "dataset) or what is trained (objective, target, taps, mask id, block size, gamma, anchors) changes "
+            "the run, so continuing this checkpoint would mix two batch orders. Either point "
             "--plan/--manifests back at the plan the run started with, or pass --from-scratch to start a new "
             "run on the new plan.")
 

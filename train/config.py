@@ -20,6 +20,7 @@ from dflash_prep.errors import ConfigError
 
 ATTN_BACKENDS = ("auto", "reference", "triton")
 DEVICES = ("auto", "cpu", "cuda")
+OBJECTIVES = ("lm", "dflash")
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,32 @@ class TrainConfig:
     """Show a progress bar on rank 0."""
     wandb: str = ""
     """Weights & Biases project name; empty = off. Needs ``pip install wandb``."""
+    objective: str = "lm"
+    """``lm``: next-token loss on the model being trained; ``dflash``: a DFlash drafter on the
+    frozen ``target`` (see :mod:`dflash_prep.train.objective_dflash`)."""
+    init_from: str = ""
+    """LM objective: start from this local transformers causal-LM folder instead of ``model``;
+    the result is saved with ``save_pretrained`` (and its tokenizer) to ``out/hf``."""
+    ce_chunk: int = 2048
+    """Rows per chunk of LM head + cross-entropy (both objectives; memory ~ chunk x vocab)."""
+    target: str = ""
+    """DFlash: the frozen target, a local transformers causal-LM folder with its tokenizer."""
+    draft_layers: int = 1
+    """DFlash: draft layers N (the taps are build_target_layer_ids(L, N) unless target_layer_ids)."""
+    target_layer_ids: tuple[int, ...] = ()
+    """DFlash: tapped target layers; empty = the public rule."""
+    block_size: int = 16
+    """DFlash: block size B (an anchor token plus B - 1 drafted slots)."""
+    gamma: float = 0.0
+    """DFlash: slot-weight decay exp(-(r-1)/gamma); 0 = the rule (B - 2) / 2 (7 at B = 16)."""
+    max_anchors: int = 512
+    """DFlash: anchors per sample at most."""
+    anchor_policy: str = "cap"
+    """DFlash: ``cap`` (min(max_anchors, candidates)) or ``density`` (also <= ceil(supervised / B))."""
+    anchor_seed: int = -1
+    """DFlash: anchor RNG seed; -1 = the manifest's, else ``seed``."""
+    mask_token_id: int = -1
+    """DFlash: mask token id; -1 = the tokenizer's mask token, ``<|mask|>``, or the first row past the tokenizer."""
 
     def __post_init__(self):
         if self.epochs < 1:
@@ -164,6 +191,25 @@ class TrainConfig:
         if self.resume is False and self.from_scratch:
             raise ConfigError("--no-resume and --from-scratch contradict each other; pass one")
         preset(self.model, **self.model_overrides)  # validates the preset name and overrides
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.ce_chunk < 1:
+            raise ConfigError(f"--ce-chunk must be at least 1, got {self.ce_chunk}")
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if self.objective == "dflash":
+            if not self.target:
+                raise ConfigError("--objective dflash needs --target DIR (a local transformers causal-LM folder)")
+            if self.init_from:
+                raise ConfigError("--init-from is for --objective lm; a DFlash run reads its frozen model from --target")
+            if self.draft_layers < 1:
+                raise ConfigError(f"--draft-layers must be at least 1, got {self.draft_layers}")
+            from dflash_prep.anchors import check_options
+            check_options(self.max_anchors, self.anchor_policy, self.block_size)
+            if self.gamma < 0:
+                raise ConfigError(f"--gamma must be > 0 (0 = the default rule), got {self.gamma}")
+        elif self.target:
+            raise ConfigError("--target is the DFlash objective's frozen model; pass --objective dflash, or "
+                              "--init-from DIR to train a transformers model as an LM")
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         """The preset with overrides; the dataset's vocab unless the overrides fix one."""
@@ -194,8 +240,9 @@ def load_file(path: str | Path) -> dict:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown keys {unknown}; valid keys: {', '.join(sorted(known))}")
-    if "betas" in raw:
-        raw["betas"] = tuple(raw["betas"])
+    for key in ("betas", "target_layer_ids"):
+        if key in raw:
+            raw[key] = tuple(raw[key])
     return raw
 
 

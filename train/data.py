@@ -137,8 +137,11 @@ def build_batch(ds, mb, layout: str, *, pad_id: int = 0, pin: bool = False) -> B
 
 
 def iter_steps(ds, manifest, rank: int, *, start_step: int = 0, pad_id: int = 0,
-               pin: bool = False) -> Iterator[StepBatches]:
+               pin: bool = False, build=None) -> Iterator[StepBatches]:
     """Yield one :class:`StepBatches` per step ``start_step .. num_steps-1``, in manifest order.
+
+    ``build(mb)`` turns a manifest micro-batch into the objective's batch (default
+    :func:`build_batch` in the manifest's layout).
 
     Every rank yields every step, even one where it holds no micro-batch, so all ranks
     make the same collective calls and never deadlock on unequal counts.
@@ -153,7 +156,8 @@ def iter_steps(ds, manifest, rank: int, *, start_step: int = 0, pad_id: int = 0,
         while cur.step < s:
             yield cur
             cur = StepBatches(cur.epoch, cur.step + 1)
-        cur.micro.append(build_batch(ds, mb, manifest.layout, pad_id=pad_id, pin=pin))
+        cur.micro.append(build(mb) if build is not None else build_batch(ds, mb, manifest.layout, pad_id=pad_id,
+                                                                         pin=pin))
     while cur.step < n_steps:
         yield cur
         cur = StepBatches(cur.epoch, cur.step + 1)

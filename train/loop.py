@@ -38,9 +38,9 @@ from . import checkpoint as ckpt
 from . import distributed
 from .config import TrainConfig
 from .data import Prefetcher, StepBatches, iter_steps
-from .model import Decoder, token_loss_sum
+from .model import Decoder
+from .objectives import build_objective
 from .lr import Schedule
-from .source import tokenizer_field
 
 LOG_FORMAT = "dflash-prep/train-log"
 SUMMARY_FORMAT = "dflash-prep/train-summary"
@@ -55,36 +55,46 @@ def build_optimizer(model: Decoder, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=1e-8, foreach=False)
 
 
-def train_step(model: Decoder, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float, grad_clip: float,
-               d: distributed.Dist, autocast) -> dict:
-    """One optimizer step over this rank's micro-batches of step ``sb.step`` (module docstring)."""
+def train_step(model, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float, grad_clip: float,
+               d: distributed.Dist, autocast, objective=None) -> dict:
+    """One optimizer step over this rank's micro-batches of step ``sb.step`` (module docstring).
+
+    ``objective`` (default: the LM objective on ``model``) turns each micro-batch into a loss
+    sum and a stats vector (:mod:`dflash_prep.train.objectives`); ``N`` is the sum of its
+    ``denominator`` over the step's ranks and micro-batches.
+    """
+    if objective is None:
+        from .objectives import LMObjective
+        objective = LMObjective(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt.zero_grad(set_to_none=True)
-    counts = torch.tensor([sum(b.n_targets for b in sb.micro), sum(b.real_tokens for b in sb.micro),
-                           sum(b.padded_tokens for b in sb.micro)], dtype=torch.int64, device=d.device)
+    # float64 holds integer counts exactly (< 2^53) and the DFlash weight sums
+    counts = torch.tensor([sum(objective.denominator(b) for b in sb.micro), sum(b.real_tokens for b in sb.micro),
+                           sum(b.padded_tokens for b in sb.micro), sum(objective.flops(b) for b in sb.micro)],
+                          dtype=torch.float64, device=d.device)
     distributed.all_reduce_sum(counts, d)
-    n_targets, real, padded = (int(x) for x in counts.tolist())
-    loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
-    denom = float(max(n_targets, 1))
+    denom_sum, real, padded, flops = counts.tolist()
+    stats = torch.zeros(objective.stats_width, dtype=torch.float64, device=d.device)
+    denom = denom_sum if denom_sum > 0 else 1.0
     for b in sb.micro:
         b = b.to(d.device)
-        with autocast():
-            logits = model(b.input_ids, **b.model_inputs())
-        ls = token_loss_sum(logits, b.labels)
+        ls, st = objective.loss(b, autocast)
         (ls / denom).backward()
-        loss_sum += ls.detach().double()
+        stats += st
     distributed.all_reduce_grads(params, d)
-    distributed.all_reduce_sum(loss_sum, d)
+    distributed.all_reduce_sum(stats, d)
     if grad_clip > 0:
         gnorm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=False))
     else:
         gnorm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
-    if n_targets > 0:
+    if denom_sum > 0:
         for g in opt.param_groups:
             g["lr"] = lr
         opt.step()
-    return {"loss": float(loss_sum) / denom if n_targets else float("nan"), "grad_norm": gnorm,
-            "targets": n_targets, "real_tokens": real, "padded_tokens": padded, "skipped": n_targets == 0}
+    out = objective.metrics(stats, denom_sum)
+    targets = int(denom_sum) if objective.name == "lm" else denom_sum
+    return {**out, "grad_norm": gnorm, "targets": targets, "real_tokens": int(real), "padded_tokens": int(padded),
+            "flops": flops, "skipped": denom_sum == 0}
 
 
 def _autocast_for(device: torch.device, bf16: bool):
@@ -201,9 +211,16 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
     _check_manifest_shape(first, d)
     run_key = {**source.run_identity(), **_manifest_key(first)}
 
-    torch.manual_seed(cfg.seed)
-    mcfg = cfg.model_config(int(tokenizer_field(ds, "vocab_size", 0)))
-    model = Decoder(mcfg).to(d.device)
+    obj = build_objective(cfg, ds, d.device, manifest=first)  # seeds torch with cfg.seed first
+    model = obj.model
+    mcfg = obj.model_config()
+    run_key["contract"] = obj.contract()
+    if d.is_main and cfg.objective == "dflash":
+        c = model.config
+        print(f"dflash: target {cfg.target} ({obj.target.num_layers} layers), taps {list(c.target_layer_ids)}, "
+              f"B={c.block_size}, gamma={obj.gamma:g}, mask id {c.mask_token_id}, anchors "
+              f"{obj.spec.policy}<={obj.spec.max_anchors} drawn by the library sampler with seed {obj.spec.seed} "
+              f"(from {obj.anchor_source})", flush=True)
     opt = build_optimizer(model, cfg)
     # Cosine horizon: epochs x the first epoch's steps (epochs differ by a step or two; past the
     # horizon the LR stays at its floor). Not max_steps, which only stops early: so a run cut
@@ -215,7 +232,7 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
     if ckpt_path.exists() and cfg.resume and not cfg.from_scratch:
         state = ckpt.load(ckpt_path)
         ckpt.check_run_key(state["run_key"], run_key, path=ckpt_path)
-        ckpt.check_model(state["model_config"], asdict(mcfg), path=ckpt_path)
+        ckpt.check_model(state["model_config"], mcfg, path=ckpt_path)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched = Schedule.from_state(state["schedule"])
@@ -228,8 +245,7 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
         if d.is_main:
             print(f"resuming {ckpt_path} at epoch {epoch} step {step} (global step {gstep})", flush=True)
 
-    pad_id = int(tokenizer_field(ds, "pad_id", 0))
-    header = {"config": asdict(cfg), "model": asdict(mcfg), "params": model.num_parameters(),
+    header = {"config": asdict(cfg), "model": mcfg, "params": obj.num_parameters(),
               "run_key": run_key, "world_size": d.world_size, "device": str(d.device),
               "resumed_from": {"epoch": epoch, "step": step, "global_step": gstep} if resumed else None}
     log = RunLog(out / "log.jsonl", header, fresh=not resumed, enabled=d.is_main)
@@ -239,15 +255,19 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
     pin = d.device.type == "cuda"
     limit = cfg.max_steps or None
     bar = _progress(cfg.progress and d.is_main, (limit or total) - gstep)
-    totals = {"steps": 0, "real_tokens": 0, "padded_tokens": 0, "targets": 0, "time_s": 0.0, "wait_s": 0.0}
+    totals = {"steps": 0, "real_tokens": 0, "padded_tokens": 0, "targets": 0, "time_s": 0.0, "wait_s": 0.0,
+              "anchors": 0}
     losses: list[float] = []
+    taus: list[float] = []
+    from .objective_dflash import peak_flops
+    peak = peak_flops(d.device)
 
     def save():
         rng_all = distributed.gather_objects(ckpt.rng_state(), d)
         if d.is_main:
             ckpt.save(ckpt_path, model=model, optimizer=opt, schedule=sched.state(), rng=rng_all,
                       cursor={"epoch": epoch, "step": step, "global_step": gstep}, run_key=run_key,
-                      model_config=asdict(mcfg), extra={"config": asdict(cfg)})
+                      model_config=mcfg, extra={"config": asdict(cfg)})
         distributed.barrier(d)
 
     try:
@@ -258,7 +278,8 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
             if any(run_key[k] != v for k, v in shape.items()):
                 raise FormatError(f"epoch {epoch} manifest was packed with {shape}, epoch 0 with "
                                   f"{ {k: run_key[k] for k in shape} }; pack every epoch with the same options")
-            with Prefetcher(iter_steps(ds, m, d.rank, start_step=step, pad_id=pad_id, pin=pin), cfg.prefetch) as pf:
+            build = (lambda mb, _e=epoch, _l=m.layout: obj.build(ds, mb, _e, _l, pin))
+            with Prefetcher(iter_steps(ds, m, d.rank, start_step=step, build=build), cfg.prefetch) as pf:
                 while limit is None or gstep < limit:
                     t0 = time.perf_counter()
                     w0 = pf.wait_s
@@ -266,7 +287,8 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
                     if sb is None:
                         break
                     with attn_ctx():
-                        st = train_step(model, opt, sb, lr=sched(gstep), grad_clip=cfg.grad_clip, d=d, autocast=autocast)
+                        st = train_step(model, opt, sb, lr=sched(gstep), grad_clip=cfg.grad_clip, d=d,
+                                        autocast=autocast, objective=obj)
                     if d.device.type == "cuda":
                         torch.cuda.synchronize(d.device)
                     dt = time.perf_counter() - t0
@@ -275,12 +297,21 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
                     _accumulate(totals, st, dt, wait)
                     if not st["skipped"]:
                         losses.append(st["loss"])
+                        if "tau" in st:
+                            taus.append(st["tau"])
                     rec = {"epoch": epoch, "step": sb.step, "global_step": gstep, "loss": st["loss"],
                            "lr": sched(gstep - 1), "grad_norm": st["grad_norm"], "targets": st["targets"],
                            "real_tokens": st["real_tokens"], "padded_tokens": st["padded_tokens"],
                            "efficiency": st["real_tokens"] / max(1, st["padded_tokens"]),
                            "tokens_per_s": st["real_tokens"] / dt, "step_time_s": dt, "data_wait_s": wait,
-                           "data_wait_share": wait / dt if dt > 0 else 0.0}
+                           "data_wait_share": wait / dt if dt > 0 else 0.0,
+                           "mfu": st["flops"] / (dt * peak * d.world_size) if peak else None}
+                    for k in ("tau", "acc", "slot_acc", "anchors"):
+                        if k in st:
+                            rec[k] = st[k]
+                    if "anchors" in st:
+                        rec["anchors_per_s"] = st["anchors"] / dt
+                        totals["anchors"] += st["anchors"]
                     if gstep % cfg.log_every == 0:
                         log.write(rec)
                         if wb is not None:
@@ -293,12 +324,18 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
             if step >= int(m.num_steps):
                 epoch, step = epoch + 1, 0
         save()
+        if d.is_main and totals["steps"]:
+            obj.finish(out)
     finally:
         if bar is not None:
             bar.stop()
         log.close()
 
-    summary = _summary(totals, losses, epoch, step, gstep, model, d)
+    summary = _summary(totals, losses, epoch, step, gstep, obj, d)
+    if taus:
+        k = max(1, min(5, len(taus) // 2))
+        summary.update(tau_first=sum(taus[:k]) / k, tau_last=sum(taus[-k:]) / k,
+                       anchors=totals["anchors"], anchors_per_s=totals["anchors"] / max(totals["time_s"], 1e-9))
     if d.is_main and totals["steps"]:  # a call with nothing left to do keeps the last run's summary
         atomic_write_json(out / "summary.json", summary, format=SUMMARY_FORMAT, version=FORMAT_VERSION)
         if wb is not None:
@@ -344,4 +381,5 @@ def _summary(totals, losses, epoch, step, gstep, model, d) -> dict:
             "targets": totals["targets"], "efficiency": totals["real_tokens"] / max(1, totals["padded_tokens"]),
             "tokens_per_s": totals["real_tokens"] / t, "data_wait_share": totals["wait_s"] / t,
             "time_s": totals["time_s"], "params": model.num_parameters(), "world_size": d.world_size,
+            "objective": getattr(model, "name", "lm"),
             "device": str(d.device)}

@@ -131,6 +131,12 @@ class Decoder(nn.Module):
 
     def forward(self, input_ids, *, lengths=None, cu_seqlens=None, max_seqlen=0, position_ids=None):
         """Logits ``(B, L, V)`` (padded) or ``(T, V)`` (varlen, needs cu_seqlens and position_ids)."""
+        return self.head(self.hidden(input_ids, lengths=lengths, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                     position_ids=position_ids))
+
+    def hidden(self, input_ids, *, lengths=None, cu_seqlens=None, max_seqlen=0, position_ids=None):
+        """The final-norm hidden states ``(B, L, d)`` / ``(T, d)``: logits are ``head`` of them
+        (the trainer runs head + CE in chunks, :mod:`dflash_prep.train.chunked_ce`)."""
         if cu_seqlens is None:
             if lengths is None or input_ids.dim() != 2:
                 raise ValueError("padded forward needs input_ids (B, L) and lengths (B,)")
@@ -144,7 +150,7 @@ class Decoder(nn.Module):
         x = self.embed(input_ids)
         for blk in self.blocks:
             x = blk(x, cos, sin, lengths=lengths, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        return self.head(self.norm(x))
+        return self.norm(x)
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

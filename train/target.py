@@ -1,0 +1,213 @@
+"""The frozen target: a local transformers causal LM whose hidden states a DFlash drafter reads.
+
+- **Loading**: any local ``AutoModelForCausalLM`` folder with a Llama-style decoder
+  (``model.layers``: the Qwen3, Llama and Mistral families), once per rank; bf16 on CUDA, fp32
+  on CPU; ``eval()``, every parameter ``requires_grad=False``, forwards under ``no_grad``.
+- **Packed, document-causal**: documents run concatenated in one row (``[1, T]``) with
+  positions restarting at 0 per document, through :func:`dflash_prep.kernels.attention_varlen`,
+  registered with transformers' ``AttentionInterface`` as :data:`ATTN_IMPL` (and a mask
+  function that builds no mask: the varlen kernel is the mask). No padding, no attention
+  across documents: each document's states equal those of a forward over it alone.
+- **Taps**: forward hooks on decoder layers ``target_layer_ids`` record their outputs (the
+  public ``hidden_states[l + 1]``); the hook of the last tapped layer stops the forward, so
+  the layers above it, the final norm and the LM head never run.
+- **Identity** (:func:`target_identity`, part of the run contract): sha256 of config.json and
+  every weight file, of the tokenizer files, and of the chat template.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from dflash_prep.errors import ConfigError, FormatError
+
+ATTN_IMPL = "dfprep_varlen"  # no "flash" in the name: transformers reads that as a hub kernel
+"""Name of the packed document-causal attention in transformers' registry."""
+_CU, _MAX = "dflash_cu_seqlens", "dflash_max_seqlen"  # forward kwargs carried to the attention function
+_registered = False
+
+
+def _varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: q ``[1, Hq, T, D]``, k/v ``[1, Hkv, T, D]`` -> ``([1, T, Hq, D], None)``."""
+    from dflash_prep import kernels
+
+    cu, max_len = kwargs.get(_CU), kwargs.get(_MAX)
+    if cu is None:
+        raise ConfigError(f"the {ATTN_IMPL} attention needs packed inputs; call FrozenTarget.features / "
+                          "packed_forward, which pass cu_seqlens")
+    if query.shape[0] != 1:
+        raise ValueError(f"{ATTN_IMPL}: documents go concatenated in one row, got batch {query.shape[0]}")
+    window = kwargs.get("sliding_window")
+    if window is not None and int(max_len) > int(window):
+        raise ConfigError(f"a document of {max_len} tokens exceeds the target's sliding window ({window}); "
+                          "the packed target runs full causal attention only: pack shorter documents")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
+    o = kernels.attention_varlen(q, k, v, cu, int(max_len), causal=True, scale=scaling)  # (T, Hq, D)
+    return o[None], None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+def register_attention() -> None:
+    """Register :data:`ATTN_IMPL` (attention + no-op mask) with transformers, once per process."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPL, _varlen_attention)
+    AttentionMaskInterface.register(ATTN_IMPL, _no_mask)
+    _registered = True
+
+
+def load_causal_lm(path: str | Path, *, device: torch.device, dtype: torch.dtype | None = None):
+    """``AutoModelForCausalLM`` from a local folder with the packed attention (fp32 CPU, bf16 CUDA by default)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path}: not a transformers model folder (no config.json); pass a local folder "
+                          "written by save_pretrained")
+    register_attention()
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPL)
+    except (OSError, ValueError) as e:
+        raise FormatError(f"{path}: transformers could not load it as a causal LM ({e})") from None
+    return model.to(device)
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder-layer list of a Llama-style causal LM (``model.model.layers``)."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ConfigError(f"{type(model).__name__}: no model.layers decoder list; the DFlash trainer supports "
+                          "Llama-style decoders (Qwen3, Llama, Mistral)")
+    return layers
+
+
+def packed_forward(model, input_ids, position_ids, cu_seqlens, max_seqlen: int, **kw):
+    """The base model over documents packed in one row: ids/positions ``[T]`` -> model outputs ([1, T, ...])."""
+    return model.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
+                       **{_CU: cu_seqlens, _MAX: int(max_seqlen)}, **kw)
+
+
+class _Stop(Exception):
+    """Raised by the last tap's hook: everything the drafter needs has been computed."""
+
+
+class FrozenTarget:
+    """A frozen causal LM with tapped layers (module docstring)."""
+
+    def __init__(self, path: str | Path, target_layer_ids, *, device: torch.device, dtype: torch.dtype | None = None):
+        self.path = Path(path)
+        self.model = load_causal_lm(self.path, device=device, dtype=dtype).eval()
+        self.model.requires_grad_(False)
+        self.layers = decoder_layers(self.model)
+        L = len(self.layers)
+        self.taps = [int(i) for i in target_layer_ids]
+        bad = [i for i in self.taps if not 0 <= i < L]
+        if bad:
+            raise ConfigError(f"{self.path}: target layers {bad} do not exist (the target has {L} layers)")
+        self.config = self.model.config
+        self.device = device
+        self.embed_tokens = self.model.get_input_embeddings()
+        self.lm_head = self.model.get_output_embeddings()
+        if self.lm_head is None or getattr(self.lm_head, "bias", None) is not None:
+            raise ConfigError(f"{self.path}: the DFlash trainer needs a bias-free lm_head")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @torch.no_grad()
+    def features(self, input_ids, position_ids, cu_seqlens, max_seqlen: int) -> torch.Tensor:
+        """Concatenated taps ``[T, k*H]`` (tap order = ``target_layer_ids``) for packed documents."""
+        got: dict[int, torch.Tensor] = {}
+        last = max(self.taps)
+
+        def hook(idx):
+            def fn(_mod, _inp, out):
+                got[idx] = (out[0] if isinstance(out, tuple) else out)[0]  # (T, H)
+                if idx == last:
+                    raise _Stop
+            return fn
+
+        handles = [self.layers[i].register_forward_hook(hook(i)) for i in sorted(set(self.taps))]
+        try:
+            packed_forward(self.model, input_ids, position_ids, cu_seqlens, max_seqlen)
+        except _Stop:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        return torch.cat([got[i] for i in self.taps], dim=-1)  # (T, k*H)
+
+
+def _sha_files(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 24), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(Path(path))
+    except (OSError, ValueError) as e:
+        raise FormatError(f"{path}: no loadable tokenizer next to the model ({e}); save it with "
+                          "tokenizer.save_pretrained into the same folder") from None
+
+
+def target_identity(path: str | Path, tokenizer=None) -> dict:
+    """Fingerprints of the target folder: weights + config, tokenizer files, chat template."""
+    path = Path(path)
+    weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+    if not weights:
+        raise ConfigError(f"{path}: no .safetensors/.bin weight files")
+    tok_files = sorted(p for p in path.iterdir() if p.is_file() and (
+        p.name.startswith(("tokenizer", "vocab", "merges", "special_tokens")) or p.suffix == ".model")
+        and p.name != "tokenizer_config.json")  # the config carries the template, hashed on its own
+    tok = tokenizer if tokenizer is not None else load_tokenizer(path)
+    template = getattr(tok, "chat_template", None)
+    return {"target_fingerprint": _sha_files([path / "config.json", *weights]),
+            "tokenizer_hash": _sha_files(tok_files) if tok_files else None,
+            "chat_template_hash": hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()
+            if template else None}
+
+
+def pick_mask_token(tokenizer, vocab_size: int, requested: int = -1) -> int:
+    """The mask id: ``requested`` when >= 0, else the tokenizer's mask token, else a token named
+    ``<|mask|>``, else the first embedding row past the tokenizer (an id no text maps to)."""
+    if requested >= 0:
+        mid = int(requested)
+    elif getattr(tokenizer, "mask_token_id", None) is not None:
+        mid = int(tokenizer.mask_token_id)
+    elif "<|mask|>" in tokenizer.get_vocab():
+        mid = int(tokenizer.convert_tokens_to_ids("<|mask|>"))
+    elif len(tokenizer) < vocab_size:
+        mid = len(tokenizer)
+    else:
+        raise ConfigError("the target's tokenizer has no mask token and no spare embedding row; pass "
+                          "--mask-token-id with an id that never occurs in the data")
+    if not 0 <= mid < vocab_size:
+        raise ConfigError(f"--mask-token-id {mid} is outside the target's embedding rows (0..{vocab_size - 1})")
+    return mid
