@@ -300,7 +300,10 @@ def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_file: str 
              cfg: EvalConfig = EvalConfig()) -> dict:
     """Speculative decoding of every prompt with the exported drafter; the result dict.
 
-    Keys: ``format``/``version``; ``target``/``drafter``/``prompts`` (path and fingerprint);
+    Refuses a drafter whose export records a different target (the run contract's
+    ``target_fingerprint``). Keys: ``format``/``version``; ``target`` (path and
+    :func:`~dflash_prep.train.target.target_identity`), ``drafter`` (path and fingerprint),
+    ``prompts`` (path, count);
     ``block_size``, ``temperature`` (0), ``max_new_tokens``; ``tau``, ``tau_pooled``, ``blocks``,
     ``histogram`` (counts of acceptance lengths 1..B); ``lossless`` (every prompt equal to the
     target's greedy output; null when not checked); ``new_tokens``; ``seconds_spec`` /
@@ -310,6 +313,7 @@ def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_file: str 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .export import folder_fingerprint, load_export
+    from .target import target_identity
 
     drafter, meta = load_export(drafter_dir)
     B = cfg.block_size or meta["block_size"]
@@ -321,6 +325,13 @@ def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_file: str 
         raise ConfigError(f"{drafter_dir}: the drafter was built for hidden {meta['hidden_size']} / vocab "
                           f"{meta['vocab_size']}, the target {target_dir} has {model.config.hidden_size} / "
                           f"{model.config.vocab_size}; pass the target it was trained on")
+    ident = target_identity(target_dir, tok)
+    trained_on = (((meta.get("export") or {}).get("source") or {}).get("run_key") or {}).get("contract", {})
+    want = trained_on.get("target_fingerprint")
+    if want and want != ident["target_fingerprint"]:
+        raise ConfigError(f"{drafter_dir} was trained on target {want}, but {target_dir} is "
+                          f"{ident['target_fingerprint']}: a drafter reads its own target's hidden states; "
+                          "pass the target folder the drafter was trained on")
     target = Target(model, meta["target_layer_ids"])
     proposer = DFlashProposer(drafter, target, block_size=B, mask_token_id=meta["mask_token_id"])
     stop = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
@@ -342,7 +353,7 @@ def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_file: str 
                                              min(len(g.tokens), len(d.tokens)))
         rows.append(row)
     return {"format": EVAL_FORMAT, "version": EVAL_VERSION,
-            "target": {"path": str(target_dir), "fingerprint": folder_fingerprint(target_dir)},
+            "target": {"path": str(target_dir), **ident},
             "drafter": {"path": str(drafter_dir), "fingerprint": folder_fingerprint(drafter_dir)},
             "prompts": {"path": str(prompts_file), "n": len(prompts)},
             "block_size": B, "temperature": 0.0, "max_new_tokens": cfg.max_new_tokens,

@@ -137,3 +137,13 @@ def test_proposer_drafts_what_the_public_algorithm_drafts(tiny):
             h = public_block_forward(drafter, target.embed(block), feats[:start], start)
             want = target.lm_head(h[1:]).argmax(-1)
         assert torch.equal(prop.propose(block, feats[:start], start), want), start
+
+
+def test_eval_refuses_a_drafter_trained_on_another_target(tiny, tmp_path):
+    path, model, _ = tiny
+    write_export(_drafter(model), tmp_path / "d", source={"run_key": {"contract": {"target_fingerprint": "0" * 64}}})
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the model"}) + "\n")
+    with pytest.raises(SystemExit, match="trained on target"):
+        main(["--target", str(path), "--drafter", str(tmp_path / "d"), "--prompts", str(prompts),
+              "--out", str(tmp_path / "e.json")])
