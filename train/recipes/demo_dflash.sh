@@ -32,8 +32,14 @@ T0=$(date +%s)
 step() { echo; echo "== [$(( $(date +%s) - T0 )) s] $*"; }
 has_flag() { $1 --help 2>/dev/null | grep -q -- "$2"; }  # does this command take this option (yet)?
 
+# start clean, but only ever delete a folder this recipe made (it leaves a marker file)
+if [ -e "$OUT" ] && [ -n "$(ls -A "$OUT" 2>/dev/null)" ] && [ ! -e "$OUT/.demo-dflash" ]; then
+    echo "error: $OUT exists and was not made by this demo; set DEMO_DFLASH to a new folder" >&2
+    exit 1
+fi
 rm -rf "$OUT"
 mkdir -p "$OUT"
+touch "$OUT/.demo-dflash"
 
 step "1. a tiny Qwen3 target, random init, with its tokenizer and chat template: $OUT/target0"
 $PY -m dflash_prep.train.target_init --out "$OUT/target0" $TARGET_ARGS
