@@ -7,20 +7,23 @@
 #   eval.json speculative decoding on held-out prompts: mean acceptance length tau at B, lossless check
 #
 # Every stage is the product's own command; the intermediate folders stay for inspection
-# (corpus/, lm-data/, lm-plan/, lm-manifests/, lm-run/, data/, plan/, manifests/, drafter-run/).
+# (corpus/, target0/, lm-data/, lm-plan/, lm-manifests/, lm-run/, drafter-run/; data/, plan/,
+# manifests/ when the drafter's data differs from the LM's).
 # Knobs (environment): DEMO_DFLASH (output folder), PY, N (training conversations), HELD
-# (held-out prompts), B (block size), LM_STEPS, DRAFT_STEPS, DRAFT_LAYERS, MAX_NEW (tokens per prompt).
+# (held-out prompts), B (block size), LM_STEPS, DRAFT_STEPS, DRAFT_LAYERS, MAX_ANCHORS (anchors per
+# sample: few, so that a step stays ~1 s on a quiet machine), MAX_NEW (tokens per prompt).
 set -euo pipefail
 
 OUT=${DEMO_DFLASH:-demo-dflash}
 PY=${PY:-python}
 N=${N:-2000}
-HELD=${HELD:-32}
+HELD=${HELD:-16}
 B=${B:-8}
-LM_STEPS=${LM_STEPS:-150}
-DRAFT_STEPS=${DRAFT_STEPS:-200}
+LM_STEPS=${LM_STEPS:-40}
+DRAFT_STEPS=${DRAFT_STEPS:-40}
+MAX_ANCHORS=${MAX_ANCHORS:-8}
 DRAFT_LAYERS=${DRAFT_LAYERS:-1}
-MAX_NEW=${MAX_NEW:-64}
+MAX_NEW=${MAX_NEW:-48}
 BUDGET=${BUDGET:-2048}
 # The target's shape: small enough that one LM step on 2,048 tokens takes about a second on a
 # loaded 2-core machine (the LM head dominates: keep the vocabulary small). 4 layers: a
@@ -74,18 +77,25 @@ else
     DATA="$OUT/data"
     $CLI tokenize "$DRAFT_CORPUS" --out "$DATA" --tokenizer "$OUT/target" --max-len 2048
 fi
-$CLI analyze "$DATA" --budget "$BUDGET" --out "$OUT/plan"
 if has_flag "$CLI pack" "--objective"; then
-    $CLI pack "$DATA" --plan "$OUT/plan/plan.json" --epochs 0-2 --objective dflash --out "$OUT/manifests"
+    PLAN="$OUT/plan/plan.json" MANIFESTS="$OUT/manifests"
+    $CLI analyze "$DATA" --budget "$BUDGET" --out "$OUT/plan"
+    $CLI pack "$DATA" --plan "$PLAN" --epochs 0-1 --objective dflash --out "$MANIFESTS"
+elif [ "$DATA" = "$OUT/lm-data" ]; then
+    echo "NOTE: this dflash-prep's pack has no --objective dflash yet, and the data is the LM's: the drafter"
+    echo "      trains on the LM's varlen manifests (token budget, no anchor budget)"
+    PLAN="$OUT/lm-plan/plan.json" MANIFESTS="$OUT/lm-manifests"
 else
     echo "NOTE: this dflash-prep's pack has no --objective dflash yet: varlen manifests (token budget, no anchor budget)"
-    $CLI pack "$DATA" --plan "$OUT/plan/plan.json" --epochs 0-2 --layout varlen --out "$OUT/manifests"
+    PLAN="$OUT/plan/plan.json" MANIFESTS="$OUT/manifests"
+    $CLI analyze "$DATA" --budget "$BUDGET" --out "$OUT/plan"
+    $CLI pack "$DATA" --plan "$PLAN" --epochs 0-1 --layout varlen --out "$MANIFESTS"
 fi
 
 step "6. train the drafter on the frozen target ($DRAFT_LAYERS layer(s), B = $B, $DRAFT_STEPS steps)"
 $TRAIN --objective dflash --target "$OUT/target" --draft-layers "$DRAFT_LAYERS" --block-size "$B" \
-    --data "$DATA" --plan "$OUT/plan/plan.json" --manifests "$OUT/manifests" --out "$OUT/drafter-run" \
-    --epochs 3 --max-steps "$DRAFT_STEPS" --lr 3e-3 --warmup-steps 10
+    --data "$DATA" --plan "$PLAN" --manifests "$MANIFESTS" --out "$OUT/drafter-run" \
+    --epochs 2 --max-steps "$DRAFT_STEPS" --lr 3e-3 --warmup-steps 5 --max-anchors "$MAX_ANCHORS"
 
 step "7. export it in the public DFlash format: $OUT/drafter"
 $PY -m dflash_prep.train.export "$OUT/drafter-run" --out "$OUT/drafter" --overwrite
