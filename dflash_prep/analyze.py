@@ -80,6 +80,9 @@ class AnalyzeConfig:
     """Epochs simulated per strategy row (at least 3)."""
     plot: bool = True
     """Write the PNG (histogram with boundaries, efficiency per K)."""
+    drafter: object | None = None
+    """``--objective dflash``: :class:`dflash_prep.pack_dflash.DrafterOptions`; the report then
+    predicts ``pack --objective dflash`` (:func:`dflash_prep.pack_dflash.predict`)."""
 
     def __post_init__(self):
         if (self.data is None) == (self.lengths_file is None):
@@ -309,6 +312,9 @@ def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None) -> dict:
            "pareto_window": [{kk: vv for kk, vv in r.items() if kk != "per_bucket_microbatches"} for r in pareto_w],
            "predicted": plan.predicted, "plan": str(plan_path), "fingerprint": plan_mod.load(plan_path).fingerprint,
            "warnings": window_warnings(window, pareto_w)}
+    if cfg.drafter is not None:                   # --objective dflash (needs the dataset's mask counts)
+        from .pack_dflash import predict_source
+        rep["dflash"] = predict_source(src, cfg.drafter, b.value, seed=cfg.seed)
     rep["png"] = str(report.plot(hist, rep, cfg.out_dir)) if cfg.plot else None
     clock("plan + plot")
     rep["seconds"] = clock.laps

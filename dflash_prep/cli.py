@@ -133,19 +133,35 @@ def analyze_cmd(
     epochs: Annotated[int, typer.Option(help="epochs simulated per strategy row (>= 3)")] = 3,
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON instead of tables")] = False,
     plot: Annotated[bool, typer.Option(help="write analyze.png")] = True,
+    objective: Annotated[str, typer.Option(help="lm, or dflash: also predict pack --objective dflash (needs the cost model flags)")] = "lm",
+    block_size: Annotated[int, typer.Option(help="dflash: B, tokens per draft block")] = 16,
+    max_anchors: Annotated[int, typer.Option(help="dflash: anchors per sample at most")] = 512,
+    anchor_policy: Annotated[str, typer.Option(help="dflash: cap or density")] = "cap",
+    target_config: Annotated[Optional[Path], typer.Option(help="dflash cost model: the target's folder or config.json")] = None,
+    target_dims: Annotated[Optional[str], typer.Option(help="dflash cost model: hidden=,layers=,intermediate=,heads=,kv_heads=,head_dim=,vocab=")] = None,
+    draft_layers: Annotated[int, typer.Option(help="dflash cost model: drafter decoder layers")] = 1,
 ):
     """Search bucket boundaries over every distinct length, compare strategies, write plan.json."""
     from .analyze import AnalyzeConfig, run
+    from .pack_dflash import OBJECTIVES, drafter_options
     from .report import render, to_json
 
+    if objective not in OBJECTIVES:
+        raise typer.BadParameter(f"--objective must be one of {', '.join(OBJECTIVES)}")
+    drafter = None if objective != "dflash" else drafter_options(
+        target_config=target_config, target_dims=target_dims, draft_layers=draft_layers, block_size=block_size,
+        max_anchors=max_anchors, anchor_policy=anchor_policy)
     cfg = AnalyzeConfig(data=data, lengths_file=lengths, out=out, budget=budget, budget_unit=budget_unit,
                         model_dim=model_dim, max_batch_size=max_batch_size, buckets=buckets,
-                        target_efficiency=target_efficiency, seed=seed, window=window, epochs=epochs, plot=plot)
+                        target_efficiency=target_efficiency, seed=seed, window=window, epochs=epochs, plot=plot,
+                        drafter=drafter)
     rep = run(cfg)
     if json_out:
         typer.echo(to_json(rep))
     else:
         render(rep, console())
+        if "dflash" in rep:
+            _print_summaries([("pack --objective dflash (predicted)", rep["dflash"])], keys=_DFLASH_KEYS)
 
 
 
@@ -154,11 +170,15 @@ _SUMMARY_KEYS = ("efficiency", "fill", "microbatches", "steps", "step_mix", "ran
                  "dropped_samples", "predicted_efficiency")
 
 
-def _print_summaries(rows: list[tuple[str, dict]]) -> None:
+_DFLASH_KEYS = ("useful_target_tokens", "useful_anchor_slots", "token_fill", "anchor_fill", "cost_fill", "anchors",
+                "anchor_budget", "microbatches", "rank_imbalance", "world_size", "anchor_cost_share")
+
+
+def _print_summaries(rows: list[tuple[str, dict]], keys=_SUMMARY_KEYS) -> None:
     from rich.table import Table
 
     table = Table("metric", *(name for name, _ in rows))
-    for k in _SUMMARY_KEYS:
+    for k in keys:
         table.add_row(k, *("-" if s.get(k) is None else f"{s[k]:.4f}" if isinstance(s[k], float) else str(s[k])
                            for _, s in rows))
     console().print(table)
@@ -173,7 +193,7 @@ def pack_cmd(
     epochs: Annotated[Optional[str], typer.Option(help="several epochs: '0-9' or '0,2,5'")] = None,
     world_size: Annotated[int, typer.Option(help="W: ranks per optimizer step")] = 1,
     grad_accum: Annotated[int, typer.Option(help="A: accumulation micro-batches per rank per step")] = 1,
-    layout: Annotated[str, typer.Option(help="padded (bucketed, n*max_len <= T) or varlen (cu_seqlens, sum L <= T)")] = "padded",
+    layout: Annotated[Optional[str], typer.Option(help="padded (bucketed, n*max_len <= T) or varlen (cu_seqlens, sum L <= T); default padded (varlen under dflash)")] = None,
     schedule: Annotated[str, typer.Option(help="step schedule: class-aware, stratified or random")] = "class-aware",
     window: Annotated[Optional[int], typer.Option(help="sort window in samples (padded); default: the plan's")] = None,
     drop_last: Annotated[bool, typer.Option(help="drop the last partial step instead of splitting micro-batches")] = False,
@@ -183,18 +203,35 @@ def pack_cmd(
     model_dim: Annotated[Optional[int], typer.Option(help="override d_model of the cost model (alpha = 1/(12 d))")] = None,
     lengths: Annotated[Optional[Path], typer.Option(help="what-if lengths file (.npy or one int per line)")] = None,
     overwrite: Annotated[bool, typer.Option(help="replace epochs built from other inputs")] = False,
+    objective: Annotated[str, typer.Option(help="lm, or dflash: drafter training (token + anchor budgets, ranks balanced on the drafter step cost)")] = "lm",
+    block_size: Annotated[int, typer.Option(help="dflash: B, tokens per draft block")] = 16,
+    max_anchors: Annotated[int, typer.Option(help="dflash: anchors per sample at most")] = 512,
+    anchor_policy: Annotated[str, typer.Option(help="dflash: cap (min(max_anchors, candidates)) or density (one per B supervised tokens, capped)")] = "cap",
+    anchor_budget: Annotated[Optional[int], typer.Option(help="dflash: anchors per micro-batch at most (default: 1.25 x T x anchors per token)")] = None,
+    cost_fill: Annotated[float, typer.Option(help="dflash: cost budget as a share of T x mean drafter cost per token (0: none)")] = 0.95,
+    anchor_seed: Annotated[Optional[int], typer.Option(help="dflash: anchor sampler seed (default: the plan's)")] = None,
+    store_anchors: Annotated[bool, typer.Option(help="dflash: also write anchors.npy (every position; reads all masks)")] = False,
+    target_config: Annotated[Optional[Path], typer.Option(help="dflash cost model: the target's folder or config.json")] = None,
+    target_dims: Annotated[Optional[str], typer.Option(help="dflash cost model: hidden=,layers=,intermediate=,heads=,kv_heads=,head_dim=,vocab=")] = None,
+    draft_layers: Annotated[int, typer.Option(help="dflash cost model: drafter decoder layers")] = 1,
 ):
     """Pack deterministic per-epoch manifests (batches, steps, ranks) from a plan."""
     from . import manifest
-    from .pack import budget_override, pack_epochs, parse_epochs, summary_warnings
+    from .pack import PackConfig, budget_override, pack_epochs, parse_epochs, summary_warnings
+    from .pack_dflash import drafter_options
 
     from .plan import load as load_plan
 
     p = load_plan(plan)
-    dirs = pack_epochs(plan=p, epochs=parse_epochs(epoch, epochs), out=out, world_size=world_size,
-                       grad_accum=grad_accum, layout=layout, schedule=schedule, window=window, drop_last=drop_last,
-                       open_bins=open_bins, budget=budget_override(p.budget, budget_unit, budget, model_dim),
-                       data=data, lengths=lengths, overwrite=overwrite)
+    drafter = None if objective != "dflash" else drafter_options(
+        target_config=target_config, target_dims=target_dims, draft_layers=draft_layers, block_size=block_size,
+        max_anchors=max_anchors, anchor_policy=anchor_policy, anchor_budget=anchor_budget, cost_fill=cost_fill,
+        anchor_seed=anchor_seed, store_anchors=store_anchors)
+    cfg = PackConfig(world_size=world_size, grad_accum=grad_accum, layout=layout, schedule=schedule, window=window,
+                     drop_last=drop_last, open_bins=open_bins, objective=objective, drafter=drafter,
+                     budget=budget_override(p.budget, budget_unit, budget, model_dim))
+    dirs = pack_epochs(plan=p, epochs=parse_epochs(epoch, epochs), out=out, config=cfg, data=data, lengths=lengths,
+                       overwrite=overwrite)
     rows = [(d.name, manifest.open(d).summary) for d in dirs]
     _print_summaries(rows)
     for line in (w for name, s in rows for w in summary_warnings(name, s)):

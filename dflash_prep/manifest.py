@@ -23,6 +23,11 @@ One folder per epoch, ``<root>/epoch-000N/`` (:func:`epoch_dir`), written atomic
 ``cu_seqlens.npy``  int64 ``(N_used + 1,)``, varlen only: prefix sums of ``sample_lens``;
     a micro-batch's ``cu_seqlens`` is ``cu[start:start + count + 1] - cu[start]``.
 ``dropped_ids.npy`` int64, sorted: samples left out by ``--drop-last`` (empty otherwise).
+``anchor_counts.npy`` int32 ``(N_used,)``, ``--objective dflash`` only: anchors of each
+    ``sample_ids`` entry; ``manifest.json``'s ``dflash`` block records B, max_anchors, the
+    policy, the anchor seed, the budgets, the cost model and the anchor digest
+    (:mod:`dflash_prep.pack_dflash`). ``anchors.npy`` int32 (``--store-anchors``): every
+    anchor position within its sample, concatenated in ``sample_ids`` order.
 
 Every row of a step has the same ``world_size * grad_accum`` micro-batches, so row
 ``m`` is step ``m // (W*A)``, rank ``(m % (W*A)) // A``, accum ``m % A``.
@@ -55,7 +60,15 @@ MANIFEST_FILE = "manifest.json"
 COLUMNS = ("start", "count", "step", "rank", "accum", "bucket", "max_len", "real_tokens", "padded_tokens", "sum_sq_len")
 COL = {name: i for i, name in enumerate(COLUMNS)}
 ARRAYS = {"microbatches": np.int64, "sample_ids": np.int64, "sample_lens": np.int32,
-          "cu_seqlens": np.int64, "dropped_ids": np.int64}
+          "cu_seqlens": np.int64, "dropped_ids": np.int64, "anchor_counts": np.int32, "anchors": np.int32}
+
+
+def required_arrays(header: dict) -> list[str]:
+    """The arrays an epoch must hold: ``cu_seqlens`` in varlen, ``anchor_counts`` under the
+    dflash objective; ``anchors`` is optional (``--store-anchors``)."""
+    out = ["microbatches", "sample_ids", "sample_lens", "dropped_ids"]
+    out += ["cu_seqlens"] if header.get("layout") == "varlen" else []
+    return out + (["anchor_counts"] if "dflash" in header else [])
 LAYOUTS = ("padded", "varlen")
 
 
@@ -96,7 +109,7 @@ def epoch_fingerprint(header: dict) -> str:
 
 def write(path: str | Path, header: dict, arrays: dict[str, np.ndarray], *, overwrite: bool = False) -> Path:
     """Write one epoch folder atomically; ``header`` gains ``arrays`` and ``fingerprint``."""
-    missing = [n for n in ARRAYS if n not in arrays and not (n == "cu_seqlens" and header["layout"] == "padded")]
+    missing = [n for n in required_arrays(header) if n not in arrays]
     if missing:
         raise ValueError(f"manifest.write: missing arrays {missing}")
     header = dict(header, arrays=array_identity(arrays))
@@ -213,8 +226,8 @@ def open(path: str | Path, *, plan_fingerprint: str | None = None, data_fingerpr
             raise FormatError(f"{path / (name + '.npy')}: shape {list(a.shape)} but {MANIFEST_FILE} records "
                               f"{meta['shape']}; the manifest is corrupt, re-pack the epoch with --overwrite")
         arrays[name] = a
-    for name in ARRAYS:
-        if name not in arrays and not (name == "cu_seqlens" and header.get("layout") == "padded"):
+    for name in required_arrays(header):
+        if name not in arrays:
             raise FormatError(f"{path}: {name}.npy is not listed in {MANIFEST_FILE}; the manifest is corrupt, re-pack it")
     m = Manifest(path, header, arrays)
     if m.table.ndim != 2 or m.table.shape != (m.num_microbatches, len(COLUMNS)):
@@ -230,14 +243,21 @@ def open(path: str | Path, *, plan_fingerprint: str | None = None, data_fingerpr
 
 
 # ----------------------------------------------------------------------------- verify
-def _summary_metrics(m: Manifest, lens: np.ndarray, order: np.ndarray, offsets: np.ndarray, seg: np.ndarray) -> dict:
+def _summary_metrics(m: Manifest, lens: np.ndarray, order: np.ndarray, offsets: np.ndarray, seg: np.ndarray,
+                     supervised: np.ndarray | None = None) -> dict:
     """Every summary metric, recomputed from scratch with :mod:`dflash_prep.metrics`.
 
-    ``order``/``offsets`` are the segments in file order; ``seg`` maps them to table rows."""
+    ``order``/``offsets`` are the segments in file order; ``seg`` maps them to table rows.
+    ``supervised`` (per sample id, dflash only) prices rank imbalance on the drafter cost."""
     t = np.asarray(m.table)[seg]
     varlen = m.layout == "varlen"
     b = m.header["budget"]
-    cost = metrics.batch_cost(lens, order, offsets, float(b["cost_alpha"]), varlen=varlen)
+    if supervised is not None:                     # dflash: ranks were balanced on the drafter step cost
+        from . import pack_dflash
+        cost = pack_dflash.microbatch_cost(m.header, lens[order], supervised[order],
+                                           np.asarray(m.arrays["anchor_counts"]), offsets)
+    else:
+        cost = metrics.batch_cost(lens, order, offsets, float(b["cost_alpha"]), varlen=varlen)
     eff = 1.0 if varlen else metrics.efficiency(lens, order, offsets)
     return {"efficiency": eff, "fill": metrics.fill(lens, order, offsets, float(b["value"]), varlen=varlen,
                                                       alpha=float(b["packing_alpha"])),
@@ -318,9 +338,12 @@ def verify(path: str | Path, *, data: str | Path | None = None, lengths: str | P
         problems.append("step/rank/accum columns break the layout (step, then rank, then accum): ranks get unequal counts")
     if varlen and not np.array_equal(np.asarray(m.arrays["cu_seqlens"]), np.concatenate([[0], np.cumsum(lens[ids])])):
         problems.append("cu_seqlens.npy is not the prefix sum of the sample lengths")
+    extra, sup = {}, None
+    if "dflash" in m.header and not problems:       # anchors: regenerated from the seed and the masks
+        problems, extra, sup = _verify_drafter(m, lens, ids, offsets, src)
     if problems:
         raise FormatError(f"{path}: verify failed: " + "; ".join(problems))
-    got = _summary_metrics(m, lens, ids, offsets, seg)
+    got = _summary_metrics(m, lens, ids, offsets, seg, supervised=sup) | extra
     summ = m.summary
     prev = epoch_dir(path.parent, m.epoch - 1) if m.epoch > 0 else None
     if summ.get("repeat_pair_rate") is not None and prev is not None and (prev / MANIFEST_FILE).is_file():
@@ -333,6 +356,20 @@ def verify(path: str | Path, *, data: str | Path | None = None, lengths: str | P
     if wrong:
         raise FormatError(f"{path}: summary disagrees with the arrays: " + "; ".join(wrong) + ". Re-pack the epoch")
     return got
+
+
+def _verify_drafter(m: Manifest, lens, ids, offsets, src):
+    """(problems, metrics, supervised) of :func:`pack_dflash.verify_epoch` against the dataset's masks."""
+    from . import pack_dflash
+    from .dataset import open_dataset
+    from .lengths import read_mask_counts
+
+    if src.kind != "dataset":
+        return [f"{src.path}: a dflash manifest is verified against its dataset folder (the loss masks); pass --data"], {}, None
+    mc = read_mask_counts(src.path)
+    problems, got = pack_dflash.verify_epoch(m.header, m.arrays, lens, ids, offsets,
+                                             pack_dflash.dataset_masks(open_dataset(src.path)), mc, m.epoch)
+    return problems, got, mc.supervised
 
 
 def find_epochs(path: str | Path) -> list[Path]:

@@ -21,61 +21,21 @@ aggregates (O(M) after one O(N) pass); ``verify`` recomputes them with :mod:`met
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import Callable
 from pathlib import Path
 
 import numba as nb
 import numpy as np
 
 from . import lengths as lengths_mod
-from . import manifest, metrics, bucketing, steps
+from . import manifest, metrics, bucketing, pack_config, pack_dflash, steps
 from .errors import ConfigError, FormatError
 from .fileio import fingerprint_json
+from .pack_config import PackConfig
 from .plan import Budget, Plan
 from .plan import load as load_plan
 
-
-@dataclass(frozen=True)
-class PackConfig:
-    """How an epoch's micro-batches become steps (the plan fixes buckets, budget and seed).
-
-    Attributes:
-        world_size: W, ranks per optimizer step.
-        grad_accum: A, accumulation micro-batches per rank per step.
-        layout: ``"padded"`` (bucketed, ``n * max_len <= T``) or ``"varlen"``
-            (concatenated with ``cu_seqlens``, ``sum L <= T``).
-        schedule: one of :data:`steps.SCHEDULES`; ``class-aware`` mixes lengths best.
-        window: local sort window (padded); None uses the plan's.
-        drop_last: drop the last ``M mod (W*A)`` scheduled micro-batches (their samples are
-            listed in ``dropped_ids.npy`` and counted) instead of splitting micro-batches.
-        open_bins: open bins of the varlen first-fit (4 fills 0.9975 on seedlike).
-        budget: replaces the plan's budget (unit, value, model_dim, max_batch_size); None
-            keeps it. Analyze's efficiency prediction then no longer applies.
-    """
-
-    world_size: int = 1
-    grad_accum: int = 1
-    layout: str = "padded"
-    schedule: str = "class-aware"
-    window: int | None = None
-    drop_last: bool = False
-    open_bins: int = 4
-    budget: Budget | None = None
-
-    def __post_init__(self):
-        if self.world_size < 1 or self.grad_accum < 1:
-            raise ConfigError(f"--world-size and --grad-accum must be >= 1, got {self.world_size} and {self.grad_accum}")
-        if self.layout not in manifest.LAYOUTS:
-            raise ConfigError(f"--layout must be one of {', '.join(manifest.LAYOUTS)}, got {self.layout!r}")
-        if self.schedule not in steps.SCHEDULES:
-            raise ConfigError(f"--schedule must be one of {', '.join(steps.SCHEDULES)}, got {self.schedule!r}")
-        if self.window is not None and self.window < 0:
-            raise ConfigError(f"--window must be >= 0, got {self.window}")
-        if self.open_bins < 1:
-            raise ConfigError(f"--open-bins must be >= 1, got {self.open_bins}")
-
-    @property
-    def step_size(self) -> int:
-        return self.world_size * self.grad_accum
+__all__ = ["PackConfig", "EpochResult", "build_epoch", "pack_epochs", "inputs_fingerprint"]
 
 
 @dataclass
@@ -148,19 +108,35 @@ def repeat_pair_rate(prev_table: np.ndarray, prev_ids: np.ndarray, cur_table: np
 
 
 # ----------------------------------------------------------------------------- one epoch
-def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges: np.ndarray | None = None) -> EpochResult:
+def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges: np.ndarray | None = None, *,
+                mask_counts: lengths_mod.MaskCounts | None = None,
+                masks: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None) -> EpochResult:
     """Pack one epoch in memory (module docstring); nothing is written.
 
     ``edges`` are the step-mix classes, :func:`metrics.class_edges` of ``lens`` (computed
-    here when not given; :func:`pack_epochs` computes them once for all its epochs).
+    here when not given; :func:`pack_epochs` computes them once for all its epochs). The
+    ``dflash`` objective needs ``mask_counts`` (per sample id), and ``masks`` (sample ids
+    -> concatenated loss masks and their cu_seqlens) to store anchor positions.
     """
     if epoch < 0:
         raise ConfigError(f"--epoch must be >= 0, got {epoch}")
-    budget = cfg.budget or plan.budget
-    window = plan.window if cfg.window is None else cfg.window
+    cfg = cfg.resolve(plan)
+    budget, window = cfg.budget, cfg.window
     alpha_pack, alpha_cost = budget.packing_alpha, budget.alpha
     where = f"epoch {epoch}"
-    if cfg.layout == "padded":
+    de = None
+    if cfg.objective == "dflash":
+        if mask_counts is None:
+            raise ConfigError("--objective dflash needs the per-sample mask counts of a tokenized dataset "
+                              "(supervised.npy, anchor_candidates.npy); pack a dataset folder, not a lengths file")
+        de = pack_dflash.prepare(lens, mask_counts.supervised, mask_counts.anchor_candidates, cfg.drafter,
+                                 budget.value)
+        order, offsets, olens = pack_dflash.pack_drafter(
+            lens, de.counts, de.cost, seed=plan.seed, epoch=epoch, token_budget=budget.value,
+            anchor_budget=de.anchor_budget, cost_budget=de.cost_budget, max_batch_size=budget.max_batch_size,
+            open_bins=cfg.open_bins)
+        bucket = np.full(len(offsets) - 1, -1, np.int64)
+    elif cfg.layout == "padded":
         order, offsets, bucket, olens = bucketing.pack_padded(
             lens, plan.boundaries, seed=plan.seed, epoch=epoch, budget=budget.value, alpha=alpha_pack,
             max_batch_size=budget.max_batch_size, window=window)
@@ -183,7 +159,10 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
     n_keep = len(sched) - len(sched) % cfg.step_size
     dropped_mb = sched[n_keep:]
     sched = sched[:n_keep]
-    if cfg.layout == "padded":
+    if de is not None:                                   # drafter FLOPs per micro-batch
+        cost = np.add.reduceat(de.cost[order], offsets[:-1]) if len(order) else np.zeros(0)
+        padded = real
+    elif cfg.layout == "padded":
         mxf = mx.astype(np.float64)
         cost = count * (mxf + alpha_cost * mxf * mxf)
         padded = count * mx
@@ -228,6 +207,7 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
         "step_mix": float((0.5 * np.abs(shares - 1.0 / k).sum(1)).mean()) if len(shares) else 0.0,
         "rank_imbalance": metrics.rank_imbalance(cost[mb], step, rank, cfg.world_size),
         "rank_imbalance_alpha": alpha_cost,
+        "rank_imbalance_cost": "drafter" if de is not None else "tokens",
         "dropped_samples": int(len(dropped)),
         "dropped_microbatches": int(len(dropped_mb)),
         "split_microbatches": int(n_split),
@@ -248,29 +228,42 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
         "num_samples_used": int(n_used),
         "budget": dict(asdict(budget), packing_alpha=alpha_pack, cost_alpha=alpha_cost),
         "options": {"schedule": cfg.schedule, "window": int(window), "drop_last": cfg.drop_last,
-                    "open_bins": cfg.open_bins, "boundaries": [int(b) for b in plan.boundaries], "seed": int(plan.seed)},
+                    "open_bins": cfg.open_bins, "boundaries": [int(b) for b in plan.boundaries], "seed": int(plan.seed),
+                    "objective": cfg.objective},
+        "pack_config": cfg.to_json(),
+        "pack_config_fingerprint": cfg.fingerprint(),
         "plan_fingerprint": plan.fingerprint,
         "data": {k2: plan.data.get(k2) for k2 in ("kind", "path", "fingerprint")} | {"num_samples": int(len(lens))},
         "inputs_fingerprint": inputs_fingerprint(plan, cfg, epoch),
         "columns": list(manifest.COLUMNS),
         "summary": summary,
     }
+    if de is not None:
+        ids = arrays["sample_ids"]
+        cs = np.zeros(len(ids) + 1, np.int64)
+        np.cumsum(de.counts[ids], out=cs[1:])
+        mb_k = cs[start + count[mb]] - cs[start]                  # anchors per manifest row
+        header["dflash"], extra, arrays["anchor_counts"] = pack_dflash.epoch_extras(
+            de, cfg.drafter, epoch, ids, mb_k, real[mb], budget.value)
+        summary.update(extra)
+        if cfg.drafter.store_anchors:
+            if masks is None:
+                raise ConfigError("--store-anchors reads every loss mask: pack a tokenized dataset folder")
+            arrays["anchors"] = pack_dflash.store_anchors(ids, masks, cfg.drafter, epoch, arrays["anchor_counts"])
     return EpochResult(header=header, arrays=arrays)
 
 
 def _prediction(plan: Plan, cfg: PackConfig):
     """Analyze's predicted efficiency, when this epoch packs exactly what analyze simulated."""
-    same = cfg.layout == "padded" and cfg.budget in (None, plan.budget) and cfg.window in (None, plan.window)
+    cfg = cfg.resolve(plan)
+    same = cfg.objective == "lm" and cfg.layout == "padded" and cfg.budget == plan.budget and cfg.window == plan.window
     eff = plan.predicted.get("efficiency") if same else None
     return float(eff) if eff is not None else None
 
 
 def inputs_fingerprint(plan: Plan, cfg: PackConfig, epoch: int) -> str:
     """What an epoch is a pure function of: the plan (incl. data), the options, the epoch."""
-    c = asdict(cfg)
-    c["window"] = plan.window if cfg.window is None else cfg.window
-    c["budget"] = asdict(cfg.budget or plan.budget)
-    return fingerprint_json({"plan": plan.fingerprint, "config": c, "epoch": int(epoch),
+    return fingerprint_json({"plan": plan.fingerprint, "config": cfg.resolve(plan).to_json(), "epoch": int(epoch),
                              "format": [manifest.MANIFEST_FORMAT, manifest.MANIFEST_VERSION]})
 
 
@@ -298,23 +291,27 @@ def previous_epoch(out: Path, epoch: int, data_fingerprint: str):
     return m.table, m.sample_ids
 
 
-def pack_epochs(*, plan: Plan | str | Path, epochs, out: str | Path, world_size: int = 1, grad_accum: int = 1,
-                layout: str = "padded", schedule: str = "class-aware", window: int | None = None,
-                drop_last: bool = False, open_bins: int = 4, budget: Budget | None = None,
+def pack_epochs(*, plan: Plan | str | Path, epochs, out: str | Path, config: PackConfig | None = None,
                 data: str | Path | None = None, lengths: str | Path | None = None,
-                overwrite: bool = False) -> list[Path]:
+                overwrite: bool = False, **options) -> list[Path]:
     """Pack and write ``out/epoch-000N`` for every N in ``epochs``; returns the folders.
 
+    The options are ``config``, or its fields as keywords (``world_size=4, layout="varlen"``).
     An epoch folder that already holds the same inputs (plan, options, epoch: its
     ``inputs_fingerprint``) is kept as is, so a trainer can call this for a missing epoch
-    on the fly. One built from other inputs is replaced only with ``overwrite``.
+    on the fly. One built from other inputs is replaced only with ``overwrite``. The
+    resolved config is written to ``out/pack_config.json`` (:mod:`dflash_prep.pack_config`).
     """
     if not isinstance(plan, Plan):
         plan = load_plan(plan)
     elif not plan.fingerprint:                    # a Plan built in code, never saved
         plan = plan.with_fingerprint()
-    cfg = PackConfig(world_size=world_size, grad_accum=grad_accum, layout=layout, schedule=schedule, window=window,
-                     drop_last=drop_last, open_bins=open_bins, budget=budget)
+    if config is not None and options:
+        raise ConfigError(f"pass a PackConfig or its fields, not both (got config and {sorted(options)})")
+    try:
+        cfg = config or PackConfig(**options)
+    except TypeError as e:
+        raise ConfigError(f"pack_epochs: {e}") from None
     epochs = [int(e) for e in epochs]
     bad = [e for e in epochs if e < 0]
     if bad or not epochs:
@@ -323,6 +320,7 @@ def pack_epochs(*, plan: Plan | str | Path, epochs, out: str | Path, world_size:
     lens = np.asarray(src.lengths)
     out = Path(out)
     edges = bucketing.class_edges(lens)
+    counts, masks = _drafter_inputs(cfg, src)
     written, prev = [], None
     for e in sorted(set(epochs)):
         path = manifest.epoch_dir(out, e)
@@ -339,7 +337,7 @@ def pack_epochs(*, plan: Plan | str | Path, epochs, out: str | Path, world_size:
             if not overwrite:
                 raise ConfigError(f"{path} already holds a manifest built from other inputs (plan, options or data); "
                                   "pass --overwrite to replace it, or --out another folder")
-        res = build_epoch(lens, plan, cfg, e, edges)
+        res = build_epoch(lens, plan, cfg, e, edges, mask_counts=counts, masks=masks)
         before = prev if prev is not None else previous_epoch(out, e, src.fingerprint)
         if before is not None:
             res.header["summary"]["repeat_pair_rate"] = repeat_pair_rate(
@@ -350,7 +348,22 @@ def pack_epochs(*, plan: Plan | str | Path, epochs, out: str | Path, world_size:
         written.append(path)
         prev = (res.arrays["microbatches"], res.arrays["sample_ids"])
         del res
+    pack_config.save(out, cfg, plan)
     return written
+
+
+def _drafter_inputs(cfg: PackConfig, src: lengths_mod.LengthSource):
+    """Mask counts (and, for --store-anchors, a mask reader) of a dataset, for the dflash objective."""
+    if cfg.objective != "dflash":
+        return None, None
+    if src.kind != "dataset":
+        raise ConfigError(f"{src.path}: --objective dflash needs a tokenized dataset folder (its loss-mask counts), "
+                          "not a lengths file")
+    masks = None
+    if cfg.drafter.store_anchors:
+        from .dataset import open_dataset
+        masks = pack_dflash.dataset_masks(open_dataset(src.path))
+    return lengths_mod.read_mask_counts(src.path), masks
 
 
 def parse_epochs(epoch: int | None, epochs: str | None) -> list[int]:

@@ -107,3 +107,22 @@ def test_bad_options():
         anchors.anchor_counts([3], [4], 0)
     with pytest.raises(ConfigError, match="cu_seqlens"):
         anchors.sample_anchors_batch(m, np.array([0, 4]), np.array([0, 1]), seed=0, epoch=0, max_anchors=2)
+
+
+def test_ineligible_finds_bad_positions():
+    masks = _masks(30, seed=6)
+    cu = np.concatenate([[0], np.cumsum([len(m) for m in masks])])
+    flat = np.concatenate(masks)
+    pos, off = anchors.sample_anchors_batch(flat, cu, np.arange(30), seed=0, epoch=0, max_anchors=6)
+    assert len(anchors.ineligible(flat, cu, pos, off)) == 0
+    i = int(np.flatnonzero(np.diff(off) >= 2)[0])
+    dup = pos.copy()
+    dup[off[i] + 1] = dup[off[i]]                       # a repeated position
+    assert anchors.ineligible(flat, cu, dup, off).tolist() == [i]
+    j = int(np.flatnonzero(np.diff(off) >= 1)[-1])
+    m = masks[j]
+    off_mask = np.flatnonzero(~(m[:-1].astype(bool) & m[1:].astype(bool)))
+    if len(off_mask):
+        moved = pos.copy()
+        moved[off[j + 1] - 1] = off_mask[-1]
+        assert j in anchors.ineligible(flat, cu, moved, off).tolist()

@@ -5,8 +5,11 @@ Data flow, one module per step::
     source.py   dataset (mmap'd Arrow shards), plan.json, manifest.open(epoch)   [pack on the fly if missing]
       -> data.py      this rank's micro-batches in manifest order -> tensors (labels shifted per sample)
                       -> Prefetcher: one background thread, bounded FIFO queue
-      -> loop.py      per step: all-reduce target count, backward(sum / N), all-reduce grads, AdamW
+      -> loop.py      per step: all-reduce the normaliser N (targets or sum w), backward(sum / N), all-reduce grads, AdamW
                       -> log.jsonl, progress bar, summary.json; checkpoint.py (atomic, run-key guarded)
+      -> objectives.py  what is trained: --objective lm (model.py's decoder, or --init-from a transformers
+                        folder) or dflash (drafter.py on target.py's frozen model, objective_dflash.py);
+                        head + CE in chunks (chunked_ce.py)
       -> model.py     Llama-style decoder; attention from kernels/ (Triton on CUDA, reference on CPU)
 
 ``python -m dflash_prep.train`` is the entry point (``make train`` runs it under torchrun);

@@ -155,16 +155,19 @@ class TrainConfig:
     """DFlash: draft layers N (the taps are build_target_layer_ids(L, N) unless target_layer_ids)."""
     target_layer_ids: tuple[int, ...] = ()
     """DFlash: tapped target layers; empty = the public rule."""
-    block_size: int = 16
-    """DFlash: block size B (an anchor token plus B - 1 drafted slots)."""
+    block_size: int = 0
+    """DFlash: block size B (an anchor token plus B - 1 drafted slots); 0 = the manifest's
+    (``pack --objective dflash``), else 16."""
     gamma: float = 0.0
     """DFlash: slot-weight decay exp(-(r-1)/gamma); 0 = the rule (B - 2) / 2 (7 at B = 16)."""
-    max_anchors: int = 512
-    """DFlash: anchors per sample at most."""
-    anchor_policy: str = "cap"
-    """DFlash: ``cap`` (min(max_anchors, candidates)) or ``density`` (also <= ceil(supervised / B))."""
+    max_anchors: int = 0
+    """DFlash: anchors per sample at most; 0 = the manifest's, else 512."""
+    anchor_policy: str = ""
+    """DFlash: ``cap`` (min(max_anchors, candidates)) or ``density`` (also <= ceil(supervised / B));
+    empty = the manifest's, else cap."""
     anchor_seed: int = -1
-    """DFlash: anchor RNG seed; -1 = the manifest's, else ``seed``."""
+    """DFlash: anchor RNG seed; -1 = the manifest's, else ``seed``. A value that contradicts a
+    ``pack --objective dflash`` manifest is refused (its budgets assume its anchors)."""
     mask_token_id: int = -1
     """DFlash: mask token id; -1 = the tokenizer's mask token, ``<|mask|>``, or the first row past the tokenizer."""
 
@@ -204,7 +207,7 @@ class TrainConfig:
             if self.draft_layers < 1:
                 raise ConfigError(f"--draft-layers must be at least 1, got {self.draft_layers}")
             from dflash_prep.anchors import check_options
-            check_options(self.max_anchors, self.anchor_policy, self.block_size)
+            check_options(self.max_anchors or 1, self.anchor_policy or "cap", self.block_size or 2)
             if self.gamma < 0:
                 raise ConfigError(f"--gamma must be > 0 (0 = the default rule), got {self.gamma}")
         elif self.target:

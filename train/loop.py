@@ -1,17 +1,22 @@
-"""The training loop: one model, one optimizer, manifests in, JSONL out.
+"""The training loop: one trainable module, one optimizer, manifests in, JSONL out.
 
+What is trained and how a micro-batch becomes a loss is the objective's business
+(:mod:`dflash_prep.train.objectives`: ``--objective lm`` or ``dflash``); the loop is the same.
 Per optimizer step ``s`` of epoch ``e`` (this rank holds micro-batches ``mb_1..mb_a`` of it,
 ``a`` usually the manifest's grad_accum, possibly 0 on a short last step):
 
-1. ``N = all_reduce_sum(sum of n_targets over this rank's micro-batches)``: the real target
-   tokens of the whole step, every rank and every accumulation micro-batch;
-2. for each micro-batch: ``(sum of token losses / N).backward()`` (gradients accumulate);
-3. all-reduce the gradients with SUM (so the step's gradient is that of the per-token mean
-   over the whole step, never a mean of per-micro-batch means), clip, AdamW step.
+1. ``N = all_reduce_sum(sum of the objective's denominators over this rank's micro-batches)``:
+   LM: the real target tokens, DFlash: the sum of block weights ``w``, of the whole step,
+   every rank and every accumulation micro-batch (float64, with the token and FLOP counts);
+2. for each micro-batch: ``(loss sum / N).backward()`` (gradients accumulate);
+3. all-reduce the gradients with SUM (so the step's gradient is that of the per-token (per-w)
+   mean over the whole step, never a mean of per-micro-batch means), clip, AdamW step; the
+   objective's stats vector (loss sum, DFlash accuracy/tau sums) is all-reduced once.
 
 So 2 ranks x A=1 and 1 rank x A=2 over the same micro-batches give the same gradient (up to
-fp32 summation order); ``tests/train/test_loss_norm.py`` checks it. A step whose ``N`` is 0
-(no target tokens anywhere) leaves parameters and optimizer state untouched.
+fp32 summation order); ``tests/train/test_distributed.py`` and ``test_dflash_train.py`` check
+it. A step whose ``N`` is 0 (nothing to learn anywhere) leaves parameters and optimizer state
+untouched.
 
 Determinism: CPU runs use ``torch.use_deterministic_algorithms``, fp32, no dropout, and a
 loader that is a pure function of (manifest, cursor), so resume is bitwise
@@ -275,6 +280,11 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
             m = first if epoch == 0 else source.manifest(epoch)
             _check_manifest_shape(m, d)
             shape = _manifest_key(m)
+            if epoch > 0 and cfg.objective == "dflash":
+                from .objectives import anchor_spec
+                if anchor_spec(cfg, m)[0] != obj.spec:
+                    raise FormatError(f"epoch {epoch} manifest draws anchors with {anchor_spec(cfg, m)[0]}, epoch 0 "
+                                      f"with {obj.spec}; pack every epoch with the same drafter options")
             if any(run_key[k] != v for k, v in shape.items()):
                 raise FormatError(f"epoch {epoch} manifest was packed with {shape}, epoch 0 with "
                                   f"{ {k: run_key[k] for k in shape} }; pack every epoch with the same options")

@@ -27,13 +27,12 @@ blocks; anchors (= blocks) and target tokens for the throughput figures.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dflash_prep.anchors import SAMPLER_VERSION, check_options, sample_anchors_batch
+from dflash_prep.anchors import SAMPLER_VERSION, sample_anchors_batch
 from dflash_prep.errors import FormatError
 
 from .chunked_ce import weighted_ce
@@ -211,9 +210,3 @@ def peak_flops(device: torch.device) -> float | None:
             return peak
     return None
 
-
-def check_anchor_options(max_anchors: int, policy: str, block_size: int, gamma: float) -> None:
-    check_options(max_anchors, policy, block_size)
-    if not (gamma > 0 and math.isfinite(gamma)):
-        from dflash_prep.errors import ConfigError
-        raise ConfigError(f"--gamma must be positive, got {gamma}")

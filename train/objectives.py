@@ -194,29 +194,52 @@ def build_objective(cfg: TrainConfig, ds, device: torch.device, manifest=None):
     if cfg.objective != "dflash":
         raise ConfigError(f"--objective must be lm or dflash, got {cfg.objective!r}")
     from .drafter import Drafter, DrafterConfig
-    from .objective_dflash import AnchorSpec, default_gamma
+    from .objective_dflash import default_gamma
     from .target import FrozenTarget, load_tokenizer, pick_mask_token, target_identity
 
     from transformers import AutoConfig
 
+    spec, source = anchor_spec(cfg, manifest)
     hc = AutoConfig.from_pretrained(cfg.target)
     tok = load_tokenizer(cfg.target)
     mask_id = pick_mask_token(tok, int(hc.vocab_size), cfg.mask_token_id)
     ids = list(cfg.target_layer_ids) or None
-    dcfg = DrafterConfig.from_target_config(hc, cfg.draft_layers, cfg.block_size, mask_id, target_layer_ids=ids)
+    dcfg = DrafterConfig.from_target_config(hc, cfg.draft_layers, spec.block_size, mask_id, target_layer_ids=ids)
     target = FrozenTarget(cfg.target, dcfg.target_layer_ids, device=device)
     drafter = Drafter(dcfg).to(device)
-    gamma = cfg.gamma or default_gamma(cfg.block_size)
-    seed, source = cfg.anchor_seed, "--anchor-seed"
-    meta = (getattr(manifest, "meta", None) or {}).get("anchors") if manifest is not None else None
-    if isinstance(meta, dict) and "seed" in meta:
-        if seed >= 0 and seed != int(meta["seed"]):
-            raise ConfigError(f"--anchor-seed {seed} differs from the manifest's anchor seed {meta['seed']}; drop it")
-        seed, source = int(meta["seed"]), "the manifest"
-    elif seed < 0:
-        seed, source = cfg.seed, "--seed (the manifests carry no anchor seed)"
-    spec = AnchorSpec(seed=seed, max_anchors=cfg.max_anchors, policy=cfg.anchor_policy, block_size=cfg.block_size)
+    gamma = cfg.gamma or default_gamma(spec.block_size)
     obj = DFlashObjective(drafter, target, cfg, anchor_spec=spec, gamma=gamma,
                           identity=target_identity(cfg.target, tok))
     obj.anchor_source = source
     return obj
+
+
+def anchor_spec(cfg: TrainConfig, manifest=None):
+    """``(AnchorSpec, where the seed came from)``: a ``pack --objective dflash`` manifest's anchor
+    options (its header's ``dflash``) win; a flag that contradicts them is refused, since the
+    manifest's anchor budgets and digest assume them. Otherwise the flags, with defaults B = 16,
+    512 anchors, ``cap``, and ``--anchor-seed`` or else ``--seed``."""
+    from dflash_prep.anchors import SAMPLER_VERSION
+
+    from .objective_dflash import AnchorSpec
+
+    header = getattr(manifest, "header", None) if manifest is not None else None
+    d = header.get("dflash") if isinstance(header, dict) else None
+    if d is None:
+        seed = cfg.anchor_seed if cfg.anchor_seed >= 0 else cfg.seed
+        where = "--anchor-seed" if cfg.anchor_seed >= 0 else "--seed (the manifests are not pack --objective dflash)"
+        return AnchorSpec(seed=seed, max_anchors=cfg.max_anchors or 512, policy=cfg.anchor_policy or "cap",
+                          block_size=cfg.block_size or 16), where
+    if int(d.get("sampler_version", -1)) != SAMPLER_VERSION:
+        raise ConfigError(f"manifest epoch {manifest.epoch} was packed with anchor sampler v{d.get('sampler_version')}, "
+                          f"this trainer draws with v{SAMPLER_VERSION}; re-pack it (`dflash-prep pack ... --overwrite`)")
+    for flag, mine, theirs in (("--block-size", cfg.block_size, int(d["block_size"])),
+                               ("--max-anchors", cfg.max_anchors, int(d["max_anchors"])),
+                               ("--anchor-policy", cfg.anchor_policy, d["anchor_policy"]),
+                               ("--anchor-seed", cfg.anchor_seed if cfg.anchor_seed >= 0 else None,
+                                int(d["anchor_seed"]))):
+        if mine and mine != theirs:
+            raise ConfigError(f"{flag} {mine} contradicts the manifest, packed with {theirs} (pack --objective "
+                              f"dflash); drop {flag} or re-pack with it")
+    return AnchorSpec(seed=int(d["anchor_seed"]), max_anchors=int(d["max_anchors"]), policy=d["anchor_policy"],
+                      block_size=int(d["block_size"])), "the manifest"

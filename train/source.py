@@ -17,7 +17,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_prep.errors import ConfigError, FingerprintMismatch
-from dflash_prep.plan import Budget
 
 from . import distributed
 
@@ -66,13 +65,9 @@ class FileSource:
 
         folder = man.epoch_dir(self.root, epoch)
         if not Path(folder).exists():
-            o = self._pack_options()
-            flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in o.items()
-                            if k in ("world_size", "grad_accum", "layout", "schedule"))
-            if o.get("budget") is not None:
-                b = o["budget"]
-                flags += f" --budget-unit {b.unit} --budget {b.value:g}" + (f" --model-dim {b.model_dim}" if b.model_dim else "")
-            cmd = f"dflash-prep pack {self.data_path} --plan {self.plan_path} --out {self.root} --epoch {epoch}{flags}"
+            cfg = self._pack_config()
+            cmd = (f"dflash-prep pack {self.data_path} --plan {self.plan_path} --out {self.root} --epoch {epoch}"
+                   f"{cfg.cli_flags()}")
             if not self.pack_missing:
                 raise ConfigError(f"{folder}: no manifest for epoch {epoch}. Pack it first:\n  {cmd}\n"
                                   "(or drop --no-pack-missing to pack it on the fly)")
@@ -88,25 +83,12 @@ class FileSource:
                                       f"{self.data_path} ({self.dataset.fingerprint}); re-run `dflash-prep pack`")
         return m
 
-    def _pack_options(self) -> dict:
-        """Options of an epoch already packed under this root (so a new epoch matches it), else defaults."""
-        from dflash_prep import manifest as man
+    def _pack_config(self):
+        """The PackConfig the epochs under this root were packed with (``pack_config.json``), else
+        the defaults for this world size."""
+        from dflash_prep import pack_config
 
-        for folder in sorted(self.root.glob("epoch-*")):
-            try:
-                h = man.read_header(folder)
-            except Exception:  # an unreadable neighbour is reported when its own epoch is opened
-                continue
-            o = h.get("options", {})
-            b = h.get("budget", {})
-            budget = Budget(unit=b["unit"], value=b["value"], model_dim=b.get("model_dim"),
-                            max_batch_size=b.get("max_batch_size")) if "unit" in b else None
-            # an epoch packed under a budget override keeps it: the new epoch must match its neighbours
-            return {"world_size": int(h["world_size"]), "grad_accum": int(h["grad_accum"]), "layout": h["layout"],
-                    "schedule": o.get("schedule", "class-aware"), "window": o.get("window"),
-                    "drop_last": bool(o.get("drop_last", False)), "open_bins": int(o.get("open_bins", 4)),
-                    "budget": None if budget == self.plan.budget else budget}
-        return {"world_size": self.dist.world_size if self.dist else 1}
+        return pack_config.load(self.root) or pack_config.PackConfig(world_size=self.dist.world_size if self.dist else 1)
 
     def _pack(self, epoch: int) -> None:
         """Rank 0 packs the epoch with ``pack_epochs`` (as ``dflash-prep pack``); the others wait."""
@@ -114,8 +96,8 @@ class FileSource:
 
         d = self.dist
         if d is None or d.is_main:
-            opts = self._pack_options()
-            print(f"packing missing epoch {epoch} into {self.root} ({opts})", flush=True)
-            pack_epochs(plan=self.plan, epochs=[epoch], out=self.root, data=self.data_path, **opts)
+            cfg = self._pack_config()
+            print(f"packing missing epoch {epoch} into {self.root} ({cfg})", flush=True)
+            pack_epochs(plan=self.plan, epochs=[epoch], out=self.root, data=self.data_path, config=cfg)
         if d is not None:
             distributed.barrier(d)

@@ -72,10 +72,15 @@ print(json.dumps(out))
 
 
 def _compile(dtype: str, dims: str, which: str) -> list[dict]:
+    return _compile_script(SCRIPT, dtype, dims, which)
+
+
+def _compile_script(script: str, *argv: str) -> list[dict]:
+    """Run a compile ``script`` (argv after it) without the interpreter; its last stdout line is JSON."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, dtype, dims, which], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-c", script, *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     if proc.returncode:
         pytest.fail(f"sm_90 compile failed:\n{proc.stderr[-4000:]}")

@@ -36,3 +36,45 @@ def dflash_cfg(out, target, **kw):
                 device="cpu", ce_chunk=16)
     base.update(kw)
     return TrainConfig(**base)
+
+
+def gloo_dflash_worker(rank: int, world: int, init_file: str, out_dir: str, target: str) -> None:
+    """``torch.multiprocessing.spawn`` entry: one DFlash step over W=world, A=1 with no clipping;
+    rank 0 saves the summed drafter gradients and the step record."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    from dflash_prep.train.distributed import Dist
+    from dflash_prep.train.loop import train_step
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        obj, opt, sb = dflash_grads_setup(target, world, 1, rank)
+        st = train_step(obj.model, opt, sb, lr=1e-3, grad_clip=0.0, d=Dist(rank, world, 0, torch.device("cpu")),
+                        autocast=contextlib.nullcontext, objective=obj)
+        if rank == 0:
+            torch.save({"grads": {n: p.grad.clone() for n, p in obj.model.named_parameters()}, "step": st},
+                       Path(out_dir) / "dflash_grads.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def dflash_grads_setup(target, world: int, accum: int, rank: int):
+    """Objective, optimizer and step-0 batches of ``rank`` for W x A over the same micro-batches."""
+    import torch
+
+    from dflash_prep.train.data import iter_steps
+    from dflash_prep.train.loop import build_optimizer
+    from dflash_prep.train.objectives import build_objective
+    from train_fakes import FakeSource
+
+    src = FakeSource(n=48, world_size=world, grad_accum=accum, layout="varlen")
+    cfg = dflash_cfg("unused", target)
+    obj = build_objective(cfg, src.dataset, torch.device("cpu"))
+    m = src.manifest(0)
+    sb = next(iter(iter_steps(src.dataset, m, rank, build=lambda mb: obj.build(src.dataset, mb, 0, m.layout, False))))
+    return obj, build_optimizer(obj.model, cfg), sb

@@ -155,3 +155,37 @@ def test_chunked_ce_matches_full_cross_entropy():
     l1, _ = weighted_ce(h.detach().float(), W.detach().float(), t, w.float(), chunk=5)
     l2, _ = weighted_ce(h.detach().float(), W.detach().float(), t, w.float(), chunk=37)
     assert abs(l1.item() - l2.item()) < 1e-4
+
+
+def test_anchor_options_come_from_a_dflash_manifest():
+    """A `pack --objective dflash` header fixes B, cap, policy and seed; the batch's anchors are the
+    ones pack_dflash.microbatch_anchors regenerates from it; a contradicting flag is refused."""
+    from types import SimpleNamespace
+
+    from dflash_prep.anchors import SAMPLER_VERSION
+    from dflash_prep.errors import ConfigError
+    from dflash_prep.pack_dflash import microbatch_anchors
+    from dflash_prep.train.config import TrainConfig
+    from dflash_prep.train.objectives import anchor_spec
+
+    header = {"epoch": 2, "dflash": {"block_size": 4, "max_anchors": 3, "anchor_policy": "cap", "anchor_seed": 11,
+                                     "sampler_version": SAMPLER_VERSION}}
+    m = SimpleNamespace(header=header, epoch=2)
+    spec, where = anchor_spec(TrainConfig(objective="dflash", target="t"), m)
+    assert spec == AnchorSpec(seed=11, max_anchors=3, policy="cap", block_size=4) and where == "the manifest"
+    ds = FakeDataset(n=12)
+    sids = [1, 4, 8]
+    b = build_dflash_batch(ds, _mb(sids), epoch=2, spec=spec, gamma=1.0, mask_token_id=MASK_ID, vocab_size=300)
+    mask = np.concatenate([ds._mask[s] for s in sids])
+    cu = np.concatenate([[0], np.cumsum([len(ds._mask[s]) for s in sids])])
+    pos, _ = microbatch_anchors(header, mask, cu, np.asarray(sids, np.int64))
+    assert np.array_equal(b.anchors.numpy(), pos)
+    with pytest.raises(ConfigError, match="--block-size 8 contradicts"):
+        anchor_spec(TrainConfig(objective="dflash", target="t", block_size=8), m)
+    with pytest.raises(ConfigError, match="--anchor-seed 3 contradicts"):
+        anchor_spec(TrainConfig(objective="dflash", target="t", anchor_seed=3), m)
+    bad = SimpleNamespace(header={"epoch": 0, "dflash": {**header["dflash"], "sampler_version": 0}}, epoch=0)
+    with pytest.raises(ConfigError, match="sampler"):
+        anchor_spec(TrainConfig(objective="dflash", target="t"), bad)
+    plain, where = anchor_spec(TrainConfig(objective="dflash", target="t", seed=4), SimpleNamespace(header={}))
+    assert plain == AnchorSpec(seed=4, max_anchors=512, policy="cap", block_size=16) and "--seed" in where

@@ -1,0 +1,110 @@
+"""Triton DFlash attention (under TRITON_INTERPRET=1) against the fp32 PyTorch reference.
+
+Each case checks the forward and all five gradients with FlashAttention's rule: the error
+against an fp32 reference is at most 2x that of a same-precision PyTorch implementation.
+Together the default cases cover issue 15's list: documents without anchors, anchors at 0
+and S-1, anchors and blocks crossing key/query tile borders, B in {4, 8, 16}, GQA (4,1) and
+(8,2), several documents of different lengths, D in {32, 64, 128}, fp32/fp16/bf16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dflash_prep.kernels import attention_dflash, force_backend
+from dflash_prep.kernels.dflash_reference import attention_dflash_reference
+from dflash_prep.kernels.errors import AttentionConfigError
+
+from .dflash_helpers import NAMES, make_dflash, run_dflash
+from .helpers import close_to_reference
+
+
+def _check(docs, block_size, hq, hkv, d, dtype, seed=0):
+    args = make_dflash(docs, block_size, hq, hkv, d, dtype, seed=seed)
+    with force_backend("triton"):
+        got = run_dflash(attention_dflash, *args, block_size)
+    wide = [t.float() if t.is_floating_point() else t for t in args]
+    ref = run_dflash(attention_dflash_reference, *wide, block_size)
+    same = run_dflash(attention_dflash_reference, *args, block_size, upcast=False)
+    for name, g, r, s in zip(NAMES, got, ref, same):
+        assert g.dtype == dtype and g.shape == s.shape, name
+        close_to_reference(f"dflash {docs} B={block_size} ({hq},{hkv}) D={d} {dtype} {name}", g, r, s)
+    return got
+
+
+# BLOCK_N is 8 (fwd/dQ) and 16 (dK/dV) under the interpreter, BLOCK_M 16: the anchors below
+# fall inside key tiles, on tile borders (8, 16, 32), at 0 and at S-1.
+def test_mixed_documents_empty_doc_anchor_0_and_last_gqa_8_2_bf16_b4():
+    docs = [(40, [0, 1, 8, 16, 23, 39]), (17, []), (3, [2]), (70, [5, 5, 31, 32, 33, 64, 69])]
+    _check(docs, 4, 8, 2, 32, torch.bfloat16)
+
+
+def test_b8_gqa_4_1_fp16_d64_blocks_across_tiles():
+    # 5 blocks of 8 rows = 40 rows: the last query tile is partial; anchors cross key tiles
+    _check([(50, [3, 9, 17, 30, 49]), (9, [0, 8])], 8, 4, 1, 64, torch.float16)
+
+
+def test_b16_mha_fp32_d32_one_block_per_query_tile():
+    _check([(24, [0, 23]), (0, []), (60, [15, 16, 47])], 16, 2, 2, 32, torch.float32)
+
+
+def test_d128_bf16_b4_gqa_4_1():
+    _check([(20, [2, 7, 11, 19])], 4, 4, 1, 128, torch.bfloat16)
+
+
+def test_only_empty_documents():
+    args = make_dflash([(5, []), (0, []), (7, [])], 4, 2, 1, 32, torch.float32)
+    with force_backend("triton"):
+        o, *grads = run_dflash(attention_dflash, *args, 4)
+    assert o.shape == (0, 2, 32)
+    assert all(g.numel() == 0 or g.abs().max() == 0 for g in grads)  # context nobody sees: exactly 0
+
+
+@pytest.mark.parametrize("blocks", [
+    {"fwd": (32, 16, 4, 1), "dq": (32, 16, 4, 1), "dkdv": (32, 8, 4, 1)},  # query tiles of 8 blocks
+    {"fwd": (16, 32, 4, 1), "dq": (16, 32, 4, 1), "dkdv": (64, 16, 4, 1)},  # key tiles wider than most gaps
+])
+def test_other_tile_shapes(monkeypatch, blocks):
+    from dflash_prep.kernels import dflash
+
+    monkeypatch.setattr(dflash, "INTERPRET_BLOCKS", blocks)
+    _check([(45, [0, 7, 8, 20, 21, 22, 44]), (12, [11]), (30, [3, 15, 29])], 4, 4, 2, 32, torch.float32, seed=4)
+
+
+def test_bitwise_deterministic_across_runs():
+    args = make_dflash([(30, [0, 9, 16, 29]), (11, [4, 10])], 4, 4, 2, 32, torch.bfloat16, seed=3)
+    with force_backend("triton"):
+        first = run_dflash(attention_dflash, *args, 4)
+        second = run_dflash(attention_dflash, *args, 4)
+    for name, a, b in zip(NAMES, first, second):
+        assert torch.equal(a, b), f"{name} differs between two identical runs"
+
+
+def test_lse_is_the_natural_log_sum_exp_over_what_each_row_sees():
+    from dflash_prep.kernels import dflash
+    from dflash_prep.kernels.inputs import check_dflash
+
+    q, k_ctx, v_ctx, k_blk, v_blk, _, cu_ctx, cu_blk, anchors = make_dflash([(13, [0, 5, 12])], 4, 2, 1, 32,
+                                                                             torch.float32, seed=1)
+    prob = check_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, 4, None)
+    _, lse = dflash.flash_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, prob, return_lse=True)
+    for row in range(q.shape[0]):
+        j, a = row // 4, int(anchors[row // 4])
+        keys = torch.cat([k_ctx[:a, 0], k_blk[4 * j:4 * j + 4, 0]])  # (a + B, D)
+        want = torch.logsumexp(q[row] @ keys.T / math.sqrt(32), dim=-1)  # (Hq,)
+        torch.testing.assert_close(lse[:, row], want, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_path_refuses_what_it_does_not_support():
+    args = make_dflash([(9, [1, 8])], 3, 2, 1, 32, torch.float32)
+    with force_backend("triton"), pytest.raises(AttentionConfigError, match="power of two"):
+        attention_dflash(*args[:5], *args[6:], 3)
+    args = make_dflash([(9, [1, 8])], 4, 2, 1, 24, torch.float32)
+    with force_backend("triton"), pytest.raises(AttentionConfigError, match="head dims"):
+        attention_dflash(*args[:5], *args[6:], 4)
+    args = make_dflash([(9, [1, 8])], 4, 2, 1, 32, torch.float64)
+    with force_backend("triton"), pytest.raises(AttentionConfigError, match="float16, bfloat16 or float32"):
+        attention_dflash(*args[:5], *args[6:], 4)
