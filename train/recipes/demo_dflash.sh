@@ -29,6 +29,9 @@ BUDGET=${BUDGET:-2048}
 # loaded 2-core machine (the LM head dominates: keep the vocabulary small). 4 layers: a
 # 1-layer drafter taps layer L//2 = 2.
 TARGET_ARGS=${TARGET_ARGS:---vocab-size 512 --hidden 64 --layers 4 --heads 2 --kv-heads 1 --head-dim 32 --intermediate 192}
+# one thread per process: on a small shared machine torch's default (one per core) mostly adds
+# contention; set OMP_NUM_THREADS to override
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 CLI="$PY -m dflash_prep.cli"
 TRAIN="$PY -m dflash_prep.train --device cpu --no-progress"
 T0=$(date +%s)
