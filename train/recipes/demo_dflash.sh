@@ -11,19 +11,21 @@
 # manifests/ when the drafter's data differs from the LM's).
 # Knobs (environment): DEMO_DFLASH (output folder), PY, N (training conversations), HELD
 # (held-out prompts), B (block size), LM_STEPS, DRAFT_STEPS, DRAFT_LAYERS, MAX_ANCHORS (anchors per
-# sample: few, so that a step stays ~1 s on a quiet machine), MAX_NEW (tokens per prompt).
+# sample), MAX_NEW (tokens per prompt), LM_EPOCHS / DRAFT_EPOCHS (epochs packed for each run).
 set -euo pipefail
 
 OUT=${DEMO_DFLASH:-demo-dflash}
 PY=${PY:-python}
 N=${N:-2000}
-HELD=${HELD:-16}
+HELD=${HELD:-32}
 B=${B:-8}
-LM_STEPS=${LM_STEPS:-40}
-DRAFT_STEPS=${DRAFT_STEPS:-40}
-MAX_ANCHORS=${MAX_ANCHORS:-8}
+LM_STEPS=${LM_STEPS:-400}
+LM_EPOCHS=${LM_EPOCHS:-3}
+DRAFT_STEPS=${DRAFT_STEPS:-300}
+DRAFT_EPOCHS=${DRAFT_EPOCHS:-3}
+MAX_ANCHORS=${MAX_ANCHORS:-32}
 DRAFT_LAYERS=${DRAFT_LAYERS:-1}
-MAX_NEW=${MAX_NEW:-48}
+MAX_NEW=${MAX_NEW:-64}
 BUDGET=${BUDGET:-2048}
 # The target's shape: small enough that one LM step on 2,048 tokens takes about a second on a
 # loaded 2-core machine (the LM head dominates: keep the vocabulary small). 4 layers: a
@@ -36,7 +38,7 @@ CLI="$PY -m dflash_prep.cli"
 TRAIN="$PY -m dflash_prep.train --device cpu --no-progress"
 T0=$(date +%s)
 step() { echo; echo "== [$(( $(date +%s) - T0 )) s] $*"; }
-has_flag() { $1 --help 2>/dev/null | grep -q -- "$2"; }  # does this command take this option (yet)?
+has_flag() { local h; h=$($1 --help 2>/dev/null || true); [[ "$h" == *"$2"* ]]; }  # does this command take this option (yet)?
 
 # start clean, but only ever delete a folder this recipe made (it leaves a marker file)
 if [ -e "$OUT" ] && [ -n "$(ls -A "$OUT" 2>/dev/null)" ] && [ ! -e "$OUT/.demo-dflash" ]; then
@@ -58,9 +60,10 @@ tail -n "$HELD" "$OUT/corpus/chat.jsonl" > "$OUT/corpus/heldout.jsonl"
 step "3. train the target briefly as an LM ($LM_STEPS steps, varlen, from the transformers folder)"
 $CLI tokenize "$OUT/corpus/train.jsonl" --out "$OUT/lm-data" --tokenizer "$OUT/target0" --max-len 2048
 $CLI analyze "$OUT/lm-data" --budget "$BUDGET" --out "$OUT/lm-plan"
-$CLI pack "$OUT/lm-data" --plan "$OUT/lm-plan/plan.json" --epochs 0-1 --layout varlen --out "$OUT/lm-manifests"
+$CLI pack "$OUT/lm-data" --plan "$OUT/lm-plan/plan.json" --epochs 0-$(( LM_EPOCHS - 1 )) --layout varlen \
+    --out "$OUT/lm-manifests"
 $TRAIN --objective lm --init-from "$OUT/target0" --data "$OUT/lm-data" --plan "$OUT/lm-plan/plan.json" \
-    --manifests "$OUT/lm-manifests" --out "$OUT/lm-run" --epochs 2 --max-steps "$LM_STEPS" --lr 3e-3 --warmup-steps 10
+    --manifests "$OUT/lm-manifests" --out "$OUT/lm-run" --epochs "$LM_EPOCHS" --max-steps "$LM_STEPS" --lr 3e-3 --warmup-steps 10
 rm -rf "$OUT/target"
 cp -r "$OUT/lm-run/hf" "$OUT/target"
 
@@ -83,7 +86,8 @@ fi
 if has_flag "$CLI pack" "--objective"; then
     PLAN="$OUT/plan/plan.json" MANIFESTS="$OUT/manifests"
     $CLI analyze "$DATA" --budget "$BUDGET" --out "$OUT/plan"
-    $CLI pack "$DATA" --plan "$PLAN" --epochs 0-1 --objective dflash --out "$MANIFESTS"
+    $CLI pack "$DATA" --plan "$PLAN" --epochs 0-$(( DRAFT_EPOCHS - 1 )) --objective dflash --block-size "$B" \
+        --max-anchors "$MAX_ANCHORS" --target-config "$OUT/target" --out "$MANIFESTS"
 elif [ "$DATA" = "$OUT/lm-data" ]; then
     echo "NOTE: this dflash-prep's pack has no --objective dflash yet, and the data is the LM's: the drafter"
     echo "      trains on the LM's varlen manifests (token budget, no anchor budget)"
@@ -92,13 +96,13 @@ else
     echo "NOTE: this dflash-prep's pack has no --objective dflash yet: varlen manifests (token budget, no anchor budget)"
     PLAN="$OUT/plan/plan.json" MANIFESTS="$OUT/manifests"
     $CLI analyze "$DATA" --budget "$BUDGET" --out "$OUT/plan"
-    $CLI pack "$DATA" --plan "$PLAN" --epochs 0-1 --layout varlen --out "$MANIFESTS"
+    $CLI pack "$DATA" --plan "$PLAN" --epochs 0-$(( DRAFT_EPOCHS - 1 )) --layout varlen --out "$MANIFESTS"
 fi
 
 step "6. train the drafter on the frozen target ($DRAFT_LAYERS layer(s), B = $B, $DRAFT_STEPS steps)"
 $TRAIN --objective dflash --target "$OUT/target" --draft-layers "$DRAFT_LAYERS" --block-size "$B" \
     --data "$DATA" --plan "$PLAN" --manifests "$MANIFESTS" --out "$OUT/drafter-run" \
-    --epochs 2 --max-steps "$DRAFT_STEPS" --lr 3e-3 --warmup-steps 5 --max-anchors "$MAX_ANCHORS"
+    --epochs "$DRAFT_EPOCHS" --max-steps "$DRAFT_STEPS" --lr 3e-3 --warmup-steps 5 --max-anchors "$MAX_ANCHORS"
 
 step "7. export it in the public DFlash format: $OUT/drafter"
 $PY -m dflash_prep.train.export "$OUT/drafter-run" --out "$OUT/drafter" --overwrite
