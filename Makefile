@@ -10,7 +10,7 @@ DEMO ?= demo
 TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,torch==2.13.0)
 export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
 
-.PHONY: venv demo test test-slow train bench bench-gpu bench-convergence clean
+.PHONY: venv demo demo-dflash test test-slow train bench bench-gpu bench-convergence clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,14 @@ demo: venv
 		--out $(DEMO)/manifests --overwrite
 	$(BIN)/dflash-prep verify $(DEMO)/manifests
 	$(MAKE) --no-print-directory train ARGS="--from-scratch $(ARGS)"
+
+# A DFlash drafter end to end on CPU (train/recipes/demo_dflash.sh; README "Train a DFlash drafter"):
+# a tiny Qwen3 target built and trained as an LM, a drafter trained on it, exported in the public
+# DFlash format and evaluated by speculative decoding. Leaves $(DEMO_DFLASH)/target/,
+# $(DEMO_DFLASH)/drafter/ and $(DEMO_DFLASH)/eval.json. Not part of `make test`.
+DEMO_DFLASH ?= demo-dflash
+demo-dflash: venv
+	DEMO_DFLASH=$(DEMO_DFLASH) PY=$(BIN)/python bash train/recipes/demo_dflash.sh
 
 test: venv
 	$(BIN)/python -m pytest -q -m "not slow and not gpu"
@@ -86,4 +94,4 @@ bench-convergence: venv
 	$(BIN)/python -m bench.convergence $(CONVERGENCE_ARGS)
 
 clean:
-	rm -rf $(DEMO) .pytest_cache .numba_cache
+	rm -rf $(DEMO) $(DEMO_DFLASH) .pytest_cache .numba_cache

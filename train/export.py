@@ -1,0 +1,262 @@
+"""Export a trained drafter in the public DFlash format, and load such a folder back.
+
+    python -m dflash_prep.train.export RUN --out DIR [--dtype bfloat16] [--overwrite]
+
+``RUN`` is a drafter run folder (its ``checkpoint.pt``) or the checkpoint file itself. ``DIR``
+gets, through one atomic folder rename (nothing half-written is ever visible under ``DIR``):
+
+- ``config.json``: what the public loader (z-lab/dflash ``DFlashDraftModel``, a
+  ``Qwen3PreTrainedModel`` with ``config_class = Qwen3Config``) reads: the Qwen3 fields
+  (``hidden_size``, ``num_hidden_layers`` = draft layers, heads, ``head_dim``,
+  ``intermediate_size``, ``rms_norm_eps``, RoPE base as both ``rope_theta`` and
+  ``rope_parameters``, ``vocab_size`` = the target's, ``layer_types`` all ``full_attention``,
+  ``use_sliding_window`` false, ...), ``model_type`` ``qwen3``, ``architectures``
+  ``["DFlashDraftModel"]``, ``auto_map`` ``{"AutoModel": "dflash.DFlashDraftModel"}`` (the
+  published drafters' convention: ``AutoModel(..., trust_remote_code=True)`` finds the class in
+  a ``dflash.py`` beside the weights, which this export does not ship), plus the DFlash fields
+  ``block_size``, ``num_target_layers`` and ``dflash_config: {mask_token_id, target_layer_ids}``;
+- ``model.safetensors``: the drafter's state dict under the public names
+  (``layers.N.self_attn.{q,k,v,o}_proj``, ``q_norm``, ``k_norm``, ``mlp.{gate,up,down}_proj``,
+  ``input_layernorm``, ``post_attention_layernorm``, ``norm``, ``fc``, ``hidden_norm``): our
+  :class:`~dflash_prep.train.drafter.Drafter` uses those names, so the keys match the public
+  module one to one (it has no ``embed_tokens``/``lm_head``: those are the target's);
+- ``export.json`` (format ``dflash-prep/drafter-export`` v1): where it came from (checkpoint
+  path, its SHA fingerprint and step, the run contract the checkpoint recorded) and the
+  fingerprints of ``config.json`` and ``model.safetensors``, which :func:`load_export` checks.
+
+:func:`load_export` reads a folder back into our ``Drafter`` with strict key and shape
+matching; it also reads a public DFlash folder (no ``export.json``), e.g. a published drafter,
+as long as it is the Qwen3-style, full-attention kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from dflash_prep.errors import ConfigError, DflashError, FingerprintMismatch, FormatError
+from dflash_prep.fileio import atomic_dir, atomic_write_bytes, atomic_write_json, fingerprint_bytes, read_json
+
+from .drafter import Drafter, DrafterConfig
+
+EXPORT_FORMAT = "dflash-prep/drafter-export"
+EXPORT_VERSION = 1
+CONFIG_FILE, WEIGHTS_FILE, SIDECAR_FILE = "config.json", "model.safetensors", "export.json"
+ARCHITECTURE = "DFlashDraftModel"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """SHA-256 (first 128 bits, hex) of a file's bytes, read in 16 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()[:32]
+
+
+def folder_fingerprint(path: str | Path) -> str:
+    """One digest of a model folder: name and bytes of each ``*.json``, ``*.safetensors`` and
+    ``*.bin`` file at its top level, in name order (the config, tokenizer and weights)."""
+    path = Path(path)
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".bin")
+                   and p.name != SIDECAR_FILE)
+    if not files:
+        raise FormatError(f"{path}: no config or weight files to fingerprint")
+    return fingerprint_bytes(*[f"{p.name}:{file_fingerprint(p)}" for p in files])
+
+
+# ----------------------------------------------------------------------------- config mapping
+def public_config(cfg: DrafterConfig, *, dtype: str = "float32") -> dict:
+    """The public DFlash ``config.json`` for a drafter (module docstring)."""
+    return {
+        "architectures": [ARCHITECTURE],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        "hidden_size": cfg.hidden,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None,
+        "max_position_embeddings": cfg.max_position,
+        "vocab_size": cfg.vocab_size,
+        "attention_bias": cfg.attention_bias,
+        "attention_dropout": 0.0,
+        "layer_types": ["full_attention"] * cfg.num_layers,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": cfg.num_layers,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+
+
+def config_from_public(c: dict, *, path: str | Path = CONFIG_FILE) -> DrafterConfig:
+    """A :class:`DrafterConfig` from a public DFlash ``config.json`` dict; refuses what our
+    drafter cannot represent (sliding-window layers, RoPE scaling, another architecture)."""
+    if ARCHITECTURE not in (c.get("architectures") or []):
+        raise FormatError(f"{path}: architectures {c.get('architectures')!r} lacks {ARCHITECTURE!r}; "
+                          "not a DFlash drafter folder")
+    types = c.get("layer_types") or ["full_attention"] * int(c.get("num_hidden_layers", 0))
+    if c.get("use_sliding_window") or any(t != "full_attention" for t in types):
+        raise FormatError(f"{path}: sliding-window draft layers ({types}) are not supported by this drafter")
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise FormatError(f"{path}: RoPE type {rope.get('rope_type')!r} is not supported (default RoPE only)")
+    dfc = c.get("dflash_config") or {}
+    try:
+        L, N = int(c["num_target_layers"]), int(c["num_hidden_layers"])
+        heads = int(c["num_attention_heads"])
+        if dfc.get("mask_token_id") is None:
+            raise KeyError("dflash_config.mask_token_id")
+        from .drafter import build_target_layer_ids
+
+        ids = dfc.get("target_layer_ids") or build_target_layer_ids(L, N)
+        return DrafterConfig(
+            hidden=int(c["hidden_size"]), heads=heads, kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
+            intermediate=int(c["intermediate_size"]), num_layers=N, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            max_position=int(c.get("max_position_embeddings", 4096)), block_size=int(c["block_size"]),
+            num_target_layers=L, target_layer_ids=tuple(ids), mask_token_id=int(dfc["mask_token_id"]),
+            vocab_size=int(c["vocab_size"]), attention_bias=bool(c.get("attention_bias", False)))
+    except KeyError as e:
+        raise FormatError(f"{path}: missing field {e} of the DFlash config") from None
+
+
+# ----------------------------------------------------------------------------- run -> drafter
+def load_run(run: str | Path) -> tuple[Drafter, dict]:
+    """The drafter of a run folder (or checkpoint file) and what the checkpoint says about it:
+    ``checkpoint`` (path), ``checkpoint_fingerprint``, ``global_step``, ``run_key``."""
+    from . import checkpoint as ckpt
+
+    run = Path(run)
+    path = run / ckpt.CKPT_FILE if run.is_dir() else run
+    obj = ckpt.load(path)
+    mc = obj["model_config"]
+    mc = mc.get("drafter", mc) if isinstance(mc, dict) else mc
+    try:
+        cfg = DrafterConfig.from_dict(mc)
+    except TypeError as e:
+        raise FormatError(f"{path}: the checkpoint's model_config is not a drafter's ({e}); export takes a "
+                          "drafter run (the dflash objective), not an LM run") from None
+    drafter = Drafter(cfg)
+    _load_strict(drafter, obj["model"], where=str(path))
+    info = {"checkpoint": str(path), "checkpoint_fingerprint": file_fingerprint(path),
+            "global_step": int(obj["cursor"].get("global_step", 0)), "run_key": obj["run_key"]}
+    return drafter, info
+
+
+def _load_strict(drafter: Drafter, state: dict, *, where: str) -> None:
+    want = drafter.state_dict()
+    missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))
+    shapes = [f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in want.items()
+              if k in state and tuple(state[k].shape) != tuple(v.shape)]
+    if missing or unexpected or shapes:
+        raise FormatError(f"{where}: weights do not match the drafter config (missing {missing[:5]}, unexpected "
+                          f"{unexpected[:5]}, shape mismatches {shapes[:5]})")
+    drafter.load_state_dict({k: v.to(want[k].dtype) for k, v in state.items()}, strict=True)
+
+
+# ----------------------------------------------------------------------------- export / load
+def export(run: str | Path, out: str | Path, *, dtype: str = "float32", overwrite: bool = False) -> dict:
+    """Write the public DFlash folder for ``run`` at ``out`` (module docstring); the sidecar dict."""
+    drafter, info = load_run(run)
+    return write_export(drafter, out, source=info, dtype=dtype, overwrite=overwrite)
+
+
+def write_export(drafter: Drafter, out: str | Path, *, source: dict, dtype: str = "float32",
+                 overwrite: bool = False) -> dict:
+    """Write ``drafter`` as a public DFlash folder; ``source`` goes into ``export.json``."""
+    from safetensors.torch import save
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    cfg = drafter.config
+    tensors = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in drafter.state_dict().items()}
+    weights = save(tensors, metadata={"format": "pt"})
+    config = (json.dumps(public_config(cfg, dtype=dtype), indent=2) + "\n").encode()
+    sidecar = {"source": source, "drafter_config": cfg.to_dict(), "dtype": dtype,
+               "config_fingerprint": fingerprint_bytes(config), "weights_fingerprint": fingerprint_bytes(weights),
+               "parameters": int(sum(t.numel() for t in tensors.values()))}
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        atomic_write_bytes(tmp / CONFIG_FILE, config)
+        atomic_write_bytes(tmp / WEIGHTS_FILE, weights)
+        atomic_write_json(tmp / SIDECAR_FILE, sidecar, format=EXPORT_FORMAT, version=EXPORT_VERSION)
+    return sidecar
+
+
+def load_export(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[Drafter, dict]:
+    """Our :class:`Drafter` from a public DFlash folder, strict key/shape match; and a dict of
+    ``block_size``, ``mask_token_id``, ``target_layer_ids``, ``hidden_size``, ``vocab_size``,
+    ``export`` (the sidecar, or None for a folder this tool did not write)."""
+    from safetensors.torch import load
+
+    path = Path(path)
+    cfile, wfile = path / CONFIG_FILE, path / WEIGHTS_FILE
+    for f in (cfile, wfile):
+        if not f.is_file():
+            raise FormatError(f"{f}: not found; point --drafter at an exported drafter folder "
+                              "(python -m dflash_prep.train.export RUN --out DIR)")
+    cbytes, wbytes = cfile.read_bytes(), wfile.read_bytes()
+    sidecar = None
+    if (path / SIDECAR_FILE).is_file():
+        sidecar = read_json(path / SIDECAR_FILE, format=EXPORT_FORMAT, versions=(EXPORT_VERSION,))
+        for name, data, key in ((CONFIG_FILE, cbytes, "config_fingerprint"), (WEIGHTS_FILE, wbytes, "weights_fingerprint")):
+            if fingerprint_bytes(data) != sidecar.get(key):
+                raise FingerprintMismatch(f"{path / name}: its fingerprint differs from {SIDECAR_FILE}'s; the file "
+                                          "was changed or truncated after export; export the run again")
+    try:
+        c = json.loads(cbytes)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FormatError(f"{cfile}: not valid JSON ({e})") from None
+    cfg = config_from_public(c, path=cfile)
+    try:
+        state = load(wbytes)
+    except Exception as e:  # safetensors raises its own error type for a bad header
+        raise FormatError(f"{wfile}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    drafter = Drafter(cfg).to(dtype)
+    _load_strict(drafter, state, where=str(wfile))
+    meta = {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": list(cfg.target_layer_ids), "hidden_size": cfg.hidden, "vocab_size": cfg.vocab_size,
+            "export": sidecar}
+    return drafter.eval(), meta
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m dflash_prep.train.export",
+                                 description="Write a drafter run in the public DFlash format "
+                                             "(config.json + model.safetensors + export.json).")
+    ap.add_argument("run", type=Path, help="drafter run folder (checkpoint.pt) or checkpoint file")
+    ap.add_argument("--out", required=True, type=Path, help="folder to write")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weight dtype in model.safetensors")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    a = ap.parse_args(argv)
+    try:
+        side = export(a.run, a.out, dtype=a.dtype, overwrite=a.overwrite)
+    except DflashError as e:
+        raise SystemExit(f"error: {e}") from None
+    cfg = side["drafter_config"]
+    print(f"exported {a.out}: {cfg['num_layers']} draft layers, B = {cfg['block_size']}, taps "
+          f"{cfg['target_layer_ids']}, mask {cfg['mask_token_id']}, {side['parameters']:,} parameters ({a.dtype})")
+    return side
+
+
+if __name__ == "__main__":
+    main()

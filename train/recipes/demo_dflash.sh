@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# make demo-dflash: a DFlash drafter for a tiny Qwen3 target, end to end on CPU (<= 15 min, 2 cores).
+#
+#   target/   the target: a tiny Qwen3 (random init, its own BPE tokenizer + ChatML template),
+#             then trained briefly as an LM on the demo corpus (a transformers folder)
+#   drafter/  the drafter in the public DFlash format (config.json + model.safetensors + export.json)
+#   eval.json speculative decoding on held-out prompts: mean acceptance length tau at B, lossless check
+#
+# Every stage is the product's own command; the intermediate folders stay for inspection
+# (corpus/, target0/, lm-data/, lm-plan/, lm-manifests/, lm-run/, drafter-run/; data/, plan/,
+# manifests/ when the drafter's data differs from the LM's).
+# Knobs (environment): DEMO_DFLASH (output folder), PY, N (training conversations), HELD
+# (held-out prompts), B (block size), LM_STEPS, DRAFT_STEPS, DRAFT_LAYERS, MAX_ANCHORS (anchors per
+# sample), MAX_NEW (tokens per prompt), LM_EPOCHS / DRAFT_EPOCHS (epochs packed for each run).
+set -euo pipefail
+
+OUT=${DEMO_DFLASH:-demo-dflash}
+PY=${PY:-python}
+N=${N:-2000}
+HELD=${HELD:-32}
+B=${B:-8}
+LM_STEPS=${LM_STEPS:-400}
+LM_EPOCHS=${LM_EPOCHS:-3}
+DRAFT_STEPS=${DRAFT_STEPS:-700}
+DRAFT_EPOCHS=${DRAFT_EPOCHS:-5}
+MAX_ANCHORS=${MAX_ANCHORS:-64}
+DRAFT_LAYERS=${DRAFT_LAYERS:-1}
+MAX_NEW=${MAX_NEW:-64}
+BUDGET=${BUDGET:-2048}
+# The target's shape: small enough that one LM step on 2,048 tokens takes about a second on a
+# loaded 2-core machine (the LM head dominates: keep the vocabulary small). 4 layers: a
+# 1-layer drafter taps layer L//2 = 2.
+TARGET_ARGS=${TARGET_ARGS:---vocab-size 512 --hidden 64 --layers 4 --heads 2 --kv-heads 1 --head-dim 32 --intermediate 192}
+# one thread per process: on a small shared machine torch's default (one per core) mostly adds
+# contention; set OMP_NUM_THREADS to override
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+CLI="$PY -m dflash_prep.cli"
+TRAIN="$PY -m dflash_prep.train --device cpu --no-progress"
+T0=$(date +%s)
+step() { echo; echo "== [$(( $(date +%s) - T0 )) s] $*"; }
+has_flag() { local h; h=$($1 --help 2>/dev/null || true); [[ "$h" == *"$2"* ]]; }  # does this command take this option (yet)?
+
+# start clean, but only ever delete a folder this recipe made (it leaves a marker file)
+if [ -e "$OUT" ] && [ -n "$(ls -A "$OUT" 2>/dev/null)" ] && [ ! -e "$OUT/.demo-dflash" ]; then
+    echo "error: $OUT exists and was not made by this demo; set DEMO_DFLASH to a new folder" >&2
+    exit 1
+fi
+rm -rf "$OUT"
+mkdir -p "$OUT"
+touch "$OUT/.demo-dflash"
+
+step "1. a tiny Qwen3 target, random init, with its tokenizer and chat template: $OUT/target0"
+$PY -m dflash_prep.train.target_init --out "$OUT/target0" $TARGET_ARGS
+
+step "2. the demo corpus: $N conversations to train on, the next $HELD held out as prompts"
+$CLI synth --profile mini --n $(( N + HELD )) --out "$OUT/corpus" --overwrite
+head -n "$N" "$OUT/corpus/chat.jsonl" > "$OUT/corpus/train.jsonl"
+tail -n "$HELD" "$OUT/corpus/chat.jsonl" > "$OUT/corpus/heldout.jsonl"
+
+step "3. train the target briefly as an LM ($LM_STEPS steps, varlen, from the transformers folder)"
+$CLI tokenize "$OUT/corpus/train.jsonl" --out "$OUT/lm-data" --tokenizer "$OUT/target0" --max-len 2048
+$CLI analyze "$OUT/lm-data" --budget "$BUDGET" --out "$OUT/lm-plan"
+$CLI pack "$OUT/lm-data" --plan "$OUT/lm-plan/plan.json" --epochs 0-$(( LM_EPOCHS - 1 )) --layout varlen \
+    --out "$OUT/lm-manifests"
+$TRAIN --objective lm --init-from "$OUT/target0" --data "$OUT/lm-data" --plan "$OUT/lm-plan/plan.json" \
+    --manifests "$OUT/lm-manifests" --out "$OUT/lm-run" --epochs "$LM_EPOCHS" --max-steps "$LM_STEPS" --lr 3e-3 --warmup-steps 10
+rm -rf "$OUT/target"
+cp -r "$OUT/lm-run/hf" "$OUT/target"
+
+step "4. regenerate the responses with the target (the drafter learns what the target says)"
+DRAFT_CORPUS="$OUT/corpus/train.jsonl"
+if $CLI regenerate --help >/dev/null 2>&1; then
+    $CLI regenerate "$OUT/corpus/train.jsonl" --engine hf --model "$OUT/target" --out "$OUT/regen"
+    DRAFT_CORPUS=$(ls "$OUT"/regen/*.jsonl | head -n 1)
+else
+    echo "NOTE: this dflash-prep has no 'regenerate' command yet: the drafter trains on the ORIGINAL responses"
+fi
+
+step "5. tokenize, analyze and pack the drafter's data"
+if [ "$DRAFT_CORPUS" = "$OUT/corpus/train.jsonl" ]; then  # same text and tokenizer: the LM's dataset is it
+    DATA="$OUT/lm-data"
+else
+    DATA="$OUT/data"
+    $CLI tokenize "$DRAFT_CORPUS" --out "$DATA" --tokenizer "$OUT/target" --max-len 2048
+fi
+if has_flag "$CLI pack" "--objective"; then
+    PLAN="$OUT/plan/plan.json" MANIFESTS="$OUT/manifests"
+    $CLI analyze "$DATA" --budget "$BUDGET" --out "$OUT/plan"
+    $CLI pack "$DATA" --plan "$PLAN" --epochs 0-$(( DRAFT_EPOCHS - 1 )) --objective dflash --block-size "$B" \
+        --max-anchors "$MAX_ANCHORS" --target-config "$OUT/target" --out "$MANIFESTS"
+elif [ "$DATA" = "$OUT/lm-data" ]; then
+    echo "NOTE: this dflash-prep's pack has no --objective dflash yet, and the data is the LM's: the drafter"
+    echo "      trains on the LM's varlen manifests (token budget, no anchor budget)"
+    PLAN="$OUT/lm-plan/plan.json" MANIFESTS="$OUT/lm-manifests"
+else
+    echo "NOTE: this dflash-prep's pack has no --objective dflash yet: varlen manifests (token budget, no anchor budget)"
+    PLAN="$OUT/plan/plan.json" MANIFESTS="$OUT/manifests"
+    $CLI analyze "$DATA" --budget "$BUDGET" --out "$OUT/plan"
+    $CLI pack "$DATA" --plan "$PLAN" --epochs 0-$(( DRAFT_EPOCHS - 1 )) --layout varlen --out "$MANIFESTS"
+fi
+
+step "6. train the drafter on the frozen target ($DRAFT_LAYERS layer(s), B = $B, $DRAFT_STEPS steps)"
+$TRAIN --objective dflash --target "$OUT/target" --draft-layers "$DRAFT_LAYERS" --block-size "$B" \
+    --data "$DATA" --plan "$PLAN" --manifests "$MANIFESTS" --out "$OUT/drafter-run" \
+    --epochs "$DRAFT_EPOCHS" --max-steps "$DRAFT_STEPS" --lr 3e-3 --warmup-steps 5 --max-anchors "$MAX_ANCHORS"
+
+step "7. export it in the public DFlash format: $OUT/drafter"
+$PY -m dflash_prep.train.export "$OUT/drafter-run" --out "$OUT/drafter" --overwrite
+
+step "8. speculative decoding on the $HELD held-out prompts (temperature 0): $OUT/eval.json"
+$PY -m dflash_prep.train.speculate --target "$OUT/target" --drafter "$OUT/drafter" \
+    --prompts "$OUT/corpus/heldout.jsonl" --out "$OUT/eval.json" --max-new-tokens "$MAX_NEW"
+
+step "9. targets: tau >= 2.0 at B = 8, lossless, drafter loss falling"
+$PY - "$OUT" <<'PYEOF'
+import json, sys
+out = sys.argv[1]
+ev = json.load(open(f"{out}/eval.json"))
+run = json.load(open(f"{out}/drafter-run/summary.json"))
+ok = {"tau >= 2.0": ev["tau"] >= 2.0, "lossless": ev["lossless"] is True, "loss fell": bool(run["loss_fell"])}
+print(f"tau {ev['tau']:.3f} (pooled {ev['tau_pooled']:.3f}) at B = {ev['block_size']} on {ev['prompts']['n']} "
+      f"held-out prompts; lossless {ev['lossless']}; drafter loss {run['loss_first']:.3f} -> {run['loss_last']:.3f}")
+print("  ".join(f"{k}: {'ok' if v else 'MISSED'}" for k, v in ok.items()))
+sys.exit(0 if all(ok.values()) else 1)
+PYEOF
+step "done: $OUT/target, $OUT/drafter, $OUT/eval.json"
