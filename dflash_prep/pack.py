@@ -145,20 +145,12 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
         order, offsets, olens = bucketing.pack_varlen(lens, seed=plan.seed, epoch=epoch, budget=budget,
                                                       open_bins=cfg.open_bins)
         bucket = np.full(len(offsets) - 1, -1, np.int64)
-    split = steps.complete_steps(offsets, cfg.step_size, drop_last=cfg.drop_last, where=where)
-    n_split = len(split) - len(offsets)
-    if n_split:                        # split micro-batches keep their bucket
-        bucket = bucket[np.searchsorted(offsets, split[:-1], side="right") - 1]
-        offsets = split
     edges = bucketing.class_edges(lens) if edges is None else edges
-    real, mx, sq, class_tok = bucketing.microbatch_stats(olens, offsets, edges)
-    count = np.diff(offsets)
-    classes = steps.microbatch_classes(real, sq, edges)
-    sched = steps.order_microbatches(cfg.schedule, classes=classes, buckets=bucket, n_buckets=plan.num_buckets,
-                                        n_classes=len(edges) + 1, seed=plan.seed, epoch=epoch)
-    n_keep = len(sched) - len(sched) % cfg.step_size
-    dropped_mb = sched[n_keep:]
-    sched = sched[:n_keep]
+    se = steps.schedule_epoch(offsets, bucket, olens, edges, schedule=cfg.schedule, step_size=cfg.step_size,
+                              drop_last=cfg.drop_last, n_buckets=plan.num_buckets, seed=plan.seed, epoch=epoch,
+                              where=where)
+    offsets, bucket, n_split, sched, dropped_mb = se.offsets, se.bucket, se.n_split, se.sched, se.dropped
+    real, mx, sq, class_tok, count = se.real, se.mx, se.sq, se.class_tok, se.count
     if de is not None:                                   # drafter FLOPs per micro-batch
         cost = np.add.reduceat(de.cost[order], offsets[:-1]) if len(order) else np.zeros(0)
         padded = real
@@ -189,10 +181,6 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
         cu = np.zeros(n_used + 1, np.int64)
         np.cumsum(olens[:n_used], out=cu[1:])
         arrays["cu_seqlens"] = cu
-    # step mix from the per-class token counts; rank imbalance from per-batch costs
-    steps_tok = class_tok[mb].reshape(-1, cfg.step_size, class_tok.shape[1]).sum(1).astype(np.float64)
-    shares = steps_tok / np.maximum(steps_tok.sum(1, keepdims=True), 1.0)
-    k = class_tok.shape[1]
     used_real, used_padded = int(real[mb].sum()), int(padded[mb].sum())
     summary = {
         "efficiency": used_real / used_padded if used_padded else 1.0,
@@ -204,7 +192,7 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
         "samples": int(n_used),
         "real_tokens": used_real,
         "padded_tokens": used_padded,
-        "step_mix": float((0.5 * np.abs(shares - 1.0 / k).sum(1)).mean()) if len(shares) else 0.0,
+        "step_mix": steps.step_mix_of(class_tok, mb, cfg.step_size),
         "rank_imbalance": metrics.rank_imbalance(cost[mb], step, rank, cfg.world_size),
         "rank_imbalance_alpha": alpha_cost,
         "rank_imbalance_cost": "drafter" if de is not None else "tokens",

@@ -58,20 +58,13 @@ def build_rest(lens: np.ndarray, plan: Plan, parent: manifest.Manifest, from_ste
     order, offsets = manifest.rows_to_batches(rest, parent.sample_ids)          # (n_rest,), (M_rest + 1,)
     bucket = rest[:, manifest.COL["bucket"]].copy()
     where = f"the rest of epoch {parent.epoch} from step {from_step}"
-    split = steps.complete_steps(offsets, cfg.step_size, drop_last=cfg.drop_last, where=where)
-    n_split = len(split) - len(offsets)
-    if n_split:
-        bucket = bucket[np.searchsorted(offsets, split[:-1], side="right") - 1]
-        offsets = split
     olens = np.asarray(lens, np.int64)[order].astype(np.int32)
     edges = np.asarray(parent.summary.get("class_edges") or bucketing.class_edges(lens), np.int64)
-    real, mx, sq, class_tok = bucketing.microbatch_stats(olens, offsets, edges)
-    count = np.diff(offsets)
-    classes = steps.microbatch_classes(real, sq, edges)
-    sched = steps.order_microbatches(cfg.schedule, classes=classes, buckets=bucket, n_buckets=plan.num_buckets,
-                                     n_classes=len(edges) + 1, seed=plan.seed, epoch=parent.epoch)
-    n_keep = len(sched) - len(sched) % cfg.step_size
-    dropped_mb, sched = sched[n_keep:], sched[:n_keep]
+    se = steps.schedule_epoch(offsets, bucket, olens, edges, schedule=cfg.schedule, step_size=cfg.step_size,
+                              drop_last=cfg.drop_last, n_buckets=plan.num_buckets, seed=plan.seed,
+                              epoch=parent.epoch, where=where)
+    offsets, bucket, n_split, sched, dropped_mb = se.offsets, se.bucket, se.n_split, se.sched, se.dropped
+    real, mx, sq, class_tok, count = se.real, se.mx, se.sq, se.class_tok, se.count
     b = parent.header["budget"]
     alpha = float(b["cost_alpha"])
     mxf = mx.astype(np.float64)
@@ -87,8 +80,6 @@ def build_rest(lens: np.ndarray, plan: Plan, parent: manifest.Manifest, from_ste
     arrays = {"microbatches": np.ascontiguousarray(table, np.int64), "sample_ids": new_ids.astype(np.int64),
               "sample_lens": np.asarray(lens, np.int64)[new_ids].astype(np.int32),
               "dropped_ids": np.sort(dropped).astype(np.int64)}
-    steps_tok = class_tok[mb].reshape(-1, cfg.step_size, class_tok.shape[1]).sum(1).astype(np.float64)
-    shares = steps_tok / np.maximum(steps_tok.sum(1, keepdims=True), 1.0)
     from . import metrics
 
     used_real, used_padded = int(real[mb].sum()), int(padded[mb].sum())
@@ -99,7 +90,7 @@ def build_rest(lens: np.ndarray, plan: Plan, parent: manifest.Manifest, from_ste
         if len(mb) else 1.0,
         "microbatches": int(len(mb)), "steps": int(len(mb) // cfg.step_size), "samples": int(len(new_ids)),
         "real_tokens": used_real, "padded_tokens": used_padded,
-        "step_mix": float((0.5 * np.abs(shares - 1.0 / class_tok.shape[1]).sum(1)).mean()) if len(shares) else 0.0,
+        "step_mix": steps.step_mix_of(class_tok, mb, cfg.step_size),
         "rank_imbalance": metrics.rank_imbalance(cost[mb], step, rank, cfg.world_size),
         "dropped_samples": int(len(arrays["dropped_ids"])), "dropped_microbatches": int(len(dropped_mb)),
         "split_microbatches": int(n_split), "repeat_pair_rate": None, "repeat_pair_against": None,

@@ -31,11 +31,13 @@ IEEE 754 rounds identically on every machine.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numba as nb
 import numpy as np
 
 from .errors import ConfigError
-from .bucketing import _shuffle_inplace, mix_key
+from .bucketing import _shuffle_inplace, microbatch_stats, mix_key
 
 SCHEDULES = ("class-aware", "stratified", "random")
 PURPOSE_SCHEDULE = 0x7363686564      # "sched"
@@ -164,3 +166,55 @@ def assign_ranks(cost: np.ndarray, world_size: int, grad_accum: int):
     perm[dest] = np.arange(m, dtype=np.int64)
     pos = np.arange(m, dtype=np.int64) % s
     return perm, step, pos // grad_accum, pos % grad_accum
+
+
+@dataclass(frozen=True)
+class ScheduledEpoch:
+    """Packed micro-batches made into whole, ordered steps (:func:`schedule_epoch`).
+
+    ``offsets``/``bucket`` after any splits; per packed micro-batch ``real``, ``mx``, ``sq``
+    (sum of L^2), ``class_tok`` (tokens per length class) and ``count``; ``sched`` the kept
+    micro-batches in schedule order (a multiple of the step size) and ``dropped`` the ones
+    ``drop_last`` leaves out; ``n_split`` how many micro-batches were split in two."""
+
+    offsets: np.ndarray
+    bucket: np.ndarray
+    n_split: int
+    real: np.ndarray
+    mx: np.ndarray
+    sq: np.ndarray
+    class_tok: np.ndarray
+    count: np.ndarray
+    sched: np.ndarray
+    dropped: np.ndarray
+
+
+def schedule_epoch(offsets: np.ndarray, bucket: np.ndarray, olens: np.ndarray, edges: np.ndarray, *,
+                   schedule: str, step_size: int, drop_last: bool, n_buckets: int, seed: int, epoch: int,
+                   where: str) -> ScheduledEpoch:
+    """Steps 1-2 of the module docstring for one epoch's packed micro-batches: complete the
+    steps (split or drop), then order the micro-batches with ``schedule``. ``pack`` and the
+    resume re-pack (:mod:`dflash_prep.repack`) both build their steps here."""
+    split = complete_steps(offsets, step_size, drop_last=drop_last, where=where)
+    n_split = len(split) - len(offsets)
+    if n_split:                        # split micro-batches keep their bucket
+        bucket = bucket[np.searchsorted(offsets, split[:-1], side="right") - 1]
+        offsets = split
+    real, mx, sq, class_tok = microbatch_stats(olens, offsets, edges)
+    classes = microbatch_classes(real, sq, edges)
+    sched = order_microbatches(schedule, classes=classes, buckets=bucket, n_buckets=n_buckets,
+                               n_classes=len(edges) + 1, seed=seed, epoch=epoch)
+    n_keep = len(sched) - len(sched) % step_size
+    return ScheduledEpoch(offsets, bucket, int(n_split), real, mx, sq, class_tok, np.diff(offsets),
+                          sched[:n_keep], sched[n_keep:])
+
+
+def step_mix_of(class_tok: np.ndarray, rows: np.ndarray, step_size: int) -> float:
+    """Step mix (docs/definitions.md) of the micro-batches ``rows`` in manifest order, from
+    their per-class token counts: mean over steps of the TV distance of the class shares from
+    uniform."""
+    steps_tok = class_tok[rows].reshape(-1, step_size, class_tok.shape[1]).sum(1).astype(np.float64)
+    if not len(steps_tok):
+        return 0.0
+    shares = steps_tok / np.maximum(steps_tok.sum(1, keepdims=True), 1.0)
+    return float((0.5 * np.abs(shares - 1.0 / class_tok.shape[1]).sum(1)).mean())
