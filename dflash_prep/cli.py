@@ -102,7 +102,7 @@ def synth_cmd(
 def tokenize_cmd(
     inputs: Annotated[list[str], typer.Argument(help="JSONL/JSON/Parquet/Arrow files, globs, folders, or save_to_disk folders.")],
     tokenizer: Annotated[str, typer.Option(help="Required: 'byte' (built-in, ChatML layout) or a local tokenizer folder / tokenizer.json, loaded with transformers.")],
-    out: Annotated[Path, typer.Option(help="Output dataset folder.")] = Path("demo/data"),
+    out: Annotated[Path, typer.Option(help="Output dataset folder (new, or one tokenize wrote).")],
     chat_template: Annotated[Optional[str], typer.Option(help="Jinja template FILE, or 'chatml'; sets or overrides the tokenizer's chat template.")] = None,
     format: Annotated[str, typer.Option("--format", help="auto, messages, sharegpt, alpaca, prompt_completion or text.")] = "auto",
     text_field: Annotated[str, typer.Option(help="Text column for --format text.")] = "text",

@@ -26,6 +26,7 @@ DRAFT_EPOCHS=${DRAFT_EPOCHS:-5}
 MAX_ANCHORS=${MAX_ANCHORS:-64}
 DRAFT_LAYERS=${DRAFT_LAYERS:-1}
 MAX_NEW=${MAX_NEW:-64}
+REGEN_TOKENS=${REGEN_TOKENS:-96}
 BUDGET=${BUDGET:-2048}
 # The target's shape: small enough that one LM step on 2,048 tokens takes about a second on a
 # loaded 2-core machine (the LM head dominates: keep the vocabulary small). 4 layers: a
@@ -69,9 +70,14 @@ cp -r "$OUT/lm-run/hf" "$OUT/target"
 
 step "4. regenerate the responses with the target (the drafter learns what the target says)"
 DRAFT_CORPUS="$OUT/corpus/train.jsonl"
+TRAIN_TURNS=""
 if $CLI regenerate --help >/dev/null 2>&1; then
-    $CLI regenerate "$OUT/corpus/train.jsonl" --engine hf --model "$OUT/target" --out "$OUT/regen"
-    DRAFT_CORPUS=$(ls "$OUT"/regen/*.jsonl | head -n 1)
+    # the last assistant turn of each conversation, greedy, in-process (batched generate); the
+    # earlier turns stay as context, and tokenize trains on the regenerated turn only
+    $CLI regenerate "$OUT/corpus/train.jsonl" --engine hf --target "$OUT/target" --model demo-target \
+        --turns last --max-tokens "$REGEN_TOKENS" --batch-size 32 --out "$OUT/regen"
+    DRAFT_CORPUS="$OUT/regen/chat.jsonl"
+    TRAIN_TURNS="--train-turns last"
 else
     echo "NOTE: this dflash-prep has no 'regenerate' command yet: the drafter trains on the ORIGINAL responses"
 fi
@@ -81,7 +87,7 @@ if [ "$DRAFT_CORPUS" = "$OUT/corpus/train.jsonl" ]; then  # same text and tokeni
     DATA="$OUT/lm-data"
 else
     DATA="$OUT/data"
-    $CLI tokenize "$DRAFT_CORPUS" --out "$DATA" --tokenizer "$OUT/target" --max-len 2048
+    $CLI tokenize "$DRAFT_CORPUS" --out "$DATA" --tokenizer "$OUT/target" --max-len 2048 $TRAIN_TURNS
 fi
 if has_flag "$CLI pack" "--objective"; then
     PLAN="$OUT/plan/plan.json" MANIFESTS="$OUT/manifests"
