@@ -249,7 +249,7 @@ def test_cli_synth_tokenize_up_to_date_and_clean_errors(tmp_path):
     # `make demo && make demo`: the corpus is rebuilt (new mtimes, same bytes), so still up to date
     assert r.invoke(app, ["synth", "--out", str(tmp_path / "c"), "--n", "30", "--seed", "2", "--overwrite"]).exit_code == 0
     assert "up to date" in r.invoke(app, args).output
-    res = r.invoke(app, args[:3] + args[5:])  # no --tokenizer: required, never a silent default
+    res = r.invoke(app, args[:2] + args[4:])  # no --tokenizer: required, never a silent default
     assert res.exit_code != 0 and "--tokenizer" in res.output
     bad = write_jsonl(tmp_path / "bad.jsonl", [GOOD, "{nope"])
     res = r.invoke(app, ["tokenize", str(bad), "--tokenizer", "byte", "--out", str(tmp_path / "e")])
