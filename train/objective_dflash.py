@@ -1,4 +1,4 @@
-"""The DFlash objective: anchors -> blocks -> drafter -> weighted block CE (DESIGN.md "Drafter training").
+"""The DFlash objective: anchors -> blocks -> drafter -> weighted block CE (docs/definitions.md "Drafter training").
 
 Per micro-batch (documents packed back to back, ids ``x``, loss mask ``lm``):
 
@@ -189,7 +189,7 @@ def summarize_stats(stats: torch.Tensor, denom: float, block_size: int) -> dict:
 
 def step_flops(target_params_tapped: int, drafter_params: int, lm_head_params: int, b: DFlashBatch,
                heads: int, head_dim: int, num_layers: int, block_size: int) -> float:
-    """Model FLOPs of one micro-batch (DESIGN.md "Drafter step cost"): target forward
+    """Model FLOPs of one micro-batch (docs/definitions.md "Drafter step cost"): target forward
     ``2 P_t T``; drafter ``6 P_d N B`` plus attention ``3 * 4 Hq D B (a_j + B)`` per block and
     layer; LM head ``4 n H V`` (forward + input gradient; the head is frozen) over the ``n``
     rows with a loss."""

@@ -8,10 +8,11 @@
 #
 # Every stage is the product's own command; the intermediate folders stay for inspection
 # (corpus/, target0/, lm-data/, lm-plan/, lm-manifests/, lm-run/, drafter-run/; data/, plan/,
-# manifests/ when the drafter's data differs from the LM's).
+# regen/ (the target's own answers), data/, plan/, manifests/ for the drafter).
 # Knobs (environment): DEMO_DFLASH (output folder), PY, N (training conversations), HELD
 # (held-out prompts), B (block size), LM_STEPS, DRAFT_STEPS, DRAFT_LAYERS, MAX_ANCHORS (anchors per
-# sample), MAX_NEW (tokens per prompt), LM_EPOCHS / DRAFT_EPOCHS (epochs packed for each run).
+# sample), MAX_NEW (tokens per prompt), REGEN_TOKENS (tokens per regenerated answer),
+# LM_EPOCHS / DRAFT_EPOCHS (epochs packed for each run).
 set -euo pipefail
 
 OUT=${DEMO_DFLASH:-demo-dflash}
