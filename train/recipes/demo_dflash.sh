@@ -7,8 +7,8 @@
 #   eval.json speculative decoding on held-out prompts: mean acceptance length tau at B, lossless check
 #
 # Every stage is the product's own command; the intermediate folders stay for inspection
-# (corpus/, target0/, lm-data/, lm-plan/, lm-manifests/, lm-run/, drafter-run/; data/, plan/,
-# regen/ (the target's own answers), data/, plan/, manifests/ for the drafter).
+# (corpus/, target0/, lm-data/, lm-plan/, lm-manifests/, lm-run/, drafter-run/; regen/ (the
+# target's own answers), data/, plan/, manifests/ for the drafter).
 # Knobs (environment): DEMO_DFLASH (output folder), PY, N (training conversations), HELD
 # (held-out prompts), B (block size), LM_STEPS, DRAFT_STEPS, DRAFT_LAYERS, MAX_ANCHORS (anchors per
 # sample), MAX_NEW (tokens per prompt), REGEN_TOKENS (tokens per regenerated answer),
