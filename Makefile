@@ -78,6 +78,7 @@ bench-gpu: venv
 	$(BIN)/python -m bench.attention_dflash --out results/
 	@if $(BIN)/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec("dflash_prep.train.bench") is None)"; then \
 		$(BIN)/python -m dflash_prep.train.bench --gpu; else echo "bench-gpu: train.bench not present, skipped"; fi
+	$(BIN)/python -m bench.drafter_gpu --out results/
 
 # Side by side with the peers (bench/peers.py, README "bench-peers"): installs the `bench`
 # extra (lhotse, trl) first; <= ~15 min on 2 CPU cores. Writes results/bench/peers.{json,png}.
