@@ -82,6 +82,10 @@ class TokenizeConfig:
         shard_mb: upper bound of one shard's payload in MiB (a single longer sample is alone).
         chunk_rows: records per work unit.
         overwrite: replace an existing output folder.
+        engine: ``local`` (this machine's processes) or ``ray`` (:mod:`dflash_prep.tokenize_ray`);
+            the output is byte-identical, so it is not fingerprinted.
+        address: ``--address`` of the Ray cluster (``auto``: the one ``ray start`` runs here;
+            None: a Ray started for this run).
     """
 
     inputs: tuple[str, ...]
@@ -100,6 +104,8 @@ class TokenizeConfig:
     shard_mb: float = 256
     chunk_rows: int = 512
     overwrite: bool = False
+    engine: str = "local"
+    address: str | None = None
 
     def __post_init__(self):
         if not self.inputs:
@@ -119,6 +125,8 @@ class TokenizeConfig:
             raise ConfigError(f"--num-proc must be at least 1, got {self.num_proc}")
         if not (isinstance(self.shard_mb, (int, float)) and 0 < self.shard_mb <= MAX_SHARD_MB):
             raise ConfigError(f"--shard-mb must be a finite number in (0, {MAX_SHARD_MB}], got {self.shard_mb}")
+        if self.engine not in ("local", "ray"):
+            raise ConfigError(f"--engine must be 'local' or 'ray', got {self.engine!r}")
         if self.chunk_rows < 1:
             raise ConfigError("chunk_rows must be positive")
 
@@ -148,17 +156,19 @@ def _process(task: tuple[int, int, int]) -> dict:
     """One chunk of one source: :func:`dflash_prep.chunk.process_records` on it, errors placed."""
     si, start, stop = task
     src: rec.Source = _STATE["sources"][si]
-    def where(k: int, reason: str) -> rec.RecordError:
-        row = start + k
-        return rec.RecordError(src.path, row, reason, src.lines[row] if src.lines is not None else None)
-
     try:
         out = process_records(_STATE["tok"], _STATE["cfg"], src.get(start, stop), schema=src.schema,
                               fields=src.fields, first_record=src.first_record + start)
     except BadRecord as e:
-        raise where(e.index, e.reason) from None
-    out["examples"] = [str(where(k, reason)) for k, reason in out["examples"]]
+        raise place_error(src, start, e.index, e.reason) from None
+    out["examples"] = [str(place_error(src, start, k, reason)) for k, reason in out["examples"]]
     return out
+
+
+def place_error(src: rec.Source, start: int, k: int, reason: str) -> rec.RecordError:
+    """Record ``k`` of the chunk starting at row ``start`` of ``src``, as a :class:`RecordError`."""
+    row = start + k
+    return rec.RecordError(src.path, row, reason, src.lines[row] if src.lines is not None else None)
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -246,7 +256,10 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
     bar = _progress(progress, total_rows)
     pool = None
     try:
-        if cfg.num_proc > 1:
+        if cfg.engine == "ray":  # same tasks, same order, on a Ray cluster
+            from .tokenize_ray import ray_results
+            results = ray_results(cfg, sources, _tasks(sources, cfg.chunk_rows))
+        elif cfg.num_proc > 1:
             ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
             state = None if ctx.get_start_method() == "fork" else {k: v for k, v in _STATE.items() if k != "tok"}
             pool = ctx.Pool(cfg.num_proc, initializer=_init_worker, initargs=(state,))
