@@ -8,9 +8,9 @@ Results come back in chunk order (``imap``), so the output is byte-identical for
 ``num_proc``. The parent only appends them to shards; ``--engine ray`` runs the same
 chunks as Ray tasks, results in the same order (:mod:`dflash_prep.tokenize_ray`).
 ``num_proc=1`` runs in-process on two threads so that Python work overlaps Rust encoding
-(:func:`_overlapped`). Measured against a bare ``tokenizers.encode_batch`` on the same rendered texts (``bench/tokenize_speed.py``,
-README bench-tokenize, 20k conversations, one run): the byte-level path is ~3x faster,
-and with a BPE loaded through transformers the stage measured 0.81x (``--num-proc 1``)
+(:func:`_overlapped`). Measured against a bare ``tokenizers.encode_batch`` on the same
+rendered texts (``bench/tokenize_speed.py``, README bench-tokenize, 20k conversations, one
+run): the byte-level path is ~3x faster, and with a BPE loaded through transformers the stage measured 0.81x (``--num-proc 1``)
 and 1.03x (``--num-proc 2``) the bare call on a heavily loaded 2-core machine.
 
 Semantics:
