@@ -11,7 +11,8 @@ chunks as Ray tasks, results in the same order (:mod:`dflash_prep.tokenize_ray`)
 (:func:`_overlapped`). Measured against a bare ``tokenizers.encode_batch`` on the same
 rendered texts (``bench/tokenize_speed.py``, README bench-tokenize, 20k conversations, one
 run): the byte-level path is ~3x faster, and with a BPE loaded through transformers the
-stage measured 0.81x (``--num-proc 1``) and 1.03x (``--num-proc 2``) the bare call on a heavily loaded 2-core machine.
+stage measured 0.81x (``--num-proc 1``) and 1.03x (``--num-proc 2``) the bare call on a
+heavily loaded 2-core machine.
 
 Semantics:
 
