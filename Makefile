@@ -17,7 +17,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	@if [ -n "$(TORCH_SPEC)" ] && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
 		echo "installing $(TORCH_SPEC)"; $(BIN)/pip install -q "$(TORCH_SPEC)"; fi
-	$(BIN)/pip install -q -e ".[dev,chat,train,serve]"
+	$(BIN)/pip install -q -e ".[dev,chat,train,serve,ray]"
 	touch $@
 
 venv: $(BIN)/.installed

@@ -118,6 +118,8 @@ def tokenize_cmd(
     num_proc: Annotated[int, typer.Option(help="Worker processes.")] = 1,
     shard_mb: Annotated[float, typer.Option(help="Upper bound of one Arrow shard, MiB.")] = 256,
     overwrite: Annotated[bool, typer.Option(help="Rebuild even if the output is up to date.")] = False,
+    engine: Annotated[str, typer.Option(help="local (this machine's processes) or ray (a Ray cluster; byte-identical output; pip install 'dflash-prep[ray]').")] = "local",
+    address: Annotated[Optional[str], typer.Option(help="--engine ray: the cluster, 'auto' (ray start on this machine) or HOST:PORT; default: a Ray started for this run.")] = None,
 ):
     """Tokenize a corpus into Arrow shards, lengths.npy and meta.json (ids and loss mask as transformers' chat template gives them)."""
     from .chat import MaskOptions
@@ -128,7 +130,7 @@ def tokenize_cmd(
     cfg = TokenizeConfig(inputs=tuple(inputs), out=out, tokenizer=tokenizer, chat_template=chat_template, format=format,
                          text_field=text_field, messages_field=messages_field, role_map=role_map, mask=mask,
                          max_len=max_len, on_overflow=on_overflow, on_error=on_error, num_proc=num_proc,
-                         shard_mb=shard_mb, overwrite=overwrite)
+                         shard_mb=shard_mb, overwrite=overwrite, engine=engine, address=address)
     meta = tokenize(cfg, progress=True)   # a bar on a terminal, log lines elsewhere
     if meta["up_to_date"]:
         typer.echo(f"{out} is up to date (same input contents, tokenizer and options); pass --overwrite to rebuild")

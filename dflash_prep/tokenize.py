@@ -5,12 +5,14 @@ records into chunks of ``chunk_rows`` within one file, and let ``num_proc`` fork
 validate, render (:mod:`dflash_prep.chat`), tokenize and cut each chunk
 (:func:`dflash_prep.chunk.process_records`, pure, the work unit of any engine).
 Results come back in chunk order (``imap``), so the output is byte-identical for any
-``num_proc``. The parent only appends them to shards. ``num_proc=1`` runs in-process on two
-threads so that Python work overlaps Rust encoding (:func:`_overlapped`). Measured against a
-bare ``tokenizers.encode_batch`` on the same rendered texts (``bench/tokenize_speed.py``,
-README bench-tokenize, 20k conversations, one run): the byte-level path is ~3x faster,
-and with a BPE loaded through transformers the stage measured 0.81x (``--num-proc 1``)
-and 1.03x (``--num-proc 2``) the bare call on a heavily loaded 2-core machine.
+``num_proc``. The parent only appends them to shards; ``--engine ray`` runs the same
+chunks as Ray tasks, results in the same order (:mod:`dflash_prep.tokenize_ray`).
+``num_proc=1`` runs in-process on two threads so that Python work overlaps Rust encoding
+(:func:`_overlapped`). Measured against a bare ``tokenizers.encode_batch`` on the same
+rendered texts (``bench/tokenize_speed.py``, README bench-tokenize, 20k conversations, one
+run): the byte-level path is ~3x faster, and with a BPE loaded through transformers the
+stage measured 0.81x (``--num-proc 1``) and 1.03x (``--num-proc 2``) the bare call on a
+heavily loaded 2-core machine.
 
 Semantics:
 
@@ -82,6 +84,10 @@ class TokenizeConfig:
         shard_mb: upper bound of one shard's payload in MiB (a single longer sample is alone).
         chunk_rows: records per work unit.
         overwrite: replace an existing output folder.
+        engine: ``local`` (this machine's processes) or ``ray`` (:mod:`dflash_prep.tokenize_ray`);
+            the output is byte-identical, so it is not fingerprinted.
+        address: ``--address`` of the Ray cluster (``auto``: the one ``ray start`` runs here;
+            None: a Ray started for this run).
     """
 
     inputs: tuple[str, ...]
@@ -100,6 +106,8 @@ class TokenizeConfig:
     shard_mb: float = 256
     chunk_rows: int = 512
     overwrite: bool = False
+    engine: str = "local"
+    address: str | None = None
 
     def __post_init__(self):
         if not self.inputs:
@@ -119,6 +127,8 @@ class TokenizeConfig:
             raise ConfigError(f"--num-proc must be at least 1, got {self.num_proc}")
         if not (isinstance(self.shard_mb, (int, float)) and 0 < self.shard_mb <= MAX_SHARD_MB):
             raise ConfigError(f"--shard-mb must be a finite number in (0, {MAX_SHARD_MB}], got {self.shard_mb}")
+        if self.engine not in ("local", "ray"):
+            raise ConfigError(f"--engine must be 'local' or 'ray', got {self.engine!r}")
         if self.chunk_rows < 1:
             raise ConfigError("chunk_rows must be positive")
 
@@ -148,17 +158,19 @@ def _process(task: tuple[int, int, int]) -> dict:
     """One chunk of one source: :func:`dflash_prep.chunk.process_records` on it, errors placed."""
     si, start, stop = task
     src: rec.Source = _STATE["sources"][si]
-    def where(k: int, reason: str) -> rec.RecordError:
-        row = start + k
-        return rec.RecordError(src.path, row, reason, src.lines[row] if src.lines is not None else None)
-
     try:
         out = process_records(_STATE["tok"], _STATE["cfg"], src.get(start, stop), schema=src.schema,
                               fields=src.fields, first_record=src.first_record + start)
     except BadRecord as e:
-        raise where(e.index, e.reason) from None
-    out["examples"] = [str(where(k, reason)) for k, reason in out["examples"]]
+        raise place_error(src, start, e.index, e.reason) from None
+    out["examples"] = [str(place_error(src, start, k, reason)) for k, reason in out["examples"]]
     return out
+
+
+def place_error(src: rec.Source, start: int, k: int, reason: str) -> rec.RecordError:
+    """Record ``k`` of the chunk starting at row ``start`` of ``src``, as a :class:`RecordError`."""
+    row = start + k
+    return rec.RecordError(src.path, row, reason, src.lines[row] if src.lines is not None else None)
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -246,7 +258,10 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
     bar = _progress(progress, total_rows)
     pool = None
     try:
-        if cfg.num_proc > 1:
+        if cfg.engine == "ray":  # same tasks, same order, on a Ray cluster
+            from .tokenize_ray import ray_results
+            results = ray_results(cfg, sources, _tasks(sources, cfg.chunk_rows))
+        elif cfg.num_proc > 1:
             ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
             state = None if ctx.get_start_method() == "fork" else {k: v for k, v in _STATE.items() if k != "tok"}
             pool = ctx.Pool(cfg.num_proc, initializer=_init_worker, initargs=(state,))
