@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -74,9 +75,8 @@ def test_world_size_change_needs_rescale(two_parts):
     plan_mod.save(plan_mod.Plan(data=other.data, boundaries=(64,), budget=other.budget, seed=1), root / "plan-b")
     pack_epochs(plan=root / "plan-b" / "plan.json", epochs=[0], out=root / "man-b", data=root / "data", world_size=2)
     with pytest.raises(ckpt.PlanChanged, match="plan.seed"):
-        train(_cfg(root, rescale=True).__class__(**{**_cfg(root, rescale=True).__dict__,
-                                                    "plan": str(root / "plan-b" / "plan.json"),
-                                                    "manifests": str(root / "man-b")}))
+        train(dataclasses.replace(_cfg(root, rescale=True), plan=str(root / "plan-b" / "plan.json"),
+                                  manifests=str(root / "man-b")))
 
 
 def test_rescaled_resume_covers_the_epoch_exactly_once(two_parts):
