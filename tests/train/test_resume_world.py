@@ -81,7 +81,8 @@ def test_world_size_change_needs_rescale(two_parts):
 
 def test_rescaled_resume_covers_the_epoch_exactly_once(two_parts):
     root, parent = two_parts
-    s = train(_cfg(root, rescale=True))
+    train(_cfg(root, rescale=True, max_steps=4))   # one step at W = 1, checkpoint inside the continuation
+    s = train(_cfg(root))                            # same world size now: the continuation is kept, no option
     cont = manifest.open(root / "man" / "resume" / "epoch-0000")
     assert cont.world_size == 1 and cont.header["resume"]["from_step"] == 3
     assert s["global_step"] == 3 + cont.num_steps and s["cursor"] == {"epoch": 1, "step": 0}
