@@ -38,6 +38,7 @@ def main(
     epochs: Annotated[Optional[int], typer.Option(help="epochs to train")] = None,
     max_steps: Annotated[Optional[int], typer.Option(help="stop after this many optimizer steps (0 = all)")] = None,
     pack_missing: Annotated[Optional[bool], typer.Option(help="pack a missing epoch on the fly")] = None,
+    rescale: Annotated[Optional[bool], typer.Option(help="resume a checkpoint of another world size: re-pack the rest of its epoch for this one")] = None,
     lr: Annotated[Optional[float], typer.Option(help="peak learning rate")] = None,
     warmup_steps: Annotated[Optional[int], typer.Option(help="linear warmup steps")] = None,
     grad_clip: Annotated[Optional[float], typer.Option(help="global grad-norm clip (0 = off)")] = None,
@@ -69,7 +70,7 @@ def main(
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = config_mod.build(config, data=data, plan=plan, manifests=manifests, out=out, model=model, epochs=epochs,
-                               max_steps=max_steps, pack_missing=pack_missing, lr=lr, warmup_steps=warmup_steps,
+                               max_steps=max_steps, pack_missing=pack_missing, rescale=rescale, lr=lr, warmup_steps=warmup_steps,
                                grad_clip=grad_clip, seed=seed, attn=attn, device=device, bf16=bf16,
                                prefetch=prefetch, ckpt_every=ckpt_every, from_scratch=from_scratch,
                                progress=progress, wandb=wandb, objective=objective, init_from=init_from,

@@ -115,6 +115,10 @@ class TrainConfig:
     stops: the cosine horizon stays ``epochs`` x the first epoch's steps, so a run cut short and
     resumed follows the same LR schedule as a straight one."""
     pack_missing: bool = True
+    rescale: bool = False
+    """Resume a checkpoint taken at another world size: the rest of its epoch comes from the
+    continuation manifest ``MANIFESTS/resume/epoch-000N`` (packed on the fly by rank 0 when
+    missing), later epochs from manifests packed for this world size (:mod:`dflash_prep.train.rescale`)."""
     """Pack a missing epoch's manifest on the fly (same code as ``dflash-prep pack``);
     when False a missing manifest is an error naming the command to run."""
     lr: float = 3e-3

@@ -41,7 +41,7 @@ from dflash_prep.errors import ConfigError, DflashError, FormatError
 from dflash_prep.fileio import atomic_write_bytes, atomic_write_json, strict_dumps
 
 from . import checkpoint as ckpt
-from . import distributed
+from . import distributed, rescale
 from .config import TrainConfig
 from .data import StepBatches
 from .loader import ManifestLoader
@@ -301,12 +301,15 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
     out = Path(cfg.out)
     ckpt_path = out / ckpt.CKPT_FILE
 
+    state = ckpt.load(ckpt_path) if ckpt_path.exists() and not cfg.from_scratch else None
+    cont = rescale.plan_resume(state, rescale=cfg.rescale, world_size=d.world_size, ckpt_path=ckpt_path)
+    source = rescale.source_for(source, cont, d)   # --rescale: the rest of an epoch re-packed for W'
     pad_id = int(tokenizer_field(ds, "pad_id", 0))
     loader = ManifestLoader(source, rank=d.rank, epochs=cfg.epochs, collate="trainer", pad_id=pad_id,
                             pin=d.device.type == "cuda", prefetch=cfg.prefetch)
-    first = loader.manifest(0)
+    first = loader.manifest(int(cont["epoch"]) if cont else 0)
     _check_manifest_shape(first, d)
-    run_key = {**source.run_identity(), **_manifest_key(first)}
+    run_key = {**source.run_identity(), **_manifest_key(first), **({"continuation": cont} if cont else {})}
 
     obj = build_objective(cfg, ds, d.device, manifest=first)  # seeds torch with cfg.seed first
     model = obj.model
@@ -326,18 +329,18 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
     sched = Schedule(peak=cfg.lr, warmup=cfg.warmup_steps, total=max(1, total), min_ratio=cfg.min_lr_ratio)
     epoch, step, gstep = 0, 0, 0
     resumed = False
-    if ckpt_path.exists() and not cfg.from_scratch:
-        state = ckpt.load(ckpt_path)
-        ckpt.check_run_key(state["run_key"], run_key, path=ckpt_path)
+    if state is not None:
+        rescale.check_key(state["run_key"], run_key, path=ckpt_path)
         ckpt.check_model(state["model_config"], mcfg, path=ckpt_path)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched = Schedule.from_state(state["schedule"])
         rngs = state["rng"]
-        if len(rngs) != d.world_size:
-            raise FormatError(f"{ckpt_path}: holds RNG state for {len(rngs)} ranks but this job has {d.world_size}")
-        ckpt.set_rng_state(rngs[d.rank])
         epoch, step, gstep = (int(state["cursor"][k]) for k in ("epoch", "step", "global_step"))
+        if len(rngs) == d.world_size:
+            ckpt.set_rng_state(rngs[d.rank])
+        else:  # rescaled (rescale.plan_resume allowed it): no per-rank state maps onto W' ranks
+            rescale.reseed(cfg.seed, gstep, d.rank)
         resumed = True
         if d.is_main:
             print(f"resuming {ckpt_path} at epoch {epoch} step {step} (global step {gstep})", flush=True)
