@@ -184,7 +184,7 @@ def build_target(cfg: GpuBenchConfig, dev: torch.device, taps):
     """A random Qwen3 causal LM in memory, frozen, wrapped as a :class:`FrozenTarget`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_prep.train.target import ATTN_IMPL, FrozenTarget, decoder_layers, register_attention
+    from dflash_prep.train.target import ATTN_IMPL, FrozenTarget, register_attention
 
     register_attention()
     hc = Qwen3Config(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
@@ -195,11 +195,7 @@ def build_target(cfg: GpuBenchConfig, dev: torch.device, taps):
     torch.manual_seed(cfg.seed)
     with torch.device(dev):
         model = Qwen3ForCausalLM(hc).to(dtype).eval()
-    model.requires_grad_(False)
-    t = FrozenTarget.__new__(FrozenTarget)  # the loaded-from-folder constructor, minus the folder
-    t.path, t.model, t.layers, t.taps, t.config, t.device = Path("<in memory>"), model, decoder_layers(model), \
-        [int(i) for i in taps], model.config, dev
-    t.embed_tokens, t.lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    t = FrozenTarget.from_model(model, taps, device=dev)
     return t, hc
 
 

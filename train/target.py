@@ -109,8 +109,18 @@ class FrozenTarget:
     """A frozen causal LM with tapped layers (module docstring)."""
 
     def __init__(self, path: str | Path, target_layer_ids, *, device: torch.device, dtype: torch.dtype | None = None):
-        self.path = Path(path)
-        self.model = load_causal_lm(self.path, device=device, dtype=dtype).eval()
+        self._attach(load_causal_lm(Path(path), device=device, dtype=dtype), Path(path), target_layer_ids, device)
+
+    @classmethod
+    def from_model(cls, model, target_layer_ids, *, device: torch.device, path: str = "<in memory>") -> "FrozenTarget":
+        """A target around a model already built (benchmarks with random weights); same checks."""
+        self = cls.__new__(cls)
+        self._attach(model, Path(path), target_layer_ids, device)
+        return self
+
+    def _attach(self, model, path: Path, target_layer_ids, device: torch.device) -> None:
+        self.path = path
+        self.model = model.eval()
         self.model.requires_grad_(False)
         self.layers = decoder_layers(self.model)
         L = len(self.layers)
