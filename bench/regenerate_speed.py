@@ -40,12 +40,15 @@ SERVE = ("import sys; from transformers.cli.transformers import main; sys.argv[0
 
 
 @contextlib.contextmanager
-def local_server(target: Path, *extra: str, log: Path, threads: int = 1):
-    """``transformers serve TARGET`` on a free 127.0.0.1 port (CPU); yields (base_url, start seconds)."""
+def local_server(target: Path, *extra: str, log: Path, threads: int = 1, timeout_s: float = 300):
+    """``transformers serve TARGET`` on a free 127.0.0.1 port (CPU), in its own process group;
+    yields (base_url, start seconds, process). On exit the whole group gets SIGTERM, then
+    SIGKILL after 30 s. The tests start their server through this too."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": str(threads)}
     t0 = time.monotonic()
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", SERVE, "serve", str(target), "--host", "127.0.0.1", "--port",
@@ -57,10 +60,10 @@ def local_server(target: Path, *extra: str, log: Path, threads: int = 1):
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
                     break
             except OSError:
-                if proc.poll() is not None or time.monotonic() - t0 > 300:
+                if proc.poll() is not None or time.monotonic() - t0 > timeout_s:
                     raise RuntimeError(f"transformers serve did not start: {log.read_text()[-1500:]}") from None
                 time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}/v1", time.monotonic() - t0
+        yield f"http://127.0.0.1:{port}/v1", time.monotonic() - t0, proc
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                       ("--continuous-batching",))])
         for label, extra in servers:
             try:
-                with local_server(target, *extra, log=tmp / "serve.log", threads=a.threads) as (url, start):
+                with local_server(target, *extra, log=tmp / "serve.log", threads=a.threads) as (url, start, _):
                     warm = RegenerateConfig(inputs=(str(one),), out=tmp / f"warm-{len(rows)}", base_url=url,
                                             model=str(target), concurrency=1, sampling=sampling)
                     t0 = time.monotonic()

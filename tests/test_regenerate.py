@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -31,8 +30,6 @@ with contextlib.suppress(ImportError):  # the machine is shared: one torch threa
     import torch
 
     torch.set_num_threads(1)
-SERVE = ("import sys; from transformers.cli.transformers import main; sys.argv[0] = 'transformers'; "
-         "sys.exit(main())")
 N_MESSAGES, N_SHAREGPT = 24, 12
 MAX_TOKENS = 12
 
@@ -63,35 +60,13 @@ def server(target, tmp_path_factory):
     its whole process group at the end, and checked gone."""
     for mod in ("fastapi", "uvicorn"):
         pytest.importorskip(mod, reason="needs the serve extra: pip install 'dflash-prep[serve]'")
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-c", SERVE, "serve", str(target), "--host", "127.0.0.1", "--port",
-                             str(port), "--device", "cpu", "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"transformers serve did not come up: {Path(log.name).read_text()[-2000:]}")
-            time.sleep(0.2)
-        yield {"url": f"{url}/v1", "model": str(target), "target": target}
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        log.close()
-        with pytest.raises(ProcessLookupError):  # nothing of the server's group is left
-            os.killpg(proc.pid, 0)
+    from bench.regenerate_speed import local_server
+
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with local_server(target, "--log-level", "warning", log=log, timeout_s=180) as (url, _, proc):
+        yield {"url": url, "model": str(target), "target": target}
+    with pytest.raises(ProcessLookupError):  # nothing of the server's group is left
+        os.killpg(proc.pid, 0)
 
 
 @pytest.fixture(scope="session")
