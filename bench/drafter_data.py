@@ -26,7 +26,7 @@ imbalance (:mod:`dflash_prep.drafter_cost`, Qwen3-8B-sized target, 5 draft layer
 B = 16; padding and padded blocks are priced as real work), repeat-pair rate 0 -> 1, step
 mix, and pack seconds per epoch (wall and CPU, warm: median of ``--repeats`` epochs).
 ``--scale 10000000,30000000`` adds one epoch of ours per size, each in a fresh subprocess
-(wall, CPU, peak RSS).
+(wall, CPU, peak RSS, then the seconds to hash and write its manifest as ``pack`` does).
 Output: a markdown table on stdout and ``--out/drafter_data.json`` (format
 ``dflash-prep/bench-drafter-data`` v1). Nothing here is committed.
 """
@@ -43,7 +43,7 @@ import numba as nb
 import numpy as np
 
 from dflash_prep import lengths as lengths_mod
-from dflash_prep import metrics, pack, profiles
+from dflash_prep import manifest, metrics, pack, profiles
 from dflash_prep.bucketing import class_edges, keyed_permutation
 from dflash_prep.drafter_cost import DrafterCostModel, sample_cost
 from dflash_prep.fileio import atomic_write_json, fingerprint_array
@@ -242,8 +242,14 @@ def scale_child(n: int) -> None:
     edges = class_edges(lens)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t, c = time.perf_counter(), time.process_time()
-    s = pack.build_epoch(lens, plan, cfg, 0, edges, mask_counts=mc).header["summary"]
-    print(json.dumps({"n": n, "wall_s": time.perf_counter() - t, "cpu_s": time.process_time() - c,
+    res = pack.build_epoch(lens, plan, cfg, 0, edges, mask_counts=mc)
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
+    with tempfile.TemporaryDirectory(prefix="bench-drafter-scale-") as tmp:     # hash and write, as pack does
+        t = time.perf_counter()
+        manifest.write(Path(tmp) / "epoch-0000", res.header, res.arrays)
+        write = time.perf_counter() - t
+    s = res.header["summary"]
+    print(json.dumps({"n": n, "wall_s": wall, "cpu_s": cpu, "write_s": write,
                       "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                       "inputs_rss_gib": before / 2**20, "rank_imbalance": s["rank_imbalance"],
                       "step_mix": s["step_mix"]}))
@@ -295,7 +301,8 @@ def main(argv=None) -> None:
     print(report(rows))
     scale = scale_runs([int(x) for x in a.scale.split(",") if x]) if a.scale else []
     for r in scale:
-        print(f"scale {r['n']:,}: {r['wall_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU, peak RSS {r['peak_rss_gib']:.2f} GiB "
+        print(f"scale {r['n']:,}: {r['wall_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU, then {r['write_s']:.1f} s to hash and "
+              f"write the manifest; peak RSS {r['peak_rss_gib']:.2f} GiB "
               f"({r['inputs_rss_gib']:.2f} GiB before packing), rank imbalance {r['rank_imbalance']:.4f}, "
               f"step mix {r['step_mix']:.3f}")
     atomic_write_json(out / "drafter_data.json", {"rows": rows, "scale": scale, "argv": vars(a) | {"out": str(out)}},

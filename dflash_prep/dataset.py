@@ -330,9 +330,12 @@ class Dataset:
         t = self.meta["tokenizer"]
         return {k: t.get(k) for k in ("vocab_size", "pad_id", "eos_id", "bos_id", "name", "fingerprint")}
 
-    def record_batches(self):
-        """``(first_id, ids, mask, offsets)`` per record batch, in id order (zero-copy views)."""
+    def record_batches(self, check: bool = False):
+        """``(first_id, ids, mask, offsets)`` per record batch, in id order (zero-copy views);
+        ``check`` verifies each batch's digest first (as :meth:`sample` does)."""
         for b in range(len(self._starts)):
+            if check and not self._checked[b]:
+                self._check_batch(b)
             yield int(self._starts[b]), self._batches_ids[b], self._batches_mask[b], self._batches_off[b]
 
     def shard_of(self, i: int) -> Path:

@@ -28,6 +28,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import numba as nb
 import numpy as np
 
 from .errors import ConfigError
@@ -133,26 +134,41 @@ class DrafterCostModel:
                 "anchors": 6.0 * self.draft_params * B + 6.0 * B * H * self.vocab + attn_d * B,
                 "anchor_pos": attn_d}
 
+    def coefficient_array(self, block_size: int) -> np.ndarray:
+        """:meth:`coefficients` as float64 ``[tokens, tokens_sq, anchors, anchor_pos]`` (numba's)."""
+        c = self.coefficients(block_size)
+        return np.array([c["tokens"], c["tokens_sq"], c["anchors"], c["anchor_pos"]], np.float64)
+
     def describe(self, block_size: int) -> dict:
         """What manifest.json records: the sizes, parameter counts and coefficients."""
         return {**asdict(self), "target_params": self.target_params, "draft_params": self.draft_params,
                 "coefficients": self.coefficients(block_size)}
 
 
-def anchor_position_sum(lengths, supervised, counts) -> np.ndarray:
-    """Expected ``sum_j a_j`` per sample (float64): ``k * max(L - S/2 - 1, 0)`` (module docstring)."""
-    L = np.asarray(lengths, np.float64)
-    S = np.asarray(supervised, np.float64)
-    return np.asarray(counts, np.float64) * np.maximum(L - S / 2.0 - 1.0, 0.0)
+@nb.njit(cache=True, inline="always")
+def step_flops(coef, L, S, k):
+    """One sample's drafter step FLOPs from :meth:`DrafterCostModel.coefficient_array` (numba)."""
+    L = np.float64(L)
+    k = np.float64(k)
+    return (coef[0] * L + coef[1] * L * L + coef[2] * k
+            + coef[3] * (k * max(L - np.float64(S) / 2.0 - 1.0, 0.0)))
+
+
+@nb.njit(cache=True, parallel=True)
+def _sample_costs(coef, lens, sup, counts, out):
+    for i in nb.prange(lens.shape[0]):
+        out[i] = step_flops(coef, lens[i], sup[i], counts[i])
 
 
 def sample_cost(model: DrafterCostModel, block_size: int, lengths, supervised, counts) -> np.ndarray:
     """Drafter step FLOPs per sample (float64), the terms of the module docstring summed."""
-    c = model.coefficients(block_size)
-    L = np.asarray(lengths, np.float64)
-    k = np.asarray(counts, np.float64)
-    return (c["tokens"] * L + c["tokens_sq"] * L * L + c["anchors"] * k
-            + c["anchor_pos"] * anchor_position_sum(lengths, supervised, counts))
+    arrs = [np.ascontiguousarray(a) for a in (lengths, supervised, counts)]
+    arrs = [a if a.dtype.kind in "iuf" else a.astype(np.float64) for a in arrs]
+    if not arrs[0].shape == arrs[1].shape == arrs[2].shape:
+        raise ConfigError("lengths, supervised and counts need one entry per sample each")
+    out = np.empty(arrs[0].shape[0], np.float64)
+    _sample_costs(model.coefficient_array(block_size), *arrs, out)
+    return out
 
 
 def cost_shares(model: DrafterCostModel, block_size: int, lengths, supervised, counts) -> dict:

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Callable
 from pathlib import Path
 
 import numba as nb
 import numpy as np
 
 from . import lengths as lengths_mod
-from . import manifest, metrics, bucketing, outputs, pack_config, pack_dflash, steps
+from . import anchors, manifest, metrics, bucketing, outputs, pack_config, pack_dflash, steps
 from .errors import ConfigError, FormatError
 from .fileio import fingerprint_json, holds_marker
 from .pack_config import PackConfig
@@ -63,6 +62,16 @@ def _compact(order, olens, offsets, keep, new_start):
                 olens[p] = olens[i]
                 p += 1
     return p
+
+
+@nb.njit(cache=True)
+def _row_sums(values, start, count):
+    # per manifest row: the sum of values[start : start + count] (int64)
+    out = np.zeros(start.shape[0], np.int64)
+    for r in range(start.shape[0]):
+        for i in range(start[r], start[r] + count[r]):
+            out[r] += values[i]
+    return out
 
 
 @nb.njit(cache=True)
@@ -113,27 +122,39 @@ def repeat_pair_rate(prev_table: np.ndarray, prev_ids: np.ndarray, cur_table: np
 # ----------------------------------------------------------------------------- one epoch
 def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges: np.ndarray | None = None, *,
                 mask_counts: lengths_mod.MaskCounts | None = None,
-                masks: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None) -> EpochResult:
+                dataset=None) -> EpochResult:
     """Pack one epoch in memory (module docstring); nothing is written.
 
     ``edges`` are the step-mix classes, :func:`metrics.class_edges` of ``lens`` (computed
     here when not given; :func:`pack_epochs` computes them once for all its epochs). The
-    ``dflash`` objective needs ``mask_counts`` (per sample id), and ``masks`` (sample ids
-    -> concatenated loss masks and their cu_seqlens) to store anchor positions.
+    ``dflash`` objective needs ``mask_counts`` (per sample id), and the
+    :class:`dflash_prep.dataset.Dataset` (its loss masks) to store anchor positions.
     """
     if epoch < 0:
         raise ConfigError(f"--epoch must be >= 0, got {epoch}")
     cfg = cfg.resolve(plan)
-    budget, window = cfg.budget, cfg.window
-    alpha_pack, alpha_cost = budget.packing_alpha, budget.alpha
-    where = f"epoch {epoch}"
     de = None
     if cfg.objective == "dflash":
         if mask_counts is None:
             raise ConfigError("--objective dflash needs the per-sample mask counts of a tokenized dataset "
                               "(supervised.npy, anchor_candidates.npy); pack a dataset folder, not a lengths file")
         de = pack_dflash.prepare(lens, mask_counts.supervised, mask_counts.anchor_candidates, cfg.drafter,
-                                 budget.value)
+                                 cfg.budget.value)
+        # the anchor digest needs only the counts: it runs on the other core while this one packs
+        de.digest = anchors.DigestJob(de.candidates, de.counts, seed=cfg.drafter.anchor_seed, epoch=epoch)
+    try:
+        return _build_epoch(lens, plan, cfg, epoch, edges, de, dataset)
+    finally:
+        if de is not None:
+            de.digest.cancel()                # a no-op once the digest is taken
+
+
+def _build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges: np.ndarray | None,
+                 de: pack_dflash.DrafterEpoch | None, dataset) -> EpochResult:
+    budget, window = cfg.budget, cfg.window
+    alpha_pack, alpha_cost = budget.packing_alpha, budget.alpha
+    where = f"epoch {epoch}"
+    if de is not None:
         order, offsets, olens = pack_dflash.pack_drafter(
             lens, de.counts, de.cost, seed=plan.seed, epoch=epoch, budget=budget, anchor_budget=de.anchor_budget,
             cost_budget=de.cost_budget, open_bins=cfg.open_bins)
@@ -152,7 +173,7 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
     offsets, bucket, n_split, sched, dropped_mb = se.offsets, se.bucket, se.n_split, se.sched, se.dropped
     real, mx, sq, class_tok, count = se.real, se.mx, se.sq, se.class_tok, se.count
     if de is not None:                                   # drafter FLOPs per micro-batch
-        cost = np.add.reduceat(de.cost[order], offsets[:-1]) if len(order) else np.zeros(0)
+        cost = bucketing.segment_sums(de.cost, order, offsets)
         padded = real
     elif cfg.layout == "padded":
         mxf = mx.astype(np.float64)
@@ -178,9 +199,7 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
     arrays = {"microbatches": np.ascontiguousarray(table, np.int64), "sample_ids": order[:n_used],
               "sample_lens": olens[:n_used], "dropped_ids": dropped.astype(np.int64)}
     if cfg.layout == "varlen":
-        cu = np.zeros(n_used + 1, np.int64)
-        np.cumsum(olens[:n_used], out=cu[1:])
-        arrays["cu_seqlens"] = cu
+        arrays["cu_seqlens"] = bucketing.prefix_sum(olens[:n_used])
     used_real, used_padded = int(real[mb].sum()), int(padded[mb].sum())
     summary = {
         "efficiency": used_real / used_padded if used_padded else 1.0,
@@ -228,16 +247,14 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
     }
     if de is not None:
         ids = arrays["sample_ids"]
-        cs = np.zeros(len(ids) + 1, np.int64)
-        np.cumsum(de.counts[ids], out=cs[1:])
-        mb_k = cs[start + count[mb]] - cs[start]                  # anchors per manifest row
-        header["dflash"], extra, arrays["anchor_counts"] = pack_dflash.epoch_extras(
-            de, cfg.drafter, epoch, ids, mb_k, real[mb], budget.value)
+        arrays["anchor_counts"] = kc = de.counts[ids]             # int32, in sample_ids order
+        mb_k = _row_sums(kc, start, count[mb])                   # anchors per manifest row
+        header["dflash"], extra = pack_dflash.epoch_extras(de, cfg.drafter, epoch, kc, mb_k, real[mb], budget.value)
         summary.update(extra)
         if cfg.drafter.store_anchors:
-            if masks is None:
+            if dataset is None:
                 raise ConfigError("--store-anchors reads every loss mask: pack a tokenized dataset folder")
-            arrays["anchors"] = pack_dflash.store_anchors(ids, masks, cfg.drafter, epoch, arrays["anchor_counts"])
+            arrays["anchors"] = pack_dflash.store_anchors(dataset, ids, cfg.drafter, epoch, kc)
     return EpochResult(header=header, arrays=arrays)
 
 
@@ -336,7 +353,7 @@ def _pack_into(out: Path, run_fp: str, plan: Plan, cfg: PackConfig, src, lens, e
 def _pack_loop(out, run_fp, plan, cfg, src, lens, epochs, overwrite, bar) -> list[Path]:
     committed = False
     edges = bucketing.class_edges(lens)
-    counts, masks = _drafter_inputs(cfg, src)
+    counts, dataset = _drafter_inputs(cfg, src)
     written, prev = [], None
     for e in sorted(set(epochs)):
         path = manifest.epoch_dir(out, e)
@@ -357,7 +374,7 @@ def _pack_loop(out, run_fp, plan, cfg, src, lens, epochs, overwrite, bar) -> lis
             if not overwrite:
                 raise ConfigError(f"{path} already holds a manifest built from other inputs (plan, options or data); "
                                   "pass --overwrite to replace it, or --out another folder")
-        res = build_epoch(lens, plan, cfg, e, edges, mask_counts=counts, masks=masks)
+        res = build_epoch(lens, plan, cfg, e, edges, mask_counts=counts, dataset=dataset)
         if not committed:  # only now, so a pack that fails earlier leaves the root as it was
             manifest.commit_root(out, run_identity(plan, cfg))
             committed = True
@@ -379,17 +396,17 @@ def _pack_loop(out, run_fp, plan, cfg, src, lens, epochs, overwrite, bar) -> lis
 
 
 def _drafter_inputs(cfg: PackConfig, src: lengths_mod.LengthSource):
-    """Mask counts (and, for --store-anchors, a mask reader) of a dataset, for the dflash objective."""
+    """Mask counts (and, for --store-anchors, the dataset: its masks) of a dataset, for the dflash objective."""
     if cfg.objective != "dflash":
         return None, None
     if src.kind != "dataset":
         raise ConfigError(f"{src.path}: --objective dflash needs a tokenized dataset folder (its loss-mask counts), "
                           "not a lengths file")
-    masks = None
+    dataset = None
     if cfg.drafter.store_anchors:
         from .dataset import open_dataset
-        masks = pack_dflash.dataset_masks(open_dataset(src.path))
-    return lengths_mod.read_mask_counts(src.path), masks
+        dataset = open_dataset(src.path)
+    return lengths_mod.read_mask_counts(src.path), dataset
 
 
 def parse_epochs(epoch: int | None, epochs: str | None) -> list[int]:

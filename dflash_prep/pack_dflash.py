@@ -41,8 +41,9 @@ import numba as nb
 import numpy as np
 
 from . import anchors
-from .bucketing import _group_by_batch, _shuffle_inplace, mix_key
-from .drafter_cost import DrafterCostModel, sample_cost
+from .anchors import anchor_count
+from .bucketing import SideLoads, pack_varlen, prefix_sum
+from .drafter_cost import DrafterCostModel, sample_cost, step_flops
 from .errors import ConfigError
 from .plan import Budget
 
@@ -105,95 +106,27 @@ class DrafterOptions:
         return cls(**d)
 
 
-@nb.njit(cache=True)
-def _first_fit3(packed, k, c, tok_budget, anc_budget, cost_budget, max_bs, n_open, gen_of, close_rank):
-    # First-fit on three resources; packed[i] = L << 32 | id, k[i], c[i] in arrival order.
-    tok = np.zeros(n_open, np.float64)
-    anc = np.zeros(n_open, np.float64)
-    cst = np.zeros(n_open, np.float64)
-    cnt = np.zeros(n_open, np.int64)
-    gen = np.full(n_open, -1, np.int64)
-    n_gen = 0
-    m = 0
-    for i in range(packed.shape[0]):
-        L = np.float64(packed[i] >> np.int64(32))
-        a = np.float64(k[i])
-        x = c[i]
-        s_fit = -1
-        for s in range(n_open):
-            if (gen[s] >= 0 and tok[s] + L <= tok_budget and anc[s] + a <= anc_budget
-                    and cst[s] + x <= cost_budget and cnt[s] + 1 <= max_bs):
-                s_fit = s
-                break
-        if s_fit < 0:
-            for s in range(n_open):
-                if gen[s] < 0:
-                    s_fit = s
-                    break
-        if s_fit < 0:
-            # none has room: close the fullest (highest fill fraction; lowest slot on ties)
-            s_fit = 0
-            best = -1.0
-            for s in range(n_open):
-                f = max(tok[s] / tok_budget, anc[s] / anc_budget, cst[s] / cost_budget)
-                if f > best:
-                    best = f
-                    s_fit = s
-            close_rank[gen[s_fit]] = m
-            m += 1
-            gen[s_fit] = -1
-        if gen[s_fit] < 0:
-            gen[s_fit] = n_gen
-            n_gen += 1
-            tok[s_fit] = 0.0
-            anc[s_fit] = 0.0
-            cst[s_fit] = 0.0
-            cnt[s_fit] = 0
-        tok[s_fit] += L
-        anc[s_fit] += a
-        cst[s_fit] += x
-        cnt[s_fit] += 1
-        gen_of[i] = gen[s_fit]
-    for s in range(n_open):
-        if gen[s] >= 0:
-            close_rank[gen[s]] = m
-            m += 1
-    return m
-
-
 def pack_drafter(lengths: np.ndarray, counts: np.ndarray, cost: np.ndarray, *, seed: int, epoch: int,
                  budget: Budget, anchor_budget: float, cost_budget: float | None, open_bins: int = 4):
     """Steps 1-2 of the module docstring under the token ``budget`` (its value T and
-    ``max_batch_size``). Returns ``(order, offsets, olens)`` as :func:`bucketing.pack_varlen`
-    does. ``counts``/``cost`` are per sample id; ``cost_budget`` None means no cost budget."""
-    token_budget = float(budget.value)
-    lengths = np.asarray(lengths)
-    n = lengths.shape[0]
-    if n >= 2**32:
-        raise ConfigError(f"the drafter packer handles up to 2^32 samples, got {n}; split the dataset")
-    if open_bins < 1:
-        raise ConfigError(f"--open-bins must be at least 1, got {open_bins}")
-    big = int(lengths.max())
-    if big > token_budget:
-        raise ConfigError(f"the longest sample ({big} tokens) exceeds the token budget {token_budget:.0f}; raise "
-                          "--budget or truncate with tokenize --max-len")
-    if int(np.max(counts)) > anchor_budget:
+    ``max_batch_size``): :func:`bucketing.pack_varlen` with the anchors and the step FLOPs as
+    side loads. Returns ``(order, offsets, olens)``. ``counts``/``cost`` are per sample id;
+    ``cost_budget`` None means no cost budget (a lone sample over it still gets its own)."""
+    if len(counts) and int(np.max(counts)) > anchor_budget:
         raise ConfigError(f"a sample has {int(np.max(counts))} anchors, over --anchor-budget {anchor_budget:.0f}")
-    cb = np.inf if not cost_budget else max(float(cost_budget), float(np.max(cost)))
-    ids = (lengths.astype(np.int64) << np.int64(32)) | np.arange(n, dtype=np.int64)
-    _shuffle_inplace(ids, np.uint64(mix_key(seed, epoch, PURPOSE_DFLASH)))
-    sid = ids & np.int64(0xFFFFFFFF)
-    k_in = np.asarray(counts)[sid]                        # arrival order, int32
-    c_in = np.asarray(cost, np.float64)[sid]
-    del sid
-    idx = np.int32 if n < 2**31 else np.int64
-    gen_of, close_rank = np.empty(n, idx), np.empty(n, idx)
-    m = _first_fit3(ids, k_in, c_in, token_budget, float(anchor_budget), cb, np.int64(budget.batch_cap), int(open_bins),
-                    gen_of, close_rank)
-    del k_in, c_in
-    order, offsets, olens = np.empty(n, np.int64), np.empty(m + 1, np.int64), np.empty(n, np.int32)
-    _group_by_batch(ids, gen_of, close_rank, m, order, offsets, olens)
-    return order, offsets, olens
+    cb = max(float(cost_budget), float(np.max(cost))) if cost_budget else None
+    side = SideLoads(counts=counts, count_budget=float(anchor_budget), weights=None if cb is None else cost,
+                     weight_budget=np.inf if cb is None else cb)
+    return pack_varlen(lengths, seed=seed, epoch=epoch, budget=budget, open_bins=open_bins, side=side,
+                       purpose=PURPOSE_DFLASH)
+
+
+@nb.njit(cache=True, parallel=True)
+def _counts_and_cost(lens, sup, cand, max_anchors, density, block_size, coef, counts, cost):
+    for i in nb.prange(lens.shape[0]):
+        k = anchor_count(cand[i], sup[i], max_anchors, density, block_size)
+        counts[i] = k
+        cost[i] = step_flops(coef, lens[i], sup[i], k)
 
 
 @dataclass
@@ -206,79 +139,119 @@ class DrafterEpoch:
     cost: np.ndarray            # float64 drafter FLOPs per sample
     cost_budget: float | None
     anchor_budget: int
+    digest: "anchors.DigestJob | None" = None    # the epoch's anchor digest, being computed
 
 
 def prepare(lens: np.ndarray, supervised: np.ndarray, candidates: np.ndarray, opts: DrafterOptions,
             token_budget: float) -> DrafterEpoch:
-    """Anchor counts, per-sample costs and the cost budget (``opts`` resolved)."""
-    counts = anchors.anchor_counts(candidates, supervised, opts.max_anchors, opts.anchor_policy, opts.block_size)
-    cost = sample_cost(opts.cost_model, opts.block_size, lens, supervised, counts)
-    per_token = float(cost.sum()) / float(np.asarray(lens).sum(dtype=np.int64))
+    """Anchor counts, per-sample costs and the budgets (``opts`` resolved): one pass, two arrays."""
+    lens, sup, cand = (np.ascontiguousarray(a) for a in (lens, supervised, candidates))
+    if not lens.shape == sup.shape == cand.shape:
+        raise ConfigError(f"{len(lens)} lengths, {len(sup)} supervised and {len(cand)} candidate counts: the "
+                          "dataset folder is inconsistent, re-run `dflash-prep tokenize --overwrite`")
+    n = lens.shape[0]
+    counts, cost = np.empty(n, np.int32), np.empty(n, np.float64)
+    _counts_and_cost(lens, sup, cand, np.int64(opts.max_anchors), opts.anchor_policy == "density",
+                     np.int64(opts.block_size), opts.cost_model.coefficient_array(opts.block_size), counts, cost)
+    tokens = float(lens.sum(dtype=np.int64))
+    per_token = float(cost.sum()) / tokens
     cb = opts.cost_fill * float(token_budget) * per_token if opts.cost_fill else None
     ab = opts.anchor_budget
     if ab is None:
-        per_token_k = float(counts.sum(dtype=np.int64)) / float(np.asarray(lens).sum(dtype=np.int64))
+        per_token_k = float(counts.sum(dtype=np.int64)) / tokens
         ab = max(int(np.ceil(ANCHOR_HEADROOM * float(token_budget) * per_token_k)), opts.max_anchors)
-    return DrafterEpoch(supervised=supervised, candidates=candidates, counts=counts, cost=cost, cost_budget=cb,
+    return DrafterEpoch(supervised=sup, candidates=cand, counts=counts, cost=cost, cost_budget=cb,
                         anchor_budget=int(ab))
 
 
-def epoch_extras(de: DrafterEpoch, opts: DrafterOptions, epoch: int, sample_ids: np.ndarray, mb_anchors: np.ndarray,
-                 mb_tokens: np.ndarray, token_budget: float) -> tuple[dict, dict, np.ndarray]:
-    """The manifest's drafter header and summary entries, and its ``anchor_counts`` array."""
-    kc = de.counts[sample_ids]
+def epoch_extras(de: DrafterEpoch, opts: DrafterOptions, epoch: int, kc: np.ndarray, mb_anchors: np.ndarray,
+                 mb_tokens: np.ndarray, token_budget: float) -> tuple[dict, dict]:
+    """The manifest's drafter header and summary entries; ``kc`` is ``anchor_counts.npy``
+    (the anchors of each ``sample_ids`` entry)."""
     header = {"block_size": opts.block_size, "max_anchors": opts.max_anchors, "anchor_policy": opts.anchor_policy,
               "anchor_seed": opts.anchor_seed, "anchor_budget": de.anchor_budget, "cost_budget": de.cost_budget,
               "sampler_version": anchors.SAMPLER_VERSION,
               "cost_model": opts.cost_model.describe(opts.block_size),
-              "anchor_digest": anchors.selection_digest(sample_ids, de.candidates, de.counts, seed=opts.anchor_seed,
-                                                        epoch=epoch)}
+              "anchor_digest": (de.digest.result() if de.digest is not None else
+                                anchors.selection_digest(de.candidates, de.counts, seed=opts.anchor_seed, epoch=epoch))}
     n_mb = max(len(mb_anchors), 1)
     summary = {"anchors": int(kc.sum(dtype=np.int64)), "useful_target_tokens": 1.0, "useful_anchor_slots": 1.0,
                "anchor_fill": float(mb_anchors.sum()) / (n_mb * de.anchor_budget),
                "token_fill": float(mb_tokens.sum()) / (n_mb * float(token_budget))}
-    return header, summary, kc.astype(np.int32)
+    return header, summary
 
 
-def dataset_masks(ds):
-    """A mask reader over a :class:`dflash_prep.dataset.Dataset`: ids -> (masks, cu_seqlens)."""
-    def read(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        parts = [ds.sample(int(i))[1] for i in ids]
-        cu = np.zeros(len(parts) + 1, np.int64)
-        np.cumsum([len(p) for p in parts], out=cu[1:])
-        return (np.concatenate(parts) if parts else np.zeros(0, np.uint8)), cu
-    return read
+@nb.njit(cache=True)
+def _scatter_rows(pos, poff, rows, off, out):
+    # sample i of a batch (its positions pos[poff[i]:poff[i + 1]]) goes to out[off[row]:...]
+    # at its manifest entry row = rows[i] (-1: not in this epoch)
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if r >= 0:
+            o = off[r]
+            for j in range(poff[i], poff[i + 1]):
+                out[o + j - poff[i]] = pos[j]
 
 
-def regenerate(ids: np.ndarray, masks, opts: DrafterOptions, epoch: int, chunk: int = 4096):
-    """Every anchor of ``ids`` from their masks, in order: ``(positions int32, offsets int64,
-    supervised int32, candidates int32)``, read ``chunk`` samples at a time."""
-    pos, counts, sup, cand = [], [], [], []
-    for a in range(0, len(ids), chunk):
-        part = np.asarray(ids[a:a + chunk], np.int64)
-        m, cu = masks(part)
-        p, off = anchors.sample_anchors_batch(m, cu, part, seed=opts.anchor_seed, epoch=epoch,
-                                              max_anchors=opts.max_anchors, policy=opts.anchor_policy,
-                                              block_size=opts.block_size)
-        s, c = anchors.mask_counts(m, cu)
-        pos.append(p)
-        counts.append(np.diff(off))
-        sup.append(s)
-        cand.append(c)
-    cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt))
-    k = cat(counts, np.int64)
-    offsets = np.zeros(len(k) + 1, np.int64)
-    np.cumsum(k, out=offsets[1:])
-    return cat(pos, np.int32), offsets, cat(sup, np.int32), cat(cand, np.int32)
+@nb.njit(cache=True)
+def _differing_rows(pos, poff, rows, off, stored):
+    # how many of a batch's samples have stored positions other than the regenerated ones
+    n = 0
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if r < 0:
+            continue
+        k = poff[i + 1] - poff[i]
+        same = off[r + 1] - off[r] == k
+        j = 0
+        while same and j < k:
+            same = stored[off[r] + j] == pos[poff[i] + j]
+            j += 1
+        n += 0 if same else 1
+    return n
 
 
-def store_anchors(ids: np.ndarray, masks, opts: DrafterOptions, epoch: int, counts: np.ndarray) -> np.ndarray:
-    """``anchors.npy``: every anchor position, concatenated in ``ids`` order (int32)."""
-    pos, offsets, _, _ = regenerate(ids, masks, opts, epoch)
-    if not np.array_equal(np.diff(offsets), np.asarray(counts, np.int64)):
-        raise ConfigError("the loss masks give other anchor counts than supervised.npy/anchor_candidates.npy; "
-                          "the dataset folder is inconsistent, re-run `dflash-prep tokenize --overwrite`")
-    return pos
+class EpochAnchors:
+    """Every anchor of one epoch regenerated from the dataset's masks, one record batch at a
+    time in id order (the shards are read once, sequentially, whatever the epoch's order).
+
+    Yields per batch ``(first_id, mask, cu, positions, offsets)``: the batch's concatenated
+    masks and its samples' anchors (:func:`anchors.sample_anchors_batch`), every sample of
+    the dataset included. ``rows`` maps a sample id to its ``sample_ids`` entry (-1 when
+    the epoch does not hold it) and ``offsets`` are each entry's start in ``anchors.npy``.
+    """
+
+    def __init__(self, ds, opts: DrafterOptions, epoch: int, sample_ids: np.ndarray, counts: np.ndarray):
+        self.ds, self.opts, self.epoch = ds, opts, int(epoch)
+        ids = np.asarray(sample_ids, np.int64)
+        self.rows = np.full(len(ds), -1, np.int64)
+        self.rows[ids] = np.arange(len(ids), dtype=np.int64)
+        self.offsets = prefix_sum(np.asarray(counts))          # anchors.npy: in sample_ids order
+
+    def __iter__(self):
+        for first, _, mask, off in self.ds.record_batches(check=True):
+            cu = off.astype(np.int64)
+            ids = np.arange(first, first + len(cu) - 1, dtype=np.int64)
+            pos, poff = anchors.sample_anchors_batch(mask, cu, ids, seed=self.opts.anchor_seed, epoch=self.epoch,
+                                                     max_anchors=self.opts.max_anchors,
+                                                     policy=self.opts.anchor_policy, block_size=self.opts.block_size)
+            yield first, mask, cu, pos, poff
+
+
+def store_anchors(ds, sample_ids: np.ndarray, opts: DrafterOptions, epoch: int, counts: np.ndarray) -> np.ndarray:
+    """``anchors.npy``: every anchor position, concatenated in ``sample_ids`` order (int32);
+    ``counts`` is ``anchor_counts.npy``, checked against the masks' counts."""
+    ea = EpochAnchors(ds, opts, epoch, sample_ids, counts)
+    out = np.empty(int(ea.offsets[-1]), np.int32)
+    for first, _, _, pos, poff in ea:
+        rows = ea.rows[first:first + len(poff) - 1]
+        held = rows >= 0
+        if not np.array_equal(np.diff(poff)[held], np.diff(ea.offsets)[rows[held]]):
+            raise ConfigError(f"the loss masks of samples {first}..{first + len(rows) - 1} give other anchor counts "
+                              "than supervised.npy/anchor_candidates.npy; the dataset folder is inconsistent, re-run "
+                              "`dflash-prep tokenize --overwrite`")
+        _scatter_rows(pos, poff, rows, ea.offsets, out)
+    return out
 
 
 def drafter_options(*, target_config=None, target_dims: str | None = None, draft_layers: int = 1,
@@ -305,14 +278,18 @@ def microbatch_cost(header: dict, lens: np.ndarray, supervised: np.ndarray, coun
 
 
 def verify_epoch(header: dict, arrays: dict, lens: np.ndarray, order: np.ndarray, offsets: np.ndarray,
-                 masks, mask_counts, epoch: int) -> tuple[list[str], dict]:
+                 ds, mask_counts, epoch: int) -> tuple[list[str], dict]:
     """The drafter checks of ``dflash-prep verify`` over one epoch; returns (problems, metrics).
 
-    ``order``/``offsets`` are the micro-batches in file order. Regenerates every anchor from
-    the masks with the recorded seed and options, and checks: the masks' counts against
-    ``supervised.npy``/``anchor_candidates.npy``; ``anchor_counts.npy`` against the
-    sampler's counts; every anchor sorted, distinct and eligible; the digest; ``anchors.npy``
-    (when present) equal to the regenerated positions; the anchor and cost budgets.
+    ``order``/``offsets`` are the micro-batches in file order; ``ds`` is the dataset
+    (:class:`dflash_prep.dataset.Dataset`). Regenerates every anchor from the masks with the
+    recorded seed and options (:class:`EpochAnchors`: one sequential pass over the shards)
+    and checks: the masks' counts against ``supervised.npy``/``anchor_candidates.npy``;
+    ``anchor_counts.npy`` against the sampler's counts; every anchor sorted, distinct and
+    eligible; the recorded digest against the digest of the regenerated positions
+    (:func:`anchors.position_hashes`) and against the one the counts give
+    (:func:`anchors.selection_digest`, pack's way); ``anchors.npy`` (when present) equal to
+    the regenerated positions; the anchor and cost budgets.
     """
     d = header["dflash"]
     opts = DrafterOptions(block_size=int(d["block_size"]), max_anchors=int(d["max_anchors"]),
@@ -322,32 +299,54 @@ def verify_epoch(header: dict, arrays: dict, lens: np.ndarray, order: np.ndarray
     if int(d.get("sampler_version", -1)) != anchors.SAMPLER_VERSION:
         problems.append(f"packed with anchor sampler v{d.get('sampler_version')}, this dflash-prep has "
                         f"v{anchors.SAMPLER_VERSION}: the trainer would draw other anchors; re-pack the epoch")
+    recorded = str(d.get("anchor_digest"))
+    if not recorded.startswith(anchors.DIGEST_PREFIX):
+        problems.append(f"anchor digest {recorded!r} is not of this dflash-prep's kind ({anchors.DIGEST_PREFIX}...: "
+                        "packed by another version); re-pack the epoch to verify its anchors")
     sup_all, cand_all = mask_counts.supervised, mask_counts.anchor_candidates
-    pos, off, sup, cand = regenerate(ids, masks, opts, epoch)
-    if not (np.array_equal(sup, sup_all[ids]) and np.array_equal(cand, cand_all[ids])):
-        problems.append("the loss masks disagree with supervised.npy/anchor_candidates.npy; re-tokenize the dataset")
     k = anchors.anchor_counts(cand_all, sup_all, opts.max_anchors, opts.anchor_policy, opts.block_size)
     stored = np.asarray(arrays["anchor_counts"])
-    if not np.array_equal(stored, k[ids]) or not np.array_equal(np.diff(off), stored.astype(np.int64)):
+    if not np.array_equal(stored, k[ids]):
         problems.append(f"anchor_counts.npy disagrees with the sampler in {int((stored != k[ids]).sum())} samples")
-    for name, (p, o) in {"regenerated": (pos, off), "anchors.npy": (arrays.get("anchors"), off)}.items():
-        if p is None or len(p) != o[-1]:
-            if p is not None:
-                problems.append(f"anchors.npy holds {len(p)} positions, the counts say {int(o[-1])}")
-            continue
-        bad = []
-        for a in range(0, len(ids), 4096):
-            m, cu = masks(ids[a:a + 4096])
-            sub = o[a:a + 4097] - o[a]
-            bad += (anchors.ineligible(m, cu, p[o[a]:o[min(a + 4096, len(ids))]], sub) + a).tolist()
-        if bad:
-            problems.append(f"{name}: {len(bad)} samples have anchors that are unsorted, repeated or not eligible "
-                            f"(e.g. sample {int(ids[bad[0]])})")
-    if "anchors" in arrays and len(arrays["anchors"]) == len(pos) and not np.array_equal(arrays["anchors"], pos):
-        problems.append("anchors.npy differs from the anchors the sampler regenerates from the seed")
-    digest = anchors.selection_digest(ids, cand_all, k, seed=opts.anchor_seed, epoch=epoch)
-    if digest != d.get("anchor_digest"):
-        problems.append(f"anchor digest {d.get('anchor_digest')} recorded, {digest} regenerated from the seed")
+        return problems, {}
+    job = anchors.DigestJob(cand_all, k, seed=opts.anchor_seed, epoch=epoch)      # pack's way, beside the pass
+    ea = EpochAnchors(ds, opts, epoch, ids, stored)
+    kept = arrays.get("anchors")
+    if kept is not None and len(kept) != ea.offsets[-1]:
+        problems.append(f"anchors.npy holds {len(kept)} positions, the counts say {int(ea.offsets[-1])}")
+        kept = None
+    from_positions = anchors.AnchorDigest(len(ds))
+    bad_counts, bad_anchors, differ = [], [], 0
+    try:
+        for first, mask, cu, pos, poff in ea:
+            n = len(cu) - 1
+            s, c = anchors.mask_counts(mask, cu)
+            if not (np.array_equal(s, sup_all[first:first + n]) and np.array_equal(c, cand_all[first:first + n])):
+                bad_counts.append(first)
+            bad = anchors.ineligible(mask, cu, pos, poff)
+            if len(bad):
+                bad_anchors.append(first + int(bad[0]))
+            from_positions.update(anchors.position_hashes(mask, cu, np.arange(first, first + n), pos, poff))
+            if kept is not None:
+                differ += _differing_rows(pos, poff, ea.rows[first:first + n], ea.offsets, kept)
+        from_counts = job.result()
+    finally:
+        job.cancel()
+    if bad_counts:
+        problems.append(f"the loss masks disagree with supervised.npy/anchor_candidates.npy (from sample "
+                        f"{bad_counts[0]}); re-tokenize the dataset")
+    if bad_anchors:
+        problems.append(f"the sampler gave anchors that are unsorted, repeated or not eligible (e.g. sample "
+                        f"{bad_anchors[0]})")
+    regenerated = from_positions.hexdigest()
+    if regenerated != from_counts:
+        problems.append(f"the anchors regenerated from the masks digest to {regenerated}, the counts' draw to "
+                        f"{from_counts}: the sampler is not reproducing itself; report this with the dataset")
+    if recorded != from_counts and recorded.startswith(anchors.DIGEST_PREFIX):
+        problems.append(f"anchor digest {recorded} recorded, {from_counts} regenerated from the seed")
+    if differ:
+        problems.append(f"anchors.npy differs from the anchors the sampler regenerates from the seed in {differ} "
+                        "samples")
     ko = np.asarray(k, np.int64)[order]
     mb_k = np.add.reduceat(ko, offsets[:-1]) if len(order) else np.zeros(0, np.int64)
     if len(mb_k) and mb_k.max() > int(d["anchor_budget"]):

@@ -144,8 +144,8 @@ def _verify_drafter(m: Manifest, lens, ids, offsets, src):
     if src.kind != "dataset":
         return [f"{src.path}: a dflash manifest is verified against its dataset folder (the loss masks); pass --data"], {}, None
     mc = read_mask_counts(src.path)
-    problems, got = pack_dflash.verify_epoch(m.header, m.arrays, lens, ids, offsets,
-                                             pack_dflash.dataset_masks(open_dataset(src.path)), mc, m.epoch)
+    problems, got = pack_dflash.verify_epoch(m.header, m.arrays, lens, ids, offsets, open_dataset(src.path), mc,
+                                             m.epoch)
     return problems, got, mc.supervised
 
 

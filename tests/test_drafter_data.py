@@ -145,11 +145,13 @@ def test_verify_catches_wrong_anchors(dataset, planned, tmp_path):
     manifest.write(tmp_path / "bad" / "epoch-0000", header, arrays)
     with pytest.raises(FormatError, match="anchors"):
         manifest.verify(tmp_path / "bad" / "epoch-0000")
-    header["dflash"] = dict(header["dflash"], anchor_digest="v1:" + "0" * 32)
     arrays = {name: np.array(a) for name, a in m.arrays.items()}
-    manifest.write(tmp_path / "dig" / "epoch-0000", header, arrays)
-    with pytest.raises(FormatError, match="anchor digest"):
-        manifest.verify(tmp_path / "dig" / "epoch-0000")
+    for name, digest, says in (("dig", anchors.DIGEST_PREFIX + "0" * 32, "regenerated from the seed"),
+                               ("old", "v1:" + "0" * 32, "another version")):
+        header["dflash"] = dict(header["dflash"], anchor_digest=digest)
+        manifest.write(tmp_path / name / "epoch-0000", header, arrays)
+        with pytest.raises(FormatError, match=f"anchor digest.*{says}"):
+            manifest.verify(tmp_path / name / "epoch-0000")
 
 
 def test_dflash_option_errors(dataset, planned, tmp_path):
@@ -183,7 +185,7 @@ def test_cli_pack_dflash_then_verify(dataset, planned, tmp_path):
                               "vocab=1000", "--draft-layers", "3"])
     assert res.exit_code == 0, res.output
     h = manifest.open(tmp_path / "m" / "epoch-0001").header["dflash"]
-    assert h["max_anchors"] == 32 and h["cost_model"]["draft_layers"] == 3 and h["anchor_digest"].startswith("v1:")
+    assert h["max_anchors"] == 32 and h["cost_model"]["draft_layers"] == 3 and h["anchor_digest"].startswith(anchors.DIGEST_PREFIX)
     assert "anchor_fill" in res.output
     res = runner.invoke(app, ["verify", str(tmp_path / "m")])
     assert res.exit_code == 0 and "2 epoch(s) verified" in res.output, res.output
