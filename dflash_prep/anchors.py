@@ -265,7 +265,8 @@ def sample_anchors(loss_mask: np.ndarray, *, seed: int, epoch: int, sample_id: i
 DIGEST_SCHEME = 2
 DIGEST_PREFIX = f"s{SAMPLER_VERSION}d{DIGEST_SCHEME}:"
 _SAMPLE_TAG = 0x616E63686F72
-#: Samples per chunk of the digest (8 bytes of hash each: 32 MiB buffers, reused).
+#: Samples per chunk of the digest at most (8 bytes of hash each: 32 MiB buffers, reused);
+#: smaller epochs cut 32 chunks (of 65,536 at least), so both threads get work.
 DIGEST_CHUNK = 1 << 22
 
 
@@ -393,13 +394,14 @@ class DigestJob:
     """
 
     def __init__(self, candidates: np.ndarray, counts: np.ndarray, *, seed: int, epoch: int,
-                 background: bool = True, chunk: int = DIGEST_CHUNK):
+                 background: bool = True, chunk: int | None = None):
         cand, k = np.ascontiguousarray(candidates), np.ascontiguousarray(counts)   # int32 stays int32
         if cand.dtype.kind not in "iu" or k.dtype.kind not in "iu" or cand.shape != k.shape or cand.ndim != 1:
             raise ConfigError("candidates and counts must be integer arrays of one length (one entry per sample id)")
         if len(k) and (int(k.min()) < 0 or (k > cand).any()):
             raise ConfigError("anchor counts must lie in 0..candidates")
-        self._cand, self._k, self._chunk = cand, k, int(chunk)
+        self._cand, self._k = cand, k
+        self._chunk = int(chunk) if chunk else min(DIGEST_CHUNK, max(1 << 16, -(-len(cand) // 32)))
         self._top = int(cand.max()) if len(cand) else 0
         self._base = _base_key(seed, epoch)
         self._n_chunks = -(-len(cand) // self._chunk)

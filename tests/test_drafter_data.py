@@ -86,7 +86,7 @@ def planned(dataset):
 def _cfg(dataset, **kw):
     d = drafter_options(target_config=dataset.parent / "target", draft_layers=2, max_anchors=kw.pop("max_anchors", 24),
                         **{k: kw.pop(k) for k in list(kw) if k in DrafterOptions.__dataclass_fields__})
-    return PackConfig(world_size=4, objective="dflash", drafter=d, **kw)
+    return PackConfig(objective="dflash", drafter=d, **{"world_size": 4, **kw})
 
 
 def _files(root):
@@ -248,3 +248,28 @@ def test_drafter_cost_model_by_hand(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({k2: v for k2, v in QWEN_LIKE.items()
                                                            if k2 != "num_hidden_layers"}))
         DrafterCostModel.from_config(tmp_path)
+
+
+def test_dropped_samples_keep_their_digest_and_stored_anchors(dataset, planned, tmp_path):
+    """drop_last leaves samples out of the epoch: anchors.npy holds the kept ones only, in
+    sample_ids order, and the digest (over every sample of the dataset) still verifies."""
+    plan_path, src = planned
+    for ws in (3, 5, 7):                         # a world size that leaves a partial step to drop
+        cfg = _cfg(dataset, store_anchors=True, drop_last=True, world_size=ws, max_anchors=16)
+        [d] = pack_epochs(plan=plan_path, epochs=[0], out=tmp_path / f"m{ws}", config=cfg)
+        m = manifest.open(d)
+        if len(m.arrays["dropped_ids"]):
+            break
+    assert len(m.arrays["dropped_ids"]) > 0
+    full = pack_epochs(plan=plan_path, epochs=[0], out=tmp_path / "f", config=_cfg(dataset, world_size=ws,
+                                                                                    max_anchors=16))
+    assert manifest.open(full[0]).header["dflash"]["anchor_digest"] == m.header["dflash"]["anchor_digest"]
+    ds = open_dataset(dataset)
+    k = np.asarray(m.arrays["anchor_counts"])
+    off = np.concatenate([[0], np.cumsum(k)])
+    pos = np.asarray(m.arrays["anchors"])
+    assert len(pos) == off[-1]
+    for j, i in enumerate(m.sample_ids):
+        want = anchors.sample_anchors(ds.sample(int(i))[1], seed=5, epoch=0, sample_id=int(i), max_anchors=16)
+        assert np.array_equal(pos[off[j]:off[j + 1]], want)
+    manifest.verify(d)
