@@ -223,12 +223,13 @@ def _base_key(seed: int, epoch: int) -> np.uint64:
 
 def sample_anchors_batch(loss_mask: np.ndarray, cu_seqlens: np.ndarray, sample_ids: np.ndarray, *, seed: int,
                          epoch: int, max_anchors: int, policy: str = "cap",
-                         block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[np.ndarray, np.ndarray]:
+                         block_size: int = DEFAULT_BLOCK_SIZE, with_counts: bool = False):
     """:func:`sample_anchors` for ``n`` masks concatenated (a varlen micro-batch).
 
     Returns ``(positions, offsets)``: int32 positions within each sample, sample after
     sample, and int64 offsets ``(n + 1,)``. Sample ``i``'s anchors are exactly
-    ``sample_anchors(mask_i, sample_id=sample_ids[i], ...)``.
+    ``sample_anchors(mask_i, sample_id=sample_ids[i], ...)``. ``with_counts`` also returns
+    the :func:`mask_counts` the draw was sized from: ``(positions, offsets, S, C)``.
     """
     mask = np.ascontiguousarray(loss_mask)
     if mask.dtype == np.bool_:
@@ -246,7 +247,7 @@ def sample_anchors_batch(loss_mask: np.ndarray, cu_seqlens: np.ndarray, sample_i
     out = np.empty(int(off[-1]), np.int32)
     if len(ids):
         _sample_many(mask, cu, ids, k.astype(np.int64), _base_key(seed, epoch), out, off)
-    return out, off
+    return (out, off, sup, cand) if with_counts else (out, off)
 
 
 def sample_anchors(loss_mask: np.ndarray, *, seed: int, epoch: int, sample_id: int, max_anchors: int,
@@ -264,7 +265,7 @@ def sample_anchors(loss_mask: np.ndarray, *, seed: int, epoch: int, sample_id: i
 #: it prefixes every digest, so a manifest digested another way is told apart from a wrong draw.
 DIGEST_SCHEME = 2
 DIGEST_PREFIX = f"s{SAMPLER_VERSION}d{DIGEST_SCHEME}:"
-_SAMPLE_TAG = 0x616E63686F72
+_SAMPLE_TAG = np.uint64(0x616E63686F72)      # the first fold of every sample's hash
 #: Samples per chunk of the digest at most (8 bytes of hash each: 32 MiB buffers, reused);
 #: smaller epochs cut 32 chunks (of 65,536 at least), so both threads get work.
 DIGEST_CHUNK = 1 << 22
@@ -299,7 +300,7 @@ def _bitmap_hash(words, w):
 
 @nb.njit(cache=True, inline="always")
 def _sample_hash(s, c, k, acc):
-    return _fold(_fold(_fold(_fold(np.uint64(0x616E63686F72), np.uint64(s)), np.uint64(c)), np.uint64(k)), acc)
+    return _fold(_fold(_fold(_fold(_SAMPLE_TAG, np.uint64(s)), np.uint64(c)), np.uint64(k)), acc)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -387,9 +388,9 @@ class AnchorDigest:
 class DigestJob:
     """:func:`selection_digest`, computed by a background thread while the caller packs.
 
-    The thread takes chunks of :data:`DIGEST_CHUNK` samples in id order (a nogil kernel; it
-    draws every sample's anchors, the bulk of a 100M-sample epoch's CPU time); finished
-    chunks are hashed in order. :meth:`result` joins in on the chunks left, so the job also
+    The thread takes chunks of samples in id order (1/32 of the epoch, within 65,536 and
+    :data:`DIGEST_CHUNK`; a nogil kernel that draws every sample's anchors, the bulk of a
+    100M-sample epoch's CPU time); finished chunks are hashed in order. :meth:`result` joins in on the chunks left, so the job also
     runs on both cores once the caller waits. :meth:`cancel` stops it (on an error).
     """
 

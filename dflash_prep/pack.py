@@ -249,7 +249,7 @@ def _build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edge
         ids = arrays["sample_ids"]
         arrays["anchor_counts"] = kc = de.counts[ids]             # int32, in sample_ids order
         mb_k = _row_sums(kc, start, count[mb])                   # anchors per manifest row
-        header["dflash"], extra = pack_dflash.epoch_extras(de, cfg.drafter, epoch, kc, mb_k, real[mb], budget.value)
+        header["dflash"], extra = pack_dflash.epoch_extras(de, cfg.drafter, kc, mb_k, real[mb], budget.value)
         summary.update(extra)
         if cfg.drafter.store_anchors:
             if dataset is None:

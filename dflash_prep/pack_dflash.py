@@ -169,16 +169,16 @@ def prepare(lens: np.ndarray, supervised: np.ndarray, candidates: np.ndarray, op
                         anchor_budget=int(ab))
 
 
-def epoch_extras(de: DrafterEpoch, opts: DrafterOptions, epoch: int, kc: np.ndarray, mb_anchors: np.ndarray,
+def epoch_extras(de: DrafterEpoch, opts: DrafterOptions, kc: np.ndarray, mb_anchors: np.ndarray,
                  mb_tokens: np.ndarray, token_budget: float) -> tuple[dict, dict]:
     """The manifest's drafter header and summary entries; ``kc`` is ``anchor_counts.npy``
-    (the anchors of each ``sample_ids`` entry)."""
+    (the anchors of each ``sample_ids`` entry) and ``de.digest`` the epoch's running
+    :class:`anchors.DigestJob`."""
     header = {"block_size": opts.block_size, "max_anchors": opts.max_anchors, "anchor_policy": opts.anchor_policy,
               "anchor_seed": opts.anchor_seed, "anchor_budget": de.anchor_budget, "cost_budget": de.cost_budget,
               "sampler_version": anchors.SAMPLER_VERSION,
               "cost_model": opts.cost_model.describe(opts.block_size),
-              "anchor_digest": (de.digest.result() if de.digest is not None else
-                                anchors.selection_digest(de.candidates, de.counts, seed=opts.anchor_seed, epoch=epoch))}
+              "anchor_digest": de.digest.result()}
     n_mb = max(len(mb_anchors), 1)
     summary = {"anchors": int(kc.sum(dtype=np.int64)), "useful_target_tokens": 1.0, "useful_anchor_slots": 1.0,
                "anchor_fill": float(mb_anchors.sum()) / (n_mb * de.anchor_budget),
@@ -220,9 +220,9 @@ class EpochAnchors:
     """Every anchor of one epoch regenerated from the dataset's masks, one record batch at a
     time in id order (the shards are read once, sequentially, whatever the epoch's order).
 
-    Yields per batch ``(first_id, mask, cu, positions, offsets)``: the batch's concatenated
-    masks and its samples' anchors (:func:`anchors.sample_anchors_batch`), every sample of
-    the dataset included. ``rows`` maps a sample id to its ``sample_ids`` entry (-1 when
+    Yields per batch ``(first_id, mask, cu, positions, offsets, S, C)``: the batch's
+    concatenated masks, its samples' anchors and the mask counts they were drawn from
+    (:func:`anchors.sample_anchors_batch`), every sample of the dataset included. ``rows`` maps a sample id to its ``sample_ids`` entry (-1 when
     the epoch does not hold it) and ``offsets`` are each entry's start in ``anchors.npy``.
     """
 
@@ -237,10 +237,9 @@ class EpochAnchors:
         for first, _, mask, off in self.ds.record_batches(check=True):
             cu = off.astype(np.int64)
             ids = np.arange(first, first + len(cu) - 1, dtype=np.int64)
-            pos, poff = anchors.sample_anchors_batch(mask, cu, ids, seed=self.opts.anchor_seed, epoch=self.epoch,
-                                                     max_anchors=self.opts.max_anchors,
-                                                     policy=self.opts.anchor_policy, block_size=self.opts.block_size)
-            yield first, mask, cu, pos, poff
+            yield (first, mask, cu) + anchors.sample_anchors_batch(
+                mask, cu, ids, seed=self.opts.anchor_seed, epoch=self.epoch, max_anchors=self.opts.max_anchors,
+                policy=self.opts.anchor_policy, block_size=self.opts.block_size, with_counts=True)
 
 
 def store_anchors(ds, sample_ids: np.ndarray, opts: DrafterOptions, epoch: int, counts: np.ndarray) -> np.ndarray:
@@ -248,7 +247,7 @@ def store_anchors(ds, sample_ids: np.ndarray, opts: DrafterOptions, epoch: int, 
     ``counts`` is ``anchor_counts.npy``, checked against the masks' counts."""
     ea = EpochAnchors(ds, opts, epoch, sample_ids, counts)
     out = np.empty(int(ea.offsets[-1]), np.int32)
-    for first, _, _, pos, poff in ea:
+    for first, _, _, pos, poff, _, _ in ea:
         rows = ea.rows[first:first + len(poff) - 1]
         held = rows >= 0
         if not np.array_equal(np.diff(poff)[held], np.diff(ea.offsets)[rows[held]]):
@@ -323,9 +322,8 @@ def verify_epoch(header: dict, arrays: dict, lens: np.ndarray, order: np.ndarray
     from_positions = anchors.AnchorDigest(len(ds))
     bad_counts, bad_anchors, differ = [], [], 0
     try:
-        for first, mask, cu, pos, poff in ea:
+        for first, mask, cu, pos, poff, s, c in ea:
             n = len(cu) - 1
-            s, c = anchors.mask_counts(mask, cu)
             if not (np.array_equal(s, sup_all[first:first + n]) and np.array_equal(c, cand_all[first:first + n])):
                 bad_counts.append(first)
             bad = anchors.ineligible(mask, cu, pos, poff)
