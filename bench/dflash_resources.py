@@ -20,41 +20,15 @@ import sys
 import tempfile
 
 KERNELS = ("fwd", "dq", "dkdv_blk", "dkdv_ctx")
-I32 = ("CU_CTX", "CU_BLK", "ANCHORS", "CU_TILES")
-
-
-def _signature(fn, consts: dict) -> dict:
-    sig = {}
-    for name in fn.arg_names:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in I32:
-            sig[name] = "*i32"
-        elif name in ("LSE", "DELTA"):
-            sig[name] = "*fp32"
-        elif name.isupper():
-            sig[name] = "*bf16"
-        else:
-            sig[name] = "fp32" if name in ("qk_scale", "sm_scale") else "i32"
-    return sig
-
-
 def resources(name: str, head_dim: int, block_m: int, block_n: int, warps: int, stages: int,
               block_size: int = 16) -> dict:
     """Compile kernel ``name`` for sm_90 and return its registers and stack bytes."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from dflash_prep.kernels.dflash import compile_sm90
 
-    from dflash_prep.kernels import dflash_bwd, dflash_fwd
-
-    kernel = {"fwd": dflash_fwd.dflash_fwd_kernel, "dq": dflash_bwd.dflash_bwd_dq_kernel,
-              "dkdv_blk": dflash_bwd.dflash_bwd_dkdv_blk_kernel, "dkdv_ctx": dflash_bwd.dflash_bwd_dkdv_ctx_kernel}[name]
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size, UPCAST=False,
                   PRECISION="tf32")
-    src = ASTSource(fn=kernel, signature=_signature(kernel, consts),
-                    constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    compiled = compile_sm90(name, consts, warps=warps, stages=stages)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")

@@ -84,6 +84,37 @@ def tile_table(cu: torch.Tensor, block: int) -> torch.Tensor:
     return tiles
 
 
+#: The four kernels by the names :func:`blocks_for` and :data:`FIXED_BLOCKS` use.
+KERNELS = {"fwd": dflash_fwd_kernel, "dq": dflash_bwd_dq_kernel, "dkdv_blk": dflash_bwd_dkdv_blk_kernel,
+           "dkdv_ctx": dflash_bwd_dkdv_ctx_kernel}
+_I32_ARGS = ("CU_CTX", "CU_BLK", "ANCHORS", "CU_TILES")
+
+
+def compile_sm90(name: str, consts: dict, *, warps: int, stages: int, dtype: str = "bf16"):
+    """Kernel ``name`` compiled ahead of time for sm_90 (Triton's ``compile`` on an
+    ``ASTSource``, down to a cubin; no GPU needed), with ``consts`` as its constexprs and
+    ``dtype`` (``bf16``, ``fp16``, ``fp32``) for the tensor arguments: the compile test and
+    ``bench/dflash_resources.py`` read its shared memory, PTX and registers."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = KERNELS[name]
+    sig = {}
+    for arg in kernel.arg_names:
+        if arg in consts:
+            sig[arg] = "constexpr"
+        elif arg in _I32_ARGS:
+            sig[arg] = "*i32"
+        elif arg in ("LSE", "DELTA"):
+            sig[arg] = "*fp32"
+        elif arg.isupper():
+            sig[arg] = "*" + dtype
+        else:
+            sig[arg] = "fp32" if arg in ("qk_scale", "sm_scale") else "i32"
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
 def _consts(q: torch.Tensor, prob: DFlashProblem, bm: int, bn: int) -> dict:
     upcast = INTERPRETED and q.dtype != torch.float32
     return dict(HEAD_DIM=prob.head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_SIZE=prob.block_size, UPCAST=upcast,

@@ -10,44 +10,18 @@ from .test_compile import SM90_SMEM, _compile_script
 
 SCRIPT = r"""
 import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from dflash_prep.kernels import dflash
-from dflash_prep.kernels.dflash_fwd import dflash_fwd_kernel
-from dflash_prep.kernels.dflash_bwd import dflash_bwd_dkdv_blk_kernel, dflash_bwd_dkdv_ctx_kernel, dflash_bwd_dq_kernel
 
 dtype, dims, block_sizes = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], [int(x) for x in sys.argv[3].split(",")]
-I32 = ("CU_CTX", "CU_BLK", "ANCHORS", "CU_TILES")
-
-def signature(fn, consts):
-    sig = {}
-    for name in fn.arg_names:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in I32:
-            sig[name] = "*i32"
-        elif name in ("LSE", "DELTA"):
-            sig[name] = "*fp32"
-        elif name.isupper():
-            sig[name] = "*" + dtype
-        else:
-            sig[name] = "fp32" if name in ("qk_scale", "sm_scale") else "i32"
-    return sig
-
 out = []
 for d in dims:
     for b in block_sizes:
-        for kernel, name in ((dflash_fwd_kernel, "fwd"), (dflash_bwd_dq_kernel, "dq"),
-                             (dflash_bwd_dkdv_blk_kernel, "dkdv_blk"), (dflash_bwd_dkdv_ctx_kernel, "dkdv_ctx")):
+        for name in dflash.KERNELS:
             bm, bn, warps, stages = dflash.blocks_for(name, dflash.DFlashProblem(
                 num_docs=1, heads_q=4, heads_kv=1, head_dim=d, block_size=b, num_blocks=1, ctx_tokens=1, scale=1.0))
             consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_SIZE=b, UPCAST=False,
                           PRECISION="ieee" if dtype == "fp32" else "tf32")
-            src = ASTSource(fn=kernel, signature=signature(kernel, consts),
-                            constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()})
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                      options=dict(num_warps=warps, num_stages=stages))
+            compiled = dflash.compile_sm90(name, consts, warps=warps, stages=stages, dtype=dtype)
             out.append(dict(kernel=name, d=d, block_size=b, blocks=[bm, bn], shared=compiled.metadata.shared,
                             ptx="ld.global" in compiled.asm["ptx"]))
 print(json.dumps(out))
