@@ -136,6 +136,44 @@ def _measure(timer: Timer, fwd, inputs):
     return fwd_ms, bwd_ms, out.detach()
 
 
+def timed_row(timer: Timer, base: dict, provider: str, fn_maker, inputs, *, ours: bool, skip: str | None = None,
+              ref=None, note=None) -> tuple[dict, object]:
+    """One result row (and the forward's output, or None) of ``provider`` on ``inputs``:
+    ms and TFLOP/s both ways (``base["flops_fwd"]``, backward 2.5x), the max difference to
+    ``ref``. ``skip`` (a reason) records it as skipped, unrun. Our kernel must run, so its
+    errors propagate; a baseline's are recorded (its compile or launch may fail in many
+    ways: OOM, no kernel for the shape, ...)."""
+    import torch
+
+    row = dict(base, provider=provider, fwd_ms=None, bwd_ms=None, fwd_tflops=None, bwd_tflops=None,
+               max_abs_diff=None, error=None, note=note)
+    if skip:
+        row["error"] = skip
+        return row, None
+    cuda = torch.cuda.is_available() and getattr(timer, "cuda", False)
+    try:
+        fwd_ms, bwd_ms, out = _measure(timer, fn_maker(*inputs), inputs)
+    except Exception as e:
+        if ours:
+            raise
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        if cuda:
+            torch.cuda.empty_cache()
+        return row, None
+    flops = base["flops_fwd"]
+    row.update(fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_tflops=flops / fwd_ms / 1e9, bwd_tflops=2.5 * flops / bwd_ms / 1e9)
+    if ref is not None:
+        row["max_abs_diff"] = float((out.float() - ref.float()).abs().max())
+    if cuda:
+        torch.cuda.synchronize()
+    return row, out
+
+
+def fmt(x, spec=".1f") -> str:
+    """A table cell: ``-`` for a missing number."""
+    return "-" if x is None else format(x, spec)
+
+
 # ----------------------------------------------------------------------------- providers
 def _sdpa(backend_name: str):
     import torch.nn.functional as F
@@ -194,30 +232,9 @@ class Runner:
         return time.perf_counter() - self.t0 > self.cfg.budget_s
 
     def _record(self, base: dict, provider: str, fn_maker, inputs, *, ours: bool, ref=None, note=None):
-        import torch
-
-        row = dict(base, provider=provider, fwd_ms=None, bwd_ms=None, fwd_tflops=None, bwd_tflops=None,
-                   max_abs_diff=None, error=None, note=note)
-        if self._over_budget():
-            row["error"] = f"skipped: time budget {self.cfg.budget_s:.0f}s spent"
-            self.rows.append(row)
-            return None
-        try:
-            fwd_ms, bwd_ms, out = _measure(self.timer, fn_maker(*inputs), inputs)
-        except (RuntimeError, NotImplementedError, ValueError, AssertionError) as e:
-            if ours:
-                raise  # our kernel must run; only a baseline may be unavailable
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-            self.rows.append(row)
-            return None
-        flops = base["flops_fwd"]
-        row.update(fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_tflops=flops / fwd_ms / 1e9,
-                   bwd_tflops=2.5 * flops / bwd_ms / 1e9)
-        if ref is not None:
-            row["max_abs_diff"] = float((out.float() - ref.float()).abs().max())
+        skip = f"skipped: time budget {self.cfg.budget_s:.0f}s spent" if self._over_budget() else None
+        row, out = timed_row(self.timer, base, provider, fn_maker, inputs, ours=ours, skip=skip, ref=ref, note=note)
         self.rows.append(row)
-        if self.cuda:
-            torch.cuda.synchronize()
         return out
 
     def dense(self, d: int, seq: int) -> None:
@@ -326,10 +343,6 @@ def evaluate_targets(rows, cfg: BenchConfig) -> list[dict]:
     return out
 
 
-def _fmt(x, spec=".1f"):
-    return "-" if x is None else format(x, spec)
-
-
 def markdown(report: dict) -> str:
     lines = [f"# Kernel benchmark ({report['device']}, {report['created'][:10]})", ""]
     if report["smoke"]:
@@ -342,12 +355,12 @@ def markdown(report: dict) -> str:
     for r in report["rows"]:
         lines.append(
             f"| {r['case']} | {r['head_dim']} | {r['heads']} | {r['batch']} | {r['seqlen']} | {r['provider']} | "
-            f"{_fmt(r['fwd_ms'], '.3f')} | {_fmt(r['bwd_ms'], '.3f')} | {_fmt(r['fwd_tflops'])} | "
-            f"{_fmt(r['bwd_tflops'])} | {_fmt(r['max_abs_diff'], '.2e')} | {r['error'] or r['note'] or ''} |")
+            f"{fmt(r['fwd_ms'], '.3f')} | {fmt(r['bwd_ms'], '.3f')} | {fmt(r['fwd_tflops'])} | "
+            f"{fmt(r['bwd_tflops'])} | {fmt(r['max_abs_diff'], '.2e')} | {r['error'] or r['note'] or ''} |")
     lines += ["", "| target | D | L | ratio | bar | pass |", "|---|---|---|---|---|---|"]
     for t in report["targets"]:
         verdict = "-" if t["passed"] is None else ("yes" if t["passed"] else "**no**")
-        lines.append(f"| {t['target']} | {t['head_dim']} | {t['seqlen'] or 'varlen'} | {_fmt(t['ratio'], '.2f')} | "
+        lines.append(f"| {t['target']} | {t['head_dim']} | {t['seqlen'] or 'varlen'} | {fmt(t['ratio'], '.2f')} | "
                      f">= {t['bar']} | {verdict} |")
     return "\n".join(lines) + "\n"
 

@@ -224,30 +224,11 @@ class Runner:
         self.checks: list[dict] = []
 
     def _time(self, base: dict, provider: str, fn_maker, inputs, *, ours: bool, ref=None, note=None):
-        import torch
+        from bench.attention import timed_row
 
-        from bench.attention import _measure
-
-        row = dict(base, provider=provider, fwd_ms=None, bwd_ms=None, fwd_tflops=None, bwd_tflops=None,
-                   max_abs_diff=None, error=None, note=note)
-        if not ours and time.perf_counter() - self.t0 > self.cfg.budget_s:
-            row["error"] = f"skipped: time budget {self.cfg.budget_s:.0f}s spent"
-            self.rows.append(row)
-            return None
-        try:
-            fwd_ms, bwd_ms, out = _measure(self.timer, fn_maker(*inputs), inputs)
-        except Exception as e:  # a baseline's compile or launch may fail in many ways (OOM, no kernel, ...)
-            if ours:
-                raise  # our kernel must run; only a baseline may be unavailable, and it is recorded
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-            self.rows.append(row)
-            if self.cuda:
-                torch.cuda.empty_cache()
-            return None
-        flops = base["flops_fwd"]
-        row.update(fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_tflops=flops / fwd_ms / 1e9, bwd_tflops=2.5 * flops / bwd_ms / 1e9)
-        if ref is not None:
-            row["max_abs_diff"] = float((out.float() - ref.float()).abs().max())
+        spent = not ours and time.perf_counter() - self.t0 > self.cfg.budget_s
+        skip = f"skipped: time budget {self.cfg.budget_s:.0f}s spent" if spent else None
+        row, out = timed_row(self.timer, base, provider, fn_maker, inputs, ours=ours, skip=skip, ref=ref, note=note)
         self.rows.append(row)
         return out
 
@@ -307,11 +288,9 @@ def evaluate_targets(rows: list[dict], cfg: DFlashBenchConfig) -> list[dict]:
     return out
 
 
-def _fmt(x, spec=".1f"):
-    return "-" if x is None else format(x, spec)
-
-
 def markdown(report: dict) -> str:
+    from bench.attention import fmt
+
     lines = [f"# DFlash attention check ({report['device']}, {report['created'][:10]})", ""]
     if report["smoke"]:
         lines += ["**Smoke run on CPU: times are not performance figures.**", ""]
@@ -322,9 +301,9 @@ def markdown(report: dict) -> str:
               "| S | N | provider | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | max abs diff | note |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
-        lines.append(f"| {r['S']} | {r['N']} | {r['provider']} | {_fmt(r['fwd_ms'], '.3f')} | "
-                     f"{_fmt(r['bwd_ms'], '.3f')} | {_fmt(r['fwd_tflops'])} | {_fmt(r['bwd_tflops'])} | "
-                     f"{_fmt(r['max_abs_diff'], '.2e')} | {r['error'] or r['note'] or ''} |")
+        lines.append(f"| {r['S']} | {r['N']} | {r['provider']} | {fmt(r['fwd_ms'], '.3f')} | "
+                     f"{fmt(r['bwd_ms'], '.3f')} | {fmt(r['fwd_tflops'])} | {fmt(r['bwd_tflops'])} | "
+                     f"{fmt(r['max_abs_diff'], '.2e')} | {r['error'] or r['note'] or ''} |")
     lines += ["", "| S | N | correct (6 tensors, 2x rule) | deterministic | worst err / bound |", "|---|---|---|---|---|"]
     for ch in report["checks"]:
         worst = max(ch["grads"].values(), key=lambda g: g["err"] / g["bound"])
@@ -333,7 +312,7 @@ def markdown(report: dict) -> str:
     lines += ["", "| target | S | N | ratio | bar | pass |", "|---|---|---|---|---|---|"]
     for t in report["targets"]:
         verdict = "-" if t["passed"] is None else ("yes" if t["passed"] else "**no**")
-        lines.append(f"| {t['target']} | {t['S']} | {t['N']} | {_fmt(t['ratio'], '.2f')} | >= {t['bar']} | {verdict} |")
+        lines.append(f"| {t['target']} | {t['S']} | {t['N']} | {fmt(t['ratio'], '.2f')} | >= {t['bar']} | {verdict} |")
     return "\n".join(lines) + "\n"
 
 
