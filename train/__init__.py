@@ -11,6 +11,7 @@ Data flow, one module per step::
                         folder) or dflash (drafter.py on target.py's frozen model, objective_dflash.py);
                         head + CE in chunks (chunked_ce.py)
       -> model.py     Llama-style decoder; attention from kernels/ (Triton on CUDA, reference on CPU)
+                      RMSNorm, RoPE, SwiGLU from layers.py (shared with drafter.py)
 
 ``python -m dflash_prep.train`` is the entry point (``make train`` runs it under torchrun);
 ``python -m dflash_prep.train.bench`` measures tokens/s per batching strategy. Importing ``dflash_prep``

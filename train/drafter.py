@@ -31,7 +31,8 @@ the public inference code computes for one block after a prefill of ``a_j`` toke
 
 RoPE is the default (unscaled) rotary embedding with base ``rope_theta``, in the HF
 ``rotate_half`` convention; the drafter has its own config, so a target's RoPE scaling is not
-inherited.
+inherited. RMSNorm, RoPE and the MLP are :mod:`.layers`' (shared with the LM decoder), in the HF
+rounding order: norms cast before the gain, RoPE tables in the activation dtype.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from dflash_prep.errors import ConfigError
+
+from .layers import RMSNorm, SwiGLU, apply_rope, rope_tables
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -160,34 +162,9 @@ class DrafterConfig:
                    vocab_size=int(c.vocab_size), attention_bias=bool(getattr(c, "attention_bias", False)))
 
 
-class RMSNorm(nn.Module):
-    """``weight * (x / sqrt(mean(x^2) + eps))``, normalised in fp32, cast back before the gain
-    (the Qwen3 order)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos, sin ``[*positions.shape, head_dim]`` (frequencies repeated for both halves), fp32 math."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim))
-    ang = positions.float()[..., None] * inv  # (..., D/2)
-    emb = torch.cat((ang, ang), dim=-1)       # (..., D)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``x [T, H, D]`` with cos/sin ``[T, D]`` (HF rotate_half: halves, not pairs)."""
-    d = x.shape[-1] // 2
-    rot = torch.cat((-x[..., d:], x[..., :d]), dim=-1)
-    return x * cos[:, None, :] + rot * sin[:, None, :]
+def _norm(cfg: DrafterConfig, dim: int) -> RMSNorm:
+    """The drafter's RMSNorm: the HF Qwen3 rounding order (cast, then gain), as the public model."""
+    return RMSNorm(dim, cfg.rms_norm_eps, cast_before_gain=True)
 
 
 class DFlashAttention(nn.Module):
@@ -199,8 +176,8 @@ class DFlashAttention(nn.Module):
         self.k_proj = nn.Linear(H, cfg.kv_heads * D, bias=b)
         self.v_proj = nn.Linear(H, cfg.kv_heads * D, bias=b)
         self.o_proj = nn.Linear(cfg.heads * D, H, bias=b)
-        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.q_norm = _norm(cfg, D)
+        self.k_norm = _norm(cfg, D)
 
     def forward(self, h, ctx, rope_ctx, rope_blk, cu_ctx, cu_blk, anchors, block_size):
         """h ``[Q, H]`` (normed block states), ctx ``[S, H]`` (fused context) -> ``[Q, H]``."""
@@ -213,31 +190,20 @@ class DFlashAttention(nn.Module):
         k_blk = self.k_norm(self.k_proj(h).view(Q, c.kv_heads, c.head_dim))    # (Q, Hkv, D)
         v_ctx = self.v_proj(ctx).view(S, c.kv_heads, c.head_dim)
         v_blk = self.v_proj(h).view(Q, c.kv_heads, c.head_dim)
-        q, k_blk = _rotate(q, *rope_blk), _rotate(k_blk, *rope_blk)
-        k_ctx = _rotate(k_ctx, *rope_ctx)
+        q, k_blk = apply_rope(q, *rope_blk), apply_rope(k_blk, *rope_blk)
+        k_ctx = apply_rope(k_ctx, *rope_ctx)
         o = kernels.attention_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size,
                                      scale=1.0 / math.sqrt(c.head_dim))  # (Q, Hq, D)
         return self.o_proj(o.reshape(Q, c.heads * c.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DraftLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.self_attn = DFlashAttention(cfg)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden, cfg.intermediate, names=("gate_proj", "up_proj", "down_proj"))
+        self.input_layernorm = _norm(cfg, cfg.hidden)
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden)
 
     def forward(self, x, ctx, rope_ctx, rope_blk, cu_ctx, cu_blk, anchors, block_size):
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_ctx, rope_blk, cu_ctx, cu_blk, anchors, block_size)
@@ -251,9 +217,9 @@ class Drafter(nn.Module):
         super().__init__()
         self.config = cfg
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden, cfg.rms_norm_eps)
+        self.norm = _norm(cfg, cfg.hidden)
         self.fc = nn.Linear(cfg.num_taps * cfg.hidden, cfg.hidden, bias=False)
-        self.hidden_norm = RMSNorm(cfg.hidden, cfg.rms_norm_eps)
+        self.hidden_norm = _norm(cfg, cfg.hidden)
         for m in self.modules():  # the public init: N(0, 0.02) linears, zero biases, unit norms
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, mean=0.0, std=init_std)
@@ -297,8 +263,8 @@ class Drafter(nn.Module):
             raise ValueError("blk_pos must have one entry per block row and ctx_pos one per context row")
         ctx = self.hidden_norm(self.fc(target_feats))  # (S, H)
         x = noise_embeds
-        rope_ctx = rope_cos_sin(ctx_pos, c.head_dim, c.rope_theta, ctx.dtype)  # (S, D) each
-        rope_blk = rope_cos_sin(blk_pos, c.head_dim, c.rope_theta, x.dtype)    # (Q, D) each
+        rope_ctx = rope_tables(ctx_pos, c.head_dim, c.rope_theta, ctx.dtype)  # (S, D/2) each
+        rope_blk = rope_tables(blk_pos, c.head_dim, c.rope_theta, x.dtype)    # (Q, D/2) each
         for layer in self.layers:
             x = layer(x, ctx, rope_ctx, rope_blk, cu_ctx, cu_blk, anchors, B)
         return self.norm(x)

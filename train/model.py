@@ -1,6 +1,7 @@
 """A small Llama-style decoder whose attention is ``kernels/``.
 
-RMSNorm (pre-norm), rotary position embeddings, SwiGLU MLP, grouped-query attention,
+RMSNorm (pre-norm), rotary position embeddings, SwiGLU MLP (those three are :mod:`.layers`',
+shared with the drafter; RoPE and RMSNorm run in fp32 here), grouped-query attention,
 optional tied embeddings. No dropout, so a training step is a pure function of the
 parameters, optimizer state and batch: that is what makes resume bitwise on CPU.
 
@@ -25,36 +26,7 @@ import torch.nn.functional as F
 from dflash_prep import kernels
 
 from .config import ModelConfig
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()  # normalise in fp32 under bf16 autocast
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
-
-
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape ``positions.shape + (head_dim // 2,)``, fp32."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    ang = positions.to(torch.float32)[..., None] * inv
-    return ang.cos(), ang.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., :D/2], x[..., D/2:]) (the GPT-NeoX / Llama-HF convention).
-
-    ``x`` is ``(..., H, D)`` and cos/sin broadcast as ``(..., 1, D/2)``.
-    """
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d].float(), x[..., d:].float()
-    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).to(x.dtype)
+from .layers import RMSNorm, SwiGLU, apply_rope, rope_tables
 
 
 class Attention(nn.Module):
@@ -72,7 +44,7 @@ class Attention(nn.Module):
         q = self.q(x).view(*lead, c.n_heads, c.head_dim)
         k = self.k(x).view(*lead, c.n_kv_heads, c.head_dim)
         v = self.v(x).view(*lead, c.n_kv_heads, c.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin, fp32=True), apply_rope(k, cos, sin, fp32=True)
         if cu_seqlens is not None:  # (T, H, D)
             o = kernels.attention_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True)
         else:  # (B, L, H, D) -> (B, H, L, D)
@@ -81,24 +53,13 @@ class Attention(nn.Module):
         return self.o(o.reshape(*lead, c.n_heads * c.head_dim))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.up = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
-
-    def forward(self, x):
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
 
     def forward(self, x, cos, sin, **attn_kw):
         x = x + self.attn(self.attn_norm(x), cos, sin, **attn_kw)
