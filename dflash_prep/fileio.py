@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import tempfile
+import tokenize
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
@@ -254,13 +255,17 @@ def read_json(path: str | os.PathLike, *, format: str, versions: tuple[int, ...]
 
 
 def load_npy(path: str | os.PathLike, *, dtype: np.dtype | str | None = None, mmap: bool = True) -> np.ndarray:
-    """Load an ``.npy`` memory-mapped, turning truncation and corruption into FormatError."""
+    """Load an ``.npy`` memory-mapped, turning truncation and corruption into FormatError.
+
+    Every reader of our arrays (datasets, lengths files, manifests) comes through here, so a
+    corrupt header (numpy parses it with :mod:`tokenize` and :func:`ast.literal_eval`, which
+    raise ``TokenError`` / ``SyntaxError``) is the same one-line error as a truncated body."""
     path = Path(path)
     if not path.is_file():
         raise FormatError(f"{path}: file not found")
     try:
         arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
+    except (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenError) as e:  # numpy tokenizes the header
         raise FormatError(f"{path}: corrupt or truncated array ({e}); re-create it") from e
     if dtype is not None and arr.dtype != np.dtype(dtype):
         raise FormatError(f"{path}: expected dtype {np.dtype(dtype)}, found {arr.dtype}")
