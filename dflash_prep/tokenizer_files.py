@@ -29,6 +29,10 @@ def _tokens(v) -> bool:
     return isinstance(v, list) and all(map(_token, v))
 
 
+def _strings(v) -> bool:
+    return isinstance(v, list) and all(isinstance(t, str) for t in v)
+
+
 def _flag(v) -> bool:
     return v is None or isinstance(v, bool)
 
@@ -45,8 +49,8 @@ _FIELDS = {
         "added_tokens_decoder": (lambda v: isinstance(v, dict) and all(
             k.isdigit() and isinstance(t, dict) and isinstance(t.get("content"), str) for k, t in v.items()),
             'an object {"ID": {"content": string, ...}}'),
-        "chat_control_tokens": (lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v), "a list of strings"),
-        "model_input_names": (lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v), "a list of strings"),
+        "chat_control_tokens": (_strings, "a list of strings"),
+        "model_input_names": (_strings, "a list of strings"),
         "model_max_length": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
                              "a positive number"),
         "tokenizer_class": (lambda v: isinstance(v, str), "a class name (string)"),
