@@ -60,6 +60,8 @@ def check_out(out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] = (
     holds one of ``inputs``.
     """
     out = Path(out)
+    if out.is_symlink() and not out.exists():
+        follow_link(out)  # a link to nothing: refused, naming where it points
     if (out.exists() or out.is_symlink()) and not out.is_dir():
         raise ConfigError(f"{flag} {out} is a file, not a folder; it was left untouched. Choose another {flag}")
     r = out.resolve()

@@ -144,13 +144,20 @@ def test_every_folder_writer_goes_through_a_link(p):
     assert [d.name for d in manifest.find_epochs(p / "real-man")] == ["epoch-0000", "epoch-0001", "epoch-0002"]
     for d in dirs:
         verify_epoch(d)
+    from dflash_prep.analyze import run
+
+    (p / "real-an").mkdir()
+    (p / "link-an").symlink_to(p / "real-an", target_is_directory=True)
+    run(AnalyzeConfig(data=p / "data", out=p / "link-an", budget=1600, window=0, plot=False))
+    assert (p / "link-an").is_symlink() and plan_mod.load(p / "real-an" / "plan.json").budget.value == 1600
     _no_debris(p)
 
 
 def test_a_dangling_link_and_a_failing_delete_are_errors(p, monkeypatch):
     (p / "dangling").symlink_to(p / "nowhere")
-    _refused(lambda: tokenize(TokenizeConfig(tokenizer="byte", inputs=(str(p / "corpus"),), out=p / "dangling")),
-             "dangling")
+    msg = _refused(lambda: tokenize(TokenizeConfig(tokenizer="byte", inputs=(str(p / "corpus"),), out=p / "dangling")),
+                   "dangling")
+    assert "nowhere" in msg and "does not exist" in msg
     assert not (p / "nowhere").exists()
     rmtree = shutil.rmtree
 

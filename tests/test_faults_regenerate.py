@@ -236,3 +236,18 @@ def test_answer_cut_mid_body_is_retried_then_reported(corpus, tmp_path, port, re
     finally:
         srv.close()
     assert _whole_records(tmp_path / "always") == []
+
+
+def test_out_through_a_link_writes_its_target(corpus, tmp_path, port, reference):
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    link.symlink_to(real, target_is_directory=True)
+    srv = FakeServer(port)
+    try:
+        run(_cfg(srv.url, corpus, link))
+        s = run(_cfg(srv.url, corpus, link, retries=2, overwrite=True))     # other settings: start over
+    finally:
+        srv.close()
+    assert s["stats"]["records_written"] == N_PROMPTS and link.is_symlink()
+    assert (real / "chat.jsonl").read_bytes() == reference
+    assert not [q.name for q in tmp_path.iterdir() if ".old-" in q.name or q.name.endswith(".tmp")]
