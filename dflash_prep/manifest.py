@@ -69,6 +69,7 @@ import numpy as np
 
 from .errors import ConfigError, FingerprintMismatch, FormatError
 from .fileio import atomic_dir, atomic_save_npy, atomic_write_json, fingerprint_array, fingerprint_json, load_npy, read_json
+from .plan import SEED_MAX
 
 MANIFEST_FORMAT = "dflash-prep/manifest"
 MANIFEST_VERSION = 1
@@ -95,6 +96,9 @@ def epoch_dir(root: str | Path, epoch: int) -> Path:
     """``<root>/epoch-000N``: where epoch ``N`` of a manifest root lives."""
     if int(epoch) < 0:
         raise ConfigError(f"epoch must be >= 0, got {epoch}")
+    if int(epoch) > SEED_MAX:  # the epoch keys the shuffles with its 64 bits (plan.check_seed)
+        raise ConfigError(f"epoch {epoch} is outside 0..{SEED_MAX}: the shuffles are keyed by 64 bits, so it would "
+                          f"repeat epoch {int(epoch) & SEED_MAX}")
     return Path(root) / f"epoch-{int(epoch):04d}"
 
 

@@ -38,16 +38,17 @@ SEED_MAX = 2 ** 64 - 1
 
 
 def check_seed(seed, flag: str = "--seed") -> int:
-    """``seed`` as an int in ``[0, 2^64)``, else :class:`ConfigError`. The shuffles and anchor
-    draws are keyed by the seed's 64 bits, so a negative or larger seed would shuffle exactly
-    like another one (``2^64`` like ``0``) while its plan's fingerprint claims it differs."""
+    """``seed`` (or an epoch, which keys the shuffles too) as an int in ``[0, 2^64)``, else
+    :class:`ConfigError`. The shuffles and anchor draws are keyed by its 64 bits, so a negative
+    or larger value would shuffle exactly like another one (``2^64`` like ``0``) while its
+    plan's (or epoch's) fingerprint claims it differs."""
     try:
         v = operator.index(seed)
     except TypeError:
         raise ConfigError(f"{flag} must be an integer, got {seed!r}") from None
     if not 0 <= v <= SEED_MAX:
         raise ConfigError(f"{flag} {v} is outside 0..{SEED_MAX} (2^64 - 1): the shuffles are keyed by 64 bits, "
-                          f"so it would shuffle exactly like {flag} {v & SEED_MAX}; pass a seed in that range")
+                          f"so it would shuffle exactly like {flag} {v & SEED_MAX}; pass a value in that range")
     return v
 
 

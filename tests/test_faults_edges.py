@@ -242,6 +242,15 @@ def test_seed_outside_64_bits_is_refused(pipe, seed):
         DrafterOptions(anchor_seed=seed)
 
 
+def test_epoch_outside_64_bits_is_refused(pipe, tmp_path):
+    """The epoch keys the shuffles as the seed does: epoch 2^64 packed the batches of epoch 0."""
+    for e in (2 ** 64, 2 ** 64 + 1):
+        _refused(lambda: pack_epochs(plan=pipe / "plan" / "plan.json", epochs=[e], out=tmp_path / "m"), "epoch")
+        _one_line_error(["pack", "data", "--plan", "plan/plan.json", "--out", str(tmp_path / "m"), "--epoch", str(e)],
+                        pipe, "64 bits")
+    assert not list(tmp_path.rglob("epoch-*"))         # nothing packed under the wrapped epoch
+
+
 def test_seeds_in_range_keep_their_fingerprints_and_shuffles(pipe):
     from dflash_prep.bucketing import keyed_permutation
 
