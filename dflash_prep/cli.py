@@ -375,9 +375,13 @@ def verify_cmd(
             typer.echo(__import__("json").dumps(r, indent=2, allow_nan=False))
         return
     _print_summaries(rows, json_out)
-    for name, r in rows:               # what verify could not recompute is said, never passed as checked
+    unchecked: dict[tuple[str, str], list[str]] = {}   # what verify could not recompute is said, never passed
+    for name, r in rows:
         for field, why in r.get("unchecked", {}).items():
-            typer.echo(f"not recomputed: {name} {field}: {why}", err=True)
+            unchecked.setdefault((field, why), []).append(name)
+    for (field, why), names in unchecked.items():
+        where = f"all {len(rows)} epochs" if len(names) == len(rows) > 1 else ", ".join(names)
+        typer.echo(f"not recomputed: {field} ({where}): {why}", err=True)
     typer.secho(f"ok: {len(rows)} epoch(s) verified", fg=typer.colors.GREEN, err=json_out)
 
 

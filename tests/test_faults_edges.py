@@ -108,7 +108,7 @@ def test_verify_names_what_it_cannot_recompute(p):
     rc, err = _cli(["verify", "man/epoch-0001", "--data", "data"], p)
     assert rc == 0
     for name in ("predicted_efficiency", "split_microbatches", "repeat_pair_rate"):
-        assert f"not recomputed: epoch-0001 {name}: " in err, err
+        assert f"not recomputed: {name} (epoch-0001): " in err, err
 
 
 # ----------------------------------------------------------------------------- 2. --out LINK
