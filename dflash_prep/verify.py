@@ -4,8 +4,8 @@
 layout, the summary metrics) and names, in its result's ``unchecked``, each summary field it
 cannot recompute and why (:data:`NOT_RECOMPUTED`; the repeat-pair rate when the epoch it was
 measured against is gone). Over a root, every ``epoch-*`` entry must be an epoch folder with
-its manifest (:func:`dflash_prep.manifest.find_epochs` ``strict``). :func:`verify_dataset` re-hashes every shard against its
-``sha256`` in ``meta.json`` and checks the token ids against the vocabulary and the loss
+its manifest (:func:`dflash_prep.manifest.find_epochs` ``strict``). :func:`verify_dataset`
+re-hashes every shard against its ``sha256`` in ``meta.json`` and checks the token ids against the vocabulary and the loss
 mask values, on top of the cheap checks of :func:`dflash_prep.dataset.open_dataset`. Both
 raise :class:`FormatError` / :class:`FingerprintMismatch` naming the file and the fix.
 :func:`verify_path` picks by what the folder holds.
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import bucketing, metrics
 from . import lengths as lengths_mod
-from . import metrics
 from .dataset import META_FILE, open_dataset
 from .errors import FingerprintMismatch, FormatError
 from .fileio import fingerprint_file
@@ -44,18 +44,18 @@ def _summary_metrics(m: Manifest, lens: np.ndarray, order: np.ndarray, offsets: 
         cost = metrics.batch_cost(lens, order, offsets, float(b["cost_alpha"]), varlen=varlen)
     eff = 1.0 if varlen else metrics.efficiency(lens, order, offsets)
     real, sq = t[:, COL["real_tokens"]], t[:, COL["sum_sq_len"]]    # checked against the lengths by the caller
+    edges = bucketing.class_edges(lens)             # pack's classes (a continuation keeps its parent's, the same)
     out = {"efficiency": eff, "fill": metrics.fill(lens, order, offsets, float(b["value"]), varlen=varlen,
                                                      alpha=float(b["packing_alpha"])),
            "microbatches": int(len(t)), "steps": int(len(t) // (m.world_size * m.grad_accum)),
            "samples": int(len(order)), "dropped_samples": int(len(m.dropped_ids)),
            "real_tokens": int(real.sum()), "padded_tokens": int(t[:, COL["padded_tokens"]].sum()),
            "sum_sq_len_max": int(sq.max()) if len(t) else 0, "sum_sq_len_mean": float(sq.mean()) if len(t) else 0.0,
-           "step_mix": metrics.step_mix(lens, order, offsets, t[:, COL["step"]]),
+           "step_mix": metrics.step_mix(lens, order, offsets, t[:, COL["step"]], edges=edges),
            "rank_imbalance": metrics.rank_imbalance(cost, t[:, COL["step"]], t[:, COL["rank"]], m.world_size),
            "rank_imbalance_alpha": float(b["cost_alpha"]),
            "rank_imbalance_cost": "drafter" if supervised is not None else "tokens"}
-    if "resume" not in m.header:                 # a continuation keeps its parent's classes
-        out["class_edges"] = [int(e) for e in metrics.class_edges(lens)]
+    out["class_edges"] = [int(e) for e in edges]
     if supervised is not None:                   # dflash: every row's anchors and tokens against its budgets
         n_mb, k = max(len(t), 1), int(np.asarray(m.arrays["anchor_counts"]).sum(dtype=np.int64))
         out |= {"useful_target_tokens": 1.0, "useful_anchor_slots": 1.0,
@@ -186,12 +186,13 @@ def _check_summary(path: Path, m: Manifest, got: dict, lens, ids, offsets) -> di
 
 
 def _same(recorded, recomputed) -> bool:
-    """A summary value equals its recomputation: numbers to 1e-9, anything else exactly."""
+    """A summary value equals its recomputation: numbers to 1e-9 (relative above 1: a mean
+    of sums of L^2 summed in another order differs in its last bits), anything else exactly."""
     num = (int, float, np.integer, np.floating)
     if isinstance(recorded, bool) or isinstance(recomputed, bool) or not (
             isinstance(recorded, num) and isinstance(recomputed, num)):
         return recorded == recomputed
-    return abs(float(recorded) - float(recomputed)) <= 1e-9
+    return abs(float(recorded) - float(recomputed)) <= 1e-9 * max(1.0, abs(float(recomputed)))
 
 
 def _verify_drafter(m: Manifest, lens, ids, offsets, src):
