@@ -242,6 +242,13 @@ def test_seed_outside_64_bits_is_refused(pipe, seed):
         DrafterOptions(anchor_seed=seed)
 
 
+def test_synth_seed_is_refused_below_zero_and_keyed_whole_above(tmp_path):
+    _one_line_error(["synth", "--out", "s", "--n", "3", "--seed", "-1"], tmp_path, "--seed")
+    for s in (0, 2 ** 64):                                   # numpy keys on all bits: no wrap-around
+        synth(SynthConfig(out=tmp_path / str(s), n=3, seed=s))
+    assert (tmp_path / "0" / "chat.jsonl").read_bytes() != (tmp_path / str(2 ** 64) / "chat.jsonl").read_bytes()
+
+
 def test_epoch_outside_64_bits_is_refused(pipe, tmp_path):
     """The epoch keys the shuffles as the seed does: epoch 2^64 packed the batches of epoch 0."""
     for e in (2 ** 64, 2 ** 64 + 1):
