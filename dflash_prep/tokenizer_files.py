@@ -3,9 +3,10 @@
 transformers fails on a malformed field with a bare ``TypeError`` (``"chat_template": 42``), a
 message that does not name the file, or not at all (a string ``add_bos_token``).
 :func:`check_tokenizer_files` refuses each with one line naming the file and the field:
-``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.json`` (each a JSON
-object, its known fields typed as in :data:`_FIELDS`), ``added_tokens.json`` (token -> integer
-id) and ``chat_template.jinja`` (UTF-8 text). Unknown fields are left to transformers.
+``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.json`` and
+``tokenizer.json`` (each a JSON object, its known fields typed as in :data:`_FIELDS`),
+``added_tokens.json`` (token -> integer id) and ``chat_template.jinja`` (UTF-8 text). Unknown
+fields are left to transformers.
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ _FIELDS = {
     "special_tokens_map.json": {**_SPECIAL, "additional_special_tokens": (_tokens, "a list of special tokens")},
     "chat_template.json": _TEMPLATE,
     "added_tokens.json": {},
+    "tokenizer.json": {    # the backend itself: the fields whose wrong type tokenizers reports without naming them
+        "model": (lambda v: isinstance(v, dict) and isinstance(v.get("type", ""), str), "an object with a \"type\""),
+        "added_tokens": (lambda v: isinstance(v, list) and all(
+            isinstance(t, dict) and isinstance(t.get("id"), int) and isinstance(t.get("content"), str) for t in v),
+            'a list of {"id": integer, "content": string, ...}'),
+    },
 }
 
 

@@ -200,7 +200,8 @@ TOKENIZER_FIELDS = [("tokenizer_config.json", "chat_template", 42), ("tokenizer_
                     ("tokenizer_config.json", "model_max_length", "x"),
                     ("tokenizer_config.json", "added_tokens_decoder", {"5": 3}),
                     ("special_tokens_map.json", "pad_token", [1]), ("chat_template.json", "chat_template", 7),
-                    ("added_tokens.json", "<x>", "1")]
+                    ("added_tokens.json", "<x>", "1"), ("tokenizer.json", "added_tokens", [{"id": "7"}]),
+                    ("tokenizer.json", "model", 5)]
 
 
 @pytest.fixture(scope="module")
