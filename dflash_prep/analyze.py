@@ -104,6 +104,7 @@ class AnalyzeConfig:
             raise ConfigError(f"--target-efficiency must be in (0, 1], got {self.target_efficiency}")
         if self.window is not None and self.window < 0:
             raise ConfigError(f"--window must be >= 0 (0 disables), got {self.window}")
+        plan_mod.check_seed(self.seed)
         if self.sim_epochs < 2:
             raise ConfigError(f"--sim-epochs must be at least 2 (the repeat-pair rate compares two epochs), "
                               f"got {self.sim_epochs}")

@@ -190,8 +190,13 @@ def _prompt(messages: list[dict], i: int, render: Renderer) -> str:
     another role the rendering with an empty message of that role appended (its common
     prefix with ``F_i`` ends where the content starts), else the rendering of ``messages[:i]``."""
     role = messages[i]["role"]
-    if role == "assistant":
-        return render(messages[:i], True)[0] if i else ""
+    if role == "assistant":  # the first turn too: the generation prompt of the empty conversation is its header
+        try:
+            return render(messages[:i], True)[0]
+        except ValueError:
+            if i:
+                raise
+            return ""  # a template that refuses to render no messages at all: nothing precedes turn 0
     try:
         return render(messages[:i] + [{"role": role, "content": ""}], False)[0]
     except ValueError:  # the template refuses an empty message

@@ -363,7 +363,7 @@ def verify_cmd(
     lengths: Annotated[Optional[Path], typer.Option(help="lengths file (default: the one the manifest records)")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object instead of tables")] = False,
 ):
-    """Dataset: re-hash every shard, check token ids. Manifests: recompute every epoch from its arrays and the lengths. Exit 1 on any violation."""
+    """Dataset: re-hash every shard, check token ids. Manifests: recompute every epoch from its arrays and the lengths; the summary fields it cannot recompute are listed with the reason. Exit 1 on any violation."""
     from .verify import is_dataset, verify_path
 
     rows = verify_path(path, data=data, lengths=lengths)
@@ -375,6 +375,13 @@ def verify_cmd(
             typer.echo(__import__("json").dumps(r, indent=2, allow_nan=False))
         return
     _print_summaries(rows, json_out)
+    unchecked: dict[tuple[str, str], list[str]] = {}   # what verify could not recompute is said, never passed
+    for name, r in rows:
+        for field, why in r.get("unchecked", {}).items():
+            unchecked.setdefault((field, why), []).append(name)
+    for (field, why), names in unchecked.items():
+        where = f"all {len(rows)} epochs" if len(names) == len(rows) > 1 else ", ".join(names)
+        typer.echo(f"not recomputed: {field} ({where}): {why}", err=True)
     typer.secho(f"ok: {len(rows)} epoch(s) verified", fg=typer.colors.GREEN, err=json_out)
 
 

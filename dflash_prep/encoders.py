@@ -50,6 +50,7 @@ import numpy as np
 from .chat import CHATML_TEMPLATE, MARK_END, MARK_START, Row, chatml_render, control_pattern
 from .errors import ConfigError, InputError
 from .fileio import fingerprint_bytes, fingerprint_json
+from .tokenizer_files import check_tokenizer_files
 
 BYTE_NAME = "byte"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -400,15 +401,8 @@ def load_tokenizer(spec: str, *, chat_template: str | None = None) -> ByteTokeni
                           "pip install 'dflash-prep[chat]'") from e
     transformers.logging.set_verbosity_error()
     folder = path if path.is_dir() else path.parent
-    cfg_file = folder / "tokenizer_config.json"
-    if path.is_dir() and cfg_file.is_file():      # transformers would fail on these with a bare traceback
-        try:
-            config = json.loads(cfg_file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InputError(f"{cfg_file}: not valid UTF-8 JSON ({e}); fix or remove it") from e
-        if not isinstance(config, dict):
-            raise InputError(f"{cfg_file}: holds a JSON {type(config).__name__}, not an object of settings; fix or "
-                             "remove it")
+    if path.is_dir():      # transformers would fail on these with a bare traceback, or not name the field
+        check_tokenizer_files(folder)
     try:
         if path.is_dir():
             hf = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -4,9 +4,11 @@
   ``POST /v1/chat/completions`` endpoint (vLLM, SGLang and ``transformers serve`` all speak
   it). Standard library only (``http.client``): one keep-alive connection per worker thread,
   so ``--concurrency N`` worker threads are exactly N requests in flight. Connection errors,
-  timeouts, HTTP 429 and 5xx are retried ``retries`` times with exponential backoff (0.5 s,
-  1 s, 2 s ... capped at 30 s, +-25% jitter, a ``Retry-After`` header wins); other 4xx are a
-  refusal and are not retried.
+  timeouts, HTTP 429 and 5xx, and an answer cut off mid-body (shorter than its
+  ``Content-Length``) are retried ``retries`` times with exponential backoff (0.5 s, 1 s,
+  2 s ... capped at 30 s, +-25% jitter, a ``Retry-After`` header wins); other 4xx are a
+  refusal and are not retried. A 200 whose body is not JSON or not a chat completion is
+  ``bad_response`` (not retried: the server answered, wrongly).
 - :class:`HFEngine` runs batched ``generate`` on a local transformers model in-process: for
   small jobs and CPU demos. Prompts are left-padded into batches of ``batch_size``; at
   temperature 0 each row is a greedy decode, which matches the server's batch-of-1 decode up
@@ -15,7 +17,8 @@
 Both return a :class:`Reply` per request. What can go wrong is split in two:
 
 - :class:`RequestFailed` (``kind`` = refused, timeout, server_error, bad_response, empty):
-  one record failed; ``--on-error skip`` counts it and goes on;
+  one record failed (the message names its file, line and message); ``--on-error skip``
+  counts it and goes on;
 - :class:`EngineError`: the engine itself cannot work (unreachable server, a model name the
   server does not serve, a target folder that does not load); the run stops whatever
   ``--on-error`` says, since every further record would fail the same way. A resumed run
@@ -258,6 +261,12 @@ class OpenAIEngine:
                     raise RequestFailed("timeout", f"{what}: {url} gave no answer within {self.timeout:g} s "
                                                    f"({self.retries + 1} tries); raise --timeout or lower "
                                                    "--max-tokens / --concurrency") from None
+            except http.client.IncompleteRead as e:  # reached, but the answer broke off mid-body
+                self._drop_conn()
+                last = f"{type(e).__name__}: {e}"
+                if attempt == self.retries:
+                    raise RequestFailed("server_error", f"{what}: {url} cut its answer off mid-body ({last}; "
+                                                        f"{self.retries + 1} tries); check the server's log") from None
             except (OSError, http.client.HTTPException) as e:
                 self._drop_conn()
                 last = f"{type(e).__name__}: {e}"
@@ -309,7 +318,10 @@ class OpenAIEngine:
             raise RequestFailed("refused", f"{what}: the server refused the request, HTTP {status}: "
                                            f"{_excerpt(data)}")
         self._model_confirmed = True
-        return parse_reply(data)
+        try:
+            return parse_reply(data)
+        except RequestFailed as e:  # the record's location, as every other failure of a request names it
+            raise RequestFailed(e.kind, f"{what}: {e}; check the server's log") from None
 
 
 def target_revision(path: Path) -> str:

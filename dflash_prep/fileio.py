@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import tempfile
+import tokenize
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
@@ -187,6 +188,33 @@ def _may_replace(final: Path, overwrite: bool, marker: tuple[str, str] | None) -
                           "output; it was left untouched. Remove it yourself or choose another --out")
 
 
+def follow_link(path: str | os.PathLike) -> Path:
+    """``path``, or the folder it points to when ``path`` is a symbolic link.
+
+    Every command that writes a folder writes *through* a link: ``--out LINK`` replaces (or
+    fills) the folder LINK points to, atomically as any other, and LINK stays a link. The
+    link's target is resolved once, so the lock, the temps and the swap all live beside the
+    real folder (two writers, one through the link and one by the real path, share a lock).
+    A link to nothing is refused."""
+    path = Path(path)
+    if not path.is_symlink():
+        return path
+    target = Path(os.path.realpath(path))
+    if not target.exists():
+        raise FormatError(f"{path} is a symbolic link to {target}, which does not exist; create that folder, "
+                          "remove the link, or choose another --out")
+    return target
+
+
+def _remove_old(old: Path, final: Path) -> None:
+    """Delete the previous version after a swap; a failure is an error, never debris left silently."""
+    try:
+        shutil.rmtree(old)
+    except OSError as e:
+        raise FormatError(f"{final} was written, but its previous version, moved to {old}, could not be deleted "
+                          f"({e}); delete {old} yourself") from e
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike, *, overwrite: bool = False,
                marker: tuple[str, str] | None = None) -> Iterator[Path]:
@@ -197,9 +225,10 @@ def atomic_dir(final: str | os.PathLike, *, overwrite: bool = False,
     ``final`` is replaced only after the new one is complete: build beside, swap, then
     delete the old one. With ``marker = (file, format)`` an existing ``final`` is replaced
     only when it holds that marker file (it is one of ours), never a user's folder; a
-    regular file under the final name is never replaced.
+    regular file under the final name is never replaced. A ``final`` that is a symbolic link
+    is written through (:func:`follow_link`): the folder it points to is replaced.
     """
-    final = Path(final)
+    final = follow_link(final)
     if final.exists():  # fail before the work, and again at the swap (another writer may have been quicker)
         _may_replace(final, overwrite, marker)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -217,13 +246,14 @@ def atomic_dir(final: str | os.PathLike, *, overwrite: bool = False,
             except OSError:
                 os.replace(old, final)  # put the previous version back under its name
                 raise
-            shutil.rmtree(old, ignore_errors=True)
+            done = True
+            _remove_old(old, final)
         else:
             os.replace(tmp, final)
-        done = True
+            done = True
     finally:
-        if not done:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if not done and tmp.exists():
+            shutil.rmtree(tmp)  # a failure here is raised, chained to the one that brought us here
 
 
 # ----------------------------------------------------------------------------- reading
@@ -254,13 +284,17 @@ def read_json(path: str | os.PathLike, *, format: str, versions: tuple[int, ...]
 
 
 def load_npy(path: str | os.PathLike, *, dtype: np.dtype | str | None = None, mmap: bool = True) -> np.ndarray:
-    """Load an ``.npy`` memory-mapped, turning truncation and corruption into FormatError."""
+    """Load an ``.npy`` memory-mapped, turning truncation and corruption into FormatError.
+
+    Every reader of our arrays (datasets, lengths files, manifests) comes through here, so a
+    corrupt header (numpy parses it with :mod:`tokenize` and :func:`ast.literal_eval`, which
+    raise ``TokenError`` / ``SyntaxError``) is the same one-line error as a truncated body."""
     path = Path(path)
     if not path.is_file():
         raise FormatError(f"{path}: file not found")
     try:
         arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
+    except (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenError) as e:  # numpy tokenizes the header
         raise FormatError(f"{path}: corrupt or truncated array ({e}); re-create it") from e
     if dtype is not None and arr.dtype != np.dtype(dtype):
         raise FormatError(f"{path}: expected dtype {np.dtype(dtype)}, found {arr.dtype}")

@@ -46,7 +46,8 @@ run; every array's dtype, shape and SHA-256 (``check_hashes``; ~0.9 s per GB, se
 "Reliability"); and the header against the arrays (``num_microbatches = num_steps * W *
 A``, segment and sample counts). :func:`verify` (``dflash-prep verify``,
 :mod:`dflash_prep.verify`) also recomputes everything from the lengths with
-:mod:`dflash_prep.metrics`, the summary included.
+:mod:`dflash_prep.metrics`, the summary included, and names the summary fields it cannot
+recompute (analyze's prediction, pack's split and dropped micro-batch counts).
 
 World size is not elastic within a manifest: one packed for ``W x A`` is refused under any
 other ``W' x A'`` (:meth:`Manifest.check_world`), because its steps were balanced for ``W``
@@ -58,6 +59,7 @@ ranks. ``pack --resume-from-step K --world-size W'`` writes a continuation
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +69,7 @@ import numpy as np
 
 from .errors import ConfigError, FingerprintMismatch, FormatError
 from .fileio import atomic_dir, atomic_save_npy, atomic_write_json, fingerprint_array, fingerprint_json, load_npy, read_json
+from .plan import SEED_MAX
 
 MANIFEST_FORMAT = "dflash-prep/manifest"
 MANIFEST_VERSION = 1
@@ -93,6 +96,9 @@ def epoch_dir(root: str | Path, epoch: int) -> Path:
     """``<root>/epoch-000N``: where epoch ``N`` of a manifest root lives."""
     if int(epoch) < 0:
         raise ConfigError(f"epoch must be >= 0, got {epoch}")
+    if int(epoch) > SEED_MAX:  # the epoch keys the shuffles with its 64 bits (plan.check_seed)
+        raise ConfigError(f"epoch {epoch} is outside 0..{SEED_MAX}: the shuffles are keyed by 64 bits, so it would "
+                          f"repeat epoch {int(epoch) & SEED_MAX}")
     return Path(root) / f"epoch-{int(epoch):04d}"
 
 
@@ -407,13 +413,37 @@ def verify(path: str | Path, **kw) -> dict:
     return verify_epoch(path, **kw)
 
 
-def find_epochs(path: str | Path) -> list[Path]:
-    """``path`` itself if it is an epoch folder, else the ``epoch-*`` folders under it, in order."""
+def find_epochs(path: str | Path, *, strict: bool = False) -> list[Path]:
+    """``path`` itself if it is an epoch folder, else the ``epoch-*`` folders under it, in order.
+
+    ``strict`` (``verify``): an epoch folder without its ``manifest.json``, and anything under
+    a root named ``epoch-*`` that is not an ``epoch-000N`` folder holding one, is a
+    :class:`FormatError` naming each, instead of being skipped."""
     path = Path(path)
     if (path / MANIFEST_FILE).is_file():
         return [path]
+    if strict:
+        _check_epoch_names(path)
     found = sorted(p for p in path.glob("epoch-*") if (p / MANIFEST_FILE).is_file()) if path.is_dir() else []
     if not found:
         raise FormatError(f"{path}: no manifest here (expected {MANIFEST_FILE} or epoch-000N/ folders); "
                           "run `dflash-prep pack --out ROOT` first")
     return found
+
+
+def _check_epoch_names(path: Path) -> None:
+    """Raise naming every entry that looks like an epoch (``epoch-*``) and is not a valid one."""
+    if path.is_dir() and re.fullmatch(r"epoch-\d{4,}", path.name) and not any(path.glob("epoch-*")):
+        raise FormatError(f"{path}: an epoch folder without its {MANIFEST_FILE}; it cannot be verified. Re-pack "
+                          "the epoch (`dflash-prep pack --overwrite`) or remove the folder")
+    bad = []
+    for p in sorted(path.glob("epoch-*")) if path.is_dir() else []:
+        if not p.is_dir():
+            bad.append(f"{p.name} (not a folder)")
+        elif not re.fullmatch(r"epoch-\d{4,}", p.name):
+            bad.append(f"{p.name} (not named epoch-000N)")
+        elif not (p / MANIFEST_FILE).is_file():
+            bad.append(f"{p.name} (no {MANIFEST_FILE})")
+    if bad:
+        raise FormatError(f"{path}: {', '.join(bad)}: not valid epoch folders, so verify cannot check them. Re-pack "
+                          "those epochs (`dflash-prep pack --overwrite`) or move them out of the root")

@@ -12,6 +12,10 @@ for the whole write. A second writer waits up to ``DFLASH_PREP_LOCK_WAIT`` secon
 (default 0) and then fails with a message naming the holder's pid; the kernel drops the
 lock when its holder dies, so a killed run never blocks the next one.
 
+Symbolic links. An ``--out`` that is a link to a folder is written through
+(:func:`dflash_prep.fileio.follow_link`): the folder it points to is replaced or filled, its
+lock and temps live beside that folder, and the link stays as it was.
+
 Debris. Temp names carry the writer's pid (``.NAME.PID.XXXXXXXX.tmp``, ``.NAME.old-PID``,
 and ``dflash-prep-datasets-PID-*`` caches in TMPDIR). While holding the lock of NAME, the
 next writer deletes every such temp of NAME left by another pid (no live writer can own
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from .errors import ConfigError
+from .fileio import follow_link
 
 LOCK_WAIT_ENV = "DFLASH_PREP_LOCK_WAIT"
 CACHE_PREFIX = "dflash-prep-datasets-"
@@ -55,6 +60,8 @@ def check_out(out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] = (
     holds one of ``inputs``.
     """
     out = Path(out)
+    if out.is_symlink() and not out.exists():
+        follow_link(out)  # a link to nothing: refused, naming where it points
     if (out.exists() or out.is_symlink()) and not out.is_dir():
         raise ConfigError(f"{flag} {out} is a file, not a folder; it was left untouched. Choose another {flag}")
     r = out.resolve()
@@ -84,7 +91,7 @@ def lock(target: str | os.PathLike, *, wait: float | None = None, inside: bool =
     ``inside``, every stale temp directly inside the ``target`` folder), since holding the
     lock proves that no live writer owns them.
     """
-    target = Path(target)
+    target = follow_link(target)  # the lock of the real folder, wherever the path comes from
     target.parent.mkdir(parents=True, exist_ok=True)
     if wait is None:
         try:

@@ -34,7 +34,7 @@ from . import anchors, manifest, metrics, bucketing, outputs, pack_config, pack_
 from .errors import ConfigError, FormatError
 from .fileio import fingerprint_json, holds_marker
 from .pack_config import PackConfig
-from .plan import MAX_REPEAT_PAIR, Budget, Plan
+from .plan import MAX_REPEAT_PAIR, Budget, Plan, check_seed
 from .plan import load as load_plan
 
 __all__ = ["PackConfig", "EpochResult", "build_epoch", "pack_epochs", "inputs_fingerprint"]
@@ -132,6 +132,7 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
     """
     if epoch < 0:
         raise ConfigError(f"--epoch must be >= 0, got {epoch}")
+    check_seed(epoch, "--epoch")  # the epoch keys the shuffles too: 2^64 would repeat epoch 0
     cfg = cfg.resolve(plan)
     de = None
     if cfg.objective == "dflash":
@@ -420,11 +421,14 @@ def parse_epochs(epoch: int | None, epochs: str | None) -> list[int]:
         for part in epochs.split(","):
             a, sep, b = part.strip().partition("-")
             try:
-                out += list(range(int(a), int(b) + 1)) if sep else [int(a)]
+                first, last = int(a), int(b) if sep else int(a)
             except ValueError:
                 raise ConfigError(f"--epochs {epochs!r}: write a range like 0-9 or a list like 0,2,5") from None
+            check_seed(last, "--epoch")  # before the range is built
+            out += list(range(first, last + 1))
     if not out or min(out) < 0:
         raise ConfigError(f"epochs must be >= 0, got {epoch if epoch is not None else epochs}")
+    check_seed(max(out), "--epoch")  # before any work: an epoch beyond 64 bits would repeat another
     return out
 
 

@@ -50,7 +50,7 @@ from .anchors import anchor_count
 from .bucketing import SideLoads, pack_varlen, prefix_sum
 from .drafter_cost import DrafterCostModel, sample_cost, step_flops
 from .errors import ConfigError
-from .plan import Budget
+from .plan import Budget, check_seed
 
 OBJECTIVES = ("lm", "dflash")
 #: Key tag of the drafter packing order ("dflash").
@@ -94,6 +94,8 @@ class DrafterOptions:
                               f"--max-anchors ({self.max_anchors})")
         if not 0.0 <= self.cost_fill <= 1.0:
             raise ConfigError(f"--cost-fill must lie in [0, 1], got {self.cost_fill}")
+        if self.anchor_seed is not None:
+            check_seed(self.anchor_seed, "--anchor-seed")
 
     def resolve(self, *, seed: int, token_budget: float) -> "DrafterOptions":
         """Defaults filled in from the plan: the anchor seed."""

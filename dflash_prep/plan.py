@@ -15,6 +15,7 @@ with another fingerprint only with ``overwrite``.
 from __future__ import annotations
 
 import math
+import operator
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +33,23 @@ PLAN_FILE = "plan.json"
 #: pairs that share a micro-batch in one epoch share none in the next. ``pack`` warns above
 #: the limit its plan records in ``predicted["max_repeat_pair"]``.
 MAX_REPEAT_PAIR = 0.05
+#: Largest seed: the keyed RNG (:func:`dflash_prep.bucketing.mix_key`) folds 64-bit words.
+SEED_MAX = 2 ** 64 - 1
+
+
+def check_seed(seed, flag: str = "--seed") -> int:
+    """``seed`` (or an epoch, which keys the shuffles too) as an int in ``[0, 2^64)``, else
+    :class:`ConfigError`. The shuffles and anchor draws are keyed by its 64 bits, so a negative
+    or larger value would shuffle exactly like another one (``2^64`` like ``0``) while its
+    plan's (or epoch's) fingerprint claims it differs."""
+    try:
+        v = operator.index(seed)
+    except TypeError:
+        raise ConfigError(f"{flag} must be an integer, got {seed!r}") from None
+    if not 0 <= v <= SEED_MAX:
+        raise ConfigError(f"{flag} {v} is outside 0..{SEED_MAX} (2^64 - 1): the shuffles are keyed by 64 bits, "
+                          f"so it would shuffle exactly like {flag} {v & SEED_MAX}; pass a value in that range")
+    return v
 
 
 @dataclass(frozen=True)
@@ -106,6 +124,7 @@ class Plan:
             raise ConfigError(f"bucket boundaries must be positive and strictly increasing, got {b}")
         if self.window < 0:
             raise ConfigError(f"--window must be >= 0, got {self.window}")
+        check_seed(self.seed)
 
     @property
     def num_buckets(self) -> int:

@@ -35,7 +35,7 @@ import numpy as np
 
 from .engines import FAILURE_KINDS
 from .errors import FingerprintMismatch, FormatError
-from .fileio import atomic_dir, atomic_write_json, read_json
+from .fileio import atomic_dir, atomic_write_json, follow_link, read_json
 
 FORMAT = "dflash-prep/regenerate"
 VERSION = 1
@@ -87,7 +87,7 @@ class Store:
 
         ``header`` holds at least ``fingerprint``, ``settings`` and ``inputs``; a folder
         written under another fingerprint is refused unless ``overwrite``."""
-        out = Path(out)
+        out = follow_link(out)  # --out LINK writes the folder it points to, as every command does
         hdr = out / HEADER_FILE
         if out.exists() and not out.is_dir():
             raise FormatError(f"{out}: exists and is not a folder; pass a new --out")

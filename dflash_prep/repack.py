@@ -90,6 +90,8 @@ def build_rest(lens: np.ndarray, plan: Plan, parent: manifest.Manifest, from_ste
         if len(mb) else 1.0,
         "microbatches": int(len(mb)), "steps": int(len(mb) // cfg.step_size), "samples": int(len(new_ids)),
         "real_tokens": used_real, "padded_tokens": used_padded,
+        "sum_sq_len_max": int(sq[mb].max()) if len(mb) else 0,
+        "sum_sq_len_mean": float(sq[mb].mean()) if len(mb) else 0.0,
         "step_mix": steps.step_mix_of(class_tok, mb, cfg.step_size),
         "rank_imbalance": metrics.rank_imbalance(cost[mb], step, rank, cfg.world_size),
         "dropped_samples": int(len(arrays["dropped_ids"])), "dropped_microbatches": int(len(dropped_mb)),

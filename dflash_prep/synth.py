@@ -126,6 +126,8 @@ class SynthConfig:
             raise ConfigError(f"unknown --profile {self.profile!r}; choose one of {', '.join(PROFILES)}")
         if self.n < 1:
             raise ConfigError(f"--n must be at least 1, got {self.n}")
+        if self.seed < 0:  # numpy's SeedSequence keys on the whole non-negative value, any size
+            raise ConfigError(f"--seed must be >= 0, got {self.seed}")
 
 
 MIN_TARGET = 2 * 1 + _overhead("user") + _overhead("assistant")  # one pair, one char each

@@ -1,8 +1,11 @@
 """``dflash-prep verify``: full checks of a manifest epoch or a tokenized dataset.
 
 :func:`verify_epoch` recomputes an epoch from its arrays and the lengths (coverage, budget,
-layout, every summary metric). :func:`verify_dataset` re-hashes every shard against its
-``sha256`` in ``meta.json`` and checks the token ids against the vocabulary and the loss
+layout, the summary metrics) and names, in its result's ``unchecked``, each summary field it
+cannot recompute and why (:data:`NOT_RECOMPUTED`; the repeat-pair rate when the epoch it was
+measured against is gone). Over a root, every ``epoch-*`` entry must be an epoch folder with
+its manifest (:func:`dflash_prep.manifest.find_epochs` ``strict``). :func:`verify_dataset`
+re-hashes every shard against its ``sha256`` in ``meta.json`` and checks the token ids against the vocabulary and the loss
 mask values, on top of the cheap checks of :func:`dflash_prep.dataset.open_dataset`. Both
 raise :class:`FormatError` / :class:`FingerprintMismatch` naming the file and the fix.
 :func:`verify_path` picks by what the folder holds.
@@ -14,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import bucketing, metrics
 from . import lengths as lengths_mod
-from . import metrics
 from .dataset import META_FILE, open_dataset
 from .errors import FingerprintMismatch, FormatError
 from .fileio import fingerprint_file
@@ -40,12 +43,36 @@ def _summary_metrics(m: Manifest, lens: np.ndarray, order: np.ndarray, offsets: 
     else:
         cost = metrics.batch_cost(lens, order, offsets, float(b["cost_alpha"]), varlen=varlen)
     eff = 1.0 if varlen else metrics.efficiency(lens, order, offsets)
-    return {"efficiency": eff, "fill": metrics.fill(lens, order, offsets, float(b["value"]), varlen=varlen,
-                                                      alpha=float(b["packing_alpha"])),
-            "microbatches": int(len(t)), "steps": int(len(t) // (m.world_size * m.grad_accum)),
-            "samples": int(len(order)), "dropped_samples": int(len(m.dropped_ids)),
-            "step_mix": metrics.step_mix(lens, order, offsets, t[:, COL["step"]]),
-            "rank_imbalance": metrics.rank_imbalance(cost, t[:, COL["step"]], t[:, COL["rank"]], m.world_size)}
+    real, sq = t[:, COL["real_tokens"]], t[:, COL["sum_sq_len"]]    # checked against the lengths by the caller
+    edges = bucketing.class_edges(lens)             # pack's classes (a continuation keeps its parent's, the same)
+    out = {"efficiency": eff, "fill": metrics.fill(lens, order, offsets, float(b["value"]), varlen=varlen,
+                                                     alpha=float(b["packing_alpha"])),
+           "microbatches": int(len(t)), "steps": int(len(t) // (m.world_size * m.grad_accum)),
+           "samples": int(len(order)), "dropped_samples": int(len(m.dropped_ids)),
+           "real_tokens": int(real.sum()), "padded_tokens": int(t[:, COL["padded_tokens"]].sum()),
+           "sum_sq_len_max": int(sq.max()) if len(t) else 0, "sum_sq_len_mean": float(sq.mean()) if len(t) else 0.0,
+           "step_mix": metrics.step_mix(lens, order, offsets, t[:, COL["step"]], edges=edges),
+           "rank_imbalance": metrics.rank_imbalance(cost, t[:, COL["step"]], t[:, COL["rank"]], m.world_size),
+           "rank_imbalance_alpha": float(b["cost_alpha"]),
+           "rank_imbalance_cost": "drafter" if supervised is not None else "tokens"}
+    out["class_edges"] = [int(e) for e in edges]
+    if supervised is not None:                   # dflash: every row's anchors and tokens against its budgets
+        n_mb, k = max(len(t), 1), int(np.asarray(m.arrays["anchor_counts"]).sum(dtype=np.int64))
+        out |= {"useful_target_tokens": 1.0, "useful_anchor_slots": 1.0,
+                "anchor_fill": k / (n_mb * int(m.header["dflash"]["anchor_budget"])),
+                "token_fill": int(real.sum()) / (n_mb * float(b["value"]))}
+    return out
+
+
+#: Summary fields verify cannot recompute from an epoch's arrays and lengths, and why.
+NOT_RECOMPUTED = {
+    "predicted_efficiency": "analyze's prediction, copied from the plan (the manifest holds only the plan's "
+                            "fingerprint); compare it with plan.json",
+    "split_microbatches": "how many micro-batches pack split in two to complete the last step: the arrays hold "
+                          "the result, not the splits; re-pack the epoch and compare to check it",
+    "dropped_microbatches": "how many micro-batches --drop-last left out: dropped_ids.npy lists their samples, "
+                            "not their grouping",
+}
 
 
 def verify_epoch(path: str | Path, *, data: str | Path | None = None, lengths: str | Path | None = None,
@@ -58,9 +85,11 @@ def verify_epoch(path: str | Path, *, data: str | Path | None = None, lengths: s
     the manifest records, or ``data`` / ``lengths``); exactly-once coverage of every
     sample id apart from the listed drops; stored lengths, maxima and token counts; the
     budget and ``max_batch_size``; the step/rank/accum layout with equal counts per rank;
-    ``cu_seqlens``; and every summary metric against :mod:`dflash_prep.metrics` (and the
-    repeat-pair rate when the previous epoch is beside this one). Returns the recomputed
-    metrics; raises :class:`FormatError` / :class:`FingerprintMismatch` listing problems.
+    ``cu_seqlens``; and every summary field against its recomputation
+    (:mod:`dflash_prep.metrics`, the columns, the budget; the repeat-pair rate against the
+    previous epoch when it is beside this one, and none for epoch 0). Returns the recomputed
+    metrics, with ``unchecked``: each summary field it could not recompute, and why; raises
+    :class:`FormatError` / :class:`FingerprintMismatch` listing problems.
     """
     path = Path(path)
     m = open(path, plan_fingerprint=plan_fingerprint)
@@ -122,18 +151,48 @@ def verify_epoch(path: str | Path, *, data: str | Path | None = None, lengths: s
     if problems:
         raise FormatError(f"{path}: verify failed: " + "; ".join(problems))
     got = _summary_metrics(m, lens, ids, offsets, seg, supervised=sup) | extra
+    return _check_summary(path, m, got, lens, ids, offsets)
+
+
+def _check_summary(path: Path, m: Manifest, got: dict, lens, ids, offsets) -> dict:
+    """Compare every summary field with ``got`` (plus the repeat-pair rate against the epoch
+    before); raise on a difference. Returns ``got`` with ``unchecked``: each summary field
+    that could not be recomputed, with the reason (:data:`NOT_RECOMPUTED`)."""
     summ = m.summary
-    prev = epoch_dir(path.parent, m.epoch - 1) if m.epoch > 0 else None
-    if summ.get("repeat_pair_rate") is not None and prev is not None and (prev / MANIFEST_FILE).is_file():
-        p = open(prev, data_fingerprint=m.data_fingerprint)
-        p_seg = np.argsort(p.table[:, COL["start"]], kind="stable")
-        p_off = np.concatenate([[0], np.cumsum(p.table[p_seg, COL["count"]])]).astype(np.int64)
-        got["repeat_pair_rate"] = metrics.repeat_pair_rate(np.asarray(p.sample_ids), p_off, ids, offsets, len(lens))
-    wrong = [f"{k}: summary {summ.get(k)!r} vs recomputed {v!r}" for k, v in got.items()
-             if summ.get(k) is None or abs(float(summ[k]) - float(v)) > 1e-9]
+    unchecked = {k: why for k, why in NOT_RECOMPUTED.items() if k in summ}
+    if "dropped_microbatches" in summ and not len(m.dropped_ids):
+        got["dropped_microbatches"] = 0                              # nothing dropped: no micro-batch either
+        unchecked.pop("dropped_microbatches")
+    if m.epoch == 0 or "resume" in m.header:                         # no epoch before it to compare with
+        got["repeat_pair_rate"] = got["repeat_pair_against"] = None
+    else:
+        prev, rate = epoch_dir(path.parent, m.epoch - 1), summ.get("repeat_pair_rate")
+        got["repeat_pair_against"] = None if rate is None else m.epoch - 1
+        if rate is None:
+            unchecked["repeat_pair_rate"] = f"the summary records none ({prev.name} was not beside it when it was packed)"
+        elif not (prev / MANIFEST_FILE).is_file():
+            unchecked["repeat_pair_rate"] = f"{prev.name}, the epoch it was measured against, is not beside this one"
+        else:
+            p = open(prev, data_fingerprint=m.data_fingerprint)
+            p_seg = np.argsort(p.table[:, COL["start"]], kind="stable")
+            p_off = np.concatenate([[0], np.cumsum(p.table[p_seg, COL["count"]])]).astype(np.int64)
+            got["repeat_pair_rate"] = metrics.repeat_pair_rate(np.asarray(p.sample_ids), p_off, ids, offsets,
+                                                               len(lens))
+    unchecked |= {k: "not a field this dflash-prep writes" for k in summ if k not in got and k not in unchecked}
+    wrong = [f"{k}: summary {summ.get(k)!r} vs recomputed {v!r}" for k, v in got.items() if not _same(summ.get(k), v)]
     if wrong:
         raise FormatError(f"{path}: summary disagrees with the arrays: " + "; ".join(wrong) + ". Re-pack the epoch")
-    return got
+    return got | {"unchecked": unchecked}
+
+
+def _same(recorded, recomputed) -> bool:
+    """A summary value equals its recomputation: numbers to 1e-9 (relative above 1: a mean
+    of sums of L^2 summed in another order differs in its last bits), anything else exactly."""
+    num = (int, float, np.integer, np.floating)
+    if isinstance(recorded, bool) or isinstance(recomputed, bool) or not (
+            isinstance(recorded, num) and isinstance(recomputed, num)):
+        return recorded == recomputed
+    return abs(float(recorded) - float(recomputed)) <= 1e-9 * max(1.0, abs(float(recomputed)))
 
 
 def _verify_drafter(m: Manifest, lens, ids, offsets, src):
@@ -182,4 +241,4 @@ def verify_path(path: str | Path, *, data=None, lengths=None) -> list[tuple[str,
     """``[(name, result)]``: a dataset folder, an epoch folder, or every epoch of a root."""
     if is_dataset(path):
         return [(Path(path).name, verify_dataset(path))]
-    return [(d.name, verify_epoch(d, data=data, lengths=lengths)) for d in find_epochs(path)]
+    return [(d.name, verify_epoch(d, data=data, lengths=lengths)) for d in find_epochs(path, strict=True)]

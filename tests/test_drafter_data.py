@@ -124,6 +124,7 @@ def test_pack_dflash_budgets_ranks_anchors_and_verify(dataset, planned, tmp_path
         assert s["useful_target_tokens"] == 1.0 and s["useful_anchor_slots"] == 1.0 and s["anchors"] == k.sum()
         got = manifest.verify(d)
         assert got["rank_imbalance"] == pytest.approx(s["rank_imbalance"], abs=1e-12)
+        assert set(got["unchecked"]) <= {"predicted_efficiency", "split_microbatches"}, got["unchecked"]  # fills too
         mb = m.microbatch(1)                           # what the trainer regenerates per micro-batch
         masks = [ds.sample(int(i))[1] for i in mb.sample_ids]
         got_pos, got_off = microbatch_anchors(m.header, np.concatenate(masks), mb.cu_seqlens, mb.sample_ids)
