@@ -16,9 +16,10 @@ point-to-point order), so nothing reorders them.
 **Sender** (:class:`TapsSender`, on a target rank): ``isend``; at most ``prefetch`` messages
 in flight per drafter rank: before posting another it waits on that rank's oldest. On CUDA
 the sends run on their own stream, which first waits on an event recorded after the forward
-that produced the payload, so the next forward overlaps them. On gloo a send completes when
-the drafter has received it (the probe in ``tests/train/test_target_link.py``), so in flight
-means not yet taken.
+that produced the payload, so the next forward overlaps them (and each payload is recorded on
+the send stream, so the allocator never reuses it early). On gloo a posted send stays
+incomplete until the drafter has posted the matching receive (measured with torch 2.13), so
+in flight means not yet taken.
 
 **Timeouts.** Every wait is bounded by ``timeout`` seconds and ends in a one-line
 :class:`LinkError` naming the peer rank and the step: gloo's ``Work.wait(timeout)`` returns
@@ -174,14 +175,19 @@ class TapsSender:
             self._retire(dst, q.popleft())
         tensors = [t.contiguous() for t in tensors]
         header = encode_header(kind, tag, tensors)
-        if self._stream is not None:  # the send stream waits for the forward that made the payload
-            ready = torch.cuda.current_stream(self.device).record_event()
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(ready)
-                header = header.to(self.device, non_blocking=True)
+        try:
+            if self._stream is not None:  # the send stream waits for the forward that made the payload
+                ready = torch.cuda.current_stream(self.device).record_event()
+                with torch.cuda.stream(self._stream):
+                    self._stream.wait_event(ready)
+                    for t in tensors:
+                        t.record_stream(self._stream)
+                    header = header.to(self.device, non_blocking=True)
+                    works = [dist.isend(header, dst)] + [dist.isend(t, dst) for t in tensors]
+            else:
                 works = [dist.isend(header, dst)] + [dist.isend(t, dst) for t in tensors]
-        else:
-            works = [dist.isend(header, dst)] + [dist.isend(t, dst) for t in tensors]
+        except RuntimeError as e:   # gloo refuses to post on a pair its dead peer closed
+            raise self._lost(dst, tag, _why(e, self.timeout)) from None
         nbytes = header.numel() * 8 + sum(t.numel() * t.element_size() for t in tensors)
         q.append(_InFlight(tag, works, [header, *tensors], nbytes))
         self.bytes_sent += nbytes
@@ -216,8 +222,11 @@ class TapsSender:
         for w in m.works:
             why = wait_work(w, self.timeout)
             if why is not None:
-                raise LinkError(f"{self.me}: {self.peers[dst]} (global rank {dst}) did not take the taps of {m.tag}: "
-                                f"{why}; it stopped or hangs (see its log). Raise --target-timeout if it is only slow")
+                raise self._lost(dst, m.tag, why)
+
+    def _lost(self, dst: int, tag: Tag, why: str) -> LinkError:
+        return LinkError(f"{self.me}: {self.peers[dst]} (global rank {dst}) did not take the taps of {tag}: {why}; it "
+                         "stopped or hangs (see its log). Raise --target-timeout if it is only slow")
 
 
 class TapsReceiver:
@@ -236,12 +245,10 @@ class TapsReceiver:
         """The payload of the next message, which must carry ``want`` (the drafter's own row)."""
         t0 = time.perf_counter()
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(header, self.src), want)
+        self._take([header], want)
         kind, tag, specs = decode_header(header.cpu(), peer=f"{self.peer} (global rank {self.src})")
         bufs = [torch.empty(shape, dtype=dt, device=self.device) for dt, shape in specs]
-        works = [dist.irecv(b, self.src) for b in bufs]   # taken even on a mismatch: the sender is not left waiting
-        for w in works:
-            self._wait(w, want)
+        self._take(bufs, want)   # taken even on a mismatch: the sender is not left waiting
         if kind == KIND_DATA and tag != want:
             raise FormatError(f"{self.me}: {self.peer} sent the taps of {tag}, but this rank's manifest row is "
                               f"{want}; every rank must read the same --manifests, --plan and --data and resume from "
@@ -254,8 +261,16 @@ class TapsReceiver:
         self.bytes_received += HEADER_LEN * 8 + sum(b.numel() * b.element_size() for b in bufs)
         return bufs
 
-    def _wait(self, work, want: Tag) -> None:
-        why = wait_work(work, self.timeout)
+    def _take(self, bufs: list[torch.Tensor], want: Tag) -> None:
+        """Receive into ``bufs`` in order; a dead or silent target is a one-line LinkError."""
+        try:
+            works = [dist.irecv(b, self.src) for b in bufs]
+        except RuntimeError as e:   # gloo refuses to post on a pair its dead peer closed
+            works, why = [], _why(e, self.timeout)
+        else:
+            why = None
+        for w in works:
+            why = why or wait_work(w, self.timeout)
         if why is not None:
             raise LinkError(f"{self.me}: {self.peer} (global rank {self.src}) sent nothing for {want}: {why}; it "
                             "stopped or died (see its log). Raise --target-timeout if it is only slow")

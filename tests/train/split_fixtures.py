@@ -130,6 +130,11 @@ def _target_side(place, source, build, paths, opts) -> dict:
     sender = TapsSender(peers, prefetch=opts["prefetch"], timeout=opts["timeout"], me=f"target rank {place.rank}")
     if opts.get("mode") == "forge":
         return _forge(sender, source, build, place, paths, opts)
+    if opts.get("mode") == "silent":   # alive but sends nothing until its drafters have given up
+        out, deadline = Path(opts["out"]), time.time() + 4 * opts["timeout"]
+        while time.time() < deadline and not all((out / f"rank{g}.json").exists() for g in peers):
+            time.sleep(0.05)
+        return {"silent": True}
     w = TargetWorker(source, LocalTaps(frozen_target(paths)), sender, roles=roles, target_rank=place.rank,
                      build=build, device=torch.device("cpu"))
     timings = w.run([0, 1], start=tuple(opts.get("start", (0, 0))), max_steps=opts["steps"])

@@ -166,6 +166,19 @@ def test_a_forged_tag_stops_the_drafter_naming_both_tags(pipe, tmp_path):
 
 
 @pytest.mark.timeout(240)
+def test_a_silent_target_times_the_drafters_out_with_one_line(pipe, tmp_path):
+    timeout = 4.0
+    recs = _job(tmp_path, pipe, 1, 2, {"steps": 2, "timeout": timeout, "mode": "silent", "compare": False})
+    assert recs[0]["exit"] == 0, recs[0].get("trace")
+    for i in (0, 1):
+        r = recs[1 + i]
+        assert r["exit"] == 1 and r["error_type"] == "LinkError", r.get("trace")
+        assert r["error"].startswith(f"drafter rank {i}: target rank 0 (global rank 0) sent nothing for epoch 0 step 0 "
+                                     f"micro-batch 0 (sample-id digest ") and f"nothing within {timeout:g} s" in r["error"]
+    assert recs[0]["t_end"] >= max(recs[1]["t_end"], recs[2]["t_end"]), "the target was alive throughout"
+
+
+@pytest.mark.timeout(240)
 def test_sigkill_of_the_target_stops_the_drafters_within_the_timeout(pipe, tmp_path):
     timeout = 8.0
     recs = _job(tmp_path, pipe, 1, 2, {"steps": 6, "timeout": timeout, "drafter_sleep": 0.3, "compare": False},
