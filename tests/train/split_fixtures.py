@@ -189,6 +189,13 @@ def _drafter_side(place, source, build, paths, opts, out: Path, rank: int) -> di
                 (out / f"progress{rank}").write_text(str(len(seen)))
                 time.sleep(opts.get("drafter_sleep", 0.0))
             n += 1
-    return {"seen": seen, "equal": equal, "drafter": i, "target": place.target,
+    from dflash_prep.train import distributed
+
+    # the drafter-only group: a target rank never joins these (it would hang them if it had to)
+    total = int(distributed.all_reduce_sum(torch.tensor([len(seen)], dtype=torch.int64), place.dist).item())
+    ranks = distributed.gather_objects(i, place.dist)
+    distributed.barrier(place.dist)
+    return {"seen": seen, "equal": equal, "drafter": i, "target": place.target, "group_total": total,
+            "group_ranks": ranks,
             "heads_equal": bool(local is None or (torch.equal(embed.weight, local.embed_tokens.weight)
                                                   and torch.equal(head.weight, local.lm_head.weight)))}

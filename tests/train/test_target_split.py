@@ -59,6 +59,22 @@ def test_header_round_trip_digest_and_foreign_messages():
         encode_header(KIND_DATA, tag, [torch.zeros(1, 1, 1, 1)] * HEADER_LEN)
 
 
+def test_load_heads_reads_only_the_embedding_and_head_and_ties_them(tmp_path):
+    from safetensors.torch import save_file
+
+    from dflash_prep.train.taps import load_heads
+
+    emb = torch.randn(11, 4)
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    save_file({"model.embed_tokens.weight": emb, "model.layers.0.mlp.weight": torch.zeros(2)},
+              str(tmp_path / "model.safetensors"))
+    e, h = load_heads(tmp_path, device=torch.device("cpu"))
+    assert torch.equal(e.weight, emb) and h.weight is e.weight and not h.weight.requires_grad
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="safetensors"):
+        load_heads(tmp_path, device=torch.device("cpu"))
+
+
 # ----------------------------------------------------------------------------- spawned jobs
 @pytest.fixture(scope="module")
 def pipe(tmp_path_factory):
@@ -125,6 +141,7 @@ def _check_equal_and_ordered(paths, recs, K, W, steps):
         assert r["seen"] == want, f"drafter {i} received rows out of manifest order"
         assert len(want) == steps * 2 and all(r["equal"]) and len(r["equal"]) == len(want)
         assert r["heads_equal"]
+        assert r["group_ranks"] == list(range(W)) and r["group_total"] == sum(len(recs[K + j]["seen"]) for j in range(W))
     for k in range(K):
         t = recs[k]["timings"]
         steps_seen = sorted({(e, s) for e, s, _, _ in _manifest_rows(paths, 0, (0, 0), steps)})
