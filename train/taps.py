@@ -111,3 +111,16 @@ def load_heads(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
     for m in (embed, head):
         m.requires_grad_(False)
     return embed, head
+
+
+def remote_taps(place, target: str | Path, *, timeout: float, device: torch.device) -> RemoteTaps:
+    """The :class:`RemoteTaps` of a drafter rank's :class:`~.roles.Place`: taps from its target
+    rank (over NCCL on CUDA, so the link's tensors live on ``device``; else CPU), heads from ``target``."""
+    if place.is_target:
+        raise ValueError(f"global rank {place.rank} is a target rank; only drafter ranks receive taps")
+    link_device = device if device.type == "cuda" else torch.device("cpu")
+    i = place.dist.rank
+    recv = TapsReceiver(place.target, timeout=timeout, me=f"drafter rank {i}", peer=f"target rank {place.target}",
+                        device=link_device)
+    embed, head = load_heads(target, device=device)
+    return RemoteTaps(recv, embed, head, device=device)

@@ -40,7 +40,7 @@ class StepTiming:
     wall_s: float
     """From the end of the previous step to the end of this one."""
     busy_s: float
-    """Target forwards (on CUDA up to the last forward's launch: the sends overlap the rest)."""
+    """Target forwards: wall time on CPU, GPU time (CUDA events) on CUDA."""
     send_s: float
     """Posting sends and waiting for the in-flight window (the drafters' pace)."""
     build_wait_s: float
@@ -118,17 +118,34 @@ class TargetWorker:
     def _serve_step(self, epoch: int, step: int, per_rank: list, *, t_prev: float, build_wait: float) -> None:
         s = self.sender
         b0, m0, send0 = s.bytes_sent, s.messages, s.send_s
-        busy, in_flight = 0.0, 0
+        busy, in_flight, events = 0.0, 0, []
         for r, micro in per_rank:
             for b in micro:
                 t0 = time.perf_counter()
+                if self.device.type == "cuda":
+                    events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                    events[-1][0].record()
                 with self.autocast():
                     taps = self.provider.taps(b.to(self.device), epoch=epoch)   # (T, k*H)
+                if events:
+                    events[-1][1].record()
                 busy += time.perf_counter() - t0
                 s.send(self.dst[r], Tag.of(epoch, b.step, b.accum, b.sample_ids), [taps], kind=KIND_DATA)
                 in_flight = max(in_flight, s.in_flight())
+        if events:  # GPU time of the forwards (waits for the step's last one; its sends keep flowing)
+            events[-1][1].synchronize()
+            busy = sum(a.elapsed_time(z) for a, z in events) / 1e3
         now = time.perf_counter()
         self.timings.append(StepTiming(
             epoch=epoch, step=step, wall_s=now - t_prev, busy_s=busy, send_s=s.send_s - send0,
             build_wait_s=build_wait,
             bytes_sent=s.bytes_sent - b0, messages=s.messages - m0, in_flight_max=in_flight))
+
+
+def sender_for(place, *, prefetch: int, timeout: float, device: torch.device) -> TapsSender:
+    """The :class:`TapsSender` of a target rank's :class:`~.roles.Place`: one peer per served drafter."""
+    roles = place.roles
+    if not place.is_target:
+        raise ValueError(f"global rank {place.rank} is a drafter rank; only target ranks send taps")
+    peers = {roles.drafter_global(i): f"drafter rank {i}" for i in place.served}
+    return TapsSender(peers, prefetch=prefetch, timeout=timeout, device=device, me=f"target rank {place.rank}")

@@ -121,13 +121,12 @@ def split_rank(rank: int, world: int, init_file: str, paths: dict, opts: dict) -
 def _target_side(place, source, build, paths, opts) -> dict:
     import torch
 
-    from dflash_prep.train.target_link import TapsSender
-    from dflash_prep.train.target_worker import TargetWorker
+    from dflash_prep.train.target_worker import TargetWorker, sender_for
     from dflash_prep.train.taps import LocalTaps
 
     roles = place.roles
-    peers = {roles.drafter_global(i): f"drafter rank {i}" for i in place.served}
-    sender = TapsSender(peers, prefetch=opts["prefetch"], timeout=opts["timeout"], me=f"target rank {place.rank}")
+    sender = sender_for(place, prefetch=opts["prefetch"], timeout=opts["timeout"], device=torch.device("cpu"))
+    peers = sender.peers
     if opts.get("mode") == "forge":
         return _forge(sender, source, build, place, paths, opts)
     if opts.get("mode") == "silent":   # alive but sends nothing until its drafters have given up
@@ -162,14 +161,11 @@ def _drafter_side(place, source, build, paths, opts, out: Path, rank: int) -> di
     import torch
 
     from dflash_prep.train.data import iter_steps
-    from dflash_prep.train.target_link import TapsReceiver
-    from dflash_prep.train.taps import LocalTaps, RemoteTaps, load_heads
+    from dflash_prep.train.taps import LocalTaps, remote_taps
 
     i = place.dist.rank
-    recv = TapsReceiver(place.target, timeout=opts["timeout"], me=f"drafter rank {i}",
-                        peer=f"target rank {place.target}")
-    embed, head = load_heads(paths["target"], device=torch.device("cpu"))
-    remote = RemoteTaps(recv, embed, head, device=torch.device("cpu"))
+    remote = remote_taps(place, paths["target"], timeout=opts["timeout"], device=torch.device("cpu"))
+    embed, head = remote.embed_tokens, remote.lm_head
     local = LocalTaps(frozen_target(paths)) if opts.get("compare", True) else None
     seen, equal, n = [], [], 0
     e0, s0 = opts.get("start", (0, 0))
