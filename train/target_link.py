@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash_prep.errors import DflashError, FormatError
+from dflash_prep.errors import ConfigError, DflashError, FormatError
 
 MAGIC = 0x44464C4B  # "DFLK"
 VERSION = 1
@@ -136,28 +136,32 @@ def wait_work(work, timeout: float) -> str | None:
     return None
 
 
+def _check_timeout(timeout: float) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ConfigError(f"--target-timeout must be a finite number of seconds > 0, got {timeout!r}")
+
+
 @dataclass
 class _InFlight:
     tag: Tag
     works: list
     tensors: list   # kept alive until the send completes
-    nbytes: int
 
 
 class TapsSender:
     """A target rank's outgoing messages, ``prefetch`` in flight per drafter rank (module docstring).
 
     ``peers`` maps each destination global rank to its name in messages (``"drafter rank 1"``).
-    ``bytes_sent``/``messages`` count posted messages; ``send_s`` is the time spent posting
-    and waiting; :meth:`in_flight` the messages not yet taken.
+    ``bytes_sent``/``messages`` count posted messages (header included); ``send_s`` is the time
+    spent posting and waiting; :meth:`in_flight` the messages posted and not yet seen taken
+    (at most ``prefetch`` per drafter rank: a send is only checked when the window is full).
     """
 
     def __init__(self, peers: dict[int, str], *, prefetch: int = 2, timeout: float = 600.0,
                  device: torch.device = torch.device("cpu"), me: str = "target rank"):
         if prefetch < 1:
-            raise ValueError(f"--target-prefetch must be >= 1, got {prefetch}")
-        if not timeout > 0:
-            raise ValueError(f"--target-timeout must be > 0 seconds, got {timeout}")
+            raise ConfigError(f"--target-prefetch must be >= 1, got {prefetch}")
+        _check_timeout(timeout)
         self.peers, self.prefetch, self.timeout, self.device, self.me = dict(peers), int(prefetch), float(timeout), device, me
         self._q: dict[int, deque[_InFlight]] = {p: deque() for p in self.peers}
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -189,7 +193,7 @@ class TapsSender:
         except RuntimeError as e:   # gloo refuses to post on a pair its dead peer closed
             raise self._lost(dst, tag, _why(e, self.timeout)) from None
         nbytes = header.numel() * 8 + sum(t.numel() * t.element_size() for t in tensors)
-        q.append(_InFlight(tag, works, [header, *tensors], nbytes))
+        q.append(_InFlight(tag, works, [header, *tensors]))
         self.bytes_sent += nbytes
         self.messages += 1
         self.send_s += time.perf_counter() - t0
@@ -208,10 +212,10 @@ class TapsSender:
         payload = torch.frombuffer(bytearray(reason.encode()[:4096] or b"?"), dtype=torch.uint8)
         if self.device.type == "cuda":
             payload = payload.to(self.device)
+        header = encode_header(KIND_STOP, Tag(-1, -1, -1, 0), [payload]).to(payload.device)
         for dst in self.peers:
             try:
-                works = [dist.isend(encode_header(KIND_STOP, Tag(-1, -1, -1, 0), [payload]).to(payload.device), dst),
-                         dist.isend(payload, dst)]
+                works = [dist.isend(header, dst), dist.isend(payload, dst)]
                 for w in works:
                     if wait_work(w, timeout) is not None:
                         break
@@ -234,8 +238,7 @@ class TapsReceiver:
 
     def __init__(self, src: int, *, timeout: float = 600.0, me: str = "drafter rank", peer: str = "target rank",
                  device: torch.device = torch.device("cpu")):
-        if not timeout > 0:
-            raise ValueError(f"--target-timeout must be > 0 seconds, got {timeout}")
+        _check_timeout(timeout)
         self.src, self.timeout, self.me, self.peer = int(src), float(timeout), me, peer
         self.device = device   # where the link's tensors live: the GPU under NCCL, else CPU
         self.wait_s = 0.0

@@ -59,6 +59,16 @@ def test_header_round_trip_digest_and_foreign_messages():
         encode_header(KIND_DATA, tag, [torch.zeros(1, 1, 1, 1)] * HEADER_LEN)
 
 
+def test_link_options_are_checked():
+    from dflash_prep.train.target_link import TapsReceiver, TapsSender
+
+    with pytest.raises(ConfigError, match="--target-prefetch must be >= 1, got 0"):
+        TapsSender({1: "drafter rank 0"}, prefetch=0)
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="--target-timeout must be a finite number"):
+            TapsReceiver(0, timeout=bad)
+
+
 def test_load_heads_reads_only_the_embedding_and_head_and_ties_them(tmp_path):
     from safetensors.torch import save_file
 
