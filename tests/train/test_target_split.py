@@ -141,20 +141,20 @@ def _job(tmp: Path, paths: dict, K: int, W: int, opts: dict, *, deadline: float 
     return recs
 
 
-def _check_equal_and_ordered(paths, recs, K, W, steps):
+def _check_equal_and_ordered(paths, recs, K, W, steps, start=(0, 0)):
     for g in range(K + W):
         assert recs[g]["exit"] == 0, recs[g].get("trace")
     for i in range(W):
         r = recs[K + i]
         assert r["target"] == i % K
-        want = _manifest_rows(paths, i, (0, 0), steps)
+        want = _manifest_rows(paths, i, start, steps)
         assert r["seen"] == want, f"drafter {i} received rows out of manifest order"
         assert len(want) == steps * 2 and all(r["equal"]) and len(r["equal"]) == len(want)
         assert r["heads_equal"]
         assert r["group_ranks"] == list(range(W)) and r["group_total"] == sum(len(recs[K + j]["seen"]) for j in range(W))
     for k in range(K):
         t = recs[k]["timings"]
-        steps_seen = sorted({(e, s) for e, s, _, _ in _manifest_rows(paths, 0, (0, 0), steps)})
+        steps_seen = sorted({(e, s) for e, s, _, _ in _manifest_rows(paths, 0, start, steps)})
         assert [(x["epoch"], x["step"]) for x in t] == steps_seen and steps_seen[-1][0] == 1  # crosses an epoch
         assert sum(x["messages"] for x in t) == steps * 2 * len(recs[k]["served"])
         assert all(x["bytes_sent"] > 0 and 1 <= x["in_flight_max"] <= 2 * len(recs[k]["served"]) for x in t)
@@ -170,9 +170,10 @@ def test_one_target_rank_feeds_two_drafters_bit_identical_taps_in_manifest_order
 
 
 @pytest.mark.timeout(240)
-def test_two_target_ranks_two_drafters(pipe, tmp_path):
-    recs = _job(tmp_path, pipe, 2, 2, {"steps": 4})
-    _check_equal_and_ordered(pipe, recs, 2, 2, 4)
+def test_two_target_ranks_two_drafters_from_a_mid_epoch_cursor(pipe, tmp_path):
+    """K = 2, W = 2, every rank starting at (epoch 0, step 1) as a resumed run does."""
+    recs = _job(tmp_path, pipe, 2, 2, {"steps": 3, "start": [0, 1]})
+    _check_equal_and_ordered(pipe, recs, 2, 2, 3, start=(0, 1))
     assert (recs[0]["served"], recs[1]["served"]) == ([0], [1])
 
 
