@@ -48,7 +48,7 @@ class StepTiming:
     bytes_sent: int
     messages: int
     in_flight_max: int
-    """Most messages not yet taken, over this step's posts (after each post)."""
+    """Most messages posted and not yet seen taken (:meth:`~.target_link.TapsSender.in_flight`), after each post."""
 
     def to_dict(self) -> dict:
         return asdict(self)
