@@ -26,6 +26,9 @@ class Dist:
     world_size: int
     local_rank: int
     device: torch.device
+    group: object | None = None
+    """The process group the collectives run on: None is the default (whole job); a split job's
+    drafter ranks get the drafter-only group (:mod:`.roles`), with ``rank``/``world_size`` in it."""
 
     @property
     def is_main(self) -> bool:
@@ -63,7 +66,7 @@ def teardown(d: Dist) -> None:
 def all_reduce_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
     """In-place SUM across ranks (no-op for one process)."""
     if d.active:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=d.group)
     return t
 
 
@@ -80,7 +83,7 @@ def all_reduce_grads(params: list[torch.nn.Parameter], d: Dist) -> None:
     if not d.active:
         return
     flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=d.group)
     off = 0
     for p in params:
         n = p.numel()
@@ -93,10 +96,10 @@ def gather_objects(obj, d: Dist) -> list:
     if not d.active:
         return [obj]
     out = [None] * d.world_size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=d.group)
     return out
 
 
 def barrier(d: Dist) -> None:
     if d.active:
-        dist.barrier()
+        dist.barrier(group=d.group)

@@ -1,0 +1,151 @@
+"""A target rank's loop: the taps of exactly its drafter ranks' micro-batches, in manifest order.
+
+For each epoch from the cursor ``(epoch, step)``, for each step in manifest order, for each
+served drafter rank (ascending), for each of that rank's accumulation micro-batches in
+manifest order: build the micro-batch with the drafter's own builder (same function, same
+sample ids, same anchors), run the frozen target over it (:class:`~.taps.LocalTaps`, the code
+the colocated trainer runs) and send the taps with the row's tag (:mod:`.target_link`).
+Nothing reorders: the builder runs ahead on one FIFO thread (:class:`~.data.Prefetcher`), and
+the only other queue is the sender's bounded in-flight window per drafter rank. There is no
+buffer to pick from and no readiness threshold.
+
+The loop stops after the last step of the last epoch, or after ``max_steps`` steps (the
+drafters' ``--max-steps`` counted from the cursor), waits until every message is taken,
+and returns one :class:`StepTiming` per step. On an error it tells its drafter ranks why
+(:meth:`~.target_link.TapsSender.stop`) before raising.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from dflash_prep.errors import ConfigError
+
+from .data import Prefetcher, iter_steps
+from .roles import Roles
+from .target_link import KIND_DATA, Tag, TapsSender
+
+
+@dataclass
+class StepTiming:
+    """Where one step's time went on a target rank (for ``log.jsonl``)."""
+
+    epoch: int
+    step: int
+    wall_s: float
+    """From the end of the previous step to the end of this one."""
+    busy_s: float
+    """Target forwards: wall time on CPU, GPU time (CUDA events) on CUDA."""
+    send_s: float
+    """Posting sends and waiting for the in-flight window (the drafters' pace)."""
+    build_wait_s: float
+    """Waiting for the builder thread."""
+    bytes_sent: int
+    messages: int
+    in_flight_max: int
+    """Most messages posted and not yet seen taken (:meth:`~.target_link.TapsSender.in_flight`), after each post."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class TargetWorker:
+    """One target rank's loop (module docstring).
+
+    ``source``: a :class:`~.source.FileSource` (or any object with ``dataset`` and
+    ``manifest(epoch)``); ``provider``: a :class:`~.taps.LocalTaps`; ``build(mb, epoch)``: the
+    drafter's micro-batch builder, returning a batch with ``to(device)``, ``step``, ``accum``
+    and ``sample_ids``; ``autocast``: the context the colocated loss runs the target under.
+    """
+
+    def __init__(self, source, provider, sender: TapsSender, *, roles: Roles, target_rank: int,
+                 build: Callable, device: torch.device, autocast=contextlib.nullcontext, build_ahead: int = 2):
+        self.source, self.provider, self.sender, self.roles = source, provider, sender, roles
+        self.served = roles.served(target_rank)
+        self.dst = {i: roles.drafter_global(i) for i in self.served}
+        missing = [g for g in self.dst.values() if g not in sender.peers]
+        if missing:
+            raise ValueError(f"the sender has no peer for global ranks {missing}")
+        self.build, self.device, self.autocast, self.build_ahead = build, device, autocast, int(build_ahead)
+        self.target_rank = int(target_rank)
+        self.timings: list[StepTiming] = []
+
+    def run(self, epochs: Sequence[int], *, start: tuple[int, int] = (0, 0),
+            max_steps: int | None = None) -> list[StepTiming]:
+        """Serve ``epochs`` from ``start`` ``(epoch, step)``, at most ``max_steps`` steps."""
+        try:
+            for epoch in [int(e) for e in epochs if int(e) >= start[0]]:
+                left = None if max_steps is None else max_steps - len(self.timings)
+                if left is not None and left <= 0:
+                    break
+                self._epoch(epoch, start[1] if epoch == start[0] else 0, left)
+            self.sender.flush()
+        except Exception as e:
+            self.sender.stop(str(e).splitlines()[0] if str(e) else f"{type(e).__name__} on target rank {self.target_rank}")
+            raise
+        return self.timings
+
+    def _steps(self, m, epoch: int, start_step: int) -> Iterator[tuple[int, list]]:
+        """``(step, [(drafter rank, its micro-batches)])`` in manifest order (runs on the builder thread)."""
+        its = {r: iter_steps(self.source.dataset, m, r, start_step=start_step,
+                             build=lambda mb, _e=epoch: self.build(mb, _e)) for r in self.served}
+        for step in range(int(start_step), int(m.num_steps)):
+            yield step, [(r, next(its[r]).micro) for r in self.served]
+
+    def _epoch(self, epoch: int, start_step: int, limit: int | None) -> None:
+        m = self.source.manifest(epoch)
+        if int(m.world_size) != self.roles.drafter_ranks:
+            raise ConfigError(f"manifest epoch {epoch} was packed for world size {m.world_size}, but the job has "
+                              f"{self.roles.drafter_ranks} drafter ranks; re-pack it with `dflash-prep pack "
+                              f"--world-size {self.roles.drafter_ranks}` or change --target-ranks")
+        done = 0
+        with Prefetcher(self._steps(m, epoch, start_step), self.build_ahead) as pf:
+            t_end = time.perf_counter()
+            while limit is None or done < limit:
+                w0 = pf.wait_s
+                item = next(pf, None)
+                if item is None:
+                    break
+                self._serve_step(epoch, *item, t_prev=t_end, build_wait=pf.wait_s - w0)
+                t_end = time.perf_counter()
+                done += 1
+
+    def _serve_step(self, epoch: int, step: int, per_rank: list, *, t_prev: float, build_wait: float) -> None:
+        s = self.sender
+        b0, m0, send0 = s.bytes_sent, s.messages, s.send_s
+        busy, in_flight, events = 0.0, 0, []
+        for r, micro in per_rank:
+            for b in micro:
+                t0 = time.perf_counter()
+                if self.device.type == "cuda":
+                    events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                    events[-1][0].record()
+                with self.autocast():
+                    taps = self.provider.taps(b.to(self.device), epoch=epoch)   # (T, k*H)
+                if events:
+                    events[-1][1].record()
+                busy += time.perf_counter() - t0
+                s.send(self.dst[r], Tag.of(epoch, b.step, b.accum, b.sample_ids), [taps], kind=KIND_DATA)
+                in_flight = max(in_flight, s.in_flight())
+        if events:  # GPU time of the forwards (waits for the step's last one; its sends keep flowing)
+            events[-1][1].synchronize()
+            busy = sum(a.elapsed_time(z) for a, z in events) / 1e3
+        now = time.perf_counter()
+        self.timings.append(StepTiming(
+            epoch=epoch, step=step, wall_s=now - t_prev, busy_s=busy, send_s=s.send_s - send0,
+            build_wait_s=build_wait,
+            bytes_sent=s.bytes_sent - b0, messages=s.messages - m0, in_flight_max=in_flight))
+
+
+def sender_for(place, *, prefetch: int, timeout: float, device: torch.device) -> TapsSender:
+    """The :class:`TapsSender` of a target rank's :class:`~.roles.Place`: one peer per served drafter."""
+    roles = place.roles
+    if not place.is_target:
+        raise ValueError(f"global rank {place.rank} is a drafter rank; only target ranks send taps")
+    peers = {roles.drafter_global(i): f"drafter rank {i}" for i in place.served}
+    return TapsSender(peers, prefetch=prefetch, timeout=timeout, device=device, me=f"target rank {place.rank}")
