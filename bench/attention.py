@@ -93,7 +93,7 @@ def causal_flops(doc_lens, heads: int, head_dim: int) -> int:
 
 def varlen_doc_lens(cfg: BenchConfig) -> list[int]:
     """Document lengths that fill exactly ``cfg.tokens``: profile draws, scaled, last one cut."""
-    from dflash_prep.profiles import make_lengths
+    from dflash_prep.synth.profiles import make_lengths
 
     draws = make_lengths(cfg.profile, n=max(64, 8 * cfg.tokens // 65), seed=cfg.seed)
     factor = cfg.tokens / REF_TOKENS
@@ -370,7 +370,7 @@ def run(cfg: BenchConfig) -> dict:
     import torch
     import triton
 
-    from dflash_prep.fileio import atomic_write_bytes, atomic_write_json
+    from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json
 
     runner = Runner(cfg)
     for d in cfg.head_dims:  # varlen first: if the time budget runs out, dense lengths go first

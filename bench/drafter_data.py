@@ -42,14 +42,16 @@ from pathlib import Path
 import numba as nb
 import numpy as np
 
-from dflash_prep import lengths as lengths_mod
-from dflash_prep import manifest, metrics, pack, profiles
-from dflash_prep.bucketing import class_edges, keyed_permutation
-from dflash_prep.drafter_cost import DrafterCostModel, sample_cost
-from dflash_prep.fileio import atomic_write_json, fingerprint_array
-from dflash_prep.pack_config import PackConfig
-from dflash_prep.pack_dflash import DrafterOptions
-from dflash_prep.plan import Budget, Plan
+from dflash_prep.formats import lengths as lengths_mod
+from dflash_prep.formats import manifest
+from dflash_prep.pack import metrics, pack
+from dflash_prep.synth import profiles
+from dflash_prep.pack.bucketing import class_edges, keyed_permutation
+from dflash_prep.objectives.drafter_cost import DrafterCostModel, sample_cost
+from dflash_prep.formats.fileio import atomic_write_json, fingerprint_array
+from dflash_prep.pack.config import PackConfig
+from dflash_prep.objectives.dflash import DrafterOptions
+from dflash_prep.formats.plan import Budget, Plan
 
 W = 8
 B = 16
@@ -70,8 +72,8 @@ def seedlike_inputs(n: int, seed: int = 0):
 
 def demo_inputs(n: int, work: Path):
     """The ``make demo`` corpus, tokenized with real masks: (lengths, mask counts)."""
-    from dflash_prep.synth import SynthConfig, synth
-    from dflash_prep.tokenize import TokenizeConfig, tokenize
+    from dflash_prep.synth.synth import SynthConfig, synth
+    from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 
     synth(SynthConfig(out=work / "corpus", profile="mini", n=n, seed=0, overwrite=True))
     tokenize(TokenizeConfig(tokenizer="byte", inputs=(str(work / "corpus" / "chat.jsonl"),), out=work / "data", max_len=2048,
@@ -185,7 +187,7 @@ def run_input(name: str, lens, mc, T: int, repeats: int) -> list[dict]:
     """The three paths on one input: epochs 0 and 1, metrics of epoch 0 (+ repeat pairs 0 -> 1)."""
     lens = np.asarray(lens)
     opts = DrafterOptions(cost_model=QWEN3_8B, block_size=B, max_anchors=MAX_ANCHORS)
-    from dflash_prep.anchors import anchor_counts
+    from dflash_prep.objectives.anchors import anchor_counts
 
     k = anchor_counts(mc.anchor_candidates, mc.supervised, MAX_ANCHORS)
     n = len(lens)

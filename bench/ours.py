@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_prep import metrics, pack
-from dflash_prep.fileio import atomic_save_npy
-from dflash_prep.plan import Plan
+from dflash_prep.pack import metrics, pack
+from dflash_prep.formats.fileio import atomic_save_npy
+from dflash_prep.formats.plan import Plan
 
 from .peer_samplers import PeerEpoch
 
@@ -43,7 +43,8 @@ SMALL_WINDOW = 512
 def analyze_plan(lengths_file: Path | None, out: Path, **options) -> tuple[Plan, dict]:
     """Run ``analyze`` on a lengths file (or on ``data=`` a dataset folder, in ``options``);
     return the plan it wrote and a short description."""
-    from dflash_prep import analyze, plan as plan_mod
+    from dflash_prep.analyze import analyze
+    from dflash_prep.formats import plan as plan_mod
 
     rep = analyze.run(analyze.AnalyzeConfig(lengths_file=lengths_file, out=out, plot=False, **options))
     plan = plan_mod.load(rep["plan"])

@@ -32,9 +32,9 @@ from typing import Callable
 
 import numpy as np
 
-from dflash_prep import metrics
+from dflash_prep.pack import metrics
 from dflash_prep.errors import ConfigError
-from dflash_prep.fileio import atomic_write_bytes, atomic_write_json
+from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json
 
 from . import peer_samplers as ps
 
@@ -192,7 +192,7 @@ def peer_rows(lengths: np.ndarray, cfg: BenchConfig, *, hf_batch: int) -> list[R
 def load_set(name: str, cfg: BenchConfig) -> tuple[np.ndarray, str]:
     """Lengths (int64) and a one-line description of where they come from."""
     if name == "seedlike":
-        from dflash_prep.profiles import make_lengths
+        from dflash_prep.synth.profiles import make_lengths
         return make_lengths("seedlike", cfg.n, cfg.seed).astype(np.int64), f"profiles.make_lengths('seedlike', {cfg.n}, {cfg.seed})"
     from . import corpus
     return corpus.demo_bpe_lengths(cfg.demo_n, seed=cfg.seed, work=cfg.out / "demo-bpe")

@@ -89,7 +89,7 @@ def synth_cmd(
 ):
     """Write a reproducible multi-turn chat corpus whose byte-level token lengths follow a profile."""
     from .progress import progress
-    from .synth import SynthConfig, synth
+    from dflash_prep.synth.synth import SynthConfig, synth
 
     cfg = SynthConfig(out=out, profile=profile, n=n, seed=seed, overwrite=overwrite)
     with progress("synth", total=n, unit="conversations") as bar:
@@ -122,8 +122,8 @@ def tokenize_cmd(
     address: Annotated[Optional[str], typer.Option(help="--engine ray: the cluster, 'auto' (ray start on this machine) or HOST:PORT; default: a Ray started for this run.")] = None,
 ):
     """Tokenize a corpus into Arrow shards, lengths.npy and meta.json (ids and loss mask as transformers' chat template gives them)."""
-    from .chat import MaskOptions
-    from .tokenize import TokenizeConfig, summary_rows, tokenize
+    from dflash_prep.tokenize.chat import MaskOptions
+    from dflash_prep.tokenize.tokenize import TokenizeConfig, summary_rows, tokenize
 
     mask = MaskOptions(roles=tuple(r.strip() for r in roles_to_train.split(",") if r.strip()),
                        train_on_eos=train_on_eos, train_turns=train_turns, expand_turns=expand_turns)
@@ -171,8 +171,8 @@ def regenerate_cmd(
     """Have the target model write the assistant turns of a corpus (resumable; reruns do nothing)."""
     import json
 
-    from .engines import Sampling
-    from .regenerate import RegenerateConfig, run, summary_rows
+    from dflash_prep.regenerate.engines import Sampling
+    from dflash_prep.regenerate.regenerate import RegenerateConfig, run, summary_rows
 
     try:
         extra = json.loads(extra_body) if extra_body else {}
@@ -222,9 +222,9 @@ def analyze_cmd(
     overwrite: Annotated[bool, typer.Option(help="replace a plan.json made from other data or options")] = False,
 ):
     """Search bucket boundaries over every distinct length, compare strategies, write plan.json."""
-    from .analyze import AnalyzeConfig, run
-    from .pack_dflash import OBJECTIVES, drafter_options
-    from .report import render, to_json
+    from dflash_prep.analyze.analyze import AnalyzeConfig, run
+    from dflash_prep.objectives.dflash import OBJECTIVES, drafter_options
+    from dflash_prep.analyze.report import render, to_json
 
     if objective not in OBJECTIVES:
         raise typer.BadParameter(f"--objective must be one of {', '.join(OBJECTIVES)}")
@@ -312,15 +312,15 @@ def pack_cmd(
     resume_from_step: Annotated[Optional[int], typer.Option(help="re-pack the rest of --epoch N (already in OUT) from step K for this --world-size/--grad-accum, into OUT/resume/epoch-000N")] = None,
 ):
     """Pack deterministic per-epoch manifests (batches, steps, ranks) from a plan."""
-    from . import manifest
-    from .pack import REPEAT_PAIR_WARN, PackConfig, budget_override, pack_epochs, parse_epochs, summary_warnings
-    from .pack_dflash import drafter_options
+    from dflash_prep.formats import manifest
+    from dflash_prep.pack.pack import REPEAT_PAIR_WARN, PackConfig, budget_override, pack_epochs, parse_epochs, summary_warnings
+    from dflash_prep.objectives.dflash import drafter_options
 
-    from .plan import load as load_plan
+    from dflash_prep.formats.plan import load as load_plan
 
     p = load_plan(plan)
     if resume_from_step is not None:
-        from .repack import resume_epoch
+        from dflash_prep.pack.repack import resume_epoch
 
         if epoch is None:
             raise typer.BadParameter("--resume-from-step needs --epoch N (the epoch being resumed)")
@@ -351,7 +351,7 @@ def inspect_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object instead of tables")] = False,
 ):
     """Print the summary metrics of one epoch or of every epoch under a root."""
-    from . import manifest
+    from dflash_prep.formats import manifest
 
     _print_summaries([(d.name, manifest.open(d, check_hashes=False).summary) for d in manifest.find_epochs(path)], json_out)
 
@@ -384,7 +384,7 @@ def clean_cmd(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="only list what would be removed")] = False,
 ):
     """Remove what killed runs left behind: hidden temp folders and files, unheld lock files, dataset caches in TMPDIR."""
-    from .outputs import find_stale, remove, size_of
+    from dflash_prep.formats.outputs import find_stale, remove, size_of
 
     found = find_stale(paths or [Path(".")])
     for p in found:

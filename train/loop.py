@@ -38,7 +38,7 @@ import torch
 
 from dflash_prep import kernels
 from dflash_prep.errors import ConfigError, DflashError, FormatError
-from dflash_prep.fileio import atomic_write_bytes, atomic_write_json, strict_dumps
+from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json, strict_dumps
 
 from . import checkpoint as ckpt
 from . import distributed, rescale
@@ -281,7 +281,7 @@ def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = 
         if not d.is_main:
             return _train(cfg, source, d)
         check_run_folder(out)
-        from dflash_prep.outputs import lock
+        from dflash_prep.formats.outputs import lock
 
         with lock(out, inside=True):  # a second trainer on the same --out fails clearly
             return _train(cfg, source, d)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dflash_prep.anchors import SAMPLER_VERSION, sample_anchors_batch
+from dflash_prep.objectives.anchors import SAMPLER_VERSION, sample_anchors_batch
 from dflash_prep.errors import FormatError
 
 from .chunked_ce import weighted_ce

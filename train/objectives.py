@@ -219,7 +219,7 @@ def anchor_spec(cfg: TrainConfig, manifest=None):
     options (its header's ``dflash``) win; a flag that contradicts them is refused, since the
     manifest's anchor budgets and digest assume them. Otherwise the flags, with defaults B = 16,
     512 anchors, ``cap``, and ``--anchor-seed`` or else ``--seed``."""
-    from dflash_prep.anchors import SAMPLER_VERSION
+    from dflash_prep.objectives.anchors import SAMPLER_VERSION
 
     from .objective_dflash import AnchorSpec
 

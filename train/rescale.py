@@ -73,8 +73,8 @@ class RescaledSource:
     def manifest(self, epoch: int):
         if epoch != int(self.cont["epoch"]):
             return self._src.manifest(epoch)
-        from dflash_prep import manifest as man
-        from dflash_prep.repack import resume_dir, resume_epoch
+        from dflash_prep.formats import manifest as man
+        from dflash_prep.pack.repack import resume_dir, resume_epoch
 
         s, c = self._src, self.cont
         path = resume_dir(s.root, epoch)

@@ -54,7 +54,7 @@ from typing import Protocol
 import torch
 
 from dflash_prep.errors import ConfigError, DflashError, FormatError
-from dflash_prep.fileio import atomic_write_json
+from dflash_prep.formats.fileio import atomic_write_json
 
 EVAL_FORMAT = "dflash-prep/speculate-eval"
 EVAL_VERSION = 1

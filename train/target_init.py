@@ -94,7 +94,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
 
 def default_texts(chars: int = 400_000) -> list[str]:
     """The synth corpus's text pool, cut in 1,000-character pieces (what the demo trains on)."""
-    from dflash_prep.synth import _pool
+    from dflash_prep.synth.synth import _pool
 
     text = _pool(1)[:chars]
     return [text[i:i + 1000] for i in range(0, len(text), 1000)]

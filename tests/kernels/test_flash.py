@@ -16,7 +16,7 @@ import torch
 from dflash_prep.kernels.errors import AttentionConfigError
 from dflash_prep.kernels import attention_padded, attention_varlen, force_backend
 
-from .helpers import close_to_reference, make_padded, make_varlen, reference_pair, run
+from tests.kernels.helpers import close_to_reference, make_padded, make_varlen, reference_pair, run
 
 NAMES = ("o", "dq", "dk", "dv")
 

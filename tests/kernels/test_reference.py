@@ -11,7 +11,7 @@ from dflash_prep.kernels import attention_padded, attention_varlen, force_backen
 from dflash_prep.kernels.backend import requested_backend, resolve_backend
 from dflash_prep.kernels.reference import attention_padded_reference, attention_varlen_reference
 
-from .helpers import make_padded, make_varlen, run
+from tests.kernels.helpers import make_padded, make_varlen, run
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -123,7 +123,7 @@ def test_eval_entry_point_writes_a_versioned_report(tiny, tmp_path):
 
 def test_proposer_drafts_what_the_public_algorithm_drafts(tiny):
     """One DFlashProposer block == the public per-block computation after a prefill of ``start``."""
-    from dflash_oracle import public_block_forward
+    from tests.train.dflash_oracle import public_block_forward
 
     _, model, _ = tiny
     drafter = _drafter(model, seed=2)

@@ -1,0 +1,1 @@
+"""What each training objective needs from the data side: anchors, drafter cost model, its packing."""
