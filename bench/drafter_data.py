@@ -44,14 +44,14 @@ import numpy as np
 
 from dflash_prep.formats import lengths as lengths_mod
 from dflash_prep.formats import manifest
-from dflash_prep.pack import metrics, pack
-from dflash_prep.synth import profiles
-from dflash_prep.pack.bucketing import class_edges, keyed_permutation
-from dflash_prep.objectives.drafter_cost import DrafterCostModel, sample_cost
 from dflash_prep.formats.fileio import atomic_write_json, fingerprint_array
-from dflash_prep.pack.config import PackConfig
-from dflash_prep.objectives.dflash import DrafterOptions
 from dflash_prep.formats.plan import Budget, Plan
+from dflash_prep.objectives.dflash import DrafterOptions
+from dflash_prep.objectives.drafter_cost import DrafterCostModel, sample_cost
+from dflash_prep.pack import metrics, pack
+from dflash_prep.pack.bucketing import class_edges, keyed_permutation
+from dflash_prep.pack.config import PackConfig
+from dflash_prep.synth import profiles
 
 W = 8
 B = 16

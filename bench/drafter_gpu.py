@@ -43,18 +43,19 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from bench.drafter_data import recipe_epoch
-from dflash_prep.pack import pack
-from dflash_prep.synth import profiles
-from dflash_prep.objectives.anchors import anchor_counts
-from dflash_prep.formats import lengths as lengths_mod
-from dflash_prep.pack.bucketing import class_edges
-from dflash_prep.objectives.drafter_cost import DrafterCostModel
 from dflash_prep.errors import ConfigError
+from dflash_prep.formats import lengths as lengths_mod
 from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json, fingerprint_array
-from dflash_prep.pack.config import PackConfig
-from dflash_prep.objectives.dflash import DrafterOptions
 from dflash_prep.formats.plan import Budget, Plan
+from dflash_prep.objectives.anchors import anchor_counts
+from dflash_prep.objectives.dflash import DrafterOptions
+from dflash_prep.objectives.drafter_cost import DrafterCostModel
+from dflash_prep.pack import pack
+from dflash_prep.pack.bucketing import class_edges
+from dflash_prep.pack.config import PackConfig
+from dflash_prep.synth import profiles
+
+from bench.drafter_data import recipe_epoch
 
 BENCH_FORMAT = "dflash-prep/bench-drafter-gpu"
 TARGET_RATIO = 1.3

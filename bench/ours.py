@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_prep.pack import metrics, pack
 from dflash_prep.formats.fileio import atomic_save_npy
 from dflash_prep.formats.plan import Plan
+from dflash_prep.pack import metrics, pack
 
 from .peer_samplers import PeerEpoch
 

@@ -39,11 +39,11 @@ import numpy as np
 
 from dflash_prep.formats import lengths as lengths_mod
 from dflash_prep.formats import manifest
-from dflash_prep.pack import bucketing
-from dflash_prep.synth import profiles
 from dflash_prep.formats.fileio import atomic_write_json
-from dflash_prep.pack.pack import pack_epochs
 from dflash_prep.formats.plan import Budget, Plan, save
+from dflash_prep.pack import bucketing
+from dflash_prep.pack.pack import pack_epochs
+from dflash_prep.synth import profiles
 
 T = 65536
 K6 = (832, 1248, 1760, 2464, 3760)

@@ -34,8 +34,8 @@ import numba as nb
 import numpy as np
 
 from dflash_prep.errors import ConfigError
-from dflash_prep.pack.bucketing import greedy_offsets, keyed_permutation, mix_key
 from dflash_prep.formats.plan import Budget
+from dflash_prep.pack.bucketing import greedy_offsets, keyed_permutation, mix_key
 
 
 @dataclass(frozen=True)

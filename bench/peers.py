@@ -32,9 +32,9 @@ from typing import Callable
 
 import numpy as np
 
-from dflash_prep.pack import metrics
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json
+from dflash_prep.pack import metrics
 
 from . import peer_samplers as ps
 

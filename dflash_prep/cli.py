@@ -88,8 +88,9 @@ def synth_cmd(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
 ):
     """Write a reproducible multi-turn chat corpus whose byte-level token lengths follow a profile."""
-    from .progress import progress
     from dflash_prep.synth.synth import SynthConfig, synth
+
+    from .progress import progress
 
     cfg = SynthConfig(out=out, profile=profile, n=n, seed=seed, overwrite=overwrite)
     with progress("synth", total=n, unit="conversations") as bar:
@@ -223,8 +224,8 @@ def analyze_cmd(
 ):
     """Search bucket boundaries over every distinct length, compare strategies, write plan.json."""
     from dflash_prep.analyze.analyze import AnalyzeConfig, run
-    from dflash_prep.objectives.dflash import OBJECTIVES, drafter_options
     from dflash_prep.analyze.report import render, to_json
+    from dflash_prep.objectives.dflash import OBJECTIVES, drafter_options
 
     if objective not in OBJECTIVES:
         raise typer.BadParameter(f"--objective must be one of {', '.join(OBJECTIVES)}")
@@ -313,10 +314,10 @@ def pack_cmd(
 ):
     """Pack deterministic per-epoch manifests (batches, steps, ranks) from a plan."""
     from dflash_prep.formats import manifest
-    from dflash_prep.pack.pack import REPEAT_PAIR_WARN, PackConfig, budget_override, pack_epochs, parse_epochs, summary_warnings
-    from dflash_prep.objectives.dflash import drafter_options
-
     from dflash_prep.formats.plan import load as load_plan
+    from dflash_prep.objectives.dflash import drafter_options
+    from dflash_prep.pack.pack import (REPEAT_PAIR_WARN, PackConfig, budget_override, pack_epochs, parse_epochs,
+                                       summary_warnings)
 
     p = load_plan(plan)
     if resume_from_step is not None:

@@ -15,11 +15,16 @@ from pathlib import Path
 import numpy as np
 
 from dflash_prep.formats import lengths as lengths_mod
-from dflash_prep.pack import metrics
 from dflash_prep.formats.dataset import META_FILE, open_dataset
-from .errors import FingerprintMismatch, FormatError
 from dflash_prep.formats.fileio import fingerprint_file
-from dflash_prep.formats.manifest import COL, MANIFEST_FILE, Manifest, data_path, epoch_dir, find_epochs, open  # noqa: A004
+from dflash_prep.formats.lengths import read_mask_counts
+from dflash_prep.formats.manifest import (COL, MANIFEST_FILE, Manifest, data_path, epoch_dir, find_epochs,  # noqa: A004
+                                          open)
+from dflash_prep.objectives import dflash as pack_dflash
+from dflash_prep.pack import metrics
+from dflash_prep.pack.repack import consumed_ids
+
+from .errors import FingerprintMismatch, FormatError
 
 
 # ----------------------------------------------------------------------------- manifests
@@ -33,7 +38,6 @@ def _summary_metrics(m: Manifest, lens: np.ndarray, order: np.ndarray, offsets: 
     varlen = m.layout == "varlen"
     b = m.header["budget"]
     if supervised is not None:                     # dflash: ranks were balanced on the drafter step cost
-        from dflash_prep.objectives import dflash as pack_dflash
 
         cost = pack_dflash.microbatch_cost(m.header, lens[order], supervised[order],
                                            np.asarray(m.arrays["anchor_counts"]), offsets)
@@ -83,8 +87,8 @@ def verify_epoch(path: str | Path, *, data: str | Path | None = None, lengths: s
         raise FormatError(f"{path}: micro-batch start/count columns do not tile sample_ids; re-pack the epoch")
     if len(ids) and (ids.min() < 0 or ids.max() >= len(lens)):
         raise FormatError(f"{path}: sample ids outside 0..{len(lens) - 1}; the manifest belongs to other data")
-    from dflash_prep.pack.repack import consumed_ids  # a continuation (pack --resume-from-step) covers the epoch with its parent
 
+    # a continuation (pack --resume-from-step) covers the epoch with its parent
     seen = np.bincount(np.concatenate([ids, m.dropped_ids, consumed_ids(m)]), minlength=len(lens))
     if (seen != 1).any():
         miss, dup = np.flatnonzero(seen == 0), np.flatnonzero(seen > 1)
@@ -138,9 +142,6 @@ def verify_epoch(path: str | Path, *, data: str | Path | None = None, lengths: s
 
 def _verify_drafter(m: Manifest, lens, ids, offsets, src):
     """(problems, metrics, supervised) of :func:`pack_dflash.verify_epoch` against the dataset's masks."""
-    from dflash_prep.objectives import dflash as pack_dflash
-    from dflash_prep.formats.lengths import read_mask_counts
-
     if src.kind != "dataset":
         return [f"{src.path}: a dflash manifest is verified against its dataset folder (the loss masks); pass --data"], {}, None
     mc = read_mask_counts(src.path)

@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dflash_prep.errors import ConfigError, DflashError
 from dflash_prep.formats import lengths as lengths_mod
 from dflash_prep.formats import manifest, outputs
 from dflash_prep.formats import plan as plan_mod
 from dflash_prep.formats.dataset import open_dataset
-from dflash_prep.errors import ConfigError, DflashError
 from dflash_prep.pack.pack import pack_epochs
 from dflash_prep.synth.synth import SynthConfig, synth
 from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize

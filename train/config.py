@@ -13,12 +13,12 @@ preset name, or a ``[model]`` table with an optional ``preset`` key plus field o
 from __future__ import annotations
 
 import math
-
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from dflash_prep.errors import ConfigError
+from dflash_prep.objectives.anchors import check_options
 
 ATTN_BACKENDS = ("auto", "reference", "triton")
 DEVICES = ("auto", "cpu", "cuda")
@@ -222,7 +222,6 @@ class TrainConfig:
                 raise ConfigError("--init-from is for --objective lm; a DFlash run reads its frozen model from --target")
             if self.draft_layers < 1:
                 raise ConfigError(f"--draft-layers must be at least 1, got {self.draft_layers}")
-            from dflash_prep.objectives.anchors import check_options
             check_options(self.max_anchors or 1, self.anchor_policy or "cap", self.block_size or 2)
             if self.gamma < 0:
                 raise ConfigError(f"--gamma must be > 0 (0 = the default rule), got {self.gamma}")

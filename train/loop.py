@@ -35,19 +35,21 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from dflash_prep import kernels
 from dflash_prep.errors import ConfigError, DflashError, FormatError
 from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json, strict_dumps
+from dflash_prep.formats.outputs import lock
 
 from . import checkpoint as ckpt
 from . import distributed, rescale
 from .config import TrainConfig
 from .data import StepBatches
 from .loader import ManifestLoader
+from .lr import Schedule
 from .model import Decoder
 from .objectives import build_objective
-from .lr import Schedule
 from .source import tokenizer_field
 
 LOG_FORMAT = "dflash-prep/train-log"
@@ -261,7 +263,6 @@ def _progress(enabled: bool, total: int):
         return None
     if not sys.stdout.isatty():
         return _Lines(total)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     p = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                  TimeRemainingColumn(), transient=False)
     p.start()
@@ -281,7 +282,6 @@ def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = 
         if not d.is_main:
             return _train(cfg, source, d)
         check_run_folder(out)
-        from dflash_prep.formats.outputs import lock
 
         with lock(out, inside=True):  # a second trainer on the same --out fails clearly
             return _train(cfg, source, d)

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dflash_prep.objectives.anchors import SAMPLER_VERSION, sample_anchors_batch
 from dflash_prep.errors import FormatError
+from dflash_prep.objectives.anchors import SAMPLER_VERSION, sample_anchors_batch
 
 from .chunked_ce import weighted_ce
 from .data import _read

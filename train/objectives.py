@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from dflash_prep.errors import ConfigError
+from dflash_prep.objectives.anchors import SAMPLER_VERSION
 
 from .chunked_ce import weighted_ce
 from .config import TrainConfig
@@ -193,11 +194,11 @@ def build_objective(cfg: TrainConfig, ds, device: torch.device, manifest=None):
         return obj
     if cfg.objective != "dflash":
         raise ConfigError(f"--objective must be lm or dflash, got {cfg.objective!r}")
+    from transformers import AutoConfig
+
     from .drafter import Drafter, DrafterConfig
     from .objective_dflash import default_gamma
     from .target import FrozenTarget, load_tokenizer, pick_mask_token, target_identity
-
-    from transformers import AutoConfig
 
     spec, source = anchor_spec(cfg, manifest)
     hc = AutoConfig.from_pretrained(cfg.target)
@@ -219,8 +220,6 @@ def anchor_spec(cfg: TrainConfig, manifest=None):
     options (its header's ``dflash``) win; a flag that contradicts them is refused, since the
     manifest's anchor budgets and digest assume them. Otherwise the flags, with defaults B = 16,
     512 anchors, ``cap``, and ``--anchor-seed`` or else ``--seed``."""
-    from dflash_prep.objectives.anchors import SAMPLER_VERSION
-
     from .objective_dflash import AnchorSpec
 
     header = getattr(manifest, "header", None) if manifest is not None else None

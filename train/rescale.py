@@ -35,6 +35,8 @@ import numpy as np
 import torch
 
 from dflash_prep.errors import ConfigError, FormatError
+from dflash_prep.formats import manifest as man
+from dflash_prep.pack.repack import resume_dir, resume_epoch
 
 from . import checkpoint as ckpt
 from . import distributed
@@ -73,8 +75,6 @@ class RescaledSource:
     def manifest(self, epoch: int):
         if epoch != int(self.cont["epoch"]):
             return self._src.manifest(epoch)
-        from dflash_prep.formats import manifest as man
-        from dflash_prep.pack.repack import resume_dir, resume_epoch
 
         s, c = self._src, self.cont
         path = resume_dir(s.root, epoch)

@@ -26,19 +26,23 @@ What is predicted and what is simulated; none of it grows with N beyond the O(N)
 
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numba as nb
 import numpy as np
 
-from dflash_prep.formats import plan as plan_mod
-from dflash_prep.analyze import tradeoff
-from dflash_prep.errors import ConfigError
-from dflash_prep.formats.lengths import LengthSource, load
+from dflash_prep.analyze import report, tradeoff
 from dflash_prep.analyze.optimize import Histogram, Model, PackModel, histogram
 from dflash_prep.analyze.simulate import SUBSAMPLE, Subsample
 from dflash_prep.analyze.simulate import sorted_static as sorted_static_hist
+from dflash_prep.errors import ConfigError
+from dflash_prep.formats import plan as plan_mod
+from dflash_prep.formats.lengths import LengthSource, load
+from dflash_prep.formats.outputs import lock
+from dflash_prep.objectives.dflash import predict_source
 
 MAX_K = 32
 MULTI_START_GAP = 0.005  # model disagreement (efficiency) above which refine also starts from the baselines
@@ -235,10 +239,6 @@ def fixed_k(cfg: AnalyzeConfig, model: Model, boundaries: list) -> int | None:
 def run(cfg: AnalyzeConfig, *, source: LengthSource | None = None, progress: bool = False) -> dict:
     """Analyze, write ``plan.json`` (+ report JSON and PNG) and return the report dict.
     ``progress``: one stderr line per finished phase (name, seconds)."""
-    from dflash_prep.analyze import report  # matplotlib / rich stay out of library imports that do not report
-
-    from dflash_prep.formats.outputs import lock
-
     out = cfg.out_dir
     report.check_outputs(out, plot=cfg.plot)
     with lock(out, inside=True):
@@ -302,7 +302,6 @@ def _run(cfg: AnalyzeConfig, source: LengthSource | None, report, progress: bool
            "predicted": plan.predicted, "plan": str(plan_path), "fingerprint": plan_mod.load(plan_path).fingerprint,
            "warnings": window_warnings(plan_row, pareto_w, cfg.max_repeat_pair)}
     if cfg.drafter is not None:                   # --objective dflash (needs the dataset's mask counts)
-        from dflash_prep.objectives.dflash import predict_source
         rep["dflash"] = predict_source(src, cfg.drafter, b, seed=cfg.seed)
     rep["png"] = str(report.plot(hist, rep, cfg.out_dir)) if cfg.plot else None
     clock("plan + plot")
@@ -379,8 +378,6 @@ class _Clock:
     down; on a shared machine the CPU seconds are the fair measure)."""
 
     def __init__(self, log: bool = False):
-        import time
-
         self.log = log
         self._now, self._cpu = time.perf_counter, time.process_time
         self._t, self._c = self._now(), self._cpu()
@@ -392,6 +389,4 @@ class _Clock:
         self.laps[name], self.cpu[name] = t - self._t, c - self._c
         self._t, self._c = t, c
         if self.log:
-            import sys
-
             print(f"analyze: {name} done ({self.laps[name]:.1f} s)", file=sys.stderr, flush=True)

@@ -9,9 +9,14 @@ efficiency against repeat-pair rate over the window and K tables, the plan's poi
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
-from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json, canonical_json
+from rich.console import Console
+from rich.table import Table
+
+from dflash_prep.errors import ConfigError
+from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json, canonical_json, holds_marker
 
 REPORT_FORMAT = "dflash-prep/analyze-report"
 REPORT_VERSION = 1
@@ -22,9 +27,6 @@ PNG_SOFTWARE = "dflash-prep analyze"  # the PNG's tEXt "Software" entry: the fil
 
 def check_outputs(out: Path, *, plot: bool) -> None:
     """Refuse, before any work, to overwrite a report or PNG under ``out`` that is not ours."""
-    from dflash_prep.errors import ConfigError
-    from dflash_prep.formats.fileio import holds_marker
-
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder; it was left untouched. Choose another --out")
@@ -60,8 +62,6 @@ def plot(hist, rep: dict, out: Path) -> Path:
       K), the K x window candidates and the K table (window 0), the limit as a vertical
       line and the plan's point marked.
     """
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -114,8 +114,6 @@ def plot(hist, rep: dict, out: Path) -> Path:
 
 def _table(title: str, cols: list[str]):
     """A rich table whose cells wrap (fold) instead of being cut: it fits 80 columns."""
-    from rich.table import Table
-
     t = Table(title=title, title_justify="left", pad_edge=False, padding=(0, 1))
     for c in cols:
         t.add_column(c, justify="left" if c in ("strategy", "boundaries") else "right", overflow="fold")
@@ -128,8 +126,6 @@ def render(rep: dict, console=None) -> None:
     Every table has at most 7 short columns and folds long cells (boundaries), so it reads
     in an 80-column terminal; how each figure was obtained is said once under each table.
     """
-    from rich.console import Console
-
     con = console or Console()
     s = rep["stats"]
     t = _table(f"lengths: {rep['data']['path']}", ["count", "tokens", "p1", "p50", "p99", "max", "at max"])

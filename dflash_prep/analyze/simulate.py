@@ -50,10 +50,10 @@ from dataclasses import dataclass, field
 import numba as nb
 import numpy as np
 
-from dflash_prep.pack.bucketing import pack_padded
-from dflash_prep.formats.plan import Budget
-from dflash_prep.errors import ConfigError
 from dflash_prep.analyze.optimize import Histogram
+from dflash_prep.errors import ConfigError
+from dflash_prep.formats.plan import Budget
+from dflash_prep.pack.bucketing import pack_padded
 
 SUBSAMPLE = 1 << 19   # samples every simulated row packs (at most)
 

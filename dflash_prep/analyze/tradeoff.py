@@ -31,8 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_prep.formats.plan import Budget
 from dflash_prep.analyze.simulate import Simulated, Subsample, simulate
+from dflash_prep.errors import ConfigError
+from dflash_prep.formats.plan import Budget
+from dflash_prep.pack import pack
 
 JOINT_KS = (1, 2, 4, 6, 8, 16)   # K candidates of the joint choice
 MIN_WINDOW = 64
@@ -218,9 +220,6 @@ def choose(ev: Evaluator, refined: list, *, ks, window: int | None, limit: float
 def step_mix(sub: Subsample, plan, *, world_size: int, grad_accum: int) -> dict | None:
     """Step mix and rank imbalance of the plan's epoch 0 packed by ``pack`` over the subsample
     (class-aware schedule, W x A); None when the subsample has fewer micro-batches than a step."""
-    from dflash_prep.pack import pack
-    from dflash_prep.errors import ConfigError
-
     cfg = pack.PackConfig(world_size=world_size, grad_accum=grad_accum)
     try:
         res = pack.build_epoch(np.asarray(sub.lengths), plan, cfg, 0)

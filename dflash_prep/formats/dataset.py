@@ -45,8 +45,8 @@ from pathlib import Path
 import numpy as np
 
 from dflash_prep.errors import FingerprintMismatch, FormatError, InputError
-from dflash_prep.formats.fileio import (atomic_write_bytes, atomic_write_json, fingerprint_array, fingerprint_file, fingerprint_json,
-                     load_npy, read_json)
+from dflash_prep.formats.fileio import (atomic_write_bytes, atomic_write_json, fingerprint_array, fingerprint_bytes,
+                                        fingerprint_file, fingerprint_json, load_npy, read_json)
 
 DATASET_FORMAT = "dflash-prep/dataset"
 DATASET_VERSION = 2
@@ -61,8 +61,6 @@ FIX = "the folder is corrupt or was edited; re-run `dflash-prep tokenize --overw
 
 def batch_digest(ids: np.ndarray, mask: np.ndarray, lengths: np.ndarray) -> str:
     """Digest of one record batch's payload: int32 ids, uint8 mask, int32 lengths."""
-    from dflash_prep.formats.fileio import fingerprint_bytes
-
     return fingerprint_bytes(memoryview(np.ascontiguousarray(ids, np.int32)).cast("B"),
                              memoryview(np.ascontiguousarray(mask, np.uint8)).cast("B"),
                              memoryview(np.ascontiguousarray(lengths, np.int32)).cast("B"))

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_prep.formats.dataset import DATASET_FORMAT, DATASET_VERSIONS, LENGTHS_FILE, META_FILE, read_meta  # noqa: F401 (re-exported)
 from dflash_prep.errors import FormatError, InputError
+from dflash_prep.formats.dataset import (DATASET_FORMAT, DATASET_VERSIONS, LENGTHS_FILE,  # noqa: F401 (re-exported)
+                                         META_FILE, read_meta)
 from dflash_prep.formats.fileio import atomic_save_npy, fingerprint_array, load_npy, read_json
 
 
@@ -123,15 +124,6 @@ class MaskCounts:
 
     supervised: np.ndarray
     anchor_candidates: np.ndarray
-
-
-def chunk_mask_counts(mask: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(S, C)`` of consecutive samples whose masks are concatenated in ``mask``."""
-    from dflash_prep.objectives.anchors import mask_counts
-
-    cu = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(np.asarray(lengths, np.int64), out=cu[1:])
-    return mask_counts(mask, cu)
 
 
 def write_mask_counts(folder: Path, parts: list[tuple[np.ndarray, np.ndarray]]) -> dict:

@@ -44,9 +44,9 @@ version; the epoch fingerprint against the header (every field but ``summary``: 
 ``world_size`` or step count is refused); the folder name against ``epoch``; the root's
 run; every array's dtype, shape and SHA-256 (``check_hashes``; ~0.9 s per GB, see README
 "Reliability"); and the header against the arrays (``num_microbatches = num_steps * W *
-A``, segment and sample counts). :func:`verify` (``dflash-prep verify``,
-:mod:`dflash_prep.verify`) also recomputes everything from the lengths with
-:mod:`dflash_prep.metrics`, the summary included.
+A``, segment and sample counts). :func:`dflash_prep.verify.verify_epoch` (``dflash-prep
+verify``) also recomputes everything from the lengths with :mod:`dflash_prep.pack.metrics`,
+the summary included.
 
 World size is not elastic within a manifest: one packed for ``W x A`` is refused under any
 other ``W' x A'`` (:meth:`Manifest.check_world`), because its steps were balanced for ``W``
@@ -66,7 +66,9 @@ from typing import Iterator
 import numpy as np
 
 from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
-from dflash_prep.formats.fileio import atomic_dir, atomic_save_npy, atomic_write_json, fingerprint_array, fingerprint_json, load_npy, read_json
+from dflash_prep.formats.fileio import (atomic_dir, atomic_save_npy, atomic_write_json, fingerprint_array,
+                                        fingerprint_json, holds_marker, load_npy, read_json)
+from dflash_prep.formats.outputs import is_temp_name
 
 MANIFEST_FORMAT = "dflash-prep/manifest"
 MANIFEST_VERSION = 1
@@ -252,9 +254,6 @@ def prepare_root(root: str | Path, run: dict, *, overwrite: bool) -> str:
     then removes that run's epochs (renamed away, then deleted), so no reader ever sees two runs:
     :func:`open` refuses an epoch whose run differs from ``root.json``.
     """
-    from dflash_prep.formats.fileio import holds_marker
-    from dflash_prep.formats.outputs import is_temp_name
-
     root = Path(root)
     fp = fingerprint_json(run)
     cur = None
@@ -285,8 +284,6 @@ def commit_root(root: str | Path, run: dict) -> None:
 
     Called by pack right before it writes its first epoch, so a pack that fails earlier
     leaves the root as it was."""
-    from dflash_prep.formats.fileio import holds_marker
-
     root = Path(root)
     fp = fingerprint_json(run)
     try:
@@ -398,13 +395,6 @@ def open(path: str | Path, *, plan_fingerprint: str | None = None, data_fingerpr
         raise FingerprintMismatch(f"{path}: packed for data {m.data_fingerprint}, not for data {data_fingerprint}; "
                                   "re-run analyze and pack for this dataset")
     return m
-
-
-def verify(path: str | Path, **kw) -> dict:
-    """``dflash-prep verify`` on one epoch: see :func:`dflash_prep.verify.verify_epoch`."""
-    from dflash_prep.verify import verify_epoch
-
-    return verify_epoch(path, **kw)
 
 
 def find_epochs(path: str | Path) -> list[Path]:

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from dflash_prep.errors import ConfigError, DflashError, FingerprintMismatch
 from dflash_prep.formats.fileio import atomic_write_json, fingerprint_json, holds_marker, read_json
+from dflash_prep.formats.lengths import LengthSource
 
 MAX_BUDGET = 2.0 ** 53  # a float that still counts tokens exactly
-from dflash_prep.formats.lengths import LengthSource
 
 PLAN_FORMAT = "dflash-prep/plan"
 PLAN_VERSION = 2  # v2: file_fingerprint over every field, data.path relative to the plan
@@ -117,7 +117,6 @@ class Plan:
                 "budget": asdict(self.budget), "seed": int(self.seed), "window": int(self.window)}
 
     def with_fingerprint(self) -> "Plan":
-        from dataclasses import replace
         return replace(self, fingerprint=fingerprint_json(self.identity()))
 
     def check_data(self, src: LengthSource) -> None:

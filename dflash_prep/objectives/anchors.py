@@ -43,9 +43,9 @@ import threading
 import numba as nb
 import numpy as np
 
-from dflash_prep.pack.bucketing import _splitmix, mix_key
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.fileio import FINGERPRINT_HEX
+from dflash_prep.pack.bucketing import _splitmix, mix_key
 
 POLICIES = ("cap", "density")
 #: Key tag of the anchor RNG stream ("anchors"), apart from buckets, schedules and varlen.
@@ -100,6 +100,13 @@ def mask_counts(loss_mask: np.ndarray, cu_seqlens: np.ndarray | None = None):
     if single:
         return int(sup[0]), int(cand[0])
     return sup.astype(np.int32), cand.astype(np.int32)
+
+
+def chunk_mask_counts(mask: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(S, C)`` of consecutive samples whose masks are concatenated in ``mask``."""
+    cu = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(np.asarray(lengths, np.int64), out=cu[1:])
+    return mask_counts(mask, cu)
 
 
 @nb.njit(cache=True, inline="always")

@@ -45,12 +45,14 @@ from dataclasses import dataclass, replace
 import numba as nb
 import numpy as np
 
+from dflash_prep.errors import ConfigError
+from dflash_prep.formats.lengths import read_mask_counts
+from dflash_prep.formats.plan import Budget
 from dflash_prep.objectives import anchors
 from dflash_prep.objectives.anchors import anchor_count
+from dflash_prep.objectives.drafter_cost import DrafterCostModel, cost_shares, sample_cost, step_flops
+from dflash_prep.pack import metrics, steps
 from dflash_prep.pack.bucketing import SideLoads, pack_varlen, prefix_sum
-from dflash_prep.objectives.drafter_cost import DrafterCostModel, sample_cost, step_flops
-from dflash_prep.errors import ConfigError
-from dflash_prep.formats.plan import Budget
 
 OBJECTIVES = ("lm", "dflash")
 #: Key tag of the drafter packing order ("dflash").
@@ -375,8 +377,6 @@ def predict(lens: np.ndarray, supervised: np.ndarray, candidates: np.ndarray, op
     real packer; ``analyze --objective dflash``): useful target tokens and anchor slots
     (1.0: varlen), token / anchor / cost fill, micro-batches, and the drafter-cost rank
     imbalance of LPT over ``world_size`` ranks at one micro-batch per rank."""
-    from dflash_prep.pack import metrics, steps
-
     token_budget = float(budget.value)
     opts = opts.resolve(seed=seed, token_budget=token_budget)
     de = prepare(lens, supervised, candidates, opts, token_budget)
@@ -391,7 +391,6 @@ def predict(lens: np.ndarray, supervised: np.ndarray, candidates: np.ndarray, op
     if m:
         perm, step, rank, _ = steps.assign_ranks(cost[:m], world_size, 1)
         imb = metrics.rank_imbalance(cost[:m][perm], step, rank, world_size)
-    from dflash_prep.objectives.drafter_cost import cost_shares
     return {"useful_target_tokens": 1.0, "useful_anchor_slots": 1.0, "microbatches": int(len(cost)),
             "token_fill": float(tok.mean()) / token_budget, "anchor_fill": float(k.mean()) / de.anchor_budget,
             "cost_fill": float(cost.mean()) / de.cost_budget if de.cost_budget else None,
@@ -402,8 +401,6 @@ def predict(lens: np.ndarray, supervised: np.ndarray, candidates: np.ndarray, op
 
 def predict_source(src, opts: DrafterOptions, budget: Budget, *, seed: int) -> dict:
     """:func:`predict` for a tokenized dataset (a :class:`lengths.LengthSource` of kind dataset)."""
-    from dflash_prep.formats.lengths import read_mask_counts
-
     if src.kind != "dataset":
         raise ConfigError(f"{src.path}: --objective dflash needs a tokenized dataset folder (its loss-mask counts), "
                           "not a lengths file")

@@ -17,12 +17,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from dflash_prep.pack import steps
 from dflash_prep.errors import ConfigError, FingerprintMismatch
 from dflash_prep.formats.fileio import atomic_write_json, fingerprint_json, read_json
-from dflash_prep.objectives.dflash import OBJECTIVES, DrafterOptions
 from dflash_prep.formats.manifest import LAYOUTS
 from dflash_prep.formats.plan import Budget, Plan
+from dflash_prep.objectives.dflash import OBJECTIVES, DrafterOptions
+from dflash_prep.pack import steps
 
 PACK_CONFIG_FORMAT = "dflash-prep/pack-config"
 PACK_CONFIG_VERSION = 1

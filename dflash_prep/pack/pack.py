@@ -29,15 +29,20 @@ from pathlib import Path
 import numba as nb
 import numpy as np
 
-from dflash_prep.formats import lengths as lengths_mod
-from dflash_prep.objectives import anchors, dflash as pack_dflash
-from dflash_prep.formats import manifest, outputs
-from dflash_prep.pack import metrics, bucketing, config as pack_config, steps
 from dflash_prep.errors import ConfigError, FormatError
+from dflash_prep.formats import lengths as lengths_mod
+from dflash_prep.formats import manifest, outputs
+from dflash_prep.formats.dataset import open_dataset
 from dflash_prep.formats.fileio import fingerprint_json, holds_marker
-from dflash_prep.pack.config import PackConfig
 from dflash_prep.formats.plan import MAX_REPEAT_PAIR, Budget, Plan
 from dflash_prep.formats.plan import load as load_plan
+from dflash_prep.objectives import anchors
+from dflash_prep.objectives import dflash as pack_dflash
+from dflash_prep.pack import bucketing
+from dflash_prep.pack import config as pack_config
+from dflash_prep.pack import metrics, steps
+from dflash_prep.pack.config import PackConfig
+from dflash_prep.progress import progress
 
 __all__ = ["PackConfig", "EpochResult", "build_epoch", "pack_epochs", "inputs_fingerprint"]
 
@@ -346,8 +351,6 @@ def pack_epochs(*, plan: Plan | str | Path, epochs, out: str | Path, config: Pac
 
 def _pack_into(out: Path, run_fp: str, plan: Plan, cfg: PackConfig, src, lens, epochs, overwrite: bool,
                show: bool = False) -> list[Path]:
-    from dflash_prep.progress import progress
-
     with progress("pack", total=len(set(epochs)), unit="epochs", enabled=show) as bar:
         return _pack_loop(out, run_fp, plan, cfg, src, lens, epochs, overwrite, bar)
 
@@ -406,7 +409,6 @@ def _drafter_inputs(cfg: PackConfig, src: lengths_mod.LengthSource):
                           "not a lengths file")
     dataset = None
     if cfg.drafter.store_anchors:
-        from dflash_prep.formats.dataset import open_dataset
         dataset = open_dataset(src.path)
     return lengths_mod.read_mask_counts(src.path), dataset
 

@@ -16,7 +16,7 @@ the same plan, into ``ROOT/resume/epoch-000N`` (a manifest of the same format):
    epoch's step ``K + s``.
 
 So every sample of the epoch is used exactly once across the two parts (the parent's
-first ``K`` steps, then the continuation), which :func:`dflash_prep.manifest.verify`
+first ``K`` steps, then the continuation), which :func:`dflash_prep.verify.verify_epoch`
 checks on the continuation. Each step's loss normaliser is still the step's own target
 tokens, summed over its ``W' x A'`` micro-batches.
 """
@@ -24,18 +24,17 @@ tokens, summed over its ``W' x A'`` micro-batches.
 from __future__ import annotations
 
 import os
-
 from pathlib import Path
 
 import numpy as np
 
-from dflash_prep.pack import bucketing, steps
-from dflash_prep.formats import manifest
 from dflash_prep.errors import ConfigError, FingerprintMismatch
+from dflash_prep.formats import manifest
 from dflash_prep.formats.fileio import fingerprint_json
-from dflash_prep.pack.pack import PackConfig, resolve_lengths
 from dflash_prep.formats.plan import Plan
 from dflash_prep.formats.plan import load as load_plan
+from dflash_prep.pack import bucketing, metrics, steps
+from dflash_prep.pack.pack import PackConfig, resolve_lengths
 
 RESUME_DIR = "resume"
 
@@ -81,7 +80,6 @@ def build_rest(lens: np.ndarray, plan: Plan, parent: manifest.Manifest, from_ste
     arrays = {"microbatches": np.ascontiguousarray(table, np.int64), "sample_ids": new_ids.astype(np.int64),
               "sample_lens": np.asarray(lens, np.int64)[new_ids].astype(np.int32),
               "dropped_ids": np.sort(dropped).astype(np.int64)}
-    from dflash_prep.pack import metrics
 
     used_real, used_padded = int(real[mb].sum()), int(padded[mb].sum())
     summary = dict(parent.summary)

@@ -47,12 +47,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from dflash_prep.tokenize import records as rec
-from dflash_prep.regenerate.engines import HFEngine, OpenAIEngine, RequestFailed, Sampling, target_revision
+from rich.progress import BarColumn, MofNCompleteColumn
+from rich.progress import Progress as Bar
+from rich.progress import TextColumn
+
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.fileio import fingerprint_json
+from dflash_prep.regenerate.engines import HFEngine, OpenAIEngine, RequestFailed, Sampling, target_revision
 from dflash_prep.regenerate.store import Entry, Store
 from dflash_prep.regenerate.turns import Conversation, failure_entry, to_conversation
+from dflash_prep.tokenize import records as rec
 
 ENGINES = ("openai", "hf")
 TURNS = ("all", "last")
@@ -138,8 +142,6 @@ class Progress:
         self._lock = threading.Lock()
         self._bar = None
         if mode == "bar":
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn
-
             self._bar = Bar(TextColumn("regenerate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"))
             self._task = self._bar.add_task("", total=total, completed=done, info="")
             self._bar.start()

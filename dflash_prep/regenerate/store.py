@@ -33,9 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_prep.regenerate.engines import FAILURE_KINDS
 from dflash_prep.errors import FingerprintMismatch, FormatError
 from dflash_prep.formats.fileio import atomic_dir, atomic_write_json, read_json
+from dflash_prep.regenerate.engines import FAILURE_KINDS
 
 FORMAT = "dflash-prep/regenerate"
 VERSION = 1

@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import re
 
-from dflash_prep.tokenize import records as rec
 from dflash_prep.regenerate.engines import FAILURE_KINDS, Reply, Request, RequestFailed, request_seed
 from dflash_prep.regenerate.store import Entry
+from dflash_prep.tokenize import records as rec
 
 _THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.S)
 

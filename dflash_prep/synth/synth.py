@@ -28,6 +28,7 @@ import numpy as np
 
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.fileio import atomic_dir, atomic_write_json, fingerprint_array
+from dflash_prep.formats.outputs import check_out, lock
 from dflash_prep.synth.profiles import PROFILES, make_lengths
 
 SYNTH_FORMAT = "dflash-prep/synth"
@@ -162,7 +163,6 @@ def synth(cfg: SynthConfig, *, progress=None) -> dict:
         raise ConfigError("the text pool is shorter than the longest sample; raise POOL_CHARS")
     rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, 0xC4A7]))
     turns = 0
-    from dflash_prep.formats.outputs import check_out, lock
 
     check_out(cfg.out)
     with lock(cfg.out), atomic_dir(cfg.out, overwrite=cfg.overwrite, marker=(META_FILE, SYNTH_FORMAT)) as tmp:

@@ -52,6 +52,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from dflash_prep.errors import ConfigError
+
 MARK_START, MARK_END = "\U000f0000", "\U000f0001"  # transformers' sanitize_control_tokens markers
 TRAIN_ON_EOS = ("turn", "last", "none")
 TRAIN_TURNS = ("all", "last")
@@ -77,8 +79,6 @@ class MaskOptions:
     expand_turns: str = "auto"
 
     def __post_init__(self):
-        from dflash_prep.errors import ConfigError
-
         if not self.roles or any(not isinstance(r, str) or not r for r in self.roles):
             raise ConfigError(f"--roles-to-train needs at least one role name, got {self.roles!r}")
         for name, value, allowed in (("--train-on-eos", self.train_on_eos, TRAIN_ON_EOS),
@@ -302,8 +302,6 @@ CHATML_TEMPLATE = (
 
 def read_template_arg(value: str) -> str:
     """``--chat-template FILE|chatml`` -> the template source."""
-    from dflash_prep.errors import ConfigError
-
     if value == "chatml":
         return CHATML_TEMPLATE
     path = os.path.expanduser(value)

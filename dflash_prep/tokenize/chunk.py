@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash_prep.errors import InputError
 from dflash_prep.tokenize import records as rec
 from dflash_prep.tokenize.chat import mark, plan_rows
-from dflash_prep.errors import InputError
 
 MAX_EXAMPLES = 5
 

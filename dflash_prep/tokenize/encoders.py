@@ -47,9 +47,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_prep.tokenize.chat import CHATML_TEMPLATE, MARK_END, MARK_START, Row, chatml_render, control_pattern
 from dflash_prep.errors import ConfigError, InputError
 from dflash_prep.formats.fileio import fingerprint_bytes, fingerprint_json
+from dflash_prep.tokenize.chat import (CHATML_TEMPLATE, MARK_END, MARK_START, MaskOptions, Row, chatml_render,
+                                       control_pattern, mark, plan_rows)
 
 BYTE_NAME = "byte"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -446,8 +447,6 @@ def encode_chats(tok, conversations: list[list[dict]], opts=None) -> list[tuple[
     The same path as ``tokenize`` (:func:`dflash_prep.chat.mark`, :func:`~dflash_prep.chat.plan_rows`,
     ``encode_rows``) without files; an expanded conversation contributes several rows.
     """
-    from dflash_prep.tokenize.chat import MaskOptions, mark, plan_rows
-
     opts = opts or MaskOptions()
     rows = []
     for msgs in conversations:

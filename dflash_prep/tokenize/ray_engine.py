@@ -29,9 +29,11 @@ from __future__ import annotations
 import os
 from collections import deque
 
+from dflash_prep.errors import ConfigError, DflashError
 from dflash_prep.tokenize.chat import read_template_arg
 from dflash_prep.tokenize.chunk import BadRecord, process_records
-from dflash_prep.errors import ConfigError, DflashError
+from dflash_prep.tokenize.encoders import load_tokenizer
+from dflash_prep.tokenize.records import place_error
 
 _TOKENIZERS: dict = {}  # per Ray worker process: (tokenizer spec, template) -> tokenizer
 
@@ -39,8 +41,6 @@ _TOKENIZERS: dict = {}  # per Ray worker process: (tokenizer spec, template) -> 
 def _work(cfg, template: str | None, records: list[dict], schema: str, fields: tuple[str, ...],
           first_record: int) -> dict:
     """One chunk on a Ray worker: ``process_records``, with errors returned (not raised) as values."""
-    from dflash_prep.tokenize.encoders import load_tokenizer
-
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one CPU per task; Ray runs the tasks in parallel
     try:
         key = (cfg.tokenizer, template)
@@ -68,8 +68,6 @@ def ray_results(cfg, sources, tasks):
 
     The results carry ``examples`` as placed messages, as ``tokenize._process`` gives them.
     """
-    from dflash_prep.tokenize.tokenize import place_error
-
     ray = _import_ray()
     started = not ray.is_initialized()
     if started:

@@ -32,6 +32,7 @@ moved or copied one, is the same input.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -40,6 +41,7 @@ from pathlib import Path
 
 from dflash_prep.errors import ConfigError, InputError
 from dflash_prep.formats.fileio import fingerprint_json
+from dflash_prep.formats.outputs import cache_dir
 
 FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -105,6 +107,12 @@ class Source:
         return self._line_map[row] if row < len(self._line_map) else None
 
 
+def place_error(src: Source, start: int, k: int, reason: str) -> RecordError:
+    """Record ``k`` of the chunk starting at row ``start`` of ``src``, as a :class:`RecordError`."""
+    row = start + k
+    return RecordError(src.path, row, reason, src.lines[row] if src.lines is not None else None)
+
+
 def expand(inputs: list[str]) -> list[tuple[str, str]]:
     """Paths and globs -> ``[(path, kind)]``; kind is json, parquet, arrow or disk."""
     if not inputs:
@@ -144,8 +152,6 @@ def _is_ours(f: Path) -> bool:
 
 def fingerprint(files: list[tuple[str, str]]) -> str:
     """Content digest of the inputs: per file its bytes and its name (a folder's files by relative path)."""
-    import hashlib
-
     parts = []
     for path, kind in files:
         root = Path(path)
@@ -275,8 +281,6 @@ def _short(e: Exception) -> str:
 
 def open_all(files: list[tuple[str, str]], *, fmt: str, text_field: str, on_error: str, messages_field: str = "messages"):
     """Load every input; returns ``(sources, cleanup)``; call ``cleanup()`` when done."""
-    from dflash_prep.formats.outputs import cache_dir
-
     cache = cache_dir()  # pid-tagged, so a later run can reclaim it after a kill
     ok = False
     try:

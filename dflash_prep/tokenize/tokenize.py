@@ -43,23 +43,29 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from dflash_prep import __version__
-from dflash_prep.tokenize import inputcheck
-from dflash_prep.formats import outputs
-from dflash_prep.tokenize import records as rec
-from dflash_prep.formats.dataset import (DATASET_FORMAT, DATASET_VERSION, LENGTHS_FILE, META_FILE, SHARD_FORMAT,  # noqa: F401
-                      SHARD_VERSION, ShardWriter, read_meta, write_hf_files, write_meta)
 from dflash_prep.errors import ConfigError, DflashError, FormatError, InputError
+from dflash_prep.formats import outputs
+from dflash_prep.formats.dataset import (DATASET_FORMAT, DATASET_VERSION, LENGTHS_FILE, META_FILE,  # noqa: F401
+                                         SHARD_FORMAT, SHARD_VERSION, ShardWriter, read_meta, write_hf_files,
+                                         write_meta)
 from dflash_prep.formats.fileio import atomic_dir, atomic_save_npy, fingerprint_array, fingerprint_json, holds_marker
-from dflash_prep.formats.lengths import chunk_mask_counts, write_mask_counts
+from dflash_prep.formats.lengths import write_mask_counts
+from dflash_prep.objectives.anchors import chunk_mask_counts
+from dflash_prep.progress import progress as progress_
+from dflash_prep.tokenize import inputcheck
+from dflash_prep.tokenize import records as rec
 from dflash_prep.tokenize.chat import MaskOptions, read_template_arg
 from dflash_prep.tokenize.chunk import MAX_EXAMPLES, BadRecord, process_records
 from dflash_prep.tokenize.encoders import load_tokenizer, template_sha
+from dflash_prep.tokenize.ray_engine import ray_results
 
 MAX_SHARD_MB = 1 << 20  # 1 TiB: beyond any file system's comfort, and finite
 
@@ -163,15 +169,9 @@ def _process(task: tuple[int, int, int]) -> dict:
         out = process_records(_STATE["tok"], _STATE["cfg"], src.get(start, stop), schema=src.schema,
                               fields=src.fields, first_record=src.first_record + start)
     except BadRecord as e:
-        raise place_error(src, start, e.index, e.reason) from None
-    out["examples"] = [str(place_error(src, start, k, reason)) for k, reason in out["examples"]]
+        raise rec.place_error(src, start, e.index, e.reason) from None
+    out["examples"] = [str(rec.place_error(src, start, k, reason)) for k, reason in out["examples"]]
     return out
-
-
-def place_error(src: rec.Source, start: int, k: int, reason: str) -> rec.RecordError:
-    """Record ``k`` of the chunk starting at row ``start`` of ``src``, as a :class:`RecordError`."""
-    row = start + k
-    return rec.RecordError(src.path, row, reason, src.lines[row] if src.lines is not None else None)
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -234,9 +234,6 @@ def _overlapped(fn, tasks, threads: int = 2, window: int = 4):
     masks) overlaps the next chunk's Rust encoding. On the 20k-sample BPE benchmark this
     took ``--num-proc 1`` from 0.58x to the figure in the README's bench-tokenize table.
     """
-    from collections import deque
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(threads) as ex:
         inflight: deque = deque()
         for t in tasks:
@@ -260,7 +257,6 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
     pool = None
     try:
         if cfg.engine == "ray":  # same tasks, same order, on a Ray cluster
-            from dflash_prep.tokenize.ray_engine import ray_results
             results = ray_results(cfg, sources, _tasks(sources, cfg.chunk_rows))
         elif cfg.num_proc > 1:
             ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
@@ -325,8 +321,6 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
 
 def _progress(on: bool, total: int):
     """The shared progress helper: a bar on a terminal, plain log lines elsewhere."""
-    from dflash_prep.progress import progress as progress_
-
     return progress_("tokenize", total=total, unit="records", enabled=on)
 
 

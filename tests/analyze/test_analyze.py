@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from dflash_prep.pack import metrics
-from dflash_prep.formats import plan as plan_mod
 from dflash_prep.analyze.analyze import AnalyzeConfig, equal_count_boundaries, equal_mass_boundaries, run
+from dflash_prep.analyze.optimize import histogram
 from dflash_prep.cli import app
 from dflash_prep.errors import ConfigError, InputError
+from dflash_prep.formats import plan as plan_mod
 from dflash_prep.formats.fileio import atomic_save_npy, atomic_write_json, fingerprint_array, read_json
 from dflash_prep.formats.lengths import DATASET_FORMAT
-from dflash_prep.analyze.optimize import histogram
+from dflash_prep.pack import metrics
 from dflash_prep.pack.bucketing import pack_padded_epoch
 from dflash_prep.synth.profiles import make_lengths
 

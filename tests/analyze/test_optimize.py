@@ -7,12 +7,12 @@ import itertools
 import numpy as np
 import pytest
 
-from dflash_prep.pack import metrics
 from dflash_prep.analyze.analyze import equal_mass_boundaries
-from dflash_prep.errors import ConfigError, InputError
 from dflash_prep.analyze.optimize import Histogram, Model, PackModel, histogram
-from dflash_prep.pack.bucketing import pack_padded_epoch
+from dflash_prep.errors import ConfigError, InputError
 from dflash_prep.formats.plan import Budget
+from dflash_prep.pack import metrics
+from dflash_prep.pack.bucketing import pack_padded_epoch
 from dflash_prep.synth.profiles import make_lengths
 
 T = 65536

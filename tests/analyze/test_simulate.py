@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dflash_prep.analyze.optimize import histogram
+from dflash_prep.analyze.simulate import (Subsample, rescale_repeat, same_window_probability, simulate, sorted_static,
+                                          subsample_counts)
+from dflash_prep.analyze.tradeoff import window_grid
+from dflash_prep.formats.plan import Budget
 from dflash_prep.pack import metrics
 from dflash_prep.pack.bucketing import greedy_offsets, pack_padded_epoch
-from dflash_prep.analyze.optimize import histogram
-from dflash_prep.formats.plan import Budget
 from dflash_prep.synth.profiles import make_lengths
-from dflash_prep.analyze.simulate import (Subsample, rescale_repeat, same_window_probability, simulate, sorted_static,
-                                  subsample_counts)
-from dflash_prep.analyze.tradeoff import window_grid
 
 T = 65536
 BOUNDS = (900, 1400, 2200)

@@ -9,9 +9,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from bench import convergence as conv  # noqa: E402
 from dflash_prep.errors import ConfigError  # noqa: E402
 from dflash_prep.formats.fileio import read_json  # noqa: E402
+
+from bench import convergence as conv  # noqa: E402
 
 
 def test_config_rejects_bad_options():

@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench import peer_samplers as ps
-from dflash_prep.pack import metrics
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.fileio import read_json
-from dflash_prep.pack.bucketing import greedy_offsets
 from dflash_prep.formats.plan import Budget
+from dflash_prep.pack import metrics
+from dflash_prep.pack.bucketing import greedy_offsets
 from dflash_prep.synth.profiles import make_lengths
+
+from bench import peer_samplers as ps
 
 T = 16384
 W = 8

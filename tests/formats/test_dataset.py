@@ -8,8 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from dflash_prep.formats.dataset import open_dataset
 from dflash_prep.errors import FingerprintMismatch, FormatError
+from dflash_prep.formats.dataset import open_dataset
 from dflash_prep.formats.lengths import read_dataset_lengths
 from dflash_prep.synth.profiles import make_lengths
 from dflash_prep.synth.synth import SynthConfig, synth

@@ -9,10 +9,10 @@ import os
 import numpy as np
 import pytest
 
+from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError, InputError
 from dflash_prep.formats import fileio, lengths, plan
 from dflash_prep.pack import metrics
 from dflash_prep.synth import profiles
-from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError, InputError
 
 
 # ----------------------------------------------------------------------------- fileio

@@ -6,11 +6,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_prep.formats import lengths, manifest
-from dflash_prep.synth import profiles
-from dflash_prep.formats import plan as plan_mod
 from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
+from dflash_prep.formats import lengths, manifest
+from dflash_prep.formats import plan as plan_mod
 from dflash_prep.pack.pack import pack_epochs
+from dflash_prep.synth import profiles
+from dflash_prep.verify import verify_epoch
 
 
 def _plan(tmp: Path, n=3000, seed=0) -> Path:
@@ -87,7 +88,7 @@ def test_open_errors(packed, tmp_path):
 
 def test_verify_passes_and_finds_lengths_itself(packed):
     _, _, dirs = packed
-    got = manifest.verify(dirs[1])
+    got = verify_epoch(dirs[1])
     s = manifest.open(dirs[1]).summary
     for k in ("efficiency", "fill", "step_mix", "rank_imbalance", "repeat_pair_rate"):
         assert got[k] == pytest.approx(s[k], abs=1e-9), k
@@ -100,17 +101,17 @@ def test_verify_corrupt_and_truncated(packed):
     raw[-3] ^= 0xFF
     ids.write_bytes(bytes(raw))
     with pytest.raises(FormatError, match="SHA-256"):
-        manifest.verify(dirs[0])
+        verify_epoch(dirs[0])
     ids.write_bytes(bytes(raw[:-40]))
     with pytest.raises(FormatError, match="truncated"):
-        manifest.verify(dirs[0])
+        verify_epoch(dirs[0])
 
 
 def test_verify_wrong_data(packed, tmp_path):
     _, _, dirs = packed
     np.save(tmp_path / "other.npy", profiles.make_lengths("bimodal", n=3000, seed=5))
     with pytest.raises(FingerprintMismatch, match="fingerprint"):
-        manifest.verify(dirs[0], lengths=tmp_path / "other.npy")
+        verify_epoch(dirs[0], lengths=tmp_path / "other.npy")
 
 
 def _dup(a):
@@ -130,10 +131,10 @@ def test_verify_semantic_violations(packed, change, match):
     _, _, dirs = packed
     _rewrite(dirs[0], **change)
     if match is None:                            # a harmless reordering of the drop list still verifies
-        manifest.verify(dirs[0])
+        verify_epoch(dirs[0])
         return
     with pytest.raises(FormatError, match=match):
-        manifest.verify(dirs[0])
+        verify_epoch(dirs[0])
 
 
 def test_verify_budget_exceeded(tmp_path):
@@ -144,7 +145,7 @@ def test_verify_budget_exceeded(tmp_path):
     header["budget"] = dict(header["budget"], value=1000.0)
     manifest.write(d, header, {k: np.array(v) for k, v in m.arrays.items()}, overwrite=True)
     with pytest.raises(FormatError, match="exceed the budget"):
-        manifest.verify(d)
+        verify_epoch(d)
 
 
 def test_verify_summary_tampered(tmp_path):
@@ -154,11 +155,11 @@ def test_verify_summary_tampered(tmp_path):
     h["summary"]["efficiency"] = 0.999
     (d / "manifest.json").write_text(json.dumps(h))
     with pytest.raises(FormatError, match="efficiency"):
-        manifest.verify(d)
+        verify_epoch(d)
     h["num_steps"] += 1
     (d / "manifest.json").write_text(json.dumps(h))
     with pytest.raises(FormatError):
-        manifest.verify(d)
+        verify_epoch(d)
 
 
 def test_epoch_dir_and_find_epochs(tmp_path):

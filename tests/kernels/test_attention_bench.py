@@ -6,6 +6,7 @@ import pytest
 
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.fileio import read_json
+
 from bench import attention as bench
 
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
+from dflash_prep.errors import ConfigError
 from dflash_prep.objectives import anchors
 from dflash_prep.pack.bucketing import mix_key
-from dflash_prep.errors import ConfigError
 
 
 def _masks(n, seed=0, top=300):

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_prep.objectives import anchors
-from dflash_prep.formats.dataset import open_dataset
 from dflash_prep.errors import FormatError
+from dflash_prep.formats.dataset import open_dataset
 from dflash_prep.formats.lengths import read_mask_counts
+from dflash_prep.objectives import anchors
 from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 
 from tests.assets.fixtures import CHATS, write_jsonl
@@ -58,15 +58,16 @@ def test_old_dataset_without_mask_counts_says_retokenize(dataset, tmp_path):
         read_mask_counts(bad)
 
 
+from dflash_prep.errors import ConfigError  # noqa: E402
 # ----------------------------------------------------------------------------- pack --objective dflash
 from dflash_prep.formats import manifest  # noqa: E402
 from dflash_prep.formats import plan as plan_mod  # noqa: E402
-from dflash_prep.objectives.drafter_cost import DrafterCostModel  # noqa: E402
-from dflash_prep.errors import ConfigError  # noqa: E402
 from dflash_prep.formats.lengths import read_dataset_lengths  # noqa: E402
-from dflash_prep.pack.pack import PackConfig, pack_epochs  # noqa: E402
-from dflash_prep.pack.config import load as load_pack_config  # noqa: E402
 from dflash_prep.objectives.dflash import DrafterOptions, drafter_options, microbatch_anchors  # noqa: E402
+from dflash_prep.objectives.drafter_cost import DrafterCostModel  # noqa: E402
+from dflash_prep.pack.config import load as load_pack_config  # noqa: E402
+from dflash_prep.pack.pack import PackConfig, pack_epochs  # noqa: E402
+from dflash_prep.verify import verify_epoch
 
 T = 8192
 QWEN_LIKE = {"hidden_size": 256, "num_hidden_layers": 8, "intermediate_size": 768, "num_attention_heads": 4,
@@ -122,7 +123,7 @@ def test_pack_dflash_budgets_ranks_anchors_and_verify(dataset, planned, tmp_path
         assert np.all(per_rank == 1)
         s = m.summary
         assert s["useful_target_tokens"] == 1.0 and s["useful_anchor_slots"] == 1.0 and s["anchors"] == k.sum()
-        got = manifest.verify(d)
+        got = verify_epoch(d)
         assert got["rank_imbalance"] == pytest.approx(s["rank_imbalance"], abs=1e-12)
         mb = m.microbatch(1)                           # what the trainer regenerates per micro-batch
         masks = [ds.sample(int(i))[1] for i in mb.sample_ids]
@@ -144,14 +145,14 @@ def test_verify_catches_wrong_anchors(dataset, planned, tmp_path):
     header = {k: v for k, v in m.header.items() if k not in ("arrays", "fingerprint", "format", "version")}
     manifest.write(tmp_path / "bad" / "epoch-0000", header, arrays)
     with pytest.raises(FormatError, match="anchors"):
-        manifest.verify(tmp_path / "bad" / "epoch-0000")
+        verify_epoch(tmp_path / "bad" / "epoch-0000")
     arrays = {name: np.array(a) for name, a in m.arrays.items()}
     for name, digest, says in (("dig", anchors.DIGEST_PREFIX + "0" * 32, "regenerated from the seed"),
                                ("old", "v1:" + "0" * 32, "another version")):
         header["dflash"] = dict(header["dflash"], anchor_digest=digest)
         manifest.write(tmp_path / name / "epoch-0000", header, arrays)
         with pytest.raises(FormatError, match=f"anchor digest.*{says}"):
-            manifest.verify(tmp_path / name / "epoch-0000")
+            verify_epoch(tmp_path / name / "epoch-0000")
 
 
 def test_dflash_option_errors(dataset, planned, tmp_path):
@@ -272,4 +273,4 @@ def test_dropped_samples_keep_their_digest_and_stored_anchors(dataset, planned, 
     for j, i in enumerate(m.sample_ids):
         want = anchors.sample_anchors(ds.sample(int(i))[1], seed=5, epoch=0, sample_id=int(i), max_anchors=16)
         assert np.array_equal(pos[off[j]:off[j + 1]], want)
-    manifest.verify(d)
+    verify_epoch(d)

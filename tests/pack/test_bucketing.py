@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from dflash_prep.pack import metrics, bucketing
-from dflash_prep.synth import profiles
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.plan import Budget
+from dflash_prep.pack import bucketing, metrics
+from dflash_prep.synth import profiles
 
 K6 = [832, 1248, 1760, 2464, 3760]
 T = 65536

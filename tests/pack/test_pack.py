@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from dflash_prep.formats import lengths, manifest
-from dflash_prep.pack import metrics, bucketing
-from dflash_prep.synth import profiles
-from dflash_prep.formats import plan as plan_mod
 from dflash_prep.errors import ConfigError, FingerprintMismatch
+from dflash_prep.formats import lengths, manifest
+from dflash_prep.formats import plan as plan_mod
+from dflash_prep.pack import bucketing, metrics
 from dflash_prep.pack.pack import pack_epochs, parse_epochs
+from dflash_prep.synth import profiles
+from dflash_prep.verify import verify_epoch
 
 T = 65536
 K6 = (832, 1248, 1760, 2464, 3760)
@@ -86,7 +87,7 @@ def check(tmp: Path, plan_path: Path, lens: np.ndarray, opts: dict, *, repeat_li
         pred = m.summary["predicted_efficiency"]
         if predict and pred is not None:
             assert abs(m.summary["efficiency"] - pred) <= 0.005, (m.summary["efficiency"], pred)
-        got = manifest.verify(m.path)
+        got = verify_epoch(m.path)
         assert got["efficiency"] == pytest.approx(m.summary["efficiency"], abs=1e-12)
     assert not np.array_equal(ms[0].sample_ids, ms[1].sample_ids), "epochs 0 and 1 are identical"
     if repeat_limit is not None:

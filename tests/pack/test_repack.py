@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from dflash_prep.formats import manifest
 from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
+from dflash_prep.formats import manifest
 from dflash_prep.pack.pack import pack_epochs
 from dflash_prep.pack.repack import resume_dir, resume_epoch
+from dflash_prep.verify import verify_epoch
+
 from tests.pack.test_pack import _files, make_plan
 
 
@@ -43,7 +45,7 @@ def test_resume_at_world_size_1_after_3_steps_at_2(packed):
     # the untouched micro-batches keep their samples; only the step layout changes
     kept = {tuple(mb.sample_ids) for r in range(2) for mb in old.microbatches(r, start_step=3)}
     assert {tuple(mb.sample_ids) for mb in seen_new} == kept
-    got = manifest.verify(d)                     # coverage across the parent's first 3 steps and the rest
+    got = verify_epoch(d)                     # coverage across the parent's first 3 steps and the rest
     assert got["samples"] == len(ids) - sum(mb.sample_ids.size for mb in seen_old)
 
 
@@ -62,7 +64,7 @@ def test_resume_is_deterministic_and_checked(packed, tmp_path_factory):
     # the parent re-packed under other options: the continuation no longer matches it
     pack_epochs(plan=plan_path, epochs=[1], out=tmp / "m", world_size=3, overwrite=True)
     with pytest.raises(FingerprintMismatch, match="resume-from-step"):
-        manifest.verify(d)
+        verify_epoch(d)
 
 
 def test_verify_catches_a_lost_sample(packed):
@@ -75,7 +77,7 @@ def test_verify_catches_a_lost_sample(packed):
     h["fingerprint"] = epoch_fingerprint({k: v for k, v in h.items()})
     (d / manifest.MANIFEST_FILE).write_text(json.dumps(h))
     with pytest.raises(FormatError, match="missing"):
-        manifest.verify(d)
+        verify_epoch(d)
 
 
 def test_cli_resume(packed):

@@ -5,8 +5,8 @@ import itertools
 import numpy as np
 import pytest
 
-from dflash_prep.pack import steps
 from dflash_prep.errors import ConfigError
+from dflash_prep.pack import steps
 
 
 def test_interleave_gives_every_window_its_share():

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from dflash_prep.regenerate.engines import EngineError, Reply, Request, RequestFailed, Sampling, parse_reply, request_seed
 from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
-from dflash_prep.tokenize.records import RecordError
+from dflash_prep.regenerate.engines import (EngineError, Reply, Request, RequestFailed, Sampling, parse_reply,
+                                            request_seed)
+from dflash_prep.regenerate.regenerate import RegenerateConfig, run
 from dflash_prep.regenerate.store import ENTRY, INDEX_FILE, INDEX_HEADER, Entry, Store
 from dflash_prep.regenerate.turns import Conversation, apply_reasoning, slots
-from dflash_prep.regenerate.regenerate import RegenerateConfig, run
+from dflash_prep.tokenize.records import RecordError
 
 REPO = Path(__file__).resolve().parents[2]
 with contextlib.suppress(ImportError):  # the machine is shared: one torch thread in this process too

@@ -7,11 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from tests.assets.conversations import conversations
-from tests.assets.fixtures import CHATS, train_bpe
+from dflash_prep.errors import ConfigError, InputError
 from dflash_prep.tokenize.chat import CHATML_TEMPLATE, MaskOptions, chatml_render
 from dflash_prep.tokenize.encoders import ByteTokenizer, encode_chats, load_tokenizer, overlap_mask
-from dflash_prep.errors import ConfigError, InputError
+
+from tests.assets.conversations import conversations
+from tests.assets.fixtures import CHATS, train_bpe
 
 
 @pytest.fixture(scope="module")

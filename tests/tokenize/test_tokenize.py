@@ -10,11 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_prep.formats.dataset import open_dataset
 from dflash_prep.errors import ConfigError, InputError
+from dflash_prep.formats.dataset import open_dataset
 from dflash_prep.formats.lengths import read_dataset_lengths
-from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 from dflash_prep.tokenize.encoders import ByteTokenizer, encode_chats, load_tokenizer
+from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 
 from tests.assets.fixtures import CHATS, train_bpe, write_jsonl
 

@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from dflash_prep.objectives.anchors import sample_anchors
 from dflash_prep.train.chunked_ce import weighted_ce
 from dflash_prep.train.drafter import Drafter, DrafterConfig
-from dflash_prep.train.objective_dflash import (AnchorSpec, build_dflash_batch, default_gamma, dflash_loss,
-                                                slot_weights)
+from dflash_prep.train.objective_dflash import AnchorSpec, build_dflash_batch, default_gamma, dflash_loss, slot_weights
 from dflash_prep.train.target import FrozenTarget
 
 from tests.train.dflash_fixtures import MASK_ID, tiny_target
@@ -162,8 +161,8 @@ def test_anchor_options_come_from_a_dflash_manifest():
     ones pack_dflash.microbatch_anchors regenerates from it; a contradicting flag is refused."""
     from types import SimpleNamespace
 
-    from dflash_prep.objectives.anchors import SAMPLER_VERSION
     from dflash_prep.errors import ConfigError
+    from dflash_prep.objectives.anchors import SAMPLER_VERSION
     from dflash_prep.objectives.dflash import microbatch_anchors
     from dflash_prep.train.config import TrainConfig
     from dflash_prep.train.objectives import anchor_spec

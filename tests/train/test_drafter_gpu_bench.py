@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from bench import drafter_gpu as g
 from dflash_prep.formats.fileio import check_header
+
+from bench import drafter_gpu as g
 
 
 @pytest.fixture

@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dflash_prep.errors import ConfigError, DflashError, FormatError
 from dflash_prep.formats import dataset as ds_mod
 from dflash_prep.formats import lengths as lengths_mod
 from dflash_prep.formats import manifest
 from dflash_prep.formats import plan as plan_mod
-from dflash_prep.errors import ConfigError, DflashError, FormatError
 from dflash_prep.formats.fileio import atomic_save_npy, fingerprint_array, fingerprint_json
 from dflash_prep.pack.pack import pack_epochs
 from dflash_prep.train import checkpoint as ckpt

@@ -9,6 +9,7 @@ import torch
 
 from dflash_prep.train.config import TrainConfig
 from dflash_prep.train.loop import train
+
 from tests.train.train_fakes import FakeSource
 
 pytestmark = [pytest.mark.gpu,

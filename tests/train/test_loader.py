@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
 from dflash_prep.formats import lengths as lengths_mod
 from dflash_prep.formats import plan as plan_mod
-from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
 from dflash_prep.pack.pack import pack_epochs
 from dflash_prep.synth.synth import SynthConfig, synth
 from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from dflash_prep.errors import ConfigError, FingerprintMismatch
 from dflash_prep.formats import lengths as lengths_mod
 from dflash_prep.formats import plan as plan_mod
-from dflash_prep.errors import ConfigError, FingerprintMismatch
 from dflash_prep.synth.synth import SynthConfig, synth
 from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 from dflash_prep.train.config import TrainConfig

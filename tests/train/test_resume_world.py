@@ -10,10 +10,10 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dflash_prep.errors import ConfigError
 from dflash_prep.formats import lengths as lengths_mod
 from dflash_prep.formats import manifest
 from dflash_prep.formats import plan as plan_mod
-from dflash_prep.errors import ConfigError
 from dflash_prep.pack.pack import pack_epochs
 from dflash_prep.synth.synth import SynthConfig, synth
 from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
