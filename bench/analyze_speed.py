@@ -6,7 +6,7 @@ Rows (seedlike lengths, T = 65536, definitions.md):
 
 - ``search K=6``: lengths array -> histogram -> model tables -> boundary search for K=6;
 - ``search K=32``: the same for K = 1..32 in one run (what the Pareto table needs);
-- ``report``: :func:`dflash_prep.analyze.run` end to end (search, chain polish, strategy rows
+- ``report``: :func:`dflash_prep.analyze.analyze.run` end to end (search, chain polish, strategy rows
   simulated over 3 epochs, window and K Pareto tables, plan.json, report JSON and PNG),
   with its phase breakdown;
 - the two search rows and the whole report again on ``--n-large`` lengths (default 100M;

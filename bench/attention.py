@@ -8,7 +8,7 @@ What it measures (bf16, causal), each provider on the same GPU in the same proce
 - dense: D in {64, 128}, L in {1k, 2k, 4k, 8k, 16k}, B = 16k / L rows (16k tokens per
   batch), H = 2048 / D heads. Providers: ours (``attention_padded``, full rows), SDPA with
   the flash backend, SDPA with the cuDNN backend.
-- varlen: documents drawn from the ``seedlike`` length profile (dflash_prep.profiles)
+- varlen: documents drawn from the ``seedlike`` length profile (dflash_prep.synth.profiles)
   until they fill 16k tokens, packed. Providers: ours (``attention_varlen``),
   FlexAttention with a causal document mask (compiled; the block mask is built outside
   the timed region), and ours on a dense batch of about the same FLOPs (every row

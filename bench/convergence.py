@@ -3,8 +3,8 @@
 Setup, all through the library: ``synth`` writes a demo chat corpus (train) and a second
 one with another seed (validation); a byte-level BPE is trained on the train corpus with
 ``tokenizers`` (:func:`bench.corpus.train_bpe`); ``tokenize`` builds both datasets.
-Every strategy is then a plan (:class:`dflash_prep.plan.Plan`) plus pack options, packed
-by :func:`dflash_prep.pack.pack_epochs` and trained by :func:`dflash_prep.train.loop.train` (the tiny
+Every strategy is then a plan (:class:`dflash_prep.formats.plan.Plan`) plus pack options, packed
+by :func:`dflash_prep.pack.pack.pack_epochs` and trained by :func:`dflash_prep.train.loop.train` (the tiny
 decoder, CPU, fp32, deterministic), with the same token budget T per micro-batch, the
 same grad accumulation A (one rank), the same model seed and the same number of steps:
 
@@ -140,7 +140,7 @@ def _plan(data: Path, boundaries, *, budget: int, seed: int, window: int):
 
 def strategy_plan(name: str, data: Path, cfg: ConvConfig, seed: int, work: Path):
     """``(plan, pack options)`` of one strategy (module docstring); bucketed plans come from
-    :func:`dflash_prep.analyze.run` on the training dataset."""
+    :func:`dflash_prep.analyze.analyze.run` on the training dataset."""
     from dflash_prep.formats import lengths as lengths_mod
 
     from .ours import analyze_plan

@@ -9,7 +9,7 @@ between 65 and 8191 tokens. So, as issue 7 allows:
 2. a byte-level BPE (vocabulary 8192, ChatML special tokens) is trained with ``tokenizers``
    on the first ``train_on`` conversations' rendered text;
 3. every conversation is rendered with the built-in ChatML layout and encoded through
-   ``dflash_prep.encoders.encode_chats`` (``--chat-template chatml``), exactly what
+   ``dflash_prep.tokenize.encoders.encode_chats`` (``--chat-template chatml``), exactly what
    ``tokenize`` does per sample, giving one int64 length per sample.
 
 BPE compresses the demo text several-fold, so this set is shorter and differently shaped

@@ -17,12 +17,12 @@ Paths, W = 8 ranks, one micro-batch per rank per step:
 (b) *multipack*: a multipack-style static packer: first-fit decreasing of the lengths into
     rows of T tokens (varlen, anchors per document), then longest-processing-time across
     ranks on tokens (equal row counts), each rank's rows in a keyed random order per epoch;
-(c) *ours*: ``pack --objective dflash`` (:func:`dflash_prep.pack.build_epoch`, the code
+(c) *ours*: ``pack --objective dflash`` (:func:`dflash_prep.pack.pack.build_epoch`, the code
     behind the CLI, anchor digest included).
 
 Reported per path: useful target tokens / computed (padding is computed), useful anchor
 slots / computed (a padded row computes its micro-batch's most blocks), drafter-cost rank
-imbalance (:mod:`dflash_prep.drafter_cost`, Qwen3-8B-sized target, 5 draft layers,
+imbalance (:mod:`dflash_prep.objectives.drafter_cost`, Qwen3-8B-sized target, 5 draft layers,
 B = 16; padding and padded blocks are priced as real work), repeat-pair rate 0 -> 1, step
 mix, and pack seconds per epoch (wall and CPU, warm: median of ``--repeats`` epochs).
 ``--scale 10000000,30000000`` adds one epoch of ours per size, each in a fresh subprocess

@@ -9,7 +9,7 @@ the trainer's own code: :func:`dflash_prep.train.loop.train_step` with
 DFlash attention kernels on CUDA). Two data paths, in the same run, each with a fresh drafter
 (same seed) and its own AdamW:
 
-- *ours*: ``pack --objective dflash`` micro-batches (:func:`dflash_prep.pack.build_epoch`, one
+- *ours*: ``pack --objective dflash`` micro-batches (:func:`dflash_prep.pack.pack.build_epoch`, one
   rank, token budget ``T`` and the default anchor budget): documents packed back to back,
   anchors per document from the library sampler;
 - *padded*: the public recipe's path (:func:`bench.drafter_data.recipe_epoch`): a random order,

@@ -1,8 +1,8 @@
 """dflash-prep's own rows for :mod:`bench.peers`, through the public library only.
 
-Plans come from :func:`dflash_prep.analyze.run` (the code behind ``dflash-prep analyze``,
+Plans come from :func:`dflash_prep.analyze.analyze.run` (the code behind ``dflash-prep analyze``,
 run on a what-if lengths file; its time, report simulations included, is the row's
-``setup``), and every epoch from :func:`dflash_prep.pack.build_epoch`, the code behind
+``setup``), and every epoch from :func:`dflash_prep.pack.pack.build_epoch`, the code behind
 ``dflash-prep pack``, with W ranks, A = 1 and the class-aware step schedule. Nothing of our
 algorithms is re-implemented here; this module only turns a manifest's arrays into the
 ``(order, offsets, step, rank)`` that :func:`bench.peers.measure` scores like any peer's.
@@ -11,7 +11,7 @@ Rows (keys for ``--skip``):
 
 - ``window``: analyze's default plan: K and window chosen together (the highest simulated
   efficiency whose repeat-pair rate is <= 0.05, near-ties to the least repeat-pair;
-  :mod:`dflash_prep.tradeoff`): the default padded layout (HF's batch size is matched to
+  :mod:`dflash_prep.analyze.tradeoff`): the default padded layout (HF's batch size is matched to
   its mean micro-batch);
 - ``k6``: ``analyze --buckets K --window 0``: K optimal boundaries, no sorting window;
 - ``auto``: auto-K, ``analyze --target-efficiency 0.95 --window 0`` (the smallest K whose

@@ -2,7 +2,7 @@
 
 ``python -m bench.peers`` (``make bench``) runs every strategy on the same lengths, the
 same budget T and the same step layout (W ranks, A = 1), and measures all of them with
-:mod:`dflash_prep.metrics`, the one implementation of definitions.md's definitions:
+:mod:`dflash_prep.pack.metrics`, the one implementation of definitions.md's definitions:
 
 - efficiency (padded layouts) and fill; micro-batches per epoch; share of micro-batches
   over the budget (HF's fixed batch size and Lhotse's soft ``max_duration`` can exceed T);
@@ -112,7 +112,7 @@ EpochFn = Callable[[int], tuple[ps.PeerEpoch, np.ndarray, np.ndarray]]
 
 def measure(name: str, family: str, setup: Callable[[], tuple[EpochFn, dict]], lengths: np.ndarray,
             cfg: BenchConfig, notes: str = "", edges: np.ndarray | None = None) -> Row:
-    """Run epochs 0 and 1 of one strategy and compute every figure with dflash_prep.metrics."""
+    """Run epochs 0 and 1 of one strategy and compute every figure with dflash_prep.pack.metrics."""
     t0 = time.perf_counter()
     epoch_fn, extra = setup()
     setup_s = extra.pop("setup_s", time.perf_counter() - t0)  # a shared one-time step reports its own time

@@ -3,7 +3,7 @@
     python -m bench.regenerate_speed                      # README figures (CPU, a few minutes)
     python -m bench.regenerate_speed --n 16 --concurrency 4   # quicker
 
-What is timed: ``dflash_prep.regenerate.run`` on N single-turn prompts (synth text, 40-400
+What is timed: ``dflash_prep.regenerate.regenerate.run`` on N single-turn prompts (synth text, 40-400
 characters), greedy, ``--max-tokens`` new tokens per answer, into a fresh output folder.
 Rates are the run's own: requests and completion tokens per second of generation, start-up
 (server launch, model load, imports) excluded; the server's start-up and its first request

@@ -247,7 +247,7 @@ def analyze_cmd(
 
 
 
-# --- pack / inspect / verify (dflash_prep.pack, dflash_prep.manifest) ----------------
+# --- pack / inspect / verify (dflash_prep.pack, dflash_prep.formats.manifest) ----------------
 _SUMMARY_KEYS = ("efficiency", "fill", "microbatches", "steps", "step_mix", "rank_imbalance", "repeat_pair_rate",
                  "dropped_samples", "predicted_efficiency")
 

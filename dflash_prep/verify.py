@@ -3,7 +3,7 @@
 :func:`verify_epoch` recomputes an epoch from its arrays and the lengths (coverage, budget,
 layout, every summary metric). :func:`verify_dataset` re-hashes every shard against its
 ``sha256`` in ``meta.json`` and checks the token ids against the vocabulary and the loss
-mask values, on top of the cheap checks of :func:`dflash_prep.dataset.open_dataset`. Both
+mask values, on top of the cheap checks of :func:`dflash_prep.formats.dataset.open_dataset`. Both
 raise :class:`FormatError` / :class:`FingerprintMismatch` naming the file and the fix.
 :func:`verify_path` picks by what the folder holds.
 """
@@ -30,7 +30,7 @@ from .errors import FingerprintMismatch, FormatError
 # ----------------------------------------------------------------------------- manifests
 def _summary_metrics(m: Manifest, lens: np.ndarray, order: np.ndarray, offsets: np.ndarray, seg: np.ndarray,
                      supervised: np.ndarray | None = None) -> dict:
-    """Every summary metric, recomputed from scratch with :mod:`dflash_prep.metrics`.
+    """Every summary metric, recomputed from scratch with :mod:`dflash_prep.pack.metrics`.
 
     ``order``/``offsets`` are the segments in file order; ``seg`` maps them to table rows.
     ``supervised`` (per sample id, dflash only) prices rank imbalance on the drafter cost."""
@@ -56,13 +56,13 @@ def verify_epoch(path: str | Path, *, data: str | Path | None = None, lengths: s
                  plan_fingerprint: str | None = None) -> dict:
     """Recompute an epoch from its arrays and the lengths; raise on any violation.
 
-    Checks, in order: everything :func:`dflash_prep.manifest.open` checks (format and
+    Checks, in order: everything :func:`dflash_prep.formats.manifest.open` checks (format and
     version, epoch fingerprint, root run, every array's SHA-256, header against arrays:
     corrupt, truncated, edited or swapped files); the data fingerprint (the lengths are found by the path
     the manifest records, or ``data`` / ``lengths``); exactly-once coverage of every
     sample id apart from the listed drops; stored lengths, maxima and token counts; the
     budget and ``max_batch_size``; the step/rank/accum layout with equal counts per rank;
-    ``cu_seqlens``; and every summary metric against :mod:`dflash_prep.metrics` (and the
+    ``cu_seqlens``; and every summary metric against :mod:`dflash_prep.pack.metrics` (and the
     repeat-pair rate when the previous epoch is beside this one). Returns the recomputed
     metrics; raises :class:`FormatError` / :class:`FingerprintMismatch` listing problems.
     """

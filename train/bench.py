@@ -7,7 +7,7 @@ model (same seed) for ``warmup + steps`` optimizer steps through the real loader
 prefetch, label shift) and :func:`dflash_prep.train.loop.train_step`, timing only the last ``steps``:
 
 - ``sorted-static``: one bucket sorted whole (window = N), fixed batches, order shuffled;
-- ``bucketed-k6``: K = 6 optimal boundaries (``dflash_prep.optimize``), batch order random;
+- ``bucketed-k6``: K = 6 optimal boundaries (``dflash_prep.analyze.optimize``), batch order random;
 - ``bucketed-k6-window``: the same + sort inside shuffled windows of 1024, class-aware steps;
 - ``varlen``: random order, first-fit into 4 open bins, concatenated with ``cu_seqlens``;
 - ``full-random``: one bucket, random order, greedy.

@@ -2,7 +2,7 @@
 
 Per micro-batch (documents packed back to back, ids ``x``, loss mask ``lm``):
 
-1. **Anchors** of each document: ``dflash_prep.anchors.sample_anchors_batch`` keyed by
+1. **Anchors** of each document: ``dflash_prep.objectives.anchors.sample_anchors_batch`` keyed by
    (anchor seed, epoch, sample id), cap ``max_anchors``, policy ``cap``/``density``: sorted
    eligible positions (``lm[a] = lm[a+1] = 1``), the same whatever else shares the batch.
 2. **Blocks**: block j is ``[x[a_j], MASK x (B-1)]`` at positions ``a_j .. a_j+B-1``; slot

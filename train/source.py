@@ -1,10 +1,10 @@
 """Where the trainer's data comes from: the tokenized dataset, the plan and the manifests.
 
 :class:`FileSource` opens the outputs of ``tokenize``, ``analyze`` and ``pack`` through
-their public loaders (``dflash_prep.dataset.open_dataset``, ``dflash_prep.plan.load``,
-``dflash_prep.manifest.open``). Shards stay memory-mapped; each rank reads only the
+their public loaders (``dflash_prep.formats.dataset.open_dataset``, ``dflash_prep.formats.plan.load``,
+``dflash_prep.formats.manifest.open``). Shards stay memory-mapped; each rank reads only the
 samples of its own micro-batches. A missing epoch manifest is packed on the fly by rank 0
-with ``dflash_prep.pack.pack_epochs`` (the code behind ``dflash-prep pack``), under the
+with ``dflash_prep.pack.pack.pack_epochs`` (the code behind ``dflash-prep pack``), under the
 ``PackConfig`` the root's ``pack_config.json`` declares (defaults for this world size when
 there is none), while the other ranks wait, or, with ``pack_missing=False``, is an error
 that names the command.

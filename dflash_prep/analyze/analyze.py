@@ -1,20 +1,20 @@
 """``dflash-prep analyze``: choose bucket boundaries and window, compare strategies, write ``plan.json``.
 
 Pipeline: lengths (dataset folder or what-if file) -> histogram -> boundary search for
-K = 1..32 (:mod:`dflash_prep.optimize`) -> polish against the renewal chain where the
-search's O(1) model is off -> K and window chosen together (:mod:`dflash_prep.tradeoff`)
+K = 1..32 (:mod:`dflash_prep.analyze.optimize`) -> polish against the renewal chain where the
+search's O(1) model is off -> K and window chosen together (:mod:`dflash_prep.analyze.tradeoff`)
 -> strategy, K x window, window and K tables -> ``plan.json``, plus the JSON report and
-PNG rendered by :mod:`dflash_prep.report`.
+PNG rendered by :mod:`dflash_prep.analyze.report`.
 
 What is predicted and what is simulated; none of it grows with N beyond the O(N) histogram:
 
 - "pred" figures (window 0, any boundaries) come from the renewal chain
-  (:mod:`dflash_prep.renewal`), within 0.05 pp of simulated efficiency in
+  (:mod:`dflash_prep.analyze.renewal`), within 0.05 pp of simulated efficiency in
   ``bench/analyze_accuracy.py``.
 - Strategy rows, the window table and the joint (K, window) choice are *simulated*:
   ``pack``'s own packer over a fixed-size subsample of the histogram (at most 2^19
   samples), ``sim_epochs`` epochs, with the repeat-pair rate rescaled to the full bucket
-  sizes (:mod:`dflash_prep.simulate`). Up to 2^19 samples they are exact simulations.
+  sizes (:mod:`dflash_prep.analyze.simulate`). Up to 2^19 samples they are exact simulations.
   Sorted-static is computed exactly from the histogram.
 - The K table over K = 1..32 (window 0) uses the chain for efficiency and analytic
   estimates for repeat-pair rate (two co-batched samples of bucket b meet again with
@@ -75,7 +75,7 @@ class AnalyzeConfig:
     """Shuffle seed recorded in the plan (simulations use it too)."""
     window: int | None = None
     """Local sort window recorded in the plan (0 disables). None: chosen together with K
-    (:mod:`dflash_prep.tradeoff`): the highest simulated efficiency whose repeat-pair rate
+    (:mod:`dflash_prep.analyze.tradeoff`): the highest simulated efficiency whose repeat-pair rate
     stays <= ``max_repeat_pair``."""
     max_repeat_pair: float = plan_mod.MAX_REPEAT_PAIR
     """Limit on the simulated repeat-pair rate of the default plan (0.05: at least 95% of
@@ -91,8 +91,8 @@ class AnalyzeConfig:
     plot: bool = True
     """Write the PNG (histogram on a log length axis, the efficiency / repeat-pair trade-off)."""
     drafter: object | None = None
-    """``--objective dflash``: :class:`dflash_prep.pack_dflash.DrafterOptions`; the report then
-    predicts ``pack --objective dflash`` (:func:`dflash_prep.pack_dflash.predict`)."""
+    """``--objective dflash``: :class:`dflash_prep.objectives.dflash.DrafterOptions`; the report then
+    predicts ``pack --objective dflash`` (:func:`dflash_prep.objectives.dflash.predict`)."""
     overwrite: bool = False
     """Replace a plan.json with another fingerprint (the same plan is always rewritten). A
     file under ``out`` that dflash-prep did not write is never replaced."""

@@ -1,7 +1,7 @@
 """Optimal bucket boundaries: a numba DP over the distinct lengths of a length histogram.
 
 Objective. For boundaries ``b_1 < ... < b_{K-1}`` (bucket k holds ``[b_{k-1}, b_k)``), the
-expected padded tokens of one epoch of :func:`dflash_prep.bucketing.pack_padded_epoch`
+expected padded tokens of one epoch of :func:`dflash_prep.pack.bucketing.pack_padded_epoch`
 (window 0): each bucket shuffled, then packed greedily while ``n * cost(max) <= budget``
 (``cost(L) = L + alpha*L^2``; ``alpha = 0`` for a token budget). Real tokens are fixed, so
 minimising padded tokens maximises padding efficiency.
@@ -18,7 +18,7 @@ Two models of one bucket's packing, both from the histogram alone (cost independ
   many samples per micro-batch; it misjudges wide buckets and micro-batches of a few
   samples (``bench/analyze_accuracy.py``: 0.5-3.6 pp at T = 65536 for K <= 2, several pp
   at T = 8192).
-- The renewal chain (:func:`dflash_prep.renewal.renewal`, :meth:`Model.bucket`): greedy packing of an i.i.d.
+- The renewal chain (:func:`dflash_prep.analyze.renewal.renewal`, :meth:`Model.bucket`): greedy packing of an i.i.d.
   stream solved exactly over (samples so far, max so far) states, O(values x n_max) per
   bucket. Measured against simulated ``pack_padded_epoch`` (3 epochs, K = 1..32, seedlike /
   bimodal / heavytail, T = 65536 / 16384 / 8192): within 0.05 pp of efficiency. Every

@@ -11,7 +11,7 @@ bucket's finiteness and its last, partial micro-batch.
 
 Cost: O(values x n_max) per power iteration (n_max = budget // cost(shortest)), ~5
 iterations; milliseconds for a bucket, which is why the boundary search in
-:mod:`dflash_prep.optimize` scores buckets with its O(1) model and uses this one to predict
+:mod:`dflash_prep.analyze.optimize` scores buckets with its O(1) model and uses this one to predict
 and, through :func:`polish`, to move the searched boundaries where the two disagree.
 """
 

@@ -1,6 +1,6 @@
 """How ``analyze`` shows its result: rich tables, a versioned JSON report, and a PNG.
 
-The report dict is built by :func:`dflash_prep.analyze.run`; this module only renders it.
+The report dict is built by :func:`dflash_prep.analyze.analyze.run`; this module only renders it.
 ``analyze-report.json`` (format ``dflash-prep/analyze-report`` v1) is the same dict that
 ``--json`` prints. The PNG (matplotlib, Agg backend, no display needed) has two panels:
 the length histogram on a log length axis with the chosen boundaries, and the trade-off of

@@ -8,7 +8,7 @@ every row packs the same subsample of at most ``SUBSAMPLE`` (2^19) samples inste
 The subsample is systematic over the length histogram, so it is deterministic and keeps
 every bucket's length distribution to within one sample per distinct length: distinct
 value v gets ``floor(C_v S / N) - floor(C_{v-1} S / N)`` copies (``C``: cumulative counts).
-It is packed by :func:`dflash_prep.bucketing.pack_padded` itself (same keyed shuffle,
+It is packed by :func:`dflash_prep.pack.bucketing.pack_padded` itself (same keyed shuffle,
 sort windows and greedy rule), for ``epochs`` epochs.
 
 What carries over unchanged: efficiency, fill and spread depend on the window (an absolute

@@ -21,7 +21,7 @@ bisection over the grid (for the first K; the next K gallops from its answer), t
 smallest window whose efficiency is within TIE of E* by bisection below it (about six
 simulations per K). The chosen K then gets its full window table,
 up to and including the first window past the limit. Every figure is a
-:func:`dflash_prep.simulate.simulate` row (subsample, rescaled), so the cost is
+:func:`dflash_prep.analyze.simulate.simulate` row (subsample, rescaled), so the cost is
 independent of N.
 """
 

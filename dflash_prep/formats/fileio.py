@@ -15,7 +15,7 @@ Every JSON file is strict: NaN and Infinity are refused on write (:class:`Format
 never written as the non-standard ``NaN`` token, and refused on read.
 
 Temp names carry the writer's pid (``.NAME.PID.XXXX.tmp``, ``.NAME.old-PID``), so a later
-run or ``dflash-prep clean`` can tell debris of a killed run (:mod:`dflash_prep.outputs`)
+run or ``dflash-prep clean`` can tell debris of a killed run (:mod:`dflash_prep.formats.outputs`)
 from the work of a live one.
 """
 

@@ -114,7 +114,7 @@ def load(data: str | Path | None = None, lengths_file: str | Path | None = None)
 # ----------------------------------------------------------------------------- mask counts
 #: Per-sample loss-mask counts beside lengths.npy (int32, one per sample id), listed in
 #: meta.json under these keys with their fingerprints: supervised tokens S = sum lm[t] and
-#: anchor candidates C = sum lm[t] * lm[t+1] (:mod:`dflash_prep.anchors`).
+#: anchor candidates C = sum lm[t] * lm[t+1] (:mod:`dflash_prep.objectives.anchors`).
 MASK_COUNT_FILES = {"supervised": "supervised.npy", "anchor_candidates": "anchor_candidates.npy"}
 
 

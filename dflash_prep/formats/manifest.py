@@ -26,7 +26,7 @@ One folder per epoch, ``<root>/epoch-000N/`` (:func:`epoch_dir`), written atomic
 ``anchor_counts.npy`` int32 ``(N_used,)``, ``--objective dflash`` only: anchors of each
     ``sample_ids`` entry; ``manifest.json``'s ``dflash`` block records B, max_anchors, the
     policy, the anchor seed, the budgets, the cost model and the anchor digest
-    (:mod:`dflash_prep.pack_dflash`). ``anchors.npy`` int32 (``--store-anchors``): every
+    (:mod:`dflash_prep.objectives.dflash`). ``anchors.npy`` int32 (``--store-anchors``): every
     anchor position within its sample, concatenated in ``sample_ids`` order.
 
 Every row of a step has the same ``world_size * grad_accum`` micro-batches, so row
@@ -51,7 +51,7 @@ the summary included.
 World size is not elastic within a manifest: one packed for ``W x A`` is refused under any
 other ``W' x A'`` (:meth:`Manifest.check_world`), because its steps were balanced for ``W``
 ranks. ``pack --resume-from-step K --world-size W'`` writes a continuation
-(:mod:`dflash_prep.repack`, header ``resume``) holding the epoch's unconsumed rest for
+(:mod:`dflash_prep.pack.repack`, header ``resume``) holding the epoch's unconsumed rest for
 ``W' x A'``; ``verify`` checks coverage across the parent's first K steps and it.
 """
 
@@ -142,7 +142,7 @@ def write(path: str | Path, header: dict, arrays: dict[str, np.ndarray], *, over
 
 
 def rows_to_batches(table: np.ndarray, sample_ids: np.ndarray):
-    """``(order, offsets)`` in manifest row order, the batching :mod:`dflash_prep.metrics`
+    """``(order, offsets)`` in manifest row order, the batching :mod:`dflash_prep.pack.metrics`
     takes: ``order[offsets[m]:offsets[m+1]]`` is row ``m``'s sample ids. One N-sized gather."""
     start, count = table[:, COL["start"]], table[:, COL["count"]]
     offsets = np.concatenate([[0], np.cumsum(count)]).astype(np.int64)

@@ -4,7 +4,7 @@ Ownership. Every output folder of ours carries its format file as a marker (a da
 ``meta.json``, a manifest root ``root.json``, an epoch ``manifest.json``, a plan
 ``plan.json``). :func:`check_out` refuses, before any work, an ``--out`` that is a regular
 file, that holds the working directory, or that is or holds one of the inputs; stages then
-replace only a folder that holds their marker (:func:`dflash_prep.fileio.atomic_dir` with
+replace only a folder that holds their marker (:func:`dflash_prep.formats.fileio.atomic_dir` with
 ``marker=``), build the new one beside it, swap, and only then delete the old one.
 
 Concurrency. :func:`lock` takes an advisory ``flock`` on ``.NAME.lock`` beside the output

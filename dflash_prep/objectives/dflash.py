@@ -1,6 +1,6 @@
 """``pack --objective dflash``: micro-batches for drafter training, budgeted on tokens AND anchors.
 
-A DFlash step costs what its anchors cost (:mod:`dflash_prep.drafter_cost`), so this layout
+A DFlash step costs what its anchors cost (:mod:`dflash_prep.objectives.drafter_cost`), so this layout
 packs on three resources at once. Every sample ``i`` brings ``L_i`` tokens (target forward
 memory), ``k_i`` anchors (:func:`anchors.anchor_counts`: drafter compute and memory) and a
 drafter step cost ``c_i`` (FLOPs). Algorithm, per epoch:
@@ -72,7 +72,7 @@ class DrafterOptions:
             or ``--target-dims``); required.
         block_size: B, tokens per draft block (anchor + B - 1 masked slots).
         max_anchors: anchors per sample at most (the public recipe: 512).
-        anchor_policy: ``cap`` or ``density`` (:mod:`dflash_prep.anchors`).
+        anchor_policy: ``cap`` or ``density`` (:mod:`dflash_prep.objectives.anchors`).
         anchor_budget: anchors per micro-batch at most; None: :data:`ANCHOR_HEADROOM` x T x the
             data's anchors per token (at least ``max_anchors``), fixed per epoch by :func:`prepare`.
         cost_fill: cost budget as a share of T x mean cost per token (0 disables it).
@@ -288,7 +288,7 @@ def verify_epoch(header: dict, arrays: dict, lens: np.ndarray, order: np.ndarray
     """The drafter checks of ``dflash-prep verify`` over one epoch; returns (problems, metrics).
 
     ``order``/``offsets`` are the micro-batches in file order; ``ds`` is the dataset
-    (:class:`dflash_prep.dataset.Dataset`). Regenerates every anchor from the masks with the
+    (:class:`dflash_prep.formats.dataset.Dataset`). Regenerates every anchor from the masks with the
     recorded seed and options (:class:`EpochAnchors`: one sequential pass over the shards)
     and checks: the masks' counts against ``supervised.npy``/``anchor_candidates.npy``;
     ``anchor_counts.npy`` against the sampler's counts; every anchor sorted, distinct and

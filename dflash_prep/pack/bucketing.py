@@ -13,7 +13,7 @@ Padded layout, one epoch, the seed's bucketed shuffle made exact:
    ``cost(L) = L + alpha * L^2``. ``alpha = 0`` is the token budget ``n * max_len <= T``.
    A micro-batch never spans two buckets.
 
-The budget is one :class:`dflash_prep.plan.Budget` (unit, value, alpha, max_batch_size),
+The budget is one :class:`dflash_prep.formats.plan.Budget` (unit, value, alpha, max_batch_size),
 passed whole from the plan to every packer here. Every count and sum is int64 (or float64
 for cost budgets). All loops are numba, O(N)
 apart from the window sorts (O(N log S)).
@@ -246,7 +246,7 @@ def pack_padded_epoch(lengths: np.ndarray, boundaries, *, seed: int, epoch: int,
 
     Returns ``(order, offsets, batch_bucket)``: sample ids batch after batch, batch offsets
     (int64, ``M + 1``), and the bucket of each micro-batch. Batches come bucket by bucket;
-    the step schedule in :mod:`dflash_prep.steps` decides their final order.
+    the step schedule in :mod:`dflash_prep.pack.steps` decides their final order.
     """
     order, offsets, batch_bucket, _ = pack_padded(lengths, boundaries, seed=seed, epoch=epoch, budget=budget,
                                                   window=window)
@@ -365,7 +365,7 @@ def pack_varlen_epoch(lengths: np.ndarray, *, seed: int, epoch: int, budget: Bud
 @dataclass(frozen=True)
 class SideLoads:
     """What a varlen micro-batch budgets besides its tokens (the drafter objective's anchors
-    and FLOPs, :mod:`dflash_prep.pack_dflash`): per-sample arrays indexed by sample id.
+    and FLOPs, :mod:`dflash_prep.objectives.dflash`): per-sample arrays indexed by sample id.
 
     Attributes:
         counts: int32 per sample (anchors), summed against ``count_budget``.
@@ -512,7 +512,7 @@ def count_lengths(lens, top):
 
 
 def class_edges(lengths: np.ndarray, n_classes: int = 8) -> np.ndarray:
-    """:func:`dflash_prep.metrics.class_edges` from a length histogram: O(N), no sort and no
+    """:func:`dflash_prep.pack.metrics.class_edges` from a length histogram: O(N), no sort and no
     N-sized temporary (np.unique over 100M lengths takes ~4 s and 1.3 GB). Same result."""
     lengths = np.asarray(lengths)
     h = count_lengths(lengths, int(lengths.max()))
@@ -527,9 +527,9 @@ def microbatch_stats(olens: np.ndarray, offsets: np.ndarray, edges: np.ndarray):
     tokens, max length, sum of L^2 (int64) and the real tokens in each length class
     ``[edges[c-1], edges[c])`` (int64, ``(M, C)``).
 
-    The same quantities as :func:`dflash_prep.metrics.batch_stats` and the step-mix class
+    The same quantities as :func:`dflash_prep.pack.metrics.batch_stats` and the step-mix class
     shares, fused so that 100M samples need no N-sized temporaries; ``verify`` recomputes
-    every reported metric with :mod:`dflash_prep.metrics` and compares.
+    every reported metric with :mod:`dflash_prep.pack.metrics` and compares.
     """
     m = len(offsets) - 1
     edges = np.asarray(edges, np.int64)

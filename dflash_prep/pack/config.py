@@ -1,6 +1,6 @@
 """The pack options, declared once: :class:`PackConfig`, and its file ``pack_config.json``.
 
-The CLI builds a :class:`PackConfig` from its flags, :func:`dflash_prep.pack.pack_epochs`
+The CLI builds a :class:`PackConfig` from its flags, :func:`dflash_prep.pack.pack.pack_epochs`
 packs with it, and the trainer reads it back from the manifest root (:func:`load`) to pack
 a missing epoch exactly as its neighbours were packed. :meth:`PackConfig.resolve` fills
 what the plan decides (window, budget, layout, anchor seed); the fingerprint of the
@@ -48,7 +48,7 @@ class PackConfig:
         budget: replaces the plan's budget (unit, value, model_dim, max_batch_size); None
             keeps it. Analyze's efficiency prediction then no longer applies.
         objective: ``lm`` (token budgets) or ``dflash`` (drafter training: token and anchor
-            budgets, ranks balanced on the drafter step cost, :mod:`dflash_prep.pack_dflash`).
+            budgets, ranks balanced on the drafter step cost, :mod:`dflash_prep.objectives.dflash`).
         drafter: the drafter options; required by ``objective="dflash"``, else None.
     """
 

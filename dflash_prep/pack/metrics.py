@@ -16,7 +16,7 @@ sample id. All token counts and sums are int64: 100M samples x 8191 tokens overf
 - rank imbalance  = mean over steps of max_rank cost / mean_rank cost - 1.
 
 These are deliberately plain NumPy so that they stay an independent check on the numba
-packers in :mod:`dflash_prep.bucketing`.
+packers in :mod:`dflash_prep.pack.bucketing`.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ For each epoch (a pure function of data, plan, options and the epoch number):
    token, anchor and drafter-cost budgets) and prices rank balance on drafter FLOPs;
 2. make whole steps of ``W x A`` (:func:`steps.complete_steps`: split, or drop the tail
    with ``drop_last``), order the micro-batches with the named schedule and place them on
-   ranks (:mod:`dflash_prep.steps`);
-3. write ``epoch-000N/`` (:mod:`dflash_prep.manifest`) with a summary: efficiency, fill,
+   ranks (:mod:`dflash_prep.pack.steps`);
+3. write ``epoch-000N/`` (:mod:`dflash_prep.formats.manifest`) with a summary: efficiency, fill,
    steps, step mix, rank imbalance, dropped samples, sum L^2, and the repeat-pair rate
    against the previous epoch (packed in the same call, or read from disk beside it).
 
@@ -135,7 +135,7 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
     ``edges`` are the step-mix classes, :func:`metrics.class_edges` of ``lens`` (computed
     here when not given; :func:`pack_epochs` computes them once for all its epochs). The
     ``dflash`` objective needs ``mask_counts`` (per sample id), and the
-    :class:`dflash_prep.dataset.Dataset` (its loss masks) to store anchor positions.
+    :class:`dflash_prep.formats.dataset.Dataset` (its loss masks) to store anchor positions.
     """
     if epoch < 0:
         raise ConfigError(f"--epoch must be >= 0, got {epoch}")
@@ -318,11 +318,11 @@ def pack_epochs(*, plan: Plan | str | Path, epochs, out: str | Path, config: Pac
     An epoch folder that already holds the same inputs (plan, options, epoch: its
     ``inputs_fingerprint``) is kept as is, so a trainer can call this for a missing epoch
     on the fly. One built from other inputs is replaced only with ``overwrite``. The
-    resolved config is written to ``out/pack_config.json`` (:mod:`dflash_prep.pack_config`).
+    resolved config is written to ``out/pack_config.json`` (:mod:`dflash_prep.pack.config`).
 
-    The whole call holds the root's advisory lock (:func:`dflash_prep.outputs.lock`), so a
+    The whole call holds the root's advisory lock (:func:`dflash_prep.formats.outputs.lock`), so a
     second writer fails clearly instead of mixing epochs; the root records its run in
-    ``root.json`` (:func:`dflash_prep.manifest.prepare_root`); a folder under the root
+    ``root.json`` (:func:`dflash_prep.formats.manifest.prepare_root`); a folder under the root
     that holds no ``manifest.json`` is never replaced.
     """
     plan_path = None

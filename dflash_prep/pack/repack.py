@@ -9,8 +9,8 @@ the same plan, into ``ROOT/resume/epoch-000N`` (a manifest of the same format):
    buckets, same budget), in the old manifest's order;
 2. their count is made a multiple of ``W' x A'`` (:func:`steps.complete_steps`: split the
    fullest in two, or ``drop_last``), they are ordered by the named schedule keyed by
-   ``(seed, epoch)`` and placed on ranks by LPT (:mod:`dflash_prep.steps`), exactly the
-   building blocks :func:`dflash_prep.pack.build_epoch` uses;
+   ``(seed, epoch)`` and placed on ranks by LPT (:mod:`dflash_prep.pack.steps`), exactly the
+   building blocks :func:`dflash_prep.pack.pack.build_epoch` uses;
 3. the header records ``resume``: the parent's path, fingerprint, ``W x A``, the step it
    resumes from and the consumed micro-batch count. The continuation's step ``s`` is the
    epoch's step ``K + s``.

@@ -25,7 +25,7 @@ micro-batches, this module
    rank is as cheap as LPT makes it.
 
 All randomness is keyed by ``(seed, epoch, purpose, group)`` through
-:func:`dflash_prep.bucketing.mix_key`; the interleave keys are float64 quotients, which
+:func:`dflash_prep.pack.bucketing.mix_key`; the interleave keys are float64 quotients, which
 IEEE 754 rounds identically on every machine.
 """
 
@@ -194,7 +194,7 @@ def schedule_epoch(offsets: np.ndarray, bucket: np.ndarray, olens: np.ndarray, e
                    where: str) -> ScheduledEpoch:
     """Steps 1-2 of the module docstring for one epoch's packed micro-batches: complete the
     steps (split or drop), then order the micro-batches with ``schedule``. ``pack`` and the
-    resume re-pack (:mod:`dflash_prep.repack`) both build their steps here."""
+    resume re-pack (:mod:`dflash_prep.pack.repack`) both build their steps here."""
     split = complete_steps(offsets, step_size, drop_last=drop_last, where=where)
     n_split = len(split) - len(offsets)
     if n_split:                        # split micro-batches keep their bucket

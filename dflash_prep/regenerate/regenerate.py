@@ -3,7 +3,7 @@
 A drafter learns to predict what its target writes, so the first stage of a drafter
 pipeline has the target answer the corpus's prompts itself (the DFlash recipe regenerated
 its ~800K training prompts). Generation is left to the inference engines users already run
-(:mod:`dflash_prep.engines`): an OpenAI-compatible server (vLLM, SGLang, ``transformers
+(:mod:`dflash_prep.regenerate.engines`): an OpenAI-compatible server (vLLM, SGLang, ``transformers
 serve``) or an in-process transformers model for small jobs.
 
 Semantics:
@@ -25,7 +25,7 @@ Semantics:
   ``disable`` sends the chat-template kwarg ``enable_thinking: false`` (honoured by
   vLLM, SGLang and ``transformers serve``) and strips any block the target writes anyway.
   Each turn records how many characters of reasoning were removed.
-- Output: :mod:`dflash_prep.regen_store` (resumable, append-only, input order). Each record
+- Output: :mod:`dflash_prep.regenerate.store` (resumable, append-only, input order). Each record
   is ``{"messages": [...], "regenerate": {record, source, target, sampling, reasoning,
   turns_mode, keep_assistant, turns: [{message, finish_reason, truncated, prompt_tokens,
   completion_tokens, seed, reasoning_removed_chars}]}}``; nothing in it depends on timing, so a resumed run is

@@ -25,7 +25,7 @@ _THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.S)
 def to_conversation(record: dict, schema: str, fields: tuple[str, ...] = ("text",)) -> list[dict]:
     """Validate one record (a dict of its source's ``fields``) as a conversation to answer;
     raises ValueError with the reason. Reads every input format ``tokenize`` reads, through the
-    same :func:`dflash_prep.records.to_messages`; a ``text`` record is one user prompt."""
+    same :func:`dflash_prep.tokenize.records.to_messages`; a ``text`` record is one user prompt."""
     if schema == "text":
         return [{"role": "user", "content": rec.to_text(record.get(fields[0]), fields[0])}]
     out = [{"role": m["role"], "content": m["content"]} for m in rec.to_messages(record, schema, fields)]

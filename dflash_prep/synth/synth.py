@@ -1,6 +1,6 @@
 """``dflash-prep synth``: a reproducible multi-turn chat corpus with profile-shaped lengths.
 
-Algorithm: draw target lengths with :func:`dflash_prep.profiles.make_lengths` (profile, n,
+Algorithm: draw target lengths with :func:`dflash_prep.synth.profiles.make_lengths` (profile, n,
 seed). Each target L is the sample's length in tokens of the built-in byte-level tokenizer
 once ``tokenize`` renders it with the built-in ChatML layout (one token per special marker,
 one per byte). A conversation gets an optional system prompt and 1-8 user/assistant pairs
@@ -110,7 +110,7 @@ class SynthConfig:
 
     Attributes:
         out: output folder (``chat.jsonl`` + ``synth.json``).
-        profile: a length profile from :mod:`dflash_prep.profiles` (default ``seedlike``).
+        profile: a length profile from :mod:`dflash_prep.synth.profiles` (default ``seedlike``).
         n: number of conversations.
         seed: keys the lengths, the text pool and every slice.
         overwrite: replace an existing folder.

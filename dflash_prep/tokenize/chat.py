@@ -1,7 +1,7 @@
 """Chat rendering and loss-mask spans, derived from the chat template itself.
 
 A *renderer* (``render(messages, add_generation_prompt) -> (text, generation_spans)``) is
-supplied by the tokenizer (:mod:`dflash_prep.encoders`): for a Hugging Face tokenizer it
+supplied by the tokenizer (:mod:`dflash_prep.tokenize.encoders`): for a Hugging Face tokenizer it
 is transformers' own Jinja rendering with the tokenizer's special-token variables, so the
 text is exactly ``apply_chat_template(messages, tokenize=False)``; ``generation_spans``
 are the character ranges of the template's ``{% generation %}`` blocks (empty without

@@ -3,7 +3,7 @@
 :func:`process_records` touches no files and no global state, so every engine (the
 in-process threads and the forked pool of :mod:`dflash_prep.tokenize`, or another
 scheduler) calls it on a chunk and gets the same arrays. Chat records go through
-:func:`dflash_prep.chat.mark` and :func:`dflash_prep.chat.plan_rows`, then one
+:func:`dflash_prep.tokenize.chat.mark` and :func:`dflash_prep.tokenize.chat.plan_rows`, then one
 ``encode_rows`` batch; plain text through ``encode_plain``.
 """
 
@@ -30,8 +30,8 @@ def process_records(tok, cfg, records: list[dict], *, schema: str, fields: tuple
                     first_record: int) -> dict:
     """Pure: validate, render, tokenize and cut a list of records (no files touched).
 
-    ``tok``: a tokenizer of :mod:`dflash_prep.encoders`; ``cfg``: the
-    :class:`~dflash_prep.tokenize.TokenizeConfig` (mask, role map, max_len, on_overflow,
+    ``tok``: a tokenizer of :mod:`dflash_prep.tokenize.encoders`; ``cfg``: the
+    :class:`~dflash_prep.tokenize.tokenize.TokenizeConfig` (mask, role map, max_len, on_overflow,
     on_error); ``records``: dicts of the source's ``fields``; ``first_record``: the global
     index of ``records[0]``.
 

@@ -1,13 +1,13 @@
 """Tokenizers for ``tokenize``: the built-in byte-level one, or a local Hugging Face folder.
 
 Both expose one interface: ``render(messages, add_generation_prompt) -> (text,
-generation_spans)`` for :mod:`dflash_prep.chat`, ``encode_rows(rows)`` and
+generation_spans)`` for :mod:`dflash_prep.tokenize.chat`, ``encode_rows(rows)`` and
 ``encode_plain(texts)``, each returning ``(input_ids int32, loss_mask uint8)`` pairs.
 
 - :class:`ByteTokenizer` (``--tokenizer byte``, needs no files): ids 0-255 are the UTF-8
   bytes, then ``<|endoftext|>`` (256, eos and pad), ``<|im_start|>`` (257), ``<|im_end|>``
-  (258). Its chat layout is :data:`dflash_prep.chat.CHATML_TEMPLATE`, rendered natively
-  (:func:`dflash_prep.chat.chatml_render`; the tests check it against transformers). The
+  (258). Its chat layout is :data:`dflash_prep.tokenize.chat.CHATML_TEMPLATE`, rendered natively
+  (:func:`dflash_prep.tokenize.chat.chatml_render`; the tests check it against transformers). The
   encoding is NumPy over ``str.encode``, about 3x faster than ``tokenizers``
   (README bench-tokenize); ``to_tokenizers()`` builds the equivalent ``tokenizers`` object.
 - :class:`HFTokenizer`: a local folder loaded with ``transformers.AutoTokenizer.
@@ -25,7 +25,7 @@ encoding the same ranges come from ``char_to_token`` at the span borders,
 :func:`_token_range`, which skips converting every token's offsets).
 
 Content never injects a control token: a row whose text carries the markers of
-:func:`dflash_prep.chat.mark` is encoded piece by piece with transformers'
+:func:`dflash_prep.tokenize.chat.mark` is encoded piece by piece with transformers'
 ``sanitize_control_tokens`` rule: the text between markers as usual (each later piece
 after a ``"\\n"`` that is then dropped, so SentencePiece adds no prefix space), each marked
 control token as plain text with added tokens disabled. A tokenizer that produces the
@@ -444,7 +444,7 @@ def _short(e: Exception) -> str:
 def encode_chats(tok, conversations: list[list[dict]], opts=None) -> list[tuple[np.ndarray, np.ndarray]]:
     """``(ids, mask)`` of every row of validated conversations, in order (for checks and benchmarks).
 
-    The same path as ``tokenize`` (:func:`dflash_prep.chat.mark`, :func:`~dflash_prep.chat.plan_rows`,
+    The same path as ``tokenize`` (:func:`dflash_prep.tokenize.chat.mark`, :func:`~dflash_prep.tokenize.chat.plan_rows`,
     ``encode_rows``) without files; an expanded conversation contributes several rows.
     """
     opts = opts or MaskOptions()

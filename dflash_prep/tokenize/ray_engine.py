@@ -6,7 +6,7 @@ fixed before any task starts. The driver reads each chunk's records (so the inpu
 exist on the driver's machine only) and submits one task per chunk, at most
 ``2 x cluster CPUs`` in flight. A task loads the tokenizer once per Ray worker process
 (cached by tokenizer spec and template text) and calls
-:func:`dflash_prep.chunk.process_records`, the same pure work unit the local engine calls.
+:func:`dflash_prep.tokenize.chunk.process_records`, the same pure work unit the local engine calls.
 Results are taken back strictly in chunk order (the oldest submitted task first, never
 whichever finishes first) and go through the same ``ShardWriter`` path, so the output folder
 is byte-identical to ``--engine local`` for the same inputs, whatever the cluster size or

@@ -1,12 +1,12 @@
 """``dflash-prep tokenize``: corpora -> Arrow shards + ``lengths.npy`` + ``meta.json``.
 
-Algorithm: load every input through ``datasets`` (:mod:`dflash_prep.records`), cut the
+Algorithm: load every input through ``datasets`` (:mod:`dflash_prep.tokenize.records`), cut the
 records into chunks of ``chunk_rows`` within one file, and let ``num_proc`` forked workers
-validate, render (:mod:`dflash_prep.chat`), tokenize and cut each chunk
-(:func:`dflash_prep.chunk.process_records`, pure, the work unit of any engine).
+validate, render (:mod:`dflash_prep.tokenize.chat`), tokenize and cut each chunk
+(:func:`dflash_prep.tokenize.chunk.process_records`, pure, the work unit of any engine).
 Results come back in chunk order (``imap``), so the output is byte-identical for any
 ``num_proc``. The parent only appends them to shards; ``--engine ray`` runs the same
-chunks as Ray tasks, results in the same order (:mod:`dflash_prep.tokenize_ray`).
+chunks as Ray tasks, results in the same order (:mod:`dflash_prep.tokenize.ray_engine`).
 ``num_proc=1`` runs in-process on two threads so that Python work overlaps Rust encoding
 (:func:`_overlapped`). Measured against a bare ``tokenizers.encode_batch`` on the same
 rendered texts (``bench/tokenize_speed.py``, README bench-tokenize, 20k conversations, one
@@ -19,8 +19,8 @@ Semantics:
 - sample id = position in ``lengths.npy`` = rank among the *kept* rows in input order;
   ``record`` is the record's global input index (skipped and dropped records leave gaps
   there, never in ids; the rows of an expanded conversation share it);
-- the ids and loss mask of a chat record: :mod:`dflash_prep.chat` and
-  :mod:`dflash_prep.encoders` (transformers' own rendering, ids and assistant mask);
+- the ids and loss mask of a chat record: :mod:`dflash_prep.tokenize.chat` and
+  :mod:`dflash_prep.tokenize.encoders` (transformers' own rendering, ids and assistant mask);
 - ``--max-len`` / ``--on-overflow``: a longer sample keeps its first ``max_len`` tokens
   (``truncate``) or is left out (``drop``); both are counted, with the tokens they lose;
 - ``--on-error fail`` stops at the first bad record, naming file and line/row; ``skip``
@@ -28,15 +28,15 @@ Semantics:
 - the output folder is built in a temp folder beside it and renamed only on success, so a
   failure or a kill leaves nothing under ``--out``; an existing folder built from the same
   inputs, tokenizer and options is reported up to date (inputs by content, see
-  :func:`dflash_prep.records.fingerprint`); ``--overwrite`` rebuilds it, but
+  :func:`dflash_prep.tokenize.records.fingerprint`); ``--overwrite`` rebuilds it, but
   only when it holds a dataset ``meta.json`` (never a user's folder, an input or the
-  working directory: :func:`dflash_prep.outputs.check_out`). The write holds the folder's
-  advisory lock, and first clears the debris of killed runs (:mod:`dflash_prep.outputs`).
-- inputs are checked before loading (:mod:`dflash_prep.inputcheck`): regular files only
+  working directory: :func:`dflash_prep.formats.outputs.check_out`). The write holds the folder's
+  advisory lock, and first clears the debris of killed runs (:mod:`dflash_prep.formats.outputs`).
+- inputs are checked before loading (:mod:`dflash_prep.tokenize.inputcheck`): regular files only
   (no FIFO or device), UTF-8, JSON nested at most 64 levels.
 
 The folder layout, its writer (shards with content hashes, ``meta.json``) and its reader
-live in :mod:`dflash_prep.dataset`.
+live in :mod:`dflash_prep.formats.dataset`.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class TokenizeConfig:
     """Options of ``dflash-prep tokenize``.
 
     Attributes:
-        inputs: paths, globs or folders (see :mod:`dflash_prep.records`).
+        inputs: paths, globs or folders (see :mod:`dflash_prep.tokenize.records`).
         out: the dataset folder to write.
         tokenizer: ``"byte"`` or a local tokenizer folder / ``tokenizer.json`` (required).
         chat_template: ``--chat-template``: a Jinja file or ``chatml``; sets or overrides the tokenizer's.
@@ -83,7 +83,7 @@ class TokenizeConfig:
         text_field: the text column for ``--format text``.
         messages_field: the message-list column for ``--format messages``.
         role_map: ``--role-map`` ``NAME=ROLE,...`` added to the built-in role names.
-        mask: what the loss mask covers (:class:`dflash_prep.chat.MaskOptions`).
+        mask: what the loss mask covers (:class:`dflash_prep.tokenize.chat.MaskOptions`).
         max_len: longest sample kept, in tokens.
         on_overflow: ``truncate`` (keep the first max_len tokens) or ``drop``.
         on_error: ``fail`` at the first bad record, or ``skip`` and count it.
@@ -91,7 +91,7 @@ class TokenizeConfig:
         shard_mb: upper bound of one shard's payload in MiB (a single longer sample is alone).
         chunk_rows: records per work unit.
         overwrite: replace an existing output folder.
-        engine: ``local`` (this machine's processes) or ``ray`` (:mod:`dflash_prep.tokenize_ray`);
+        engine: ``local`` (this machine's processes) or ``ray`` (:mod:`dflash_prep.tokenize.ray_engine`);
             the output is byte-identical, so it is not fingerprinted.
         address: ``--address`` of the Ray cluster (``auto``: the one ``ray start`` runs here;
             None: a Ray started for this run).
@@ -162,7 +162,7 @@ def _init_worker(state: dict | None) -> None:
 
 
 def _process(task: tuple[int, int, int]) -> dict:
-    """One chunk of one source: :func:`dflash_prep.chunk.process_records` on it, errors placed."""
+    """One chunk of one source: :func:`dflash_prep.tokenize.chunk.process_records` on it, errors placed."""
     si, start, stop = task
     src: rec.Source = _STATE["sources"][si]
     try:

@@ -1,4 +1,4 @@
-"""The boundary search (dflash_prep.optimize): exactness, prediction accuracy, int64, edges, errors."""
+"""The boundary search (dflash_prep.analyze.optimize): exactness, prediction accuracy, int64, edges, errors."""
 
 from __future__ import annotations
 

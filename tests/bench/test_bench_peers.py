@@ -1,5 +1,5 @@
 """bench/peers: every peer is a valid, deterministic epoch; the ports match their originals;
-the harness scores peers with dflash_prep.metrics and writes a versioned report."""
+the harness scores peers with dflash_prep.pack.metrics and writes a versioned report."""
 
 from __future__ import annotations
 
