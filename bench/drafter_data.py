@@ -214,7 +214,7 @@ def run_input(name: str, lens, mc, T: int, repeats: int) -> list[dict]:
     # (c) ours
     src = lengths_mod.LengthSource(lens.astype(np.int32), "lengths", name, fingerprint_array(lens.astype(np.int32)))
     plan = Plan(data=src.describe(), boundaries=(), budget=Budget(value=T), seed=0).with_fingerprint()
-    cfg = PackConfig(world_size=W, objective="dflash", drafter=opts)
+    cfg = PackConfig(world_size=W, objective="dflash", options=opts)
     edges = class_edges(lens)
     res = [pack.build_epoch(lens, plan, cfg, e, edges, mask_counts=mc) for e in (0, 1)]
     _, wall, cpu = _timed(lambda: pack.build_epoch(lens, plan, cfg, 2, edges, mask_counts=mc), repeats)
@@ -240,7 +240,7 @@ def scale_child(n: int) -> None:
     lens32 = lens.astype(np.int32)
     src = lengths_mod.LengthSource(lens32, "lengths", f"seedlike {n}", fingerprint_array(lens32))
     plan = Plan(data=src.describe(), boundaries=(), budget=Budget(value=65536), seed=0).with_fingerprint()
-    cfg = PackConfig(world_size=W, objective="dflash", drafter=DrafterOptions(cost_model=QWEN3_8B))
+    cfg = PackConfig(world_size=W, objective="dflash", options=DrafterOptions(cost_model=QWEN3_8B))
     edges = class_edges(lens)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t, c = time.perf_counter(), time.process_time()

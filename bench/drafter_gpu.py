@@ -130,7 +130,7 @@ def ours_microbatches(cfg: GpuBenchConfig, lens, mc, cost: DrafterCostModel) -> 
     src = lengths_mod.LengthSource(l32, "lengths", f"seedlike {cfg.n}", fingerprint_array(l32))
     plan = Plan(data=src.describe(), boundaries=(), budget=Budget(value=cfg.budget), seed=cfg.seed).with_fingerprint()
     pc = PackConfig(world_size=1, objective="dflash",
-                    drafter=DrafterOptions(cost_model=cost, block_size=B, max_anchors=MAX_ANCHORS))
+                    options=DrafterOptions(cost_model=cost, block_size=B, max_anchors=MAX_ANCHORS))
     res = pack.build_epoch(l32, plan, pc, 0, class_edges(l32), mask_counts=mc)
     t, sids = res.arrays["microbatches"], res.arrays["sample_ids"]
     return [np.asarray(sids[r[0]:r[0] + r[1]], np.int64) for r in t[np.argsort(t[:, 2], kind="stable")]]

@@ -225,35 +225,33 @@ def analyze_cmd(
     """Search bucket boundaries over every distinct length, compare strategies, write plan.json."""
     from dflash_prep.analyze.analyze import AnalyzeConfig, run
     from dflash_prep.analyze.report import render, to_json
-    from dflash_prep.objectives.dflash import OBJECTIVES, drafter_options
+    from dflash_prep import objectives
 
-    if objective not in OBJECTIVES:
-        raise typer.BadParameter(f"--objective must be one of {', '.join(OBJECTIVES)}")
-    drafter = None if objective != "dflash" else drafter_options(
+    if objective not in objectives.names():
+        raise typer.BadParameter(f"--objective must be one of {', '.join(objectives.names())}")
+    obj = objectives.get(objective)
+    options = obj.options_from_cli(
         target_config=target_config, target_dims=target_dims, draft_layers=draft_layers, block_size=block_size,
         max_anchors=max_anchors, anchor_policy=anchor_policy)
     cfg = AnalyzeConfig(data=data, lengths_file=lengths, out=out, budget=budget, budget_unit=budget_unit,
                         model_dim=model_dim, max_batch_size=max_batch_size, buckets=buckets,
                         target_efficiency=target_efficiency, seed=seed, window=window,
                         max_repeat_pair=max_repeat_pair, world_size=world_size, grad_accum=grad_accum,
-                        sim_epochs=sim_epochs, plot=plot, drafter=drafter, overwrite=overwrite)
+                        sim_epochs=sim_epochs, plot=plot, objective=objective, options=options,
+                        overwrite=overwrite)
     rep = run(cfg, progress=not sys.stderr.isatty())   # a phase line each off a terminal
     if json_out:
         typer.echo(to_json(rep))
     else:
         render(rep, console())
-        if "dflash" in rep:
-            _print_summaries([("pack --objective dflash (predicted)", rep["dflash"])], keys=_DFLASH_KEYS)
+        if objective in rep:
+            _print_summaries([(f"pack --objective {objective} (predicted)", rep[objective])], keys=obj.summary_keys)
 
 
 
 # --- pack / inspect / verify (dflash_prep.pack, dflash_prep.formats.manifest) ----------------
 _SUMMARY_KEYS = ("efficiency", "fill", "microbatches", "steps", "step_mix", "rank_imbalance", "repeat_pair_rate",
                  "dropped_samples", "predicted_efficiency")
-
-
-_DFLASH_KEYS = ("useful_target_tokens", "useful_anchor_slots", "token_fill", "anchor_fill", "cost_fill", "anchors",
-                "anchor_budget", "microbatches", "rank_imbalance", "world_size", "anchor_cost_share")
 
 
 def _print_summaries(rows: list[tuple[str, dict]], json_out: bool = False, keys=_SUMMARY_KEYS) -> None:
@@ -315,7 +313,7 @@ def pack_cmd(
     """Pack deterministic per-epoch manifests (batches, steps, ranks) from a plan."""
     from dflash_prep.formats import manifest
     from dflash_prep.formats.plan import load as load_plan
-    from dflash_prep.objectives.dflash import drafter_options
+    from dflash_prep import objectives
     from dflash_prep.pack.pack import (REPEAT_PAIR_WARN, PackConfig, budget_override, pack_epochs, parse_epochs,
                                        summary_warnings)
 
@@ -330,12 +328,12 @@ def pack_cmd(
                          overwrite=overwrite)
         _print_summaries([(f"{d.parent.name}/{d.name}", manifest.open(d).summary)])
         return
-    drafter = None if objective != "dflash" else drafter_options(
+    options = objectives.get(objective).options_from_cli(
         target_config=target_config, target_dims=target_dims, draft_layers=draft_layers, block_size=block_size,
         max_anchors=max_anchors, anchor_policy=anchor_policy, anchor_budget=anchor_budget, cost_fill=cost_fill,
         anchor_seed=anchor_seed, store_anchors=store_anchors)
     cfg = PackConfig(world_size=world_size, grad_accum=grad_accum, layout=layout, schedule=schedule, window=window,
-                     drop_last=drop_last, open_bins=open_bins, objective=objective, drafter=drafter,
+                     drop_last=drop_last, open_bins=open_bins, objective=objective, options=options,
                      budget=budget_override(p.budget, budget_unit, budget, model_dim))
     dirs = pack_epochs(plan=p, epochs=parse_epochs(epoch, epochs), out=out, config=cfg, data=data, lengths=lengths,
                        overwrite=overwrite, progress=True)

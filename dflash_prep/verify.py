@@ -14,35 +14,29 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_prep import objectives
+from dflash_prep.errors import FingerprintMismatch, FormatError
 from dflash_prep.formats import lengths as lengths_mod
 from dflash_prep.formats.dataset import META_FILE, open_dataset
 from dflash_prep.formats.fileio import fingerprint_file
-from dflash_prep.formats.lengths import read_mask_counts
 from dflash_prep.formats.manifest import (COL, MANIFEST_FILE, Manifest, data_path, epoch_dir, find_epochs,  # noqa: A004
                                           open)
-from dflash_prep.objectives import dflash as pack_dflash
 from dflash_prep.pack import metrics
 from dflash_prep.pack.repack import consumed_ids
-
-from .errors import FingerprintMismatch, FormatError
 
 
 # ----------------------------------------------------------------------------- manifests
 def _summary_metrics(m: Manifest, lens: np.ndarray, order: np.ndarray, offsets: np.ndarray, seg: np.ndarray,
-                     supervised: np.ndarray | None = None) -> dict:
+                     obj, state) -> dict:
     """Every summary metric, recomputed from scratch with :mod:`dflash_prep.pack.metrics`.
 
     ``order``/``offsets`` are the segments in file order; ``seg`` maps them to table rows.
-    ``supervised`` (per sample id, dflash only) prices rank imbalance on the drafter cost."""
+    Rank imbalance is priced on what the objective ``obj`` balanced ranks on (``state``: what
+    its :meth:`~dflash_prep.objectives.base.DataObjective.verify` returned)."""
     t = np.asarray(m.table)[seg]
     varlen = m.layout == "varlen"
     b = m.header["budget"]
-    if supervised is not None:                     # dflash: ranks were balanced on the drafter step cost
-
-        cost = pack_dflash.microbatch_cost(m.header, lens[order], supervised[order],
-                                           np.asarray(m.arrays["anchor_counts"]), offsets)
-    else:
-        cost = metrics.batch_cost(lens, order, offsets, float(b["cost_alpha"]), varlen=varlen)
+    cost = obj.verify_rank_cost(m, lens, order, offsets, state)
     eff = 1.0 if varlen else metrics.efficiency(lens, order, offsets)
     return {"efficiency": eff, "fill": metrics.fill(lens, order, offsets, float(b["value"]), varlen=varlen,
                                                       alpha=float(b["packing_alpha"])),
@@ -120,12 +114,12 @@ def verify_epoch(path: str | Path, *, data: str | Path | None = None, lengths: s
         problems.append("step/rank/accum columns break the layout (step, then rank, then accum): ranks get unequal counts")
     if varlen and not np.array_equal(np.asarray(m.arrays["cu_seqlens"]), np.concatenate([[0], np.cumsum(lens[ids])])):
         problems.append("cu_seqlens.npy is not the prefix sum of the sample lengths")
-    extra, sup = {}, None
-    if "dflash" in m.header and not problems:       # anchors: regenerated from the seed and the masks
-        problems, extra, sup = _verify_drafter(m, lens, ids, offsets, src)
+    obj, extra, state = objectives.of_header(m.header), {}, None
+    if not problems:                                # the objective's own checks (dflash: every anchor)
+        problems, extra, state = obj.verify(m, lens, ids, offsets, src)
     if problems:
         raise FormatError(f"{path}: verify failed: " + "; ".join(problems))
-    got = _summary_metrics(m, lens, ids, offsets, seg, supervised=sup) | extra
+    got = _summary_metrics(m, lens, ids, offsets, seg, obj, state) | extra
     summ = m.summary
     prev = epoch_dir(path.parent, m.epoch - 1) if m.epoch > 0 else None
     if summ.get("repeat_pair_rate") is not None and prev is not None and (prev / MANIFEST_FILE).is_file():
@@ -140,17 +134,6 @@ def verify_epoch(path: str | Path, *, data: str | Path | None = None, lengths: s
     return got
 
 
-def _verify_drafter(m: Manifest, lens, ids, offsets, src):
-    """(problems, metrics, supervised) of :func:`pack_dflash.verify_epoch` against the dataset's masks."""
-    if src.kind != "dataset":
-        return [f"{src.path}: a dflash manifest is verified against its dataset folder (the loss masks); pass --data"], {}, None
-    mc = read_mask_counts(src.path)
-    problems, got = pack_dflash.verify_epoch(m.header, m.arrays, lens, ids, offsets, open_dataset(src.path), mc,
-                                             m.epoch)
-    return problems, got, mc.supervised
-
-
-# ----------------------------------------------------------------------------- datasets
 def verify_dataset(folder: str | Path) -> dict:
     """Re-hash every shard and check token ids and loss-mask values; returns counts."""
     ds = open_dataset(folder)

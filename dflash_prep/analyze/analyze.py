@@ -34,6 +34,7 @@ from pathlib import Path
 import numba as nb
 import numpy as np
 
+from dflash_prep import objectives
 from dflash_prep.analyze import report, tradeoff
 from dflash_prep.analyze.optimize import Histogram, Model, PackModel, histogram
 from dflash_prep.analyze.simulate import SUBSAMPLE, Subsample
@@ -42,7 +43,6 @@ from dflash_prep.errors import ConfigError
 from dflash_prep.formats import plan as plan_mod
 from dflash_prep.formats.lengths import LengthSource, load
 from dflash_prep.formats.outputs import lock
-from dflash_prep.objectives.dflash import predict_source
 
 MAX_K = 32
 MULTI_START_GAP = 0.005  # model disagreement (efficiency) above which refine also starts from the baselines
@@ -90,14 +90,18 @@ class AnalyzeConfig:
     """Samples every simulated row packs at most (2^19); larger data is subsampled."""
     plot: bool = True
     """Write the PNG (histogram on a log length axis, the efficiency / repeat-pair trade-off)."""
-    drafter: object | None = None
-    """``--objective dflash``: :class:`dflash_prep.objectives.dflash.DrafterOptions`; the report then
-    predicts ``pack --objective dflash`` (:func:`dflash_prep.objectives.dflash.predict`)."""
+    objective: str = "lm"
+    """The objective packed later (:mod:`dflash_prep.objectives`); the report adds its
+    prediction of ``pack --objective NAME`` under that name when it makes one (``dflash``:
+    :func:`dflash_prep.objectives.dflash.predict`)."""
+    options: object | None = None
+    """The objective's options (``dflash``: :class:`dflash_prep.objectives.dflash.DrafterOptions`)."""
     overwrite: bool = False
     """Replace a plan.json with another fingerprint (the same plan is always rewritten). A
     file under ``out`` that dflash-prep did not write is never replaced."""
 
     def __post_init__(self):
+        objectives.get(self.objective).check(None, self.options)
         if (self.data is None) == (self.lengths_file is None):
             raise ConfigError("give exactly one of a dataset folder (DATA) or --lengths FILE")
         if self.buckets is not None and self.target_efficiency is not None:
@@ -301,8 +305,9 @@ def _run(cfg: AnalyzeConfig, source: LengthSource | None, report, progress: bool
            "joint": [{kk: vv for kk, vv in r.items() if kk not in strip} for r in joint["candidates"]],
            "predicted": plan.predicted, "plan": str(plan_path), "fingerprint": plan_mod.load(plan_path).fingerprint,
            "warnings": window_warnings(plan_row, pareto_w, cfg.max_repeat_pair)}
-    if cfg.drafter is not None:                   # --objective dflash (needs the dataset's mask counts)
-        rep["dflash"] = predict_source(src, cfg.drafter, b, seed=cfg.seed)
+    predicted = objectives.get(cfg.objective).predict(src, cfg.options, b, seed=cfg.seed)
+    if predicted is not None:
+        rep[cfg.objective] = predicted
     rep["png"] = str(report.plot(hist, rep, cfg.out_dir)) if cfg.plot else None
     clock("plan + plot")
     rep["seconds"] = clock.laps

@@ -65,6 +65,7 @@ from typing import Iterator
 
 import numpy as np
 
+from dflash_prep import objectives
 from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
 from dflash_prep.formats.fileio import (atomic_dir, atomic_save_npy, atomic_write_json, fingerprint_array,
                                         fingerprint_json, holds_marker, load_npy, read_json)
@@ -83,11 +84,11 @@ ARRAYS = {"microbatches": np.int64, "sample_ids": np.int64, "sample_lens": np.in
 
 
 def required_arrays(header: dict) -> list[str]:
-    """The arrays an epoch must hold: ``cu_seqlens`` in varlen, ``anchor_counts`` under the
-    dflash objective; ``anchors`` is optional (``--store-anchors``)."""
+    """The arrays an epoch must hold: ``cu_seqlens`` in varlen, and its objective's (the
+    dflash objective: ``anchor_counts``; ``anchors`` is optional, ``--store-anchors``)."""
     out = ["microbatches", "sample_ids", "sample_lens", "dropped_ids"]
     out += ["cu_seqlens"] if header.get("layout") == "varlen" else []
-    return out + (["anchor_counts"] if "dflash" in header else [])
+    return out + objectives.of_header(header).required_arrays(header)
 LAYOUTS = ("padded", "varlen")
 
 

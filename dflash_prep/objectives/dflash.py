@@ -40,21 +40,22 @@ Anchor positions are not stored: the trainer regenerates them per micro-batch wi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import numba as nb
 import numpy as np
 
 from dflash_prep.errors import ConfigError
+from dflash_prep.formats.dataset import open_dataset
 from dflash_prep.formats.lengths import read_mask_counts
 from dflash_prep.formats.plan import Budget
 from dflash_prep.objectives import anchors
 from dflash_prep.objectives.anchors import anchor_count
+from dflash_prep.objectives.base import DataObjective
 from dflash_prep.objectives.drafter_cost import DrafterCostModel, cost_shares, sample_cost, step_flops
 from dflash_prep.pack import metrics, steps
-from dflash_prep.pack.bucketing import SideLoads, pack_varlen, prefix_sum
+from dflash_prep.pack.bucketing import SideLoads, pack_varlen, prefix_sum, row_sums, segment_sums
 
-OBJECTIVES = ("lm", "dflash")
 #: Key tag of the drafter packing order ("dflash").
 PURPOSE_DFLASH = 0x64666C617368
 #: Default share of the mean-cost micro-batch the cost budget allows (see module docstring).
@@ -424,3 +425,105 @@ def microbatch_anchors(header: dict, loss_mask: np.ndarray, cu_seqlens: np.ndarr
     return anchors.sample_anchors_batch(loss_mask, cu_seqlens, sample_ids, seed=int(d["anchor_seed"]),
                                         epoch=int(header["epoch"]), max_anchors=int(d["max_anchors"]),
                                         policy=d["anchor_policy"], block_size=int(d["block_size"]))
+
+
+# ----------------------------------------------------------------------------- the plugin
+class DFlashObjective(DataObjective):
+    """``pack --objective dflash`` (module docstring): varlen, token + anchor + cost budgets,
+    ranks balanced on the drafter step cost; verify regenerates every anchor."""
+
+    name = "dflash"
+    layouts = ("varlen",)
+    options_type = DrafterOptions
+    summary_keys = ("useful_target_tokens", "useful_anchor_slots", "token_fill", "anchor_fill", "cost_fill",
+                    "anchors", "anchor_budget", "microbatches", "rank_imbalance", "world_size", "anchor_cost_share")
+    rank_cost_name = "drafter"
+
+    def check(self, layout, options) -> None:
+        if layout == "padded":
+            raise ConfigError("--objective dflash packs the varlen layout only (padding wastes target tokens "
+                              "and anchor slots); drop --layout padded")
+        if options is None:
+            raise ConfigError("--objective dflash needs drafter options (DrafterOptions)")
+
+    def resolve(self, options, *, plan, budget):
+        if budget.unit != "tokens":
+            raise ConfigError("--objective dflash takes a token budget T (target forward memory); the cost "
+                              "budget is its own (--cost-fill): pass --budget-unit tokens")
+        return options.resolve(seed=plan.seed, token_budget=budget.value)
+
+    def options_from_cli(self, **flags) -> DrafterOptions:
+        return drafter_options(**flags)
+
+    def cli_flags(self, d: DrafterOptions) -> str:
+        f = (f" --block-size {d.block_size} --max-anchors {d.max_anchors} "
+             f"--anchor-policy {d.anchor_policy} --cost-fill {d.cost_fill:g}")
+        f += f" --anchor-budget {d.anchor_budget}" if d.anchor_budget is not None else ""
+        f += f" --anchor-seed {d.anchor_seed}" if d.anchor_seed is not None else ""
+        f += " --store-anchors" if d.store_anchors else ""
+        if d.cost_model is not None:
+            cm = asdict(d.cost_model)
+            layers = cm.pop("draft_layers")
+            f += " --target-dims " + ",".join(f"{k}={v}" for k, v in cm.items()) + f" --draft-layers {layers}"
+        return f
+
+    def inputs(self, cfg, src):
+        if src.kind != "dataset":
+            raise ConfigError(f"{src.path}: --objective dflash needs a tokenized dataset folder (its loss-mask "
+                              "counts), not a lengths file")
+        dataset = open_dataset(src.path) if cfg.options.store_anchors else None
+        return read_mask_counts(src.path), dataset
+
+    def begin_epoch(self, lens, cfg, epoch, mask_counts):
+        if mask_counts is None:
+            raise ConfigError("--objective dflash needs the per-sample mask counts of a tokenized dataset "
+                              "(supervised.npy, anchor_candidates.npy); pack a dataset folder, not a lengths file")
+        de = prepare(lens, mask_counts.supervised, mask_counts.anchor_candidates, cfg.options, cfg.budget.value)
+        # the anchor digest needs only the counts: it runs on the other core while this one packs
+        de.digest = anchors.DigestJob(de.candidates, de.counts, seed=cfg.options.anchor_seed, epoch=epoch)
+        return de
+
+    def end_epoch(self, de) -> None:
+        de.digest.cancel()                # a no-op once the digest is taken
+
+    def pack(self, lens, plan, cfg, epoch, de):
+        order, offsets, olens = pack_drafter(
+            lens, de.counts, de.cost, seed=plan.seed, epoch=epoch, budget=cfg.budget, anchor_budget=de.anchor_budget,
+            cost_budget=de.cost_budget, open_bins=cfg.open_bins)
+        return order, offsets, np.full(len(offsets) - 1, -1, np.int64), olens
+
+    def rank_cost(self, cfg, de, order, offsets, se):
+        return segment_sums(de.cost, order, offsets), se.real       # drafter FLOPs per micro-batch
+
+    def finish_epoch(self, de, cfg, epoch, arrays, header, summary, rows, dataset) -> None:
+        ids = arrays["sample_ids"]
+        arrays["anchor_counts"] = kc = de.counts[ids]               # int32, in sample_ids order
+        mb_k = row_sums(kc, rows.start, rows.count)                 # anchors per manifest row
+        header[self.name], extra = epoch_extras(de, cfg.options, kc, mb_k, rows.real, cfg.budget.value)
+        summary.update(extra)
+        if cfg.options.store_anchors:
+            if dataset is None:
+                raise ConfigError("--store-anchors reads every loss mask: pack a tokenized dataset folder")
+            arrays["anchors"] = store_anchors(dataset, ids, cfg.options, epoch, kc)
+
+    def predicts_plan(self, cfg) -> bool:
+        return False
+
+    def required_arrays(self, header: dict) -> list[str]:
+        return ["anchor_counts"]
+
+    def verify(self, m, lens, ids, offsets, src):
+        """(problems, metrics, supervised) of :func:`verify_epoch` against the dataset's masks."""
+        if src.kind != "dataset":
+            return [f"{src.path}: a dflash manifest is verified against its dataset folder (the loss masks); "
+                    "pass --data"], {}, None
+        mc = read_mask_counts(src.path)
+        problems, got = verify_epoch(m.header, m.arrays, lens, ids, offsets, open_dataset(src.path), mc, m.epoch)
+        return problems, got, mc.supervised
+
+    def verify_rank_cost(self, m, lens, order, offsets, supervised):
+        return microbatch_cost(m.header, lens[order], supervised[order], np.asarray(m.arrays["anchor_counts"]),
+                               offsets)
+
+    def predict(self, src, options, budget, *, seed: int):
+        return predict_source(src, options, budget, seed=seed)

@@ -17,16 +17,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from dflash_prep import objectives
 from dflash_prep.errors import ConfigError, FingerprintMismatch
 from dflash_prep.formats.fileio import atomic_write_json, fingerprint_json, read_json
 from dflash_prep.formats.manifest import LAYOUTS
 from dflash_prep.formats.plan import Budget, Plan
-from dflash_prep.objectives.dflash import OBJECTIVES, DrafterOptions
 from dflash_prep.pack import steps
 
 PACK_CONFIG_FORMAT = "dflash-prep/pack-config"
 PACK_CONFIG_VERSION = 1
 PACK_CONFIG_FILE = "pack_config.json"
+#: the JSON key of the objective's options: named when dflash was the only objective with
+#: options, and kept so that every existing root and epoch keeps its fingerprint
+OPTIONS_KEY = "drafter"
 
 
 @dataclass(frozen=True)
@@ -38,8 +41,8 @@ class PackConfig:
         world_size: W, ranks per optimizer step.
         grad_accum: A, accumulation micro-batches per rank per step.
         layout: ``"padded"`` (bucketed, ``n * max_len <= T``) or ``"varlen"``
-            (concatenated with ``cu_seqlens``, ``sum L <= T``); None: padded, or varlen
-            under the ``dflash`` objective (the only layout it packs).
+            (concatenated with ``cu_seqlens``, ``sum L <= T``); None: the objective's
+            first layout (padded for ``lm``, varlen for ``dflash``, the only one it packs).
         schedule: one of :data:`steps.SCHEDULES`; ``class-aware`` mixes lengths best.
         window: local sort window (padded); None uses the plan's.
         drop_last: drop the last ``M mod (W*A)`` scheduled micro-batches (their samples are
@@ -47,9 +50,11 @@ class PackConfig:
         open_bins: open bins of the varlen first-fit (4 fills 0.9975 on seedlike).
         budget: replaces the plan's budget (unit, value, model_dim, max_batch_size); None
             keeps it. Analyze's efficiency prediction then no longer applies.
-        objective: ``lm`` (token budgets) or ``dflash`` (drafter training: token and anchor
-            budgets, ranks balanced on the drafter step cost, :mod:`dflash_prep.objectives.dflash`).
-        drafter: the drafter options; required by ``objective="dflash"``, else None.
+        objective: a registered objective (:mod:`dflash_prep.objectives`): ``lm`` (token
+            budgets) or ``dflash`` (drafter training: token and anchor budgets, ranks balanced
+            on the drafter step cost, :mod:`dflash_prep.objectives.dflash`).
+        options: the objective's options (``dflash``: its ``DrafterOptions``); None for
+            an objective without options.
     """
 
     world_size: int = 1
@@ -61,7 +66,7 @@ class PackConfig:
     open_bins: int = 4
     budget: Budget | None = None
     objective: str = "lm"
-    drafter: DrafterOptions | None = None
+    options: object | None = None
 
     def __post_init__(self):
         if self.world_size < 1 or self.grad_accum < 1:
@@ -74,16 +79,7 @@ class PackConfig:
             raise ConfigError(f"--window must be >= 0, got {self.window}")
         if self.open_bins < 1:
             raise ConfigError(f"--open-bins must be >= 1, got {self.open_bins}")
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        if self.objective == "dflash":
-            if self.layout == "padded":
-                raise ConfigError("--objective dflash packs the varlen layout only (padding wastes target tokens "
-                                  "and anchor slots); drop --layout padded")
-            if self.drafter is None:
-                raise ConfigError("--objective dflash needs drafter options (DrafterOptions)")
-        elif self.drafter is not None:
-            raise ConfigError("drafter options (--block-size, --max-anchors, ...) need --objective dflash")
+        objectives.get(self.objective).check(self.layout, self.options)
 
     @property
     def step_size(self) -> int:
@@ -92,26 +88,23 @@ class PackConfig:
     def resolve(self, plan: Plan) -> "PackConfig":
         """Every default filled in from ``plan``: what an epoch is actually packed with."""
         budget = self.budget or plan.budget
-        drafter = None
-        if self.objective == "dflash":
-            if budget.unit != "tokens":
-                raise ConfigError("--objective dflash takes a token budget T (target forward memory); the cost "
-                                  "budget is its own (--cost-fill): pass --budget-unit tokens")
-            drafter = self.drafter.resolve(seed=plan.seed, token_budget=budget.value)
-        return replace(self, layout=self.layout or ("varlen" if self.objective == "dflash" else "padded"),
-                       window=plan.window if self.window is None else self.window, budget=budget, drafter=drafter)
+        obj = objectives.get(self.objective)
+        opts = obj.resolve(self.options, plan=plan, budget=budget)
+        return replace(self, layout=self.layout or obj.layouts[0],
+                       window=plan.window if self.window is None else self.window, budget=budget, options=opts)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d[OPTIONS_KEY] = d.pop("options")
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "PackConfig":
         d = dict(d)
         if d.get("budget") is not None:
             d["budget"] = Budget(**d["budget"])
-        if d.get("drafter") is not None:
-            d["drafter"] = DrafterOptions.from_json(d["drafter"])
         try:
+            d["options"] = objectives.get(d.get("objective", "lm")).options_from_json(d.pop(OPTIONS_KEY, None))
             return cls(**d)
         except TypeError as e:
             raise ConfigError(f"pack config: unknown or missing field ({e}); re-pack with this dflash-prep") from None
@@ -128,17 +121,8 @@ class PackConfig:
         if self.budget is not None:
             b = self.budget
             f += f" --budget-unit {b.unit} --budget {b.value:g}" + (f" --model-dim {b.model_dim}" if b.model_dim else "")
-        if self.drafter is not None:
-            d = self.drafter
-            f += (f" --objective dflash --block-size {d.block_size} --max-anchors {d.max_anchors} "
-                  f"--anchor-policy {d.anchor_policy} --cost-fill {d.cost_fill:g}")
-            f += f" --anchor-budget {d.anchor_budget}" if d.anchor_budget is not None else ""
-            f += f" --anchor-seed {d.anchor_seed}" if d.anchor_seed is not None else ""
-            f += " --store-anchors" if d.store_anchors else ""
-            if d.cost_model is not None:
-                cm = asdict(d.cost_model)
-                layers = cm.pop("draft_layers")
-                f += " --target-dims " + ",".join(f"{k}={v}" for k, v in cm.items()) + f" --draft-layers {layers}"
+        if self.options is not None:
+            f += f" --objective {self.objective}" + objectives.get(self.objective).cli_flags(self.options)
         return f
 
 

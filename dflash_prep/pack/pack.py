@@ -29,15 +29,13 @@ from pathlib import Path
 import numba as nb
 import numpy as np
 
+from dflash_prep import objectives
 from dflash_prep.errors import ConfigError, FormatError
 from dflash_prep.formats import lengths as lengths_mod
 from dflash_prep.formats import manifest, outputs
-from dflash_prep.formats.dataset import open_dataset
 from dflash_prep.formats.fileio import fingerprint_json, holds_marker
 from dflash_prep.formats.plan import MAX_REPEAT_PAIR, Budget, Plan
 from dflash_prep.formats.plan import load as load_plan
-from dflash_prep.objectives import anchors
-from dflash_prep.objectives import dflash as pack_dflash
 from dflash_prep.pack import bucketing
 from dflash_prep.pack import config as pack_config
 from dflash_prep.pack import metrics, steps
@@ -69,16 +67,6 @@ def _compact(order, olens, offsets, keep, new_start):
                 olens[p] = olens[i]
                 p += 1
     return p
-
-
-@nb.njit(cache=True)
-def _row_sums(values, start, count):
-    # per manifest row: the sum of values[start : start + count] (int64)
-    out = np.zeros(start.shape[0], np.int64)
-    for r in range(start.shape[0]):
-        for i in range(start[r], start[r] + count[r]):
-            out[r] += values[i]
-    return out
 
 
 @nb.njit(cache=True)
@@ -134,105 +122,98 @@ def build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges
 
     ``edges`` are the step-mix classes, :func:`metrics.class_edges` of ``lens`` (computed
     here when not given; :func:`pack_epochs` computes them once for all its epochs). The
-    ``dflash`` objective needs ``mask_counts`` (per sample id), and the
-    :class:`dflash_prep.formats.dataset.Dataset` (its loss masks) to store anchor positions.
+    objective's inputs (:meth:`~dflash_prep.objectives.base.DataObjective.inputs`: for
+    ``dflash`` the ``mask_counts`` per sample id, and the
+    :class:`dflash_prep.formats.dataset.Dataset` to store anchor positions) come along.
     """
     if epoch < 0:
         raise ConfigError(f"--epoch must be >= 0, got {epoch}")
     cfg = cfg.resolve(plan)
-    de = None
-    if cfg.objective == "dflash":
-        if mask_counts is None:
-            raise ConfigError("--objective dflash needs the per-sample mask counts of a tokenized dataset "
-                              "(supervised.npy, anchor_candidates.npy); pack a dataset folder, not a lengths file")
-        de = pack_dflash.prepare(lens, mask_counts.supervised, mask_counts.anchor_candidates, cfg.drafter,
-                                 cfg.budget.value)
-        # the anchor digest needs only the counts: it runs on the other core while this one packs
-        de.digest = anchors.DigestJob(de.candidates, de.counts, seed=cfg.drafter.anchor_seed, epoch=epoch)
+    obj = objectives.get(cfg.objective)
+    state = obj.begin_epoch(lens, cfg, epoch, mask_counts)
     try:
-        return _build_epoch(lens, plan, cfg, epoch, edges, de, dataset)
+        return _build_epoch(lens, plan, cfg, epoch, edges, obj, state, dataset)
     finally:
-        if de is not None:
-            de.digest.cancel()                # a no-op once the digest is taken
+        obj.end_epoch(state)
+
+
+@dataclass
+class Rows:
+    """Per manifest row: where its samples start in ``sample_ids``, their count, real tokens."""
+
+    start: np.ndarray
+    count: np.ndarray
+    real: np.ndarray
 
 
 def _build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges: np.ndarray | None,
-                 de: pack_dflash.DrafterEpoch | None, dataset) -> EpochResult:
-    budget, window = cfg.budget, cfg.window
-    alpha_pack, alpha_cost = budget.packing_alpha, budget.alpha
-    where = f"epoch {epoch}"
-    if de is not None:
-        order, offsets, olens = pack_dflash.pack_drafter(
-            lens, de.counts, de.cost, seed=plan.seed, epoch=epoch, budget=budget, anchor_budget=de.anchor_budget,
-            cost_budget=de.cost_budget, open_bins=cfg.open_bins)
-        bucket = np.full(len(offsets) - 1, -1, np.int64)
-    elif cfg.layout == "padded":
-        order, offsets, bucket, olens = bucketing.pack_padded(lens, plan.boundaries, seed=plan.seed, epoch=epoch,
-                                                              budget=budget, window=window)
-    else:
-        order, offsets, olens = bucketing.pack_varlen(lens, seed=plan.seed, epoch=epoch, budget=budget,
-                                                      open_bins=cfg.open_bins)
-        bucket = np.full(len(offsets) - 1, -1, np.int64)
+                 obj, state, dataset) -> EpochResult:
+    order, offsets, bucket, olens = obj.pack(lens, plan, cfg, epoch, state)
     edges = bucketing.class_edges(lens) if edges is None else edges
     se = steps.schedule_epoch(offsets, bucket, olens, edges, schedule=cfg.schedule, step_size=cfg.step_size,
                               drop_last=cfg.drop_last, n_buckets=plan.num_buckets, seed=plan.seed, epoch=epoch,
-                              where=where)
-    offsets, bucket, n_split, sched, dropped_mb = se.offsets, se.bucket, se.n_split, se.sched, se.dropped
-    real, mx, sq, class_tok, count = se.real, se.mx, se.sq, se.class_tok, se.count
-    if de is not None:                                   # drafter FLOPs per micro-batch
-        cost = bucketing.segment_sums(de.cost, order, offsets)
-        padded = real
-    elif cfg.layout == "padded":
-        mxf = mx.astype(np.float64)
-        cost = count * (mxf + alpha_cost * mxf * mxf)
-        padded = count * mx
-    else:
-        cost = real + alpha_cost * sq.astype(np.float64)
-        padded = real
+                              where=f"epoch {epoch}")
+    offsets, bucket, sched, dropped_mb = se.offsets, se.bucket, se.sched, se.dropped
+    cost, padded = obj.rank_cost(cfg, state, order, offsets, se)
     perm, step, rank, accum = steps.assign_ranks(cost[sched], cfg.world_size, cfg.grad_accum)
     mb = sched[perm]                                        # manifest row -> packed micro-batch
     # sample_ids stay in packing order (no N-sized gather); rows point into it by start/count
     dropped = np.sort(np.concatenate([order[offsets[b]:offsets[b + 1]] for b in dropped_mb])
                       if len(dropped_mb) else np.empty(0, np.int64))
     if len(dropped_mb):
-        keep = np.ones(len(count), np.uint8)
+        keep = np.ones(len(se.count), np.uint8)
         keep[dropped_mb] = 0
-        new_start = np.empty(len(count), np.int64)
+        new_start = np.empty(len(se.count), np.int64)
         n_used = _compact(order, olens, offsets, keep, new_start)
         start = new_start[mb]
     else:
         n_used, start = len(order), offsets[:-1][mb]
-    table = np.stack([start, count[mb], step, rank, accum, bucket[mb], mx[mb], real[mb], padded[mb], sq[mb]], axis=1)
+    table = np.stack([start, se.count[mb], step, rank, accum, bucket[mb], se.mx[mb], se.real[mb], padded[mb],
+                      se.sq[mb]], axis=1)
     arrays = {"microbatches": np.ascontiguousarray(table, np.int64), "sample_ids": order[:n_used],
               "sample_lens": olens[:n_used], "dropped_ids": dropped.astype(np.int64)}
     if cfg.layout == "varlen":
         arrays["cu_seqlens"] = bucketing.prefix_sum(olens[:n_used])
-    used_real, used_padded = int(real[mb].sum()), int(padded[mb].sum())
-    summary = {
+    summary = _summary(plan, cfg, obj, se, mb, cost, padded, step, rank, n_used, len(dropped), edges)
+    header = _header(lens, plan, cfg, epoch, n_used, summary)
+    obj.finish_epoch(state, cfg, epoch, arrays, header, summary, Rows(start, se.count[mb], se.real[mb]), dataset)
+    return EpochResult(header=header, arrays=arrays)
+
+
+def _summary(plan: Plan, cfg: PackConfig, obj, se, mb, cost, padded, step, rank, n_used: int, n_dropped: int,
+             edges) -> dict:
+    """The manifest's ``summary`` (definitions.md's metrics) of the scheduled micro-batches ``mb``."""
+    budget = cfg.budget
+    used_real, used_padded = int(se.real[mb].sum()), int(padded[mb].sum())
+    return {
         "efficiency": used_real / used_padded if used_padded else 1.0,
         # in the budget's unit: tokens, or packing cost under a cost budget (alpha_pack == alpha_cost then)
-        "fill": (float(cost[mb].sum()) if alpha_pack else used_padded) / (len(mb) * float(budget.value))
+        "fill": (float(cost[mb].sum()) if budget.packing_alpha else used_padded) / (len(mb) * float(budget.value))
         if len(mb) else 1.0,
         "microbatches": int(len(mb)),
         "steps": int(len(mb) // cfg.step_size),
         "samples": int(n_used),
         "real_tokens": used_real,
         "padded_tokens": used_padded,
-        "step_mix": steps.step_mix_of(class_tok, mb, cfg.step_size),
+        "step_mix": steps.step_mix_of(se.class_tok, mb, cfg.step_size),
         "rank_imbalance": metrics.rank_imbalance(cost[mb], step, rank, cfg.world_size),
-        "rank_imbalance_alpha": alpha_cost,
-        "rank_imbalance_cost": "drafter" if de is not None else "tokens",
-        "dropped_samples": int(len(dropped)),
-        "dropped_microbatches": int(len(dropped_mb)),
-        "split_microbatches": int(n_split),
-        "sum_sq_len_max": int(sq[mb].max()) if len(mb) else 0,
-        "sum_sq_len_mean": float(sq[mb].mean()) if len(mb) else 0.0,
+        "rank_imbalance_alpha": budget.alpha,
+        "rank_imbalance_cost": obj.rank_cost_name,
+        "dropped_samples": int(n_dropped),
+        "dropped_microbatches": int(len(se.dropped)),
+        "split_microbatches": int(se.n_split),
+        "sum_sq_len_max": int(se.sq[mb].max()) if len(mb) else 0,
+        "sum_sq_len_mean": float(se.sq[mb].mean()) if len(mb) else 0.0,
         "repeat_pair_rate": None,
         "repeat_pair_against": None,
         "predicted_efficiency": _prediction(plan, cfg),
         "class_edges": [int(e) for e in edges],
     }
-    header = {
+
+
+def _header(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, n_used: int, summary: dict) -> dict:
+    """The manifest header of an epoch (``summary`` included; the objective adds its section)."""
+    return {
         "epoch": int(epoch),
         "layout": cfg.layout,
         "world_size": cfg.world_size,
@@ -240,8 +221,8 @@ def _build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edge
         "num_steps": summary["steps"],
         "num_microbatches": summary["microbatches"],
         "num_samples_used": int(n_used),
-        "budget": budget.to_json(),
-        "options": {"schedule": cfg.schedule, "window": int(window), "drop_last": cfg.drop_last,
+        "budget": cfg.budget.to_json(),
+        "options": {"schedule": cfg.schedule, "window": int(cfg.window), "drop_last": cfg.drop_last,
                     "open_bins": cfg.open_bins, "boundaries": [int(b) for b in plan.boundaries], "seed": int(plan.seed),
                     "objective": cfg.objective},
         "pack_config": cfg.to_json(),
@@ -252,23 +233,12 @@ def _build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edge
         "columns": list(manifest.COLUMNS),
         "summary": summary,
     }
-    if de is not None:
-        ids = arrays["sample_ids"]
-        arrays["anchor_counts"] = kc = de.counts[ids]             # int32, in sample_ids order
-        mb_k = _row_sums(kc, start, count[mb])                   # anchors per manifest row
-        header["dflash"], extra = pack_dflash.epoch_extras(de, cfg.drafter, kc, mb_k, real[mb], budget.value)
-        summary.update(extra)
-        if cfg.drafter.store_anchors:
-            if dataset is None:
-                raise ConfigError("--store-anchors reads every loss mask: pack a tokenized dataset folder")
-            arrays["anchors"] = pack_dflash.store_anchors(dataset, ids, cfg.drafter, epoch, kc)
-    return EpochResult(header=header, arrays=arrays)
 
 
 def _prediction(plan: Plan, cfg: PackConfig):
     """Analyze's predicted efficiency, when this epoch packs exactly what analyze simulated."""
     cfg = cfg.resolve(plan)
-    same = cfg.objective == "lm" and cfg.layout == "padded" and cfg.budget == plan.budget and cfg.window == plan.window
+    same = objectives.get(cfg.objective).predicts_plan(cfg) and cfg.budget == plan.budget and cfg.window == plan.window
     eff = plan.predicted.get("efficiency") if same else None
     return float(eff) if eff is not None else None
 
@@ -358,7 +328,7 @@ def _pack_into(out: Path, run_fp: str, plan: Plan, cfg: PackConfig, src, lens, e
 def _pack_loop(out, run_fp, plan, cfg, src, lens, epochs, overwrite, bar) -> list[Path]:
     committed = False
     edges = bucketing.class_edges(lens)
-    counts, dataset = _drafter_inputs(cfg, src)
+    counts, dataset = objectives.get(cfg.objective).inputs(cfg, src)
     written, prev = [], None
     for e in sorted(set(epochs)):
         path = manifest.epoch_dir(out, e)
@@ -398,19 +368,6 @@ def _pack_loop(out, run_fp, plan, cfg, src, lens, epochs, overwrite, bar) -> lis
         bar.advance()
     pack_config.save(out, cfg, plan)
     return written
-
-
-def _drafter_inputs(cfg: PackConfig, src: lengths_mod.LengthSource):
-    """Mask counts (and, for --store-anchors, the dataset: its masks) of a dataset, for the dflash objective."""
-    if cfg.objective != "dflash":
-        return None, None
-    if src.kind != "dataset":
-        raise ConfigError(f"{src.path}: --objective dflash needs a tokenized dataset folder (its loss-mask counts), "
-                          "not a lengths file")
-    dataset = None
-    if cfg.drafter.store_anchors:
-        dataset = open_dataset(src.path)
-    return lengths_mod.read_mask_counts(src.path), dataset
 
 
 def parse_epochs(epoch: int | None, epochs: str | None) -> list[int]:

@@ -87,7 +87,7 @@ def planned(dataset):
 def _cfg(dataset, **kw):
     d = drafter_options(target_config=dataset.parent / "target", draft_layers=2, max_anchors=kw.pop("max_anchors", 24),
                         **{k: kw.pop(k) for k in list(kw) if k in DrafterOptions.__dataclass_fields__})
-    return PackConfig(objective="dflash", drafter=d, **{"world_size": 4, **kw})
+    return PackConfig(objective="dflash", options=d, **{"world_size": 4, **kw})
 
 
 def _files(root):
@@ -206,7 +206,7 @@ def test_analyze_dflash_predicts_the_pack(dataset, planned, tmp_path):
     assert res.exit_code == 0, res.output
     pred = json.loads(res.stdout)["dflash"]
     [d] = pack_epochs(plan=tmp_path / "plan.json", epochs=[0], out=tmp_path / "m",
-                      config=PackConfig(world_size=8, objective="dflash", drafter=_cfg(dataset).drafter))
+                      config=PackConfig(world_size=8, objective="dflash", options=_cfg(dataset).options))
     s = manifest.open(d).summary
     assert pred["useful_anchor_slots"] == s["useful_anchor_slots"] == 1.0 and pred["anchors"] == s["anchors"]
     assert pred["token_fill"] == pytest.approx(s["token_fill"], abs=0.05)
