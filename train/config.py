@@ -17,12 +17,11 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from dflash_prep import objectives
 from dflash_prep.errors import ConfigError
-from dflash_prep.objectives.anchors import check_options
 
 ATTN_BACKENDS = ("auto", "reference", "triton")
 DEVICES = ("auto", "cpu", "cuda")
-OBJECTIVES = ("lm", "dflash")
 
 
 def _positive_finite(name: str, v, *, zero_ok: bool = False) -> None:
@@ -210,24 +209,10 @@ class TrainConfig:
         if self.device not in DEVICES:
             raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         preset(self.model, **self.model_overrides)  # validates the preset name and overrides
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.ce_chunk < 1:
             raise ConfigError(f"--ce-chunk must be at least 1, got {self.ce_chunk}")
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-        if self.objective == "dflash":
-            if not self.target:
-                raise ConfigError("--objective dflash needs --target DIR (a local transformers causal-LM folder)")
-            if self.init_from:
-                raise ConfigError("--init-from is for --objective lm; a DFlash run reads its frozen model from --target")
-            if self.draft_layers < 1:
-                raise ConfigError(f"--draft-layers must be at least 1, got {self.draft_layers}")
-            check_options(self.max_anchors or 1, self.anchor_policy or "cap", self.block_size or 2)
-            if self.gamma < 0:
-                raise ConfigError(f"--gamma must be > 0 (0 = the default rule), got {self.gamma}")
-        elif self.target:
-            raise ConfigError("--target is the DFlash objective's frozen model; pass --objective dflash, or "
-                              "--init-from DIR to train a transformers model as an LM")
+        objectives.get(self.objective).check_train(self)
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         """The preset with overrides; the dataset's vocab unless the overrides fix one."""

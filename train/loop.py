@@ -102,8 +102,7 @@ def train_step(model, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float,
             g["lr"] = lr
         opt.step()
     out = objective.metrics(stats, denom_sum)
-    targets = int(denom_sum) if objective.name == "lm" else denom_sum
-    return {**out, "grad_norm": gnorm, "targets": targets, "real_tokens": int(real), "padded_tokens": int(padded),
+    return {**out, "grad_norm": gnorm, "targets": objective.targets(denom_sum), "real_tokens": int(real), "padded_tokens": int(padded),
             "flops": flops, "skipped": denom_sum == 0}
 
 
@@ -315,12 +314,9 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
     model = obj.model
     mcfg = obj.model_config()
     run_key["contract"] = obj.contract()
-    if d.is_main and cfg.objective == "dflash":
-        c = model.config
-        print(f"dflash: target {cfg.target} ({obj.target.num_layers} layers), taps {list(c.target_layer_ids)}, "
-              f"B={c.block_size}, gamma={obj.gamma:g}, mask id {c.mask_token_id}, anchors "
-              f"{obj.spec.policy}<={obj.spec.max_anchors} drawn by the library sampler with seed {obj.spec.seed} "
-              f"(from {obj.anchor_source})", flush=True)
+    about = obj.describe()
+    if d.is_main and about:
+        print(about, flush=True)
     opt = build_optimizer(model, cfg)
     # Cosine horizon: epochs x the first epoch's steps (epochs differ by a step or two; past the
     # horizon the LR stays at its floor). Not max_steps, which only stops early: so a run cut
@@ -357,12 +353,9 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
     attn_ctx = (lambda: kernels.force_backend(cfg.attn)) if cfg.attn != "auto" else contextlib.nullcontext
     limit = cfg.max_steps or None
     bar = _progress(cfg.progress and d.is_main, (limit or total) - gstep)
-    totals = {"steps": 0, "real_tokens": 0, "padded_tokens": 0, "targets": 0, "time_s": 0.0, "wait_s": 0.0,
-              "anchors": 0}
+    totals = {"steps": 0, "real_tokens": 0, "padded_tokens": 0, "targets": 0, "time_s": 0.0, "wait_s": 0.0}
     losses: list[float] = []
-    taus: list[float] = []
-    from .objective_dflash import peak_flops
-    peak = peak_flops(d.device)
+    peak = distributed.peak_flops(d.device)
 
     def save():
         rng_all = distributed.gather_objects(ckpt.rng_state(), d)
@@ -378,11 +371,7 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
             m = loader.manifest(epoch)
             _check_manifest_shape(m, d)
             shape = _manifest_key(m)
-            if epoch > 0 and cfg.objective == "dflash":
-                from .objectives import anchor_spec
-                if anchor_spec(cfg, m)[0] != obj.spec:
-                    raise FormatError(f"epoch {epoch} manifest draws anchors with {anchor_spec(cfg, m)[0]}, epoch 0 "
-                                      f"with {obj.spec}; pack every epoch with the same drafter options")
+            obj.check_epoch(epoch, m)
             if any(run_key[k] != v for k, v in shape.items()):
                 raise FormatError(f"epoch {epoch} manifest was packed with {shape}, epoch 0 with "
                                   f"{ {k: run_key[k] for k in shape} }; pack every epoch with the same options")
@@ -407,8 +396,6 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
                     _accumulate(totals, st, dt, wait)
                     if not st["skipped"]:
                         losses.append(st["loss"])
-                        if "tau" in st:
-                            taus.append(st["tau"])
                     rec = {"epoch": epoch, "step": sb.step, "global_step": gstep, "loss": st["loss"],
                            "lr": sched(gstep - 1), "grad_norm": st["grad_norm"], "targets": st["targets"],
                            "real_tokens": st["real_tokens"], "padded_tokens": st["padded_tokens"],
@@ -416,12 +403,7 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
                            "tokens_per_s": st["real_tokens"] / dt, "step_time_s": dt, "data_wait_s": wait,
                            "data_wait_share": wait / dt if dt > 0 else 0.0,
                            "mfu": st["flops"] / (dt * peak * d.world_size) if peak else None}
-                    for k in ("tau", "acc", "slot_acc", "anchors"):
-                        if k in st:
-                            rec[k] = st[k]
-                    if "anchors" in st:
-                        rec["anchors_per_s"] = st["anchors"] / dt
-                        totals["anchors"] += st["anchors"]
+                    rec.update(obj.log_fields(st, dt))
                     if gstep % cfg.log_every == 0:
                         log.write(rec)
                         if wb is not None:
@@ -449,11 +431,7 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
             bar.stop()
         log.close()
 
-    summary = _summary(totals, losses, epoch, step, gstep, obj, d)
-    if taus:
-        k = max(1, min(5, len(taus) // 2))
-        summary.update(tau_first=sum(taus[:k]) / k, tau_last=sum(taus[-k:]) / k,
-                       anchors=totals["anchors"], anchors_per_s=totals["anchors"] / max(totals["time_s"], 1e-9))
+    summary = _summary(totals, losses, epoch, step, gstep, obj, d) | obj.run_summary(totals["time_s"])
     if d.is_main and totals["steps"]:  # a call with nothing left to do keeps the last run's summary
         atomic_write_json(out / "summary.json", _finite(summary), format=SUMMARY_FORMAT, version=FORMAT_VERSION)
         if wb is not None:

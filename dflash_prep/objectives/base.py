@@ -60,6 +60,12 @@ class DataObjective:
         """The ``pack`` flags that reproduce ``options`` (after ``--objective NAME``)."""
         return ""
 
+    def check_train(self, cfg) -> None:
+        """Refuse trainer options (a ``TrainConfig``) this objective cannot train with."""
+        if cfg.target:
+            raise ConfigError("--target is the DFlash objective's frozen model; pass --objective dflash, or "
+                              "--init-from DIR to train a transformers model as an LM")
+
     # --- pack ------------------------------------------------------------------------------
     def inputs(self, cfg, src):
         """What an epoch reads besides the lengths: ``(mask_counts, dataset)``, each or None."""

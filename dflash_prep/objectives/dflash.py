@@ -452,6 +452,17 @@ class DFlashObjective(DataObjective):
                               "budget is its own (--cost-fill): pass --budget-unit tokens")
         return options.resolve(seed=plan.seed, token_budget=budget.value)
 
+    def check_train(self, cfg) -> None:
+        if not cfg.target:
+            raise ConfigError("--objective dflash needs --target DIR (a local transformers causal-LM folder)")
+        if cfg.init_from:
+            raise ConfigError("--init-from is for --objective lm; a DFlash run reads its frozen model from --target")
+        if cfg.draft_layers < 1:
+            raise ConfigError(f"--draft-layers must be at least 1, got {cfg.draft_layers}")
+        anchors.check_options(cfg.max_anchors or 1, cfg.anchor_policy or "cap", cfg.block_size or 2)
+        if cfg.gamma < 0:
+            raise ConfigError(f"--gamma must be > 0 (0 = the default rule), got {cfg.gamma}")
+
     def options_from_cli(self, **flags) -> DrafterOptions:
         return drafter_options(**flags)
 

@@ -165,7 +165,7 @@ def test_anchor_options_come_from_a_dflash_manifest():
     from dflash_prep.objectives.anchors import SAMPLER_VERSION
     from dflash_prep.objectives.dflash import microbatch_anchors
     from dflash_prep.train.config import TrainConfig
-    from dflash_prep.train.objectives import anchor_spec
+    from dflash_prep.train.objective_dflash import anchor_spec
 
     header = {"epoch": 2, "dflash": {"block_size": 4, "max_anchors": 3, "anchor_policy": "cap", "anchor_seed": 11,
                                      "sampler_version": SAMPLER_VERSION}}

@@ -43,8 +43,7 @@ def test_padded_batch_keeps_the_real_blocks_and_pads_rows_to_the_recipe_shape():
     from dflash_prep.objectives.anchors import anchor_counts
     from dflash_prep.train.config import TrainConfig
     from dflash_prep.train.drafter import Drafter, DrafterConfig, build_target_layer_ids
-    from dflash_prep.train.objective_dflash import AnchorSpec
-    from dflash_prep.train.objectives import DFlashObjective
+    from dflash_prep.train.objective_dflash import AnchorSpec, DFlashObjective
 
     cfg = g.GpuBenchConfig(**{**g.SMOKE, "n": 40})
     lens, mc = g.inputs(cfg)
