@@ -38,7 +38,7 @@ from dflash_prep.objectives.anchors import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_ANCH
 
 from .chunked_ce import weighted_ce
 from .config import TrainConfig
-from .data import _read
+from .data import TensorBatch, _read
 
 
 def default_gamma(block_size: int) -> float:
@@ -69,7 +69,7 @@ class AnchorSpec:
 
 
 @dataclass
-class DFlashBatch:
+class DFlashBatch(TensorBatch):
     """One micro-batch for the DFlash objective (CPU tensors; ``to`` moves them).
 
     Documents: ``input_ids``/``position_ids`` ``[T]`` int64 (positions restart per document),
@@ -96,11 +96,6 @@ class DFlashBatch:
     real_tokens: int
     padded_tokens: int
     n_anchors: int
-
-    def to(self, device: torch.device) -> "DFlashBatch":
-        kw = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-              for k, v in self.__dict__.items()}
-        return DFlashBatch(**kw)
 
 
 def build_dflash_batch(ds, mb, *, epoch: int, spec: AnchorSpec, gamma: float, mask_token_id: int,
