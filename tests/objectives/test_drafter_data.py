@@ -63,7 +63,8 @@ from dflash_prep.errors import ConfigError  # noqa: E402
 from dflash_prep.formats import manifest  # noqa: E402
 from dflash_prep.formats import plan as plan_mod  # noqa: E402
 from dflash_prep.formats.lengths import read_dataset_lengths  # noqa: E402
-from dflash_prep.objectives.dflash import DrafterOptions, drafter_options, microbatch_anchors  # noqa: E402
+from dflash_prep.objectives.dflash import DrafterOptions, drafter_options  # noqa: E402
+from dflash_prep.objectives.dflash_anchors import microbatch_anchors  # noqa: E402
 from dflash_prep.objectives.drafter_cost import DrafterCostModel  # noqa: E402
 from dflash_prep.pack.config import load as load_pack_config  # noqa: E402
 from dflash_prep.pack.pack import PackConfig, pack_epochs  # noqa: E402

@@ -158,12 +158,12 @@ def test_chunked_ce_matches_full_cross_entropy():
 
 def test_anchor_options_come_from_a_dflash_manifest():
     """A `pack --objective dflash` header fixes B, cap, policy and seed; the batch's anchors are the
-    ones pack_dflash.microbatch_anchors regenerates from it; a contradicting flag is refused."""
+    ones dflash_anchors.microbatch_anchors regenerates from it; a contradicting flag is refused."""
     from types import SimpleNamespace
 
     from dflash_prep.errors import ConfigError
     from dflash_prep.objectives.anchors import SAMPLER_VERSION
-    from dflash_prep.objectives.dflash import microbatch_anchors
+    from dflash_prep.objectives.dflash_anchors import microbatch_anchors
     from dflash_prep.train.config import TrainConfig
     from dflash_prep.train.objective_dflash import anchor_spec
 
