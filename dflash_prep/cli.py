@@ -223,9 +223,9 @@ def analyze_cmd(
     overwrite: Annotated[bool, typer.Option(help="replace a plan.json made from other data or options")] = False,
 ):
     """Search bucket boundaries over every distinct length, compare strategies, write plan.json."""
+    from dflash_prep import objectives
     from dflash_prep.analyze.analyze import AnalyzeConfig, run
     from dflash_prep.analyze.report import render, to_json
-    from dflash_prep import objectives
 
     if objective not in objectives.names():
         raise typer.BadParameter(f"--objective must be one of {', '.join(objectives.names())}")
@@ -314,9 +314,9 @@ def pack_cmd(
     resume_from_step: Annotated[Optional[int], typer.Option(help="re-pack the rest of --epoch N (already in OUT) from step K for this --world-size and --grad-accum, into OUT / resume / epoch-000N", rich_help_panel=_IO)] = None,
 ):
     """Pack deterministic per-epoch manifests (batches, steps, ranks) from a plan."""
+    from dflash_prep import objectives
     from dflash_prep.formats import manifest
     from dflash_prep.formats.plan import load as load_plan
-    from dflash_prep import objectives
     from dflash_prep.pack.pack import (REPEAT_PAIR_WARN, PackConfig, budget_override, pack_epochs, parse_epochs,
                                        summary_warnings)
 

@@ -52,7 +52,6 @@ from .runlog import FORMAT_VERSION, SUMMARY_FORMAT, RunLog, check_run_folder, fi
 from .source import tokenizer_field
 
 
-
 def build_optimizer(model: Decoder, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices and embeddings only (not RMSNorm gains)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
