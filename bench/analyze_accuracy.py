@@ -33,12 +33,12 @@ KS = (1, 2, 4, 6, 8, 16, 32)
 
 
 def main(argv=None) -> int:
-    from dflash_prep import metrics
-    from dflash_prep.analyze import analytic_diversity
-    from dflash_prep.optimize import Model, PackModel, histogram
-    from dflash_prep.bucketing import pack_padded_epoch
-    from dflash_prep.plan import Budget
-    from dflash_prep.profiles import make_lengths
+    from dflash_prep.analyze.analyze import analytic_diversity
+    from dflash_prep.analyze.optimize import Model, PackModel, histogram
+    from dflash_prep.formats.plan import Budget
+    from dflash_prep.pack import metrics
+    from dflash_prep.pack.bucketing import pack_padded_epoch
+    from dflash_prep.synth.profiles import make_lengths
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=902_087)
@@ -103,11 +103,11 @@ def scale_table(ns: list[int], json_path: Path | None) -> int:
     """Predicted (analyze, subsampled) against realized (pack over all N) at each N."""
     import tempfile
 
-    from dflash_prep import analyze, tradeoff
-    from dflash_prep.optimize import histogram
-    from dflash_prep.profiles import make_lengths
-    from dflash_prep.plan import Budget
-    from dflash_prep.simulate import Subsample, simulate
+    from dflash_prep.analyze import analyze, tradeoff
+    from dflash_prep.analyze.optimize import histogram
+    from dflash_prep.analyze.simulate import Subsample, simulate
+    from dflash_prep.formats.plan import Budget
+    from dflash_prep.synth.profiles import make_lengths
 
     rows = []
     for n in ns:

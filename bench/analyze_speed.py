@@ -6,7 +6,7 @@ Rows (seedlike lengths, T = 65536, definitions.md):
 
 - ``search K=6``: lengths array -> histogram -> model tables -> boundary search for K=6;
 - ``search K=32``: the same for K = 1..32 in one run (what the Pareto table needs);
-- ``report``: :func:`dflash_prep.analyze.run` end to end (search, chain polish, strategy rows
+- ``report``: :func:`dflash_prep.analyze.analyze.run` end to end (search, chain polish, strategy rows
   simulated over 3 epochs, window and K Pareto tables, plan.json, report JSON and PNG),
   with its phase breakdown;
 - the two search rows and the whole report again on ``--n-large`` lengths (default 100M;
@@ -50,14 +50,14 @@ def _timed(fn, repeat: int):
 
 
 def search_once(lengths: np.ndarray, k: int):
-    from dflash_prep.optimize import Model, PackModel, histogram
+    from dflash_prep.analyze.optimize import Model, PackModel, histogram
 
     model = Model(histogram(lengths), PackModel(float(T)))
     return model.search(k)
 
 
 def report_once(lengths_path: Path, out: Path) -> dict:
-    from dflash_prep.analyze import AnalyzeConfig, run
+    from dflash_prep.analyze.analyze import AnalyzeConfig, run
 
     return run(AnalyzeConfig(lengths_file=lengths_path, out=out, budget=T))
 
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".numba_cache"))
 
-    from dflash_prep.profiles import make_lengths
+    from dflash_prep.synth.profiles import make_lengths
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         rows.append({"what": "cold: whole report (imports + compile)", "n": args.n, "wall_s": c_all, "cpu_s": c_cpu,
                      "note": "fresh process, empty numba cache"})
         if args.exhaustive:
-            from dflash_prep.optimize import Model, PackModel, histogram
+            from dflash_prep.analyze.optimize import Model, PackModel, histogram
 
             model = Model(histogram(lengths), PackModel(float(T)))
             fast = model.search(32)

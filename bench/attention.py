@@ -8,7 +8,7 @@ What it measures (bf16, causal), each provider on the same GPU in the same proce
 - dense: D in {64, 128}, L in {1k, 2k, 4k, 8k, 16k}, B = 16k / L rows (16k tokens per
   batch), H = 2048 / D heads. Providers: ours (``attention_padded``, full rows), SDPA with
   the flash backend, SDPA with the cuDNN backend.
-- varlen: documents drawn from the ``seedlike`` length profile (dflash_prep.profiles)
+- varlen: documents drawn from the ``seedlike`` length profile (dflash_prep.synth.profiles)
   until they fill 16k tokens, packed. Providers: ours (``attention_varlen``),
   FlexAttention with a causal document mask (compiled; the block mask is built outside
   the timed region), and ours on a dense batch of about the same FLOPs (every row
@@ -93,7 +93,7 @@ def causal_flops(doc_lens, heads: int, head_dim: int) -> int:
 
 def varlen_doc_lens(cfg: BenchConfig) -> list[int]:
     """Document lengths that fill exactly ``cfg.tokens``: profile draws, scaled, last one cut."""
-    from dflash_prep.profiles import make_lengths
+    from dflash_prep.synth.profiles import make_lengths
 
     draws = make_lengths(cfg.profile, n=max(64, 8 * cfg.tokens // 65), seed=cfg.seed)
     factor = cfg.tokens / REF_TOKENS
@@ -370,7 +370,7 @@ def run(cfg: BenchConfig) -> dict:
     import torch
     import triton
 
-    from dflash_prep.fileio import atomic_write_bytes, atomic_write_json
+    from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json
 
     runner = Runner(cfg)
     for d in cfg.head_dims:  # varlen first: if the time budget runs out, dense lengths go first

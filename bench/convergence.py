@@ -3,8 +3,8 @@
 Setup, all through the library: ``synth`` writes a demo chat corpus (train) and a second
 one with another seed (validation); a byte-level BPE is trained on the train corpus with
 ``tokenizers`` (:func:`bench.corpus.train_bpe`); ``tokenize`` builds both datasets.
-Every strategy is then a plan (:class:`dflash_prep.plan.Plan`) plus pack options, packed
-by :func:`dflash_prep.pack.pack_epochs` and trained by :func:`dflash_prep.train.loop.train` (the tiny
+Every strategy is then a plan (:class:`dflash_prep.formats.plan.Plan`) plus pack options, packed
+by :func:`dflash_prep.pack.pack.pack_epochs` and trained by :func:`dflash_prep.train.loop.train` (the tiny
 decoder, CPU, fp32, deterministic), with the same token budget T per micro-batch, the
 same grad accumulation A (one rank), the same model seed and the same number of steps:
 
@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_prep.errors import ConfigError
-from dflash_prep.fileio import atomic_write_bytes, atomic_write_json
+from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json
 
 CONV_FORMAT = "dflash-prep/bench-convergence"
 CONV_VERSION = 1
@@ -106,8 +106,8 @@ class ConvConfig:
 # ----------------------------------------------------------------------------- data
 def build_data(cfg: ConvConfig) -> tuple[Path, Path]:
     """Train and validation dataset folders (cached: synth and tokenize skip what is up to date)."""
-    from dflash_prep.synth import SynthConfig, synth
-    from dflash_prep.tokenize import TokenizeConfig, tokenize
+    from dflash_prep.synth.synth import SynthConfig, synth
+    from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 
     from .corpus import train_bpe
 
@@ -130,8 +130,8 @@ def build_data(cfg: ConvConfig) -> tuple[Path, Path]:
 
 
 def _plan(data: Path, boundaries, *, budget: int, seed: int, window: int):
-    from dflash_prep import lengths as lengths_mod
-    from dflash_prep.plan import Budget, Plan
+    from dflash_prep.formats import lengths as lengths_mod
+    from dflash_prep.formats.plan import Budget, Plan
 
     src = lengths_mod.load(data)
     return Plan(data=src.describe(), boundaries=tuple(int(b) for b in boundaries),
@@ -140,8 +140,8 @@ def _plan(data: Path, boundaries, *, budget: int, seed: int, window: int):
 
 def strategy_plan(name: str, data: Path, cfg: ConvConfig, seed: int, work: Path):
     """``(plan, pack options)`` of one strategy (module docstring); bucketed plans come from
-    :func:`dflash_prep.analyze.run` on the training dataset."""
-    from dflash_prep import lengths as lengths_mod
+    :func:`dflash_prep.analyze.analyze.run` on the training dataset."""
+    from dflash_prep.formats import lengths as lengths_mod
 
     from .ours import analyze_plan
 
@@ -163,9 +163,9 @@ class Validator:
     """Per-token validation loss of a checkpoint over the whole validation set (varlen batches)."""
 
     def __init__(self, val: Path, work: Path, budget: int):
-        from dflash_prep import manifest as man
-        from dflash_prep.dataset import open_dataset
-        from dflash_prep.pack import pack_epochs
+        from dflash_prep.formats import manifest as man
+        from dflash_prep.formats.dataset import open_dataset
+        from dflash_prep.pack.pack import pack_epochs
 
         self.ds = open_dataset(val)
         plan = _plan(val, (), budget=budget, seed=0, window=0)
@@ -197,7 +197,7 @@ class Validator:
 # ----------------------------------------------------------------------------- runs
 def run_one(name: str, seed: int, data: Path, validate: Validator, cfg: ConvConfig) -> dict:
     """Train one strategy with one seed; evaluate every ``eval_every`` steps."""
-    from dflash_prep.pack import pack_epochs
+    from dflash_prep.pack.pack import pack_epochs
     from dflash_prep.train.config import TrainConfig
     from dflash_prep.train.loop import train
 
@@ -205,9 +205,9 @@ def run_one(name: str, seed: int, data: Path, validate: Validator, cfg: ConvConf
     plan, opts = strategy_plan(name, data, cfg, seed, run)
     pack_epochs(plan=plan, epochs=[0, 1], out=run / "manifests", data=data, world_size=1, grad_accum=cfg.grad_accum,
                 overwrite=True, **opts)
-    from dflash_prep import plan as plan_mod
+    from dflash_prep.formats import plan as plan_mod
     plan_path = plan_mod.save(plan, run / "plan.json")
-    from dflash_prep import manifest as man
+    from dflash_prep.formats import manifest as man
     summ = [man.read_header(man.epoch_dir(run / "manifests", e))["summary"] for e in (0, 1)]
     evals = [{"step": 0, "val_loss": None}]
     ck = None

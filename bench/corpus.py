@@ -9,7 +9,7 @@ between 65 and 8191 tokens. So, as issue 7 allows:
 2. a byte-level BPE (vocabulary 8192, ChatML special tokens) is trained with ``tokenizers``
    on the first ``train_on`` conversations' rendered text;
 3. every conversation is rendered with the built-in ChatML layout and encoded through
-   ``dflash_prep.encoders.encode_chats`` (``--chat-template chatml``), exactly what
+   ``dflash_prep.tokenize.encoders.encode_chats`` (``--chat-template chatml``), exactly what
    ``tokenize`` does per sample, giving one int64 length per sample.
 
 BPE compresses the demo text several-fold, so this set is shorter and differently shaped
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_prep.errors import FormatError
-from dflash_prep.fileio import atomic_save_npy, atomic_write_json, fingerprint_array, load_npy, read_json
+from dflash_prep.formats.fileio import atomic_save_npy, atomic_write_json, fingerprint_array, load_npy, read_json
 
 CORPUS_FORMAT = "dflash-prep/bench-corpus"
 CORPUS_VERSION = 1
@@ -45,8 +45,8 @@ def train_bpe(corpus: Path, out: Path, *, train_on: int, vocab: int = VOCAB) -> 
     ``chat.jsonl``; write ``out/tokenizer.json`` and return ``out``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from dflash_prep.fileio import atomic_write_bytes
-    from dflash_prep.chat import chatml_render
+    from dflash_prep.formats.fileio import atomic_write_bytes
+    from dflash_prep.tokenize.chat import chatml_render
 
     def texts():
         for i, msgs in enumerate(_conversations(corpus)):
@@ -66,8 +66,8 @@ def train_bpe(corpus: Path, out: Path, *, train_on: int, vocab: int = VOCAB) -> 
 
 def tokenize_lengths(corpus: Path, tokenizer_dir: Path, *, batch: int = 512) -> np.ndarray:
     """Token length of every conversation under the library's chat rendering and encoder."""
-    from dflash_prep.chat import CHATML_TEMPLATE
-    from dflash_prep.encoders import encode_chats, load_tokenizer
+    from dflash_prep.tokenize.chat import CHATML_TEMPLATE
+    from dflash_prep.tokenize.encoders import encode_chats, load_tokenizer
 
     tok = load_tokenizer(str(tokenizer_dir), chat_template=CHATML_TEMPLATE)
     out: list[int] = []
@@ -84,7 +84,7 @@ def tokenize_lengths(corpus: Path, tokenizer_dir: Path, *, batch: int = 512) -> 
 
 def demo_bpe_lengths(n: int, *, seed: int, work: Path, train_on: int = 4000) -> tuple[np.ndarray, str]:
     """Lengths of ``n`` demo conversations under a BPE trained on them (cached in ``work``)."""
-    from dflash_prep.synth import SynthConfig, synth
+    from dflash_prep.synth.synth import SynthConfig, synth
 
     params = {"n": int(n), "seed": int(seed), "train_on": int(train_on), "vocab": VOCAB, "profile": "seedlike"}
     source = f"demo corpus (synth seedlike, n={n}, seed={seed}) + byte-level BPE vocab {VOCAB} trained by tokenizers"

@@ -17,12 +17,12 @@ Paths, W = 8 ranks, one micro-batch per rank per step:
 (b) *multipack*: a multipack-style static packer: first-fit decreasing of the lengths into
     rows of T tokens (varlen, anchors per document), then longest-processing-time across
     ranks on tokens (equal row counts), each rank's rows in a keyed random order per epoch;
-(c) *ours*: ``pack --objective dflash`` (:func:`dflash_prep.pack.build_epoch`, the code
+(c) *ours*: ``pack --objective dflash`` (:func:`dflash_prep.pack.pack.build_epoch`, the code
     behind the CLI, anchor digest included).
 
 Reported per path: useful target tokens / computed (padding is computed), useful anchor
 slots / computed (a padded row computes its micro-batch's most blocks), drafter-cost rank
-imbalance (:mod:`dflash_prep.drafter_cost`, Qwen3-8B-sized target, 5 draft layers,
+imbalance (:mod:`dflash_prep.objectives.drafter_cost`, Qwen3-8B-sized target, 5 draft layers,
 B = 16; padding and padded blocks are priced as real work), repeat-pair rate 0 -> 1, step
 mix, and pack seconds per epoch (wall and CPU, warm: median of ``--repeats`` epochs).
 ``--scale 10000000,30000000`` adds one epoch of ours per size, each in a fresh subprocess
@@ -42,14 +42,16 @@ from pathlib import Path
 import numba as nb
 import numpy as np
 
-from dflash_prep import lengths as lengths_mod
-from dflash_prep import manifest, metrics, pack, profiles
-from dflash_prep.bucketing import class_edges, keyed_permutation
-from dflash_prep.drafter_cost import DrafterCostModel, sample_cost
-from dflash_prep.fileio import atomic_write_json, fingerprint_array
-from dflash_prep.pack_config import PackConfig
-from dflash_prep.pack_dflash import DrafterOptions
-from dflash_prep.plan import Budget, Plan
+from dflash_prep.formats import lengths as lengths_mod
+from dflash_prep.formats import manifest
+from dflash_prep.formats.fileio import atomic_write_json, fingerprint_array
+from dflash_prep.formats.plan import Budget, Plan
+from dflash_prep.objectives.dflash import DrafterOptions
+from dflash_prep.objectives.drafter_cost import DrafterCostModel, sample_cost
+from dflash_prep.pack import metrics, pack
+from dflash_prep.pack.bucketing import class_edges, keyed_permutation
+from dflash_prep.pack.config import PackConfig
+from dflash_prep.synth import profiles
 
 W = 8
 B = 16
@@ -70,8 +72,8 @@ def seedlike_inputs(n: int, seed: int = 0):
 
 def demo_inputs(n: int, work: Path):
     """The ``make demo`` corpus, tokenized with real masks: (lengths, mask counts)."""
-    from dflash_prep.synth import SynthConfig, synth
-    from dflash_prep.tokenize import TokenizeConfig, tokenize
+    from dflash_prep.synth.synth import SynthConfig, synth
+    from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 
     synth(SynthConfig(out=work / "corpus", profile="mini", n=n, seed=0, overwrite=True))
     tokenize(TokenizeConfig(tokenizer="byte", inputs=(str(work / "corpus" / "chat.jsonl"),), out=work / "data", max_len=2048,
@@ -185,7 +187,7 @@ def run_input(name: str, lens, mc, T: int, repeats: int) -> list[dict]:
     """The three paths on one input: epochs 0 and 1, metrics of epoch 0 (+ repeat pairs 0 -> 1)."""
     lens = np.asarray(lens)
     opts = DrafterOptions(cost_model=QWEN3_8B, block_size=B, max_anchors=MAX_ANCHORS)
-    from dflash_prep.anchors import anchor_counts
+    from dflash_prep.objectives.anchors import anchor_counts
 
     k = anchor_counts(mc.anchor_candidates, mc.supervised, MAX_ANCHORS)
     n = len(lens)
@@ -212,7 +214,7 @@ def run_input(name: str, lens, mc, T: int, repeats: int) -> list[dict]:
     # (c) ours
     src = lengths_mod.LengthSource(lens.astype(np.int32), "lengths", name, fingerprint_array(lens.astype(np.int32)))
     plan = Plan(data=src.describe(), boundaries=(), budget=Budget(value=T), seed=0).with_fingerprint()
-    cfg = PackConfig(world_size=W, objective="dflash", drafter=opts)
+    cfg = PackConfig(world_size=W, objective="dflash", options=opts)
     edges = class_edges(lens)
     res = [pack.build_epoch(lens, plan, cfg, e, edges, mask_counts=mc) for e in (0, 1)]
     _, wall, cpu = _timed(lambda: pack.build_epoch(lens, plan, cfg, 2, edges, mask_counts=mc), repeats)
@@ -238,7 +240,7 @@ def scale_child(n: int) -> None:
     lens32 = lens.astype(np.int32)
     src = lengths_mod.LengthSource(lens32, "lengths", f"seedlike {n}", fingerprint_array(lens32))
     plan = Plan(data=src.describe(), boundaries=(), budget=Budget(value=65536), seed=0).with_fingerprint()
-    cfg = PackConfig(world_size=W, objective="dflash", drafter=DrafterOptions(cost_model=QWEN3_8B))
+    cfg = PackConfig(world_size=W, objective="dflash", options=DrafterOptions(cost_model=QWEN3_8B))
     edges = class_edges(lens)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t, c = time.perf_counter(), time.process_time()

@@ -5,11 +5,11 @@ one H200) trains a 1-layer DFlash drafter (B = 16, at most 512 anchors per sampl
 randomly initialised Qwen3-0.6B-shaped target (built in memory from a ``Qwen3Config``: 28 layers,
 hidden 1024, 16 / 8 heads, head_dim 128, MLP 3072, vocab 151936; bf16, ``eval()``, no grad), with
 the trainer's own code: :func:`dflash_prep.train.loop.train_step` with
-:class:`~dflash_prep.train.objectives.DFlashObjective` (bf16 autocast; the Triton varlen and
+:class:`~dflash_prep.train.objective_dflash.DFlashObjective` (bf16 autocast; the Triton varlen and
 DFlash attention kernels on CUDA). Two data paths, in the same run, each with a fresh drafter
 (same seed) and its own AdamW:
 
-- *ours*: ``pack --objective dflash`` micro-batches (:func:`dflash_prep.pack.build_epoch`, one
+- *ours*: ``pack --objective dflash`` micro-batches (:func:`dflash_prep.pack.pack.build_epoch`, one
   rank, token budget ``T`` and the default anchor budget): documents packed back to back,
   anchors per document from the library sampler;
 - *padded*: the public recipe's path (:func:`bench.drafter_data.recipe_epoch`): a random order,
@@ -43,17 +43,19 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from bench.drafter_data import recipe_epoch
-from dflash_prep import pack, profiles
-from dflash_prep.anchors import anchor_counts
-from dflash_prep import lengths as lengths_mod
-from dflash_prep.bucketing import class_edges
-from dflash_prep.drafter_cost import DrafterCostModel
 from dflash_prep.errors import ConfigError
-from dflash_prep.fileio import atomic_write_bytes, atomic_write_json, fingerprint_array
-from dflash_prep.pack_config import PackConfig
-from dflash_prep.pack_dflash import DrafterOptions
-from dflash_prep.plan import Budget, Plan
+from dflash_prep.formats import lengths as lengths_mod
+from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json, fingerprint_array
+from dflash_prep.formats.plan import Budget, Plan
+from dflash_prep.objectives.anchors import anchor_counts
+from dflash_prep.objectives.dflash import DrafterOptions
+from dflash_prep.objectives.drafter_cost import DrafterCostModel
+from dflash_prep.pack import pack
+from dflash_prep.pack.bucketing import class_edges
+from dflash_prep.pack.config import PackConfig
+from dflash_prep.synth import profiles
+
+from bench.drafter_data import recipe_epoch
 
 BENCH_FORMAT = "dflash-prep/bench-drafter-gpu"
 TARGET_RATIO = 1.3
@@ -128,7 +130,7 @@ def ours_microbatches(cfg: GpuBenchConfig, lens, mc, cost: DrafterCostModel) -> 
     src = lengths_mod.LengthSource(l32, "lengths", f"seedlike {cfg.n}", fingerprint_array(l32))
     plan = Plan(data=src.describe(), boundaries=(), budget=Budget(value=cfg.budget), seed=cfg.seed).with_fingerprint()
     pc = PackConfig(world_size=1, objective="dflash",
-                    drafter=DrafterOptions(cost_model=cost, block_size=B, max_anchors=MAX_ANCHORS))
+                    options=DrafterOptions(cost_model=cost, block_size=B, max_anchors=MAX_ANCHORS))
     res = pack.build_epoch(l32, plan, pc, 0, class_edges(l32), mask_counts=mc)
     t, sids = res.arrays["microbatches"], res.arrays["sample_ids"]
     return [np.asarray(sids[r[0]:r[0] + r[1]], np.int64) for r in t[np.argsort(t[:, 2], kind="stable")]]
@@ -256,10 +258,10 @@ def run(cfg: GpuBenchConfig) -> dict:
     """Both paths, round robin; returns the report (what ``drafter_gpu.json`` holds)."""
     from dflash_prep.train.config import TrainConfig
     from dflash_prep.train.data import StepBatches
+    from dflash_prep.train.distributed import peak_flops
     from dflash_prep.train.drafter import Drafter, DrafterConfig, build_target_layer_ids
     from dflash_prep.train.loop import build_optimizer
-    from dflash_prep.train.objective_dflash import AnchorSpec, default_gamma, peak_flops
-    from dflash_prep.train.objectives import DFlashObjective
+    from dflash_prep.train.objective_dflash import AnchorSpec, DFlashObjective, default_gamma
 
     dev = torch.device(cfg.device)
     torch.use_deterministic_algorithms(False)

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_prep.formats import manifest
+from dflash_prep.formats.dataset import batch_digest
+from dflash_prep.pack.pack import pack_epochs
+
 from bench.pack_speed import make_inputs
-from dflash_prep import manifest
-from dflash_prep.dataset import batch_digest
-from dflash_prep.pack import pack_epochs
 
 
 def _timed(fn, repeats: int = 3) -> tuple[float, float]:

@@ -1,8 +1,8 @@
 """dflash-prep's own rows for :mod:`bench.peers`, through the public library only.
 
-Plans come from :func:`dflash_prep.analyze.run` (the code behind ``dflash-prep analyze``,
+Plans come from :func:`dflash_prep.analyze.analyze.run` (the code behind ``dflash-prep analyze``,
 run on a what-if lengths file; its time, report simulations included, is the row's
-``setup``), and every epoch from :func:`dflash_prep.pack.build_epoch`, the code behind
+``setup``), and every epoch from :func:`dflash_prep.pack.pack.build_epoch`, the code behind
 ``dflash-prep pack``, with W ranks, A = 1 and the class-aware step schedule. Nothing of our
 algorithms is re-implemented here; this module only turns a manifest's arrays into the
 ``(order, offsets, step, rank)`` that :func:`bench.peers.measure` scores like any peer's.
@@ -11,7 +11,7 @@ Rows (keys for ``--skip``):
 
 - ``window``: analyze's default plan: K and window chosen together (the highest simulated
   efficiency whose repeat-pair rate is <= 0.05, near-ties to the least repeat-pair;
-  :mod:`dflash_prep.tradeoff`): the default padded layout (HF's batch size is matched to
+  :mod:`dflash_prep.analyze.tradeoff`): the default padded layout (HF's batch size is matched to
   its mean micro-batch);
 - ``k6``: ``analyze --buckets K --window 0``: K optimal boundaries, no sorting window;
 - ``auto``: auto-K, ``analyze --target-efficiency 0.95 --window 0`` (the smallest K whose
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_prep import metrics, pack
-from dflash_prep.fileio import atomic_save_npy
-from dflash_prep.plan import Plan
+from dflash_prep.formats.fileio import atomic_save_npy
+from dflash_prep.formats.plan import Plan
+from dflash_prep.pack import metrics, pack
 
 from .peer_samplers import PeerEpoch
 
@@ -43,7 +43,8 @@ SMALL_WINDOW = 512
 def analyze_plan(lengths_file: Path | None, out: Path, **options) -> tuple[Plan, dict]:
     """Run ``analyze`` on a lengths file (or on ``data=`` a dataset folder, in ``options``);
     return the plan it wrote and a short description."""
-    from dflash_prep import analyze, plan as plan_mod
+    from dflash_prep.analyze import analyze
+    from dflash_prep.formats import plan as plan_mod
 
     rep = analyze.run(analyze.AnalyzeConfig(lengths_file=lengths_file, out=out, plot=False, **options))
     plan = plan_mod.load(rep["plan"])

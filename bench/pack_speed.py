@@ -4,7 +4,7 @@
 W = 8, A = 1, K = 6 boundaries [832, 1248, 1760, 2464, 3760], d_model 768):
 
 1. the strategy table: every schedule, window, budget unit and layout, packed for epochs
-   0 and 1 by :func:`dflash_prep.pack.pack_epochs` and read back from the manifests'
+   0 and 1 by :func:`dflash_prep.pack.pack.pack_epochs` and read back from the manifests'
    summaries (efficiency, fill, step mix, rank imbalance, repeat-pair 0 -> 1);
 2. warm time per epoch of the default configuration, including the manifest write: each
    epoch is a separate ``pack_epochs`` call (load lengths, pack, hash, write, fsync), after
@@ -37,11 +37,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_prep import lengths as lengths_mod
-from dflash_prep import manifest, bucketing, profiles
-from dflash_prep.fileio import atomic_write_json
-from dflash_prep.pack import pack_epochs
-from dflash_prep.plan import Budget, Plan, save
+from dflash_prep.formats import lengths as lengths_mod
+from dflash_prep.formats import manifest
+from dflash_prep.formats.fileio import atomic_write_json
+from dflash_prep.formats.plan import Budget, Plan, save
+from dflash_prep.pack import bucketing
+from dflash_prep.pack.pack import pack_epochs
+from dflash_prep.synth import profiles
 
 T = 65536
 K6 = (832, 1248, 1760, 2464, 3760)

@@ -1,7 +1,7 @@
 """The samplers and packers users would pick instead of dflash-prep, one epoch at a time.
 
 Every peer returns a :class:`PeerEpoch`: ``order`` and ``offsets`` as int64 arrays in the
-layout of :mod:`dflash_prep.metrics` (micro-batch ``m`` is ``order[offsets[m]:offsets[m+1]]``),
+layout of :mod:`dflash_prep.pack.metrics` (micro-batch ``m`` is ``order[offsets[m]:offsets[m+1]]``),
 in the order the peer yields micro-batches. A step at W ranks, A = 1 is W consecutive
 micro-batches and the rank is the position inside the step, which is how each peer feeds
 DDP: Lhotse's sampler draws W batches per step from one bucket (``sync_buckets``); HF
@@ -34,8 +34,8 @@ import numba as nb
 import numpy as np
 
 from dflash_prep.errors import ConfigError
-from dflash_prep.bucketing import greedy_offsets, keyed_permutation, mix_key
-from dflash_prep.plan import Budget
+from dflash_prep.formats.plan import Budget
+from dflash_prep.pack.bucketing import greedy_offsets, keyed_permutation, mix_key
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def full_random_epoch(lengths: np.ndarray, *, budget: int, seed: int, epoch: int
     """Shuffle everything (keyed by seed, epoch), then greedy-pack under ``n * max_len <= T``."""
     order = keyed_permutation(len(lengths), seed, epoch, 0)
     return PeerEpoch(order, greedy_offsets(order, lengths, Budget(value=budget)), False,
-                     "reference (dflash_prep.bucketing)")
+                     "reference (dflash_prep.pack.bucketing)")
 
 
 # ----------------------------------------------------------------------------- Lhotse

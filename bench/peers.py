@@ -2,7 +2,7 @@
 
 ``python -m bench.peers`` (``make bench``) runs every strategy on the same lengths, the
 same budget T and the same step layout (W ranks, A = 1), and measures all of them with
-:mod:`dflash_prep.metrics`, the one implementation of definitions.md's definitions:
+:mod:`dflash_prep.pack.metrics`, the one implementation of definitions.md's definitions:
 
 - efficiency (padded layouts) and fill; micro-batches per epoch; share of micro-batches
   over the budget (HF's fixed batch size and Lhotse's soft ``max_duration`` can exceed T);
@@ -32,9 +32,9 @@ from typing import Callable
 
 import numpy as np
 
-from dflash_prep import metrics
 from dflash_prep.errors import ConfigError
-from dflash_prep.fileio import atomic_write_bytes, atomic_write_json
+from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json
+from dflash_prep.pack import metrics
 
 from . import peer_samplers as ps
 
@@ -112,7 +112,7 @@ EpochFn = Callable[[int], tuple[ps.PeerEpoch, np.ndarray, np.ndarray]]
 
 def measure(name: str, family: str, setup: Callable[[], tuple[EpochFn, dict]], lengths: np.ndarray,
             cfg: BenchConfig, notes: str = "", edges: np.ndarray | None = None) -> Row:
-    """Run epochs 0 and 1 of one strategy and compute every figure with dflash_prep.metrics."""
+    """Run epochs 0 and 1 of one strategy and compute every figure with dflash_prep.pack.metrics."""
     t0 = time.perf_counter()
     epoch_fn, extra = setup()
     setup_s = extra.pop("setup_s", time.perf_counter() - t0)  # a shared one-time step reports its own time
@@ -192,7 +192,7 @@ def peer_rows(lengths: np.ndarray, cfg: BenchConfig, *, hf_batch: int) -> list[R
 def load_set(name: str, cfg: BenchConfig) -> tuple[np.ndarray, str]:
     """Lengths (int64) and a one-line description of where they come from."""
     if name == "seedlike":
-        from dflash_prep.profiles import make_lengths
+        from dflash_prep.synth.profiles import make_lengths
         return make_lengths("seedlike", cfg.n, cfg.seed).astype(np.int64), f"profiles.make_lengths('seedlike', {cfg.n}, {cfg.seed})"
     from . import corpus
     return corpus.demo_bpe_lengths(cfg.demo_n, seed=cfg.seed, work=cfg.out / "demo-bpe")

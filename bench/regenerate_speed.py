@@ -3,7 +3,7 @@
     python -m bench.regenerate_speed                      # README figures (CPU, a few minutes)
     python -m bench.regenerate_speed --n 16 --concurrency 4   # quicker
 
-What is timed: ``dflash_prep.regenerate.run`` on N single-turn prompts (synth text, 40-400
+What is timed: ``dflash_prep.regenerate.regenerate.run`` on N single-turn prompts (synth text, 40-400
 characters), greedy, ``--max-tokens`` new tokens per answer, into a fresh output folder.
 Rates are the run's own: requests and completion tokens per second of generation, start-up
 (server launch, model load, imports) excluded; the server's start-up and its first request
@@ -32,8 +32,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from dflash_prep.engines import Sampling
-from dflash_prep.regenerate import RegenerateConfig, run
+from dflash_prep.regenerate.engines import Sampling
+from dflash_prep.regenerate.regenerate import RegenerateConfig, run
 
 SERVE = ("import sys; from transformers.cli.transformers import main; sys.argv[0] = 'transformers'; "
          "sys.exit(main())")
@@ -74,7 +74,7 @@ def local_server(target: Path, *extra: str, log: Path, threads: int = 1, timeout
 
 
 def prompts(n: int) -> list[dict]:
-    from dflash_prep.synth import _pool
+    from dflash_prep.synth.synth import _pool
 
     text = _pool(1)
     out, pos = [], 0

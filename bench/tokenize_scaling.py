@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_prep.synth import SynthConfig, synth
-from dflash_prep.tokenize import TokenizeConfig, tokenize
+from dflash_prep.synth.synth import SynthConfig, synth
+from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 
 from .tokenize_speed import rendered_texts, train_bpe
 

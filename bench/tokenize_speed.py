@@ -34,10 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_prep.synth import SynthConfig, synth
-from dflash_prep.tokenize import TokenizeConfig, tokenize
-from dflash_prep.chat import CHATML_TEMPLATE, chatml_render
-from dflash_prep.encoders import ByteTokenizer, load_tokenizer
+from dflash_prep.synth.synth import SynthConfig, synth
+from dflash_prep.tokenize.chat import CHATML_TEMPLATE, chatml_render
+from dflash_prep.tokenize.encoders import ByteTokenizer, load_tokenizer
+from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 
 SPECIALS = ByteTokenizer.SPECIALS
 

@@ -88,8 +88,9 @@ def synth_cmd(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
 ):
     """Write a reproducible multi-turn chat corpus whose byte-level token lengths follow a profile."""
+    from dflash_prep.synth.synth import SynthConfig, synth
+
     from .progress import progress
-    from .synth import SynthConfig, synth
 
     cfg = SynthConfig(out=out, profile=profile, n=n, seed=seed, overwrite=overwrite)
     with progress("synth", total=n, unit="conversations") as bar:
@@ -122,8 +123,8 @@ def tokenize_cmd(
     address: Annotated[Optional[str], typer.Option(help="--engine ray: the cluster, 'auto' (ray start on this machine) or HOST:PORT; default: a Ray started for this run.")] = None,
 ):
     """Tokenize a corpus into Arrow shards, lengths.npy and meta.json (ids and loss mask as transformers' chat template gives them)."""
-    from .chat import MaskOptions
-    from .tokenize import TokenizeConfig, summary_rows, tokenize
+    from dflash_prep.tokenize.chat import MaskOptions
+    from dflash_prep.tokenize.tokenize import TokenizeConfig, summary_rows, tokenize
 
     mask = MaskOptions(roles=tuple(r.strip() for r in roles_to_train.split(",") if r.strip()),
                        train_on_eos=train_on_eos, train_turns=train_turns, expand_turns=expand_turns)
@@ -171,8 +172,8 @@ def regenerate_cmd(
     """Have the target model write the assistant turns of a corpus (resumable; reruns do nothing)."""
     import json
 
-    from .engines import Sampling
-    from .regenerate import RegenerateConfig, run, summary_rows
+    from dflash_prep.regenerate.engines import Sampling
+    from dflash_prep.regenerate.regenerate import RegenerateConfig, run, summary_rows
 
     try:
         extra = json.loads(extra_body) if extra_body else {}
@@ -217,42 +218,40 @@ def analyze_cmd(
     max_anchors: Annotated[int, typer.Option(help="dflash: anchors per sample at most")] = 512,
     anchor_policy: Annotated[str, typer.Option(help="dflash: cap or density")] = "cap",
     target_config: Annotated[Optional[Path], typer.Option(help="dflash cost model: the target's folder or config.json")] = None,
-    target_dims: Annotated[Optional[str], typer.Option(help="dflash cost model: hidden=,layers=,intermediate=,heads=,kv_heads=,head_dim=,vocab=")] = None,
+    target_dims: Annotated[Optional[str], typer.Option(metavar="SIZES", help="dflash cost model, the target's sizes as name=value pairs joined by commas: hidden, layers, intermediate, heads, kv_heads, head_dim, vocab")] = None,
     draft_layers: Annotated[int, typer.Option(help="dflash cost model: drafter decoder layers")] = 1,
     overwrite: Annotated[bool, typer.Option(help="replace a plan.json made from other data or options")] = False,
 ):
     """Search bucket boundaries over every distinct length, compare strategies, write plan.json."""
-    from .analyze import AnalyzeConfig, run
-    from .pack_dflash import OBJECTIVES, drafter_options
-    from .report import render, to_json
+    from dflash_prep import objectives
+    from dflash_prep.analyze.analyze import AnalyzeConfig, run
+    from dflash_prep.analyze.report import render, to_json
 
-    if objective not in OBJECTIVES:
-        raise typer.BadParameter(f"--objective must be one of {', '.join(OBJECTIVES)}")
-    drafter = None if objective != "dflash" else drafter_options(
+    if objective not in objectives.names():
+        raise typer.BadParameter(f"--objective must be one of {', '.join(objectives.names())}")
+    obj = objectives.get(objective)
+    options = obj.options_from_cli(
         target_config=target_config, target_dims=target_dims, draft_layers=draft_layers, block_size=block_size,
         max_anchors=max_anchors, anchor_policy=anchor_policy)
     cfg = AnalyzeConfig(data=data, lengths_file=lengths, out=out, budget=budget, budget_unit=budget_unit,
                         model_dim=model_dim, max_batch_size=max_batch_size, buckets=buckets,
                         target_efficiency=target_efficiency, seed=seed, window=window,
                         max_repeat_pair=max_repeat_pair, world_size=world_size, grad_accum=grad_accum,
-                        sim_epochs=sim_epochs, plot=plot, drafter=drafter, overwrite=overwrite)
+                        sim_epochs=sim_epochs, plot=plot, objective=objective, options=options,
+                        overwrite=overwrite)
     rep = run(cfg, progress=not sys.stderr.isatty())   # a phase line each off a terminal
     if json_out:
         typer.echo(to_json(rep))
     else:
         render(rep, console())
-        if "dflash" in rep:
-            _print_summaries([("pack --objective dflash (predicted)", rep["dflash"])], keys=_DFLASH_KEYS)
+        if objective in rep:
+            _print_summaries([(f"pack --objective {objective} (predicted)", rep[objective])], keys=obj.summary_keys)
 
 
 
-# --- pack / inspect / verify (dflash_prep.pack, dflash_prep.manifest) ----------------
+# --- pack / inspect / verify (dflash_prep.pack, dflash_prep.formats.manifest) ----------------
 _SUMMARY_KEYS = ("efficiency", "fill", "microbatches", "steps", "step_mix", "rank_imbalance", "repeat_pair_rate",
                  "dropped_samples", "predicted_efficiency")
-
-
-_DFLASH_KEYS = ("useful_target_tokens", "useful_anchor_slots", "token_fill", "anchor_fill", "cost_fill", "anchors",
-                "anchor_budget", "microbatches", "rank_imbalance", "world_size", "anchor_cost_share")
 
 
 def _print_summaries(rows: list[tuple[str, dict]], json_out: bool = False, keys=_SUMMARY_KEYS) -> None:
@@ -278,49 +277,52 @@ def _print_summaries(rows: list[tuple[str, dict]], json_out: bool = False, keys=
         con.print(table)
 
 
+_IO, _STEPS, _LAYOUT, _OBJ = "Inputs and outputs", "Steps and ranks", "Layout and budget", "Objective"
+
+
 @command("pack")
 def pack_cmd(
-    plan: Annotated[Path, typer.Option(help="plan.json (or its folder) written by `dflash-prep analyze`")],
-    out: Annotated[Path, typer.Option(help="manifest root; epoch N goes to OUT/epoch-000N")],
+    plan: Annotated[Path, typer.Option(help="plan.json (or its folder) written by `dflash-prep analyze`", rich_help_panel=_IO)],
+    out: Annotated[Path, typer.Option(help="manifest root; epoch N goes to OUT/epoch-000N", rich_help_panel=_IO)],
     data: Annotated[Optional[Path], typer.Argument(help="tokenized dataset folder (default: the plan's)")] = None,
-    epoch: Annotated[Optional[int], typer.Option(help="the epoch to pack (>= 0)")] = None,
-    epochs: Annotated[Optional[str], typer.Option(help="several epochs: '0-9' or '0,2,5'")] = None,
-    world_size: Annotated[int, typer.Option(help="W: ranks per optimizer step")] = 1,
-    grad_accum: Annotated[int, typer.Option(help="A: accumulation micro-batches per rank per step")] = 1,
-    layout: Annotated[Optional[str], typer.Option(help="padded (bucketed, n*max_len <= T) or varlen (cu_seqlens, sum L <= T); default padded (varlen under dflash)")] = None,
-    schedule: Annotated[str, typer.Option(help="step schedule: class-aware, stratified or random")] = "class-aware",
-    window: Annotated[Optional[int], typer.Option(help="sort window in samples (padded); default: the plan's")] = None,
-    drop_last: Annotated[bool, typer.Option(help="drop the last partial step instead of splitting micro-batches")] = False,
-    open_bins: Annotated[int, typer.Option(help="open bins of the varlen first-fit")] = 4,
-    budget_unit: Annotated[Optional[str], typer.Option(help="override the plan's budget unit: tokens or cost")] = None,
-    budget: Annotated[Optional[float], typer.Option(help="override the plan's budget value (T or C)")] = None,
-    model_dim: Annotated[Optional[int], typer.Option(help="override d_model of the cost model (alpha = 1/(12 d))")] = None,
-    lengths: Annotated[Optional[Path], typer.Option(help="what-if lengths file (.npy or one int per line)")] = None,
-    overwrite: Annotated[bool, typer.Option(help="replace epochs built from other inputs")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object instead of tables")] = False,
-    objective: Annotated[str, typer.Option(help="lm, or dflash: drafter training (token + anchor budgets, ranks balanced on the drafter step cost)")] = "lm",
-    block_size: Annotated[int, typer.Option(help="dflash: B, tokens per draft block")] = 16,
-    max_anchors: Annotated[int, typer.Option(help="dflash: anchors per sample at most")] = 512,
-    anchor_policy: Annotated[str, typer.Option(help="dflash: cap (min(max_anchors, candidates)) or density (one per B supervised tokens, capped)")] = "cap",
-    anchor_budget: Annotated[Optional[int], typer.Option(help="dflash: anchors per micro-batch at most (default: 1.25 x T x anchors per token)")] = None,
-    cost_fill: Annotated[float, typer.Option(help="dflash: cost budget as a share of T x mean drafter cost per token (0: none)")] = 0.95,
-    anchor_seed: Annotated[Optional[int], typer.Option(help="dflash: anchor sampler seed (default: the plan's)")] = None,
-    store_anchors: Annotated[bool, typer.Option(help="dflash: also write anchors.npy (every position; reads all masks)")] = False,
-    target_config: Annotated[Optional[Path], typer.Option(help="dflash cost model: the target's folder or config.json")] = None,
-    target_dims: Annotated[Optional[str], typer.Option(help="dflash cost model: hidden=,layers=,intermediate=,heads=,kv_heads=,head_dim=,vocab=")] = None,
-    draft_layers: Annotated[int, typer.Option(help="dflash cost model: drafter decoder layers")] = 1,
-    resume_from_step: Annotated[Optional[int], typer.Option(help="re-pack the rest of --epoch N (already in OUT) from step K for this --world-size/--grad-accum, into OUT/resume/epoch-000N")] = None,
+    epoch: Annotated[Optional[int], typer.Option(help="the epoch to pack (>= 0)", rich_help_panel=_IO)] = None,
+    epochs: Annotated[Optional[str], typer.Option(help="several epochs: '0-9' or '0,2,5'", rich_help_panel=_IO)] = None,
+    world_size: Annotated[int, typer.Option(help="W: ranks per optimizer step", rich_help_panel=_STEPS)] = 1,
+    grad_accum: Annotated[int, typer.Option(help="A: accumulation micro-batches per rank per step", rich_help_panel=_STEPS)] = 1,
+    layout: Annotated[Optional[str], typer.Option(help="padded (bucketed, n*max_len <= T) or varlen (cu_seqlens, sum L <= T); default padded (varlen under dflash)", rich_help_panel=_LAYOUT)] = None,
+    schedule: Annotated[str, typer.Option(help="step schedule: class-aware, stratified or random", rich_help_panel=_STEPS)] = "class-aware",
+    window: Annotated[Optional[int], typer.Option(help="sort window in samples (padded); default: the plan's", rich_help_panel=_LAYOUT)] = None,
+    drop_last: Annotated[bool, typer.Option("--drop-last", help="drop the last partial step instead of splitting micro-batches", rich_help_panel=_STEPS)] = False,
+    open_bins: Annotated[int, typer.Option(help="open bins of the varlen first-fit", rich_help_panel=_LAYOUT)] = 4,
+    budget_unit: Annotated[Optional[str], typer.Option(help="override the plan's budget unit: tokens or cost", rich_help_panel=_LAYOUT)] = None,
+    budget: Annotated[Optional[float], typer.Option(help="override the plan's budget value (T or C)", rich_help_panel=_LAYOUT)] = None,
+    model_dim: Annotated[Optional[int], typer.Option(help="override d_model of the cost model (alpha = 1/(12 d))", rich_help_panel=_LAYOUT)] = None,
+    lengths: Annotated[Optional[Path], typer.Option(help="what-if lengths file (.npy or one int per line)", rich_help_panel=_IO)] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace epochs built from other inputs", rich_help_panel=_IO)] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object instead of tables", rich_help_panel=_IO)] = False,
+    objective: Annotated[str, typer.Option(help="lm, or dflash: drafter training (token + anchor budgets, ranks balanced on the drafter step cost)", rich_help_panel=_OBJ)] = "lm",
+    block_size: Annotated[int, typer.Option(help="dflash: B, tokens per draft block", rich_help_panel=_OBJ)] = 16,
+    max_anchors: Annotated[int, typer.Option(help="dflash: anchors per sample at most", rich_help_panel=_OBJ)] = 512,
+    anchor_policy: Annotated[str, typer.Option(help="dflash: cap (min(max_anchors, candidates)) or density (one per B supervised tokens, capped)", rich_help_panel=_OBJ)] = "cap",
+    anchor_budget: Annotated[Optional[int], typer.Option(help="dflash: anchors per micro-batch at most (default: 1.25 x T x anchors per token)", rich_help_panel=_OBJ)] = None,
+    cost_fill: Annotated[float, typer.Option(help="dflash: cost budget as a share of T x mean drafter cost per token (0: none)", rich_help_panel=_OBJ)] = 0.95,
+    anchor_seed: Annotated[Optional[int], typer.Option(help="dflash: anchor sampler seed (default: the plan's)", rich_help_panel=_OBJ)] = None,
+    store_anchors: Annotated[bool, typer.Option("--store-anchors", help="dflash: also write anchors.npy (every position; reads all masks)", rich_help_panel=_OBJ)] = False,
+    target_config: Annotated[Optional[Path], typer.Option(help="dflash cost model: the target's folder or config.json", rich_help_panel=_OBJ)] = None,
+    target_dims: Annotated[Optional[str], typer.Option(metavar="SIZES", help="dflash cost model, the target's sizes as name=value pairs joined by commas: hidden, layers, intermediate, heads, kv_heads, head_dim, vocab", rich_help_panel=_OBJ)] = None,
+    draft_layers: Annotated[int, typer.Option(help="dflash cost model: drafter decoder layers", rich_help_panel=_OBJ)] = 1,
+    resume_from_step: Annotated[Optional[int], typer.Option(help="re-pack the rest of --epoch N (already in OUT) from step K for this --world-size and --grad-accum, into OUT / resume / epoch-000N", rich_help_panel=_IO)] = None,
 ):
     """Pack deterministic per-epoch manifests (batches, steps, ranks) from a plan."""
-    from . import manifest
-    from .pack import REPEAT_PAIR_WARN, PackConfig, budget_override, pack_epochs, parse_epochs, summary_warnings
-    from .pack_dflash import drafter_options
-
-    from .plan import load as load_plan
+    from dflash_prep import objectives
+    from dflash_prep.formats import manifest
+    from dflash_prep.formats.plan import load as load_plan
+    from dflash_prep.pack.pack import (REPEAT_PAIR_WARN, PackConfig, budget_override, pack_epochs, parse_epochs,
+                                       summary_warnings)
 
     p = load_plan(plan)
     if resume_from_step is not None:
-        from .repack import resume_epoch
+        from dflash_prep.pack.repack import resume_epoch
 
         if epoch is None:
             raise typer.BadParameter("--resume-from-step needs --epoch N (the epoch being resumed)")
@@ -329,12 +331,12 @@ def pack_cmd(
                          overwrite=overwrite)
         _print_summaries([(f"{d.parent.name}/{d.name}", manifest.open(d).summary)])
         return
-    drafter = None if objective != "dflash" else drafter_options(
+    options = objectives.get(objective).options_from_cli(
         target_config=target_config, target_dims=target_dims, draft_layers=draft_layers, block_size=block_size,
         max_anchors=max_anchors, anchor_policy=anchor_policy, anchor_budget=anchor_budget, cost_fill=cost_fill,
         anchor_seed=anchor_seed, store_anchors=store_anchors)
     cfg = PackConfig(world_size=world_size, grad_accum=grad_accum, layout=layout, schedule=schedule, window=window,
-                     drop_last=drop_last, open_bins=open_bins, objective=objective, drafter=drafter,
+                     drop_last=drop_last, open_bins=open_bins, objective=objective, options=options,
                      budget=budget_override(p.budget, budget_unit, budget, model_dim))
     dirs = pack_epochs(plan=p, epochs=parse_epochs(epoch, epochs), out=out, config=cfg, data=data, lengths=lengths,
                        overwrite=overwrite, progress=True)
@@ -351,7 +353,7 @@ def inspect_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object instead of tables")] = False,
 ):
     """Print the summary metrics of one epoch or of every epoch under a root."""
-    from . import manifest
+    from dflash_prep.formats import manifest
 
     _print_summaries([(d.name, manifest.open(d, check_hashes=False).summary) for d in manifest.find_epochs(path)], json_out)
 
@@ -391,7 +393,7 @@ def clean_cmd(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="only list what would be removed")] = False,
 ):
     """Remove what killed runs left behind: hidden temp folders and files, unheld lock files, dataset caches in TMPDIR."""
-    from .outputs import find_stale, remove, size_of
+    from dflash_prep.formats.outputs import find_stale, remove, size_of
 
     found = find_stale(paths or [Path(".")])
     for p in found:

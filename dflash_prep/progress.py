@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
 
 def _eta(s: float) -> str:
     s = int(max(0, s))
@@ -50,8 +52,6 @@ class _Lines:
 
 class _Bar:
     def __init__(self, label: str, total: int, unit: str):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
         self.p = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
                           TimeRemainingColumn(), transient=True)
         self.t = self.p.add_task(label, total=total)

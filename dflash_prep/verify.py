@@ -4,9 +4,9 @@
 layout, the summary metrics) and names, in its result's ``unchecked``, each summary field it
 cannot recompute and why (:data:`NOT_RECOMPUTED`; the repeat-pair rate when the epoch it was
 measured against is gone). Over a root, every ``epoch-*`` entry must be an epoch folder with
-its manifest (:func:`dflash_prep.manifest.find_epochs` ``strict``). :func:`verify_dataset`
+its manifest (:func:`dflash_prep.formats.manifest.find_epochs` ``strict``). :func:`verify_dataset`
 re-hashes every shard against its ``sha256`` in ``meta.json`` and checks the token ids against the vocabulary and the loss
-mask values, on top of the cheap checks of :func:`dflash_prep.dataset.open_dataset`. Both
+mask values, on top of the cheap checks of :func:`dflash_prep.formats.dataset.open_dataset`. Both
 raise :class:`FormatError` / :class:`FingerprintMismatch` naming the file and the fix.
 :func:`verify_path` picks by what the folder holds.
 """
@@ -17,31 +17,29 @@ from pathlib import Path
 
 import numpy as np
 
-from . import bucketing, metrics
-from . import lengths as lengths_mod
-from .dataset import META_FILE, open_dataset
-from .errors import FingerprintMismatch, FormatError
-from .fileio import fingerprint_file
-from .manifest import COL, MANIFEST_FILE, Manifest, data_path, epoch_dir, find_epochs, open  # noqa: A004
+from dflash_prep import objectives
+from dflash_prep.errors import FingerprintMismatch, FormatError
+from dflash_prep.formats import lengths as lengths_mod
+from dflash_prep.formats.dataset import META_FILE, open_dataset
+from dflash_prep.formats.fileio import fingerprint_file
+from dflash_prep.formats.manifest import (COL, MANIFEST_FILE, Manifest, data_path, epoch_dir, find_epochs,  # noqa: A004
+                                          open)
+from dflash_prep.pack import bucketing, metrics
+from dflash_prep.pack.repack import consumed_ids
 
 
 # ----------------------------------------------------------------------------- manifests
 def _summary_metrics(m: Manifest, lens: np.ndarray, order: np.ndarray, offsets: np.ndarray, seg: np.ndarray,
-                     supervised: np.ndarray | None = None) -> dict:
-    """Every summary metric, recomputed from scratch with :mod:`dflash_prep.metrics`.
+                     obj, state) -> dict:
+    """Every summary metric, recomputed from scratch with :mod:`dflash_prep.pack.metrics`.
 
     ``order``/``offsets`` are the segments in file order; ``seg`` maps them to table rows.
-    ``supervised`` (per sample id, dflash only) prices rank imbalance on the drafter cost."""
+    Rank imbalance is priced on what the objective ``obj`` balanced ranks on (``state``: what
+    its :meth:`~dflash_prep.objectives.base.DataObjective.verify` returned)."""
     t = np.asarray(m.table)[seg]
     varlen = m.layout == "varlen"
     b = m.header["budget"]
-    if supervised is not None:                     # dflash: ranks were balanced on the drafter step cost
-        from . import pack_dflash
-
-        cost = pack_dflash.microbatch_cost(m.header, lens[order], supervised[order],
-                                           np.asarray(m.arrays["anchor_counts"]), offsets)
-    else:
-        cost = metrics.batch_cost(lens, order, offsets, float(b["cost_alpha"]), varlen=varlen)
+    cost = obj.verify_rank_cost(m, lens, order, offsets, state)
     eff = 1.0 if varlen else metrics.efficiency(lens, order, offsets)
     real, sq = t[:, COL["real_tokens"]], t[:, COL["sum_sq_len"]]    # checked against the lengths by the caller
     edges = bucketing.class_edges(lens)             # pack's classes (a continuation keeps its parent's, the same)
@@ -54,13 +52,8 @@ def _summary_metrics(m: Manifest, lens: np.ndarray, order: np.ndarray, offsets: 
            "step_mix": metrics.step_mix(lens, order, offsets, t[:, COL["step"]], edges=edges),
            "rank_imbalance": metrics.rank_imbalance(cost, t[:, COL["step"]], t[:, COL["rank"]], m.world_size),
            "rank_imbalance_alpha": float(b["cost_alpha"]),
-           "rank_imbalance_cost": "drafter" if supervised is not None else "tokens"}
+           "rank_imbalance_cost": obj.rank_cost_name}
     out["class_edges"] = [int(e) for e in edges]
-    if supervised is not None:                   # dflash: every row's anchors and tokens against its budgets
-        n_mb, k = max(len(t), 1), int(np.asarray(m.arrays["anchor_counts"]).sum(dtype=np.int64))
-        out |= {"useful_target_tokens": 1.0, "useful_anchor_slots": 1.0,
-                "anchor_fill": k / (n_mb * int(m.header["dflash"]["anchor_budget"])),
-                "token_fill": int(real.sum()) / (n_mb * float(b["value"]))}
     return out
 
 
@@ -79,14 +72,14 @@ def verify_epoch(path: str | Path, *, data: str | Path | None = None, lengths: s
                  plan_fingerprint: str | None = None) -> dict:
     """Recompute an epoch from its arrays and the lengths; raise on any violation.
 
-    Checks, in order: everything :func:`dflash_prep.manifest.open` checks (format and
+    Checks, in order: everything :func:`dflash_prep.formats.manifest.open` checks (format and
     version, epoch fingerprint, root run, every array's SHA-256, header against arrays:
     corrupt, truncated, edited or swapped files); the data fingerprint (the lengths are found by the path
     the manifest records, or ``data`` / ``lengths``); exactly-once coverage of every
     sample id apart from the listed drops; stored lengths, maxima and token counts; the
     budget and ``max_batch_size``; the step/rank/accum layout with equal counts per rank;
     ``cu_seqlens``; and every summary field against its recomputation
-    (:mod:`dflash_prep.metrics`, the columns, the budget; the repeat-pair rate against the
+    (:mod:`dflash_prep.pack.metrics`, the columns, the budget; the repeat-pair rate against the
     previous epoch when it is beside this one, and none for epoch 0). Returns the recomputed
     metrics, with ``unchecked``: each summary field it could not recompute, and why; raises
     :class:`FormatError` / :class:`FingerprintMismatch` listing problems.
@@ -112,8 +105,8 @@ def verify_epoch(path: str | Path, *, data: str | Path | None = None, lengths: s
         raise FormatError(f"{path}: micro-batch start/count columns do not tile sample_ids; re-pack the epoch")
     if len(ids) and (ids.min() < 0 or ids.max() >= len(lens)):
         raise FormatError(f"{path}: sample ids outside 0..{len(lens) - 1}; the manifest belongs to other data")
-    from .repack import consumed_ids  # a continuation (pack --resume-from-step) covers the epoch with its parent
 
+    # a continuation (pack --resume-from-step) covers the epoch with its parent
     seen = np.bincount(np.concatenate([ids, m.dropped_ids, consumed_ids(m)]), minlength=len(lens))
     if (seen != 1).any():
         miss, dup = np.flatnonzero(seen == 0), np.flatnonzero(seen > 1)
@@ -145,12 +138,12 @@ def verify_epoch(path: str | Path, *, data: str | Path | None = None, lengths: s
         problems.append("step/rank/accum columns break the layout (step, then rank, then accum): ranks get unequal counts")
     if varlen and not np.array_equal(np.asarray(m.arrays["cu_seqlens"]), np.concatenate([[0], np.cumsum(lens[ids])])):
         problems.append("cu_seqlens.npy is not the prefix sum of the sample lengths")
-    extra, sup = {}, None
-    if "dflash" in m.header and not problems:       # anchors: regenerated from the seed and the masks
-        problems, extra, sup = _verify_drafter(m, lens, ids, offsets, src)
+    obj, extra, state = objectives.of_header(m.header), {}, None
+    if not problems:                                # the objective's own checks (dflash: every anchor)
+        problems, extra, state = obj.verify(m, lens, ids, offsets, src)
     if problems:
         raise FormatError(f"{path}: verify failed: " + "; ".join(problems))
-    got = _summary_metrics(m, lens, ids, offsets, seg, supervised=sup) | extra
+    got = _summary_metrics(m, lens, ids, offsets, seg, obj, state) | extra
     return _check_summary(path, m, got, lens, ids, offsets)
 
 
@@ -195,20 +188,6 @@ def _same(recorded, recomputed) -> bool:
     return abs(float(recorded) - float(recomputed)) <= 1e-9 * max(1.0, abs(float(recomputed)))
 
 
-def _verify_drafter(m: Manifest, lens, ids, offsets, src):
-    """(problems, metrics, supervised) of :func:`pack_dflash.verify_epoch` against the dataset's masks."""
-    from . import pack_dflash
-    from .lengths import read_mask_counts
-
-    if src.kind != "dataset":
-        return [f"{src.path}: a dflash manifest is verified against its dataset folder (the loss masks); pass --data"], {}, None
-    mc = read_mask_counts(src.path)
-    problems, got = pack_dflash.verify_epoch(m.header, m.arrays, lens, ids, offsets, open_dataset(src.path), mc,
-                                             m.epoch)
-    return problems, got, mc.supervised
-
-
-# ----------------------------------------------------------------------------- datasets
 def verify_dataset(folder: str | Path) -> dict:
     """Re-hash every shard and check token ids and loss-mask values; returns counts."""
     ds = open_dataset(folder)

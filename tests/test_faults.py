@@ -22,14 +22,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_prep import lengths as lengths_mod
-from dflash_prep import manifest, outputs
-from dflash_prep import plan as plan_mod
-from dflash_prep.dataset import open_dataset
 from dflash_prep.errors import ConfigError, DflashError
-from dflash_prep.pack import pack_epochs
-from dflash_prep.synth import SynthConfig, synth
-from dflash_prep.tokenize import TokenizeConfig, tokenize
+from dflash_prep.formats import lengths as lengths_mod
+from dflash_prep.formats import manifest, outputs
+from dflash_prep.formats import plan as plan_mod
+from dflash_prep.formats.dataset import open_dataset
+from dflash_prep.pack.pack import pack_epochs
+from dflash_prep.synth.synth import SynthConfig, synth
+from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 from dflash_prep.verify import verify_dataset, verify_epoch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -383,7 +383,7 @@ def test_pack_never_replaces_a_users_epoch_folder(p):
 
 
 def test_analyze_never_overwrites_a_users_file(p):
-    from dflash_prep.analyze import AnalyzeConfig, run
+    from dflash_prep.analyze.analyze import AnalyzeConfig, run
 
     out = p / "an"
     out.mkdir()
@@ -439,7 +439,7 @@ def test_clean_lists_and_removes_debris_of_killed_runs(p, tmp_path):
 
 
 def test_strict_json_and_finite_options(p):
-    from dflash_prep.fileio import atomic_write_json, read_json
+    from dflash_prep.formats.fileio import atomic_write_json, read_json
 
     with pytest.raises(DflashError, match="a.b"):
         atomic_write_json(p / "x.json", {"a": {"b": float("nan")}}, format="dflash-prep/t", version=1)
@@ -482,8 +482,8 @@ def test_shard_header_each_field(p, field):
     """A shard rewritten with one header field edited, and meta.json made to match its bytes: still refused."""
     import pyarrow as pa
 
-    from dflash_prep.dataset import read_meta, write_meta
-    from dflash_prep.fileio import fingerprint_file
+    from dflash_prep.formats.dataset import read_meta, write_meta
+    from dflash_prep.formats.fileio import fingerprint_file
 
     data = p / "data"
     shard = data / "shard-00001.arrow"

@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 
 from .test_faults import _refused, _snapshot, p, pipe  # noqa: F401  (fixtures)
-from dflash_prep import lengths as lengths_mod
-from dflash_prep import manifest
-from dflash_prep import plan as plan_mod
-from dflash_prep.analyze import AnalyzeConfig
-from dflash_prep.dataset import open_dataset
+from dflash_prep.formats import lengths as lengths_mod
+from dflash_prep.formats import manifest
+from dflash_prep.formats import plan as plan_mod
+from dflash_prep.analyze.analyze import AnalyzeConfig
+from dflash_prep.formats.dataset import open_dataset
 from dflash_prep.errors import ConfigError, DflashError, InputError
-from dflash_prep.pack import pack_epochs
-from dflash_prep.synth import SynthConfig, synth
-from dflash_prep.tokenize import TokenizeConfig, tokenize
+from dflash_prep.pack.pack import pack_epochs
+from dflash_prep.synth.synth import SynthConfig, synth
+from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 from dflash_prep import verify as verify_mod
 from dflash_prep.verify import verify_epoch, verify_path
 
@@ -144,7 +144,7 @@ def test_every_folder_writer_goes_through_a_link(p):
     assert [d.name for d in manifest.find_epochs(p / "real-man")] == ["epoch-0000", "epoch-0001", "epoch-0002"]
     for d in dirs:
         verify_epoch(d)
-    from dflash_prep.analyze import run
+    from dflash_prep.analyze.analyze import run
 
     (p / "real-an").mkdir()
     (p / "link-an").symlink_to(p / "real-an", target_is_directory=True)
@@ -213,7 +213,7 @@ def bpe(tmp_path_factory):
 
 @pytest.mark.parametrize("file,field,value", TOKENIZER_FIELDS, ids=[f"{a}:{b}={c!r}" for a, b, c in TOKENIZER_FIELDS])
 def test_malformed_tokenizer_field_names_file_and_field(bpe, tmp_path, file, field, value):
-    from dflash_prep.encoders import load_tokenizer
+    from dflash_prep.tokenize.encoders import load_tokenizer
 
     d = tmp_path / "tok"
     shutil.copytree(bpe, d)
@@ -237,7 +237,7 @@ def test_seed_outside_64_bits_is_refused(pipe, seed):
     with pytest.raises(ConfigError, match="--seed"):
         AnalyzeConfig(data=pipe / "data", out=pipe / "an", budget=1600, seed=seed)
     _one_line_error(["analyze", "data", "--out", "an", "--budget", "1600", "--seed", str(seed)], pipe, "--seed")
-    from dflash_prep.pack_dflash import DrafterOptions
+    from dflash_prep.objectives.dflash import DrafterOptions
 
     with pytest.raises(ConfigError, match="--anchor-seed"):
         DrafterOptions(anchor_seed=seed)
@@ -260,7 +260,7 @@ def test_epoch_outside_64_bits_is_refused(pipe, tmp_path):
 
 
 def test_seeds_in_range_keep_their_fingerprints_and_shuffles(pipe):
-    from dflash_prep.bucketing import keyed_permutation
+    from dflash_prep.pack.bucketing import keyed_permutation
 
     src = lengths_mod.load(data=pipe / "data")
     plans = {s: plan_mod.Plan(data=src.describe(), boundaries=(200,), budget=plan_mod.Budget(value=1600),
@@ -284,8 +284,8 @@ OPENERS = [[{"role": "assistant", "content": "Hello, how can I help?"}],
 @pytest.mark.parametrize("n", range(len(OPENERS)))
 def test_conversation_opening_with_an_assistant_turn_masks_like_transformers(bpe, n):
     from .assets.conversations import template
-    from dflash_prep.chat import MaskOptions, plan_rows
-    from dflash_prep.encoders import load_tokenizer
+    from dflash_prep.tokenize.chat import MaskOptions, plan_rows
+    from dflash_prep.tokenize.encoders import load_tokenizer
 
     tok = load_tokenizer(str(bpe), chat_template=template("chatml", False))
     assert not tok.has_generation

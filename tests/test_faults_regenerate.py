@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_prep.engines import EngineError, RequestFailed, Sampling
-from dflash_prep.regen_store import ENTRY, INDEX_FILE, INDEX_HEADER
-from dflash_prep.regenerate import RegenerateConfig, run
+from dflash_prep.regenerate.engines import EngineError, RequestFailed, Sampling
+from dflash_prep.regenerate.store import ENTRY, INDEX_FILE, INDEX_HEADER
+from dflash_prep.regenerate.regenerate import RegenerateConfig, run
 
 N_PROMPTS = 8
 MODEL = "fake-target"

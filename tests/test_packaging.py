@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_wheel_installs_only_dflash_prep(tmp_path):
     import shutil
 
-    src = tmp_path / "src"      # build from a copy: setuptools writes build/ and *.egg-info into the tree
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__",
+    src = tmp_path / "src"      # build from a copy (links kept): setuptools writes build/ and *.egg-info into the tree
+    shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__",
                                                             ".numba_cache", "demo", "demo-dflash", "results"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(tmp_path), str(src)], check=True, capture_output=True, timeout=300)
@@ -31,9 +31,10 @@ def test_wheel_installs_only_dflash_prep(tmp_path):
 
 
 def test_source_checkout_maps_kernels_and_train_under_dflash_prep():
-    code = ("import dflash_prep, dflash_prep.kernels as k, dflash_prep.train as t, sys;"
-            "print(k.__file__); print(t.__file__); print('kernels' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""},
+    """Through the directory symlinks, from any working directory, with no install (the GPU machine)."""
+    code = ("import dflash_prep, dflash_prep.kernels as k, dflash_prep.train as t, dflash_prep.train.loop, sys, os;"
+            "print(os.path.realpath(k.__file__)); print(os.path.realpath(t.__file__)); print('kernels' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", env={"PYTHONPATH": str(ROOT), "PATH": ""},
                          check=True, capture_output=True, text=True, timeout=120).stdout.split()
     assert out == [str(ROOT / "kernels" / "__init__.py"), str(ROOT / "train" / "__init__.py"), "False"]
 

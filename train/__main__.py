@@ -13,72 +13,70 @@ Options override a TOML ``--config`` file, which overrides the defaults.
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
+from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Optional, get_type_hints
 
 import typer
+from rich.markup import escape
 
 from dflash_prep.errors import DflashError
 from dflash_prep.kernels.errors import AttentionError
 
-from .loop import PeerStopped
+from . import config as config_mod
+from .config import TrainConfig
+from .loop import PeerStopped, train
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
+#: command-line types of the TrainConfig field types that are not plain (a tuple of ints is
+#: a repeated option); the dict of model overrides is the config file's [model] table only
+_CLI_TYPES = {tuple[int, ...]: list[int]}
 
-@app.command()
-def main(
-    config: Annotated[Optional[Path], typer.Option(help="TOML file of TrainConfig fields ([model] table for the model)")] = None,
-    data: Annotated[Optional[str], typer.Option(help="tokenized dataset folder")] = None,
-    plan: Annotated[Optional[str], typer.Option(help="plan.json from `dflash-prep analyze`")] = None,
-    manifests: Annotated[Optional[str], typer.Option(help="manifest root (epoch-000N folders)")] = None,
-    out: Annotated[Optional[str], typer.Option(help="run folder: checkpoint.pt, log.jsonl, summary.json")] = None,
-    model: Annotated[Optional[str], typer.Option(help="model preset: tiny or 100m")] = None,
-    epochs: Annotated[Optional[int], typer.Option(help="epochs to train")] = None,
-    max_steps: Annotated[Optional[int], typer.Option(help="stop after this many optimizer steps (0 = all)")] = None,
-    pack_missing: Annotated[Optional[bool], typer.Option(help="pack a missing epoch on the fly")] = None,
-    rescale: Annotated[Optional[bool], typer.Option(help="resume a checkpoint of another world size: re-pack the rest of its epoch for this one")] = None,
-    lr: Annotated[Optional[float], typer.Option(help="peak learning rate")] = None,
-    warmup_steps: Annotated[Optional[int], typer.Option(help="linear warmup steps")] = None,
-    grad_clip: Annotated[Optional[float], typer.Option(help="global grad-norm clip (0 = off)")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="model init seed")] = None,
-    attn: Annotated[Optional[str], typer.Option(help="attention: auto, reference, triton (CPU: interpreter)")] = None,
-    device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda")] = None,
-    bf16: Annotated[Optional[bool], typer.Option(help="bf16 autocast on CUDA")] = None,
-    prefetch: Annotated[Optional[int], typer.Option(help="steps the FIFO prefetch thread builds ahead")] = None,
-    ckpt_every: Annotated[Optional[int], typer.Option(help="checkpoint every N steps (0 = at the end)")] = None,
-    from_scratch: Annotated[Optional[bool], typer.Option("--from-scratch/--resume", help="--resume (default): continue from OUT/checkpoint.pt when present; --from-scratch: ignore it, a new run on the current plan")] = None,
-    progress: Annotated[Optional[bool], typer.Option(help="progress bar on rank 0")] = None,
-    wandb: Annotated[Optional[str], typer.Option(help="Weights & Biases project (needs wandb installed)")] = None,
-    objective: Annotated[Optional[str], typer.Option(help="lm (next-token) or dflash (a drafter on --target)")] = None,
-    init_from: Annotated[Optional[str], typer.Option(help="LM: start from this transformers folder; saved to OUT/hf")] = None,
-    target: Annotated[Optional[str], typer.Option(help="DFlash: the frozen target, a transformers folder")] = None,
-    draft_layers: Annotated[Optional[int], typer.Option(help="DFlash: draft layers N")] = None,
-    block_size: Annotated[Optional[int], typer.Option(help="DFlash: block size B")] = None,
-    gamma: Annotated[Optional[float], typer.Option(help="DFlash: slot-weight decay (0 = (B-2)/2)")] = None,
-    max_anchors: Annotated[Optional[int], typer.Option(help="DFlash: anchors per sample at most")] = None,
-    anchor_policy: Annotated[Optional[str], typer.Option(help="DFlash: cap or density")] = None,
-    anchor_seed: Annotated[Optional[int], typer.Option(help="DFlash: anchor seed (-1 = manifest's, else --seed)")] = None,
-    mask_token_id: Annotated[Optional[int], typer.Option(help="DFlash: mask token id (-1 = auto)")] = None,
-    ce_chunk: Annotated[Optional[int], typer.Option(help="rows per LM-head + CE chunk")] = None,
-):
+
+def _plain(doc: str) -> str:
+    """A docstring as --help text: reST roles and literals unwrapped (``x`` and :mod:`x` -> x)."""
+    return re.sub(r"(?::\w+:)?`+([^`]+)`+", lambda m: m.group(1).lstrip("~"), doc)
+
+
+def _show(v) -> str:
+    if isinstance(v, tuple):
+        return " ".join(map(str, v)) or "none"
+    return '""' if v == "" else str(v)
+
+
+def _parameters() -> list[inspect.Parameter]:
+    """One keyword parameter per TrainConfig field with a flag, typed and documented from the
+    field (its docstring, default and panel): the flags are derived, never written here."""
+    hints, docs = get_type_hints(TrainConfig), config_mod.field_help(TrainConfig)
+    config = Annotated[Optional[Path], typer.Option(
+        help=escape("A TOML file of TrainConfig fields, a [model] table for the model; the flags override it."),
+        rich_help_panel=config_mod.DATA)]
+    out = [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=config)]
+    for f in fields(TrainConfig):
+        if not f.metadata.get("cli", True):
+            continue
+        default = f.default if f.default is not MISSING else f.default_factory()
+        t = _CLI_TYPES.get(hints[f.name], hints[f.name])
+        decls = [f.metadata["flag"]] if f.metadata.get("flag") else []
+        option = typer.Option(*decls, help=escape(f"{_plain(docs.get(f.name, ''))} [default: {_show(default)}]"),
+                              rich_help_panel=f.metadata["panel"], show_default=False)
+        out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                     annotation=Annotated[Optional[t], option]))
+    return out
+
+
+def main(**options):
     """Train on the manifests, exactly in manifest order: the small decoder or a transformers LM
     (``--objective lm``), or a DFlash drafter on a frozen target (``--objective dflash``)."""
-    from . import config as config_mod
-
+    config = options.pop("config", None)
+    cli = {k: (tuple(v) if isinstance(v, list) else v) for k, v in options.items() if v not in (None, [], ())}
     rank = int(os.environ.get("RANK", "0"))
     try:
-        cfg = config_mod.build(config, data=data, plan=plan, manifests=manifests, out=out, model=model, epochs=epochs,
-                               max_steps=max_steps, pack_missing=pack_missing, rescale=rescale, lr=lr, warmup_steps=warmup_steps,
-                               grad_clip=grad_clip, seed=seed, attn=attn, device=device, bf16=bf16,
-                               prefetch=prefetch, ckpt_every=ckpt_every, from_scratch=from_scratch,
-                               progress=progress, wandb=wandb, objective=objective, init_from=init_from,
-                               target=target, draft_layers=draft_layers, block_size=block_size, gamma=gamma,
-                               max_anchors=max_anchors, anchor_policy=anchor_policy, anchor_seed=anchor_seed,
-                               mask_token_id=mask_token_id, ce_chunk=ce_chunk)
-        from .loop import train
-
+        cfg = config_mod.build(config, **cli)
         s = train(cfg)
     except (DflashError, AttentionError) as e:
         # one line per error: the rank that hit it speaks; ranks that only followed it stay quiet
@@ -102,6 +100,10 @@ def main(
                    if s["steps"] else f"nothing to do: the run is already at epoch {s['cursor']['epoch']} "
                    f"(global step {s['global_step']}); raise --epochs/--max-steps or pass --from-scratch")
 
+
+main.__signature__ = inspect.Signature(_parameters())
+main.__annotations__ = {p.name: p.annotation for p in main.__signature__.parameters.values()}
+app.command()(main)
 
 if __name__ == "__main__":
     app()

@@ -7,7 +7,7 @@ model (same seed) for ``warmup + steps`` optimizer steps through the real loader
 prefetch, label shift) and :func:`dflash_prep.train.loop.train_step`, timing only the last ``steps``:
 
 - ``sorted-static``: one bucket sorted whole (window = N), fixed batches, order shuffled;
-- ``bucketed-k6``: K = 6 optimal boundaries (``dflash_prep.optimize``), batch order random;
+- ``bucketed-k6``: K = 6 optimal boundaries (``dflash_prep.analyze.optimize``), batch order random;
 - ``bucketed-k6-window``: the same + sort inside shuffled windows of 1024, class-aware steps;
 - ``varlen``: random order, first-fit into 4 open bins, concatenated with ``cu_seqlens``;
 - ``full-random``: one bucket, random order, greedy.
@@ -39,10 +39,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_prep import lengths as lengths_mod
-from dflash_prep import optimize, plan as plan_mod, profiles
+from dflash_prep.analyze import optimize
 from dflash_prep.errors import ConfigError
-from dflash_prep.fileio import atomic_save_npy, atomic_write_json
+from dflash_prep.formats import lengths as lengths_mod
+from dflash_prep.formats import manifest
+from dflash_prep.formats import plan as plan_mod
+from dflash_prep.formats.dataset import open_dataset
+from dflash_prep.formats.fileio import atomic_save_npy, atomic_write_json
+from dflash_prep.pack.pack import pack_epochs
+from dflash_prep.synth import profiles
 
 from . import distributed
 from .config import TrainConfig, preset
@@ -130,9 +135,6 @@ def strategy_options(name: str, n: int, k6: tuple[int, ...], window: int) -> dic
 def pack_strategy(name: str, src: lengths_mod.LengthSource, root: Path, cfg: BenchConfig, k6, *, data=None,
                   lengths_file=None):
     """Pack epoch 0 of ``name`` with the real pack code; return the opened manifest."""
-    from dflash_prep import manifest
-    from dflash_prep.pack import pack_epochs
-
     o = strategy_options(name, src.num_samples, k6, cfg.window)
     p = plan_mod.Plan(data=src.describe(), boundaries=tuple(o["boundaries"]), budget=plan_mod.Budget(value=cfg.budget),
                       seed=cfg.seed, window=o["window"]).with_fingerprint()
@@ -203,8 +205,6 @@ def run(cfg: BenchConfig, strategies=STRATEGIES) -> dict:
     with tempfile.TemporaryDirectory(prefix="dflash-bench-train-") as tmp:
         root = Path(tmp)
         if cfg.data:
-            from dflash_prep.dataset import open_dataset
-
             ds = open_dataset(cfg.data)
             src = lengths_mod.read_dataset_lengths(cfg.data)
             kw = dict(data=cfg.data)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from dflash_prep.errors import FingerprintMismatch, FormatError
-from dflash_prep.fileio import atomic_write_bytes
+from dflash_prep.formats.fileio import atomic_write_bytes
 
 CKPT_FORMAT = "dflash-prep/train-checkpoint"
 CKPT_VERSION = 2

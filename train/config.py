@@ -12,17 +12,19 @@ preset name, or a ``[model]`` table with an optional ``preset`` key plus field o
 
 from __future__ import annotations
 
+import ast
+import inspect
 import math
-
+import textwrap
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
+from dflash_prep import objectives
 from dflash_prep.errors import ConfigError
 
 ATTN_BACKENDS = ("auto", "reference", "triton")
 DEVICES = ("auto", "cpu", "cuda")
-OBJECTIVES = ("lm", "dflash")
 
 
 def _positive_finite(name: str, v, *, zero_ok: bool = False) -> None:
@@ -92,96 +94,118 @@ def preset(name: str, **overrides) -> ModelConfig:
                           f"{', '.join(f.name for f in fields(ModelConfig))}") from None
 
 
+#: the --help panels of the trainer's options, in order
+DATA, MODEL, OPTIMIZER, RUN, OBJECTIVE = "Data", "Model", "Optimizer", "Run", "Objective"
+
+
+def opt(default=MISSING, *, panel: str, flag: str | None = None, cli: bool = True, default_factory=MISSING):
+    """A :class:`TrainConfig` field: its default, its ``--help`` panel, its flag's spelling when
+    not ``--field-name`` and whether it has one at all (else config file only). The field's
+    docstring is its help (:func:`field_help`): every option is declared here once."""
+    return field(default=default, default_factory=default_factory,
+                 metadata={"panel": panel, "flag": flag, "cli": cli})
+
+
+def field_help(cls) -> dict[str, str]:
+    """``{field: its docstring}``, read from the class's source (the string under each field)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body, out = tree.body[0].body, {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            out[node.target.id] = " ".join(str(nxt.value.value).split())
+    return out
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run. Paths are the outputs of tokenize, analyze and pack."""
 
-    data: str = "demo/data"
+    data: str = opt("demo/data", panel=DATA)
     """Tokenized dataset folder (``dflash-prep tokenize``)."""
-    plan: str = "demo/plan/plan.json"
+    plan: str = opt("demo/plan/plan.json", panel=DATA)
     """plan.json (``dflash-prep analyze``); its fingerprint guards resume."""
-    manifests: str = "demo/manifests"
+    manifests: str = opt("demo/manifests", panel=DATA)
     """Manifest root holding ``epoch-NNNN`` folders (``dflash-prep pack``)."""
-    out: str = "runs/demo"
+    out: str = opt("runs/demo", panel=DATA)
     """Run folder: checkpoints, ``log.jsonl`` and ``summary.json``."""
-    model: str = "tiny"
+    model: str = opt("tiny", panel=MODEL)
     """Model preset name (see :data:`PRESETS`)."""
-    model_overrides: dict = field(default_factory=dict)
+    model_overrides: dict = opt(panel=MODEL, cli=False, default_factory=dict)
     """Per-field overrides of the preset (the config file's ``[model]`` table)."""
-    epochs: int = 1
+    epochs: int = opt(1, panel=DATA)
     """Epochs to train; epoch e reads ``manifests/epoch-e``."""
-    max_steps: int = 0
+    max_steps: int = opt(0, panel=DATA)
     """Stop after this many optimizer steps in total (0 = run every epoch to the end). It only
     stops: the cosine horizon stays ``epochs`` x the first epoch's steps, so a run cut short and
     resumed follows the same LR schedule as a straight one."""
-    pack_missing: bool = True
-    rescale: bool = False
+    pack_missing: bool = opt(True, panel=DATA)
+    """Pack a missing epoch's manifest on the fly (same code as ``dflash-prep pack``);
+    when False a missing manifest is an error naming the command to run."""
+    rescale: bool = opt(False, panel=DATA)
     """Resume a checkpoint taken at another world size: the rest of its epoch comes from the
     continuation manifest ``MANIFESTS/resume/epoch-000N`` (packed on the fly by rank 0 when
     missing), later epochs from manifests packed for this world size (:mod:`dflash_prep.train.rescale`)."""
-    """Pack a missing epoch's manifest on the fly (same code as ``dflash-prep pack``);
-    when False a missing manifest is an error naming the command to run."""
-    lr: float = 3e-3
+    lr: float = opt(3e-3, panel=OPTIMIZER)
     """Peak learning rate (AdamW)."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = opt(0.1, panel=OPTIMIZER)
     """Cosine decays to ``lr * min_lr_ratio``."""
-    warmup_steps: int = 5
+    warmup_steps: int = opt(5, panel=OPTIMIZER)
     """Linear warmup steps."""
-    weight_decay: float = 0.1
+    weight_decay: float = opt(0.1, panel=OPTIMIZER)
     """AdamW decoupled weight decay on 2-D weights (not norms)."""
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = opt((0.9, 0.95), panel=OPTIMIZER)
     """AdamW betas."""
-    grad_clip: float = 1.0
+    grad_clip: float = opt(1.0, panel=OPTIMIZER)
     """Clip the global gradient norm to this (0 = off)."""
-    seed: int = 0
+    seed: int = opt(0, panel=OPTIMIZER)
     """Model init and RNG seed (the data order comes from the plan's seed)."""
-    attn: str = "auto"
+    attn: str = opt("auto", panel=RUN)
     """Attention backend: auto (Triton on CUDA, reference on CPU), reference, triton."""
-    device: str = "auto"
+    device: str = opt("auto", panel=RUN)
     """auto (CUDA when available), cpu or cuda."""
-    bf16: bool = True
+    bf16: bool = opt(True, panel=RUN)
     """bf16 autocast on CUDA (ignored on CPU, which trains in fp32 for bitwise resume)."""
-    prefetch: int = 4
+    prefetch: int = opt(4, panel=RUN)
     """Optimizer steps the FIFO prefetch thread builds ahead."""
-    ckpt_every: int = 0
+    ckpt_every: int = opt(0, panel=RUN)
     """Save a checkpoint every N steps (0 = only at the end)."""
-    from_scratch: bool = False
+    from_scratch: bool = opt(False, panel=RUN, flag="--from-scratch/--resume")
     """False (``--resume``, the default): resume from ``out/checkpoint.pt`` when it exists.
     True (``--from-scratch``): ignore and replace it, a new run on the current plan."""
-    log_every: int = 1
+    log_every: int = opt(1, panel=RUN)
     """Write a JSONL record every N steps."""
-    progress: bool = True
+    progress: bool = opt(True, panel=RUN)
     """Show a progress bar on rank 0."""
-    wandb: str = ""
+    wandb: str = opt("", panel=RUN)
     """Weights & Biases project name; empty = off. Needs ``pip install wandb``."""
-    objective: str = "lm"
+    objective: str = opt("lm", panel=OBJECTIVE)
     """``lm``: next-token loss on the model being trained; ``dflash``: a DFlash drafter on the
     frozen ``target`` (see :mod:`dflash_prep.train.objective_dflash`)."""
-    init_from: str = ""
+    init_from: str = opt("", panel=MODEL)
     """LM objective: start from this local transformers causal-LM folder instead of ``model``;
     the result is saved with ``save_pretrained`` (and its tokenizer) to ``out/hf``."""
-    ce_chunk: int = 2048
+    ce_chunk: int = opt(2048, panel=RUN)
     """Rows per chunk of LM head + cross-entropy (both objectives; memory ~ chunk x vocab)."""
-    target: str = ""
+    target: str = opt("", panel=OBJECTIVE)
     """DFlash: the frozen target, a local transformers causal-LM folder with its tokenizer."""
-    draft_layers: int = 1
+    draft_layers: int = opt(1, panel=OBJECTIVE)
     """DFlash: draft layers N (the taps are build_target_layer_ids(L, N) unless target_layer_ids)."""
-    target_layer_ids: tuple[int, ...] = ()
+    target_layer_ids: tuple[int, ...] = opt((), panel=OBJECTIVE)
     """DFlash: tapped target layers; empty = the public rule."""
-    block_size: int = 0
+    block_size: int = opt(0, panel=OBJECTIVE)
     """DFlash: block size B (an anchor token plus B - 1 drafted slots); 0 = the manifest's
     (``pack --objective dflash``), else 16."""
-    gamma: float = 0.0
+    gamma: float = opt(0.0, panel=OBJECTIVE)
     """DFlash: slot-weight decay exp(-(r-1)/gamma); 0 = the rule (B - 2) / 2 (7 at B = 16)."""
-    max_anchors: int = 0
+    max_anchors: int = opt(0, panel=OBJECTIVE)
     """DFlash: anchors per sample at most; 0 = the manifest's, else 512."""
-    anchor_policy: str = ""
+    anchor_policy: str = opt("", panel=OBJECTIVE)
     """DFlash: ``cap`` (min(max_anchors, candidates)) or ``density`` (also <= ceil(supervised / B));
     empty = the manifest's, else cap."""
-    anchor_seed: int = -1
+    anchor_seed: int = opt(-1, panel=OBJECTIVE)
     """DFlash: anchor RNG seed; -1 = the manifest's, else ``seed``. A value that contradicts a
     ``pack --objective dflash`` manifest is refused (its budgets assume its anchors)."""
-    mask_token_id: int = -1
+    mask_token_id: int = opt(-1, panel=OBJECTIVE)
     """DFlash: mask token id; -1 = the tokenizer's mask token, ``<|mask|>``, or the first row past the tokenizer."""
 
     def __post_init__(self):
@@ -210,25 +234,10 @@ class TrainConfig:
         if self.device not in DEVICES:
             raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         preset(self.model, **self.model_overrides)  # validates the preset name and overrides
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.ce_chunk < 1:
             raise ConfigError(f"--ce-chunk must be at least 1, got {self.ce_chunk}")
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-        if self.objective == "dflash":
-            if not self.target:
-                raise ConfigError("--objective dflash needs --target DIR (a local transformers causal-LM folder)")
-            if self.init_from:
-                raise ConfigError("--init-from is for --objective lm; a DFlash run reads its frozen model from --target")
-            if self.draft_layers < 1:
-                raise ConfigError(f"--draft-layers must be at least 1, got {self.draft_layers}")
-            from dflash_prep.anchors import check_options
-            check_options(self.max_anchors or 1, self.anchor_policy or "cap", self.block_size or 2)
-            if self.gamma < 0:
-                raise ConfigError(f"--gamma must be > 0 (0 = the default rule), got {self.gamma}")
-        elif self.target:
-            raise ConfigError("--target is the DFlash objective's frozen model; pass --objective dflash, or "
-                              "--init-from DIR to train a transformers model as an LM")
+        objectives.get(self.objective).check_train(self)
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         """The preset with overrides; the dataset's vocab unless the overrides fix one."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -33,8 +33,18 @@ from dflash_prep.errors import FormatError
 IGNORE = -100
 
 
+class TensorBatch:
+    """A dataclass of one micro-batch's tensors and counts: every objective's batch type is one."""
+
+    def to(self, device: torch.device):
+        """A copy with every tensor field on ``device`` (non-blocking from pinned memory)."""
+        moved = {f.name: v.to(device, non_blocking=True) for f in fields(self)
+                 if isinstance(v := getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
+
+
 @dataclass
-class Batch:
+class Batch(TensorBatch):
     """One micro-batch as tensors (CPU, pinned when the trainer runs on CUDA).
 
     Padded: ``input_ids``/``labels`` are ``(B, L)`` int64, ``lengths`` is ``(B,)`` int32.
@@ -55,14 +65,6 @@ class Batch:
     cu_seqlens: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
     max_seqlen: int = 0
-
-    def to(self, device: torch.device) -> "Batch":
-        """Copy tensors to ``device`` (non-blocking from pinned memory)."""
-        def mv(t):
-            return None if t is None else t.to(device, non_blocking=True)
-        return Batch(self.layout, self.step, self.accum, self.sample_ids, mv(self.input_ids), mv(self.labels),
-                     self.n_targets, self.real_tokens, self.padded_tokens, mv(self.lengths), mv(self.cu_seqlens),
-                     mv(self.position_ids), self.max_seqlen)
 
     def model_inputs(self) -> dict:
         if self.layout == "varlen":

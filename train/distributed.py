@@ -103,3 +103,14 @@ def gather_objects(obj, d: Dist) -> list:
 def barrier(d: Dist) -> None:
     if d.active:
         dist.barrier(group=d.group)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of the GPU model, for MFU; None when unknown (or on CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40", 181e12), ("A10", 125e12)):
+        if key in name:
+            return peak
+    return None

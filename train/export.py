@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from dflash_prep.errors import ConfigError, DflashError, FingerprintMismatch, FormatError
-from dflash_prep.fileio import atomic_dir, atomic_write_bytes, atomic_write_json, fingerprint_bytes, read_json
+from dflash_prep.formats.fileio import atomic_dir, atomic_write_bytes, atomic_write_json, fingerprint_bytes, read_json
 
 from .drafter import Drafter, DrafterConfig
 

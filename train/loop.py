@@ -26,33 +26,30 @@ loader that is a pure function of (manifest, cursor), so resume is bitwise
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from dflash_prep import kernels
 from dflash_prep.errors import ConfigError, DflashError, FormatError
-from dflash_prep.fileio import atomic_write_bytes, atomic_write_json, strict_dumps
+from dflash_prep.formats.fileio import atomic_write_json
+from dflash_prep.formats.outputs import lock
 
 from . import checkpoint as ckpt
 from . import distributed, rescale
 from .config import TrainConfig
 from .data import StepBatches
 from .loader import ManifestLoader
+from .lr import Schedule
 from .model import Decoder
 from .objectives import build_objective
-from .lr import Schedule
+from .runlog import FORMAT_VERSION, SUMMARY_FORMAT, RunLog, check_run_folder, finite
 from .source import tokenizer_field
-
-LOG_FORMAT = "dflash-prep/train-log"
-SUMMARY_FORMAT = "dflash-prep/train-summary"
-FORMAT_VERSION = 1
 
 
 def build_optimizer(model: Decoder, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -100,8 +97,7 @@ def train_step(model, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float,
             g["lr"] = lr
         opt.step()
     out = objective.metrics(stats, denom_sum)
-    targets = int(denom_sum) if objective.name == "lm" else denom_sum
-    return {**out, "grad_norm": gnorm, "targets": targets, "real_tokens": int(real), "padded_tokens": int(padded),
+    return {**out, "grad_norm": gnorm, "targets": objective.targets(denom_sum), "real_tokens": int(real), "padded_tokens": int(padded),
             "flops": flops, "skipped": denom_sum == 0}
 
 
@@ -117,89 +113,6 @@ def _set_determinism(device: torch.device) -> None:
     else:  # cuBLAS needs a fixed workspace for determinism; warn rather than fail on other ops
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-class RunLog:
-    """Append-only JSONL on rank 0: a header record (format, version, config) then one per step.
-
-    Each line is written and flushed whole, so a crash loses at most the line in flight.
-    Records are strict JSON: a NaN/Infinity (the loss of a step with no targets) is written
-    as null. A resumed run first drops, by an atomic rewrite, every record past the
-    checkpoint's ``global_step`` (steps a killed run did after its last checkpoint, which the
-    resumed run does again) and any torn last line, then appends below; so each global
-    step appears once. ``--from-scratch`` starts a new file.
-    """
-
-    def __init__(self, path: Path, header: dict, *, fresh: bool, enabled: bool, keep_through: int | None = None):
-        self.f = None
-        self.dropped = 0
-        if not enabled:
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if fresh or not path.exists():
-            atomic_write_bytes(path, (strict_dumps({"format": LOG_FORMAT, "version": FORMAT_VERSION, **header})
-                                      + "\n").encode())
-        elif keep_through is not None:
-            self.dropped = _trim_log(path, keep_through)
-        self.f = open(path, "a")
-
-    def write(self, rec: dict) -> None:
-        if self.f:
-            self.f.write(strict_dumps(_finite(rec)) + "\n")
-            self.f.flush()
-
-    def close(self) -> None:
-        if self.f:
-            self.f.close()
-
-
-def _finite(rec: dict) -> dict:
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
-
-
-def _trim_log(path: Path, keep_through: int) -> int:
-    """Keep the header and the records with ``global_step <= keep_through``; returns how many were dropped."""
-    lines = path.read_bytes().split(b"\n")
-    kept, dropped = [], 0
-    for i, ln in enumerate(lines):
-        if not ln.strip():
-            continue
-        try:
-            rec = json.loads(ln)
-        except ValueError:       # a line torn by a kill
-            dropped += 1
-            continue
-        if i == 0 or not isinstance(rec, dict) or int(rec.get("global_step", -1)) <= keep_through:
-            kept.append(ln)
-        else:
-            dropped += 1
-    if dropped:
-        atomic_write_bytes(path, b"\n".join(kept) + b"\n")
-    return dropped
-
-
-def check_run_folder(out: Path) -> None:
-    """Refuse a run folder holding checkpoint.pt / log.jsonl / summary.json that this trainer did not write.
-
-    ``log.jsonl`` (its first record carries our format) is the folder's ownership marker: a
-    folder with our log is ours, and a corrupt checkpoint in it is reported by the loader."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a folder; it was left untouched. Choose another --out")
-    lg = out / "log.jsonl"
-    ours = False
-    if lg.is_file():
-        with open(lg, "rb") as f:
-            first = f.readline()
-        try:
-            ours = json.loads(first).get("format") == LOG_FORMAT
-        except (ValueError, AttributeError):
-            ours = False
-    if not ours:
-        for name in ("log.jsonl", ckpt.CKPT_FILE, "summary.json"):
-            p = out / name
-            if p.exists() and not (name == ckpt.CKPT_FILE and ckpt.is_checkpoint(p)):
-                raise ConfigError(f"{p} exists and was not written by this trainer; it was left untouched. Choose "
-                                  "another --out")
 
 
 class PeerStopped(DflashError):
@@ -261,7 +174,6 @@ def _progress(enabled: bool, total: int):
         return None
     if not sys.stdout.isatty():
         return _Lines(total)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     p = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                  TimeRemainingColumn(), transient=False)
     p.start()
@@ -281,7 +193,6 @@ def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = 
         if not d.is_main:
             return _train(cfg, source, d)
         check_run_folder(out)
-        from dflash_prep.outputs import lock
 
         with lock(out, inside=True):  # a second trainer on the same --out fails clearly
             return _train(cfg, source, d)
@@ -290,7 +201,44 @@ def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = 
             distributed.teardown(d)
 
 
-def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
+@dataclass
+class _Run:
+    """What one call of :func:`train` works on; ``epoch``/``step``/``gstep`` are the cursor, and
+    ``consistent`` says the model and optimizer hold exactly the state after global step ``gstep``."""
+
+    cfg: TrainConfig
+    d: distributed.Dist
+    source: object
+    ds: object                    # the dataset (the source's, before a --rescale continuation wraps it)
+    loader: ManifestLoader
+    first: object                 # the first manifest this call reads
+    run_key: dict
+    obj: object                   # the objective (:mod:`dflash_prep.train.objectives`)
+    mcfg: dict
+    opt: torch.optim.Optimizer
+    sched: Schedule
+    total: int                    # the cosine horizon in steps
+    epoch: int = 0
+    step: int = 0
+    gstep: int = 0
+    resumed: bool = False
+    consistent: bool = True
+
+    @property
+    def ckpt_path(self) -> Path:
+        return Path(self.cfg.out) / ckpt.CKPT_FILE
+
+    def save(self) -> None:
+        rng_all = distributed.gather_objects(ckpt.rng_state(), self.d)
+        if self.d.is_main:
+            ckpt.save(self.ckpt_path, model=self.obj.model, optimizer=self.opt, schedule=self.sched.state(),
+                      rng=rng_all, cursor={"epoch": self.epoch, "step": self.step, "global_step": self.gstep},
+                      run_key=self.run_key, model_config=self.mcfg, extra={"config": asdict(self.cfg)})
+        distributed.barrier(self.d)
+
+
+def _setup(cfg: TrainConfig, source, d: distributed.Dist) -> _Run:
+    """Data, objective, optimizer and schedule; the checkpoint's state when resuming."""
     if cfg.attn == "triton" and d.device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels first imports triton
     _set_determinism(d.device)
@@ -298,9 +246,7 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
         from .source import FileSource
         source = FileSource(cfg.data, cfg.plan, cfg.manifests, pack_missing=cfg.pack_missing, dist=d)
     ds = source.dataset
-    out = Path(cfg.out)
-    ckpt_path = out / ckpt.CKPT_FILE
-
+    ckpt_path = Path(cfg.out) / ckpt.CKPT_FILE
     state = ckpt.load(ckpt_path) if ckpt_path.exists() and not cfg.from_scratch else None
     cont = rescale.plan_resume(state, rescale=cfg.rescale, world_size=d.world_size, ckpt_path=ckpt_path)
     source = rescale.source_for(source, cont, d)   # --rescale: the rest of an epoch re-packed for W'
@@ -312,154 +258,143 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
     run_key = {**source.run_identity(), **_manifest_key(first), **({"continuation": cont} if cont else {})}
 
     obj = build_objective(cfg, ds, d.device, manifest=first)  # seeds torch with cfg.seed first
-    model = obj.model
-    mcfg = obj.model_config()
     run_key["contract"] = obj.contract()
-    if d.is_main and cfg.objective == "dflash":
-        c = model.config
-        print(f"dflash: target {cfg.target} ({obj.target.num_layers} layers), taps {list(c.target_layer_ids)}, "
-              f"B={c.block_size}, gamma={obj.gamma:g}, mask id {c.mask_token_id}, anchors "
-              f"{obj.spec.policy}<={obj.spec.max_anchors} drawn by the library sampler with seed {obj.spec.seed} "
-              f"(from {obj.anchor_source})", flush=True)
-    opt = build_optimizer(model, cfg)
+    about = obj.describe()
+    if d.is_main and about:
+        print(about, flush=True)
+    opt = build_optimizer(obj.model, cfg)
     # Cosine horizon: epochs x the first epoch's steps (epochs differ by a step or two; past the
     # horizon the LR stays at its floor). Not max_steps, which only stops early: so a run cut
     # short and resumed follows the same schedule as a straight one.
     total = cfg.epochs * int(first.num_steps)
     sched = Schedule(peak=cfg.lr, warmup=cfg.warmup_steps, total=max(1, total), min_ratio=cfg.min_lr_ratio)
-    epoch, step, gstep = 0, 0, 0
-    resumed = False
+    run = _Run(cfg=cfg, d=d, source=source, ds=ds, loader=loader, first=first, run_key=run_key, obj=obj,
+               mcfg=obj.model_config(), opt=opt, sched=sched, total=total)
     if state is not None:
-        rescale.check_key(state["run_key"], run_key, path=ckpt_path)
-        ckpt.check_model(state["model_config"], mcfg, path=ckpt_path)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        sched = Schedule.from_state(state["schedule"])
-        rngs = state["rng"]
-        epoch, step, gstep = (int(state["cursor"][k]) for k in ("epoch", "step", "global_step"))
-        if len(rngs) == d.world_size:
-            ckpt.set_rng_state(rngs[d.rank])
-        else:  # rescaled (rescale.plan_resume allowed it): no per-rank state maps onto W' ranks
-            rescale.reseed(cfg.seed, gstep, d.rank)
-        resumed = True
-        if d.is_main:
-            print(f"resuming {ckpt_path} at epoch {epoch} step {step} (global step {gstep})", flush=True)
+        _resume(run, state)
+    return run
 
-    header = {"config": asdict(cfg), "model": mcfg, "params": obj.num_parameters(),
-              "run_key": run_key, "world_size": d.world_size, "device": str(d.device),
-              "resumed_from": {"epoch": epoch, "step": step, "global_step": gstep} if resumed else None}
-    log = RunLog(out / "log.jsonl", header, fresh=not resumed, enabled=d.is_main, keep_through=gstep)
+
+def _resume(run: _Run, state: dict) -> None:
+    """Model, optimizer, schedule, RNG and cursor from a checkpoint (its run key checked first)."""
+    d, path = run.d, run.ckpt_path
+    rescale.check_key(state["run_key"], run.run_key, path=path)
+    ckpt.check_model(state["model_config"], run.mcfg, path=path)
+    run.obj.model.load_state_dict(state["model"])
+    run.opt.load_state_dict(state["optimizer"])
+    run.sched = Schedule.from_state(state["schedule"])
+    rngs = state["rng"]
+    run.epoch, run.step, run.gstep = (int(state["cursor"][k]) for k in ("epoch", "step", "global_step"))
+    if len(rngs) == d.world_size:
+        ckpt.set_rng_state(rngs[d.rank])
+    else:  # rescaled (rescale.plan_resume allowed it): no per-rank state maps onto W' ranks
+        rescale.reseed(run.cfg.seed, run.gstep, d.rank)
+    run.resumed = True
+    if d.is_main:
+        print(f"resuming {path} at epoch {run.epoch} step {run.step} (global step {run.gstep})", flush=True)
+
+
+def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
+    run = _setup(cfg, source, d)
+    out, obj = Path(cfg.out), run.obj
+    header = {"config": asdict(cfg), "model": run.mcfg, "params": obj.num_parameters(),
+              "run_key": run.run_key, "world_size": d.world_size, "device": str(d.device),
+              "resumed_from": {"epoch": run.epoch, "step": run.step, "global_step": run.gstep} if run.resumed else None}
+    log = RunLog(out / "log.jsonl", header, fresh=not run.resumed, enabled=d.is_main, keep_through=run.gstep)
     if log.dropped:
-        print(f"log.jsonl: dropped {log.dropped} record(s) past the checkpoint (global step {gstep}); "
+        print(f"log.jsonl: dropped {log.dropped} record(s) past the checkpoint (global step {run.gstep}); "
               "they are trained again now", flush=True)
     wb = _wandb(cfg, d)
-    autocast = _autocast_for(d.device, cfg.bf16)
-    attn_ctx = (lambda: kernels.force_backend(cfg.attn)) if cfg.attn != "auto" else contextlib.nullcontext
     limit = cfg.max_steps or None
-    bar = _progress(cfg.progress and d.is_main, (limit or total) - gstep)
-    totals = {"steps": 0, "real_tokens": 0, "padded_tokens": 0, "targets": 0, "time_s": 0.0, "wait_s": 0.0,
-              "anchors": 0}
+    bar = _progress(cfg.progress and d.is_main, (limit or run.total) - run.gstep)
+    totals = {"steps": 0, "real_tokens": 0, "padded_tokens": 0, "targets": 0, "time_s": 0.0, "wait_s": 0.0}
     losses: list[float] = []
-    taus: list[float] = []
-    from .objective_dflash import peak_flops
-    peak = peak_flops(d.device)
-
-    def save():
-        rng_all = distributed.gather_objects(ckpt.rng_state(), d)
-        if d.is_main:
-            ckpt.save(ckpt_path, model=model, optimizer=opt, schedule=sched.state(), rng=rng_all,
-                      cursor={"epoch": epoch, "step": step, "global_step": gstep}, run_key=run_key,
-                      model_config=mcfg, extra={"config": asdict(cfg)})
-        distributed.barrier(d)
-
-    consistent = True   # model and optimizer hold exactly the state after global step gstep
     try:
-        while epoch < cfg.epochs and (limit is None or gstep < limit):
-            m = loader.manifest(epoch)
-            _check_manifest_shape(m, d)
-            shape = _manifest_key(m)
-            if epoch > 0 and cfg.objective == "dflash":
-                from .objectives import anchor_spec
-                if anchor_spec(cfg, m)[0] != obj.spec:
-                    raise FormatError(f"epoch {epoch} manifest draws anchors with {anchor_spec(cfg, m)[0]}, epoch 0 "
-                                      f"with {obj.spec}; pack every epoch with the same drafter options")
-            if any(run_key[k] != v for k, v in shape.items()):
-                raise FormatError(f"epoch {epoch} manifest was packed with {shape}, epoch 0 with "
-                                  f"{ {k: run_key[k] for k in shape} }; pack every epoch with the same options")
-            build = (lambda mb, _e=epoch, _l=m.layout: obj.build(ds, mb, _e, _l, loader.pin))
-            with loader.open_epoch(epoch, start_step=step, build=build) as pf:
-                while limit is None or gstep < limit:
-                    t0 = time.perf_counter()
-                    w0 = pf.wait_s
-                    sb = _fetch(pf, d)
-                    if sb is None:
-                        break
-                    consistent = False
-                    with attn_ctx():
-                        st = train_step(model, opt, sb, lr=sched(gstep), grad_clip=cfg.grad_clip, d=d,
-                                        autocast=autocast, objective=obj)
-                    if d.device.type == "cuda":
-                        torch.cuda.synchronize(d.device)
-                    dt = time.perf_counter() - t0
-                    wait = pf.wait_s - w0
-                    step, gstep = sb.step + 1, gstep + 1
-                    consistent = True
-                    _accumulate(totals, st, dt, wait)
-                    if not st["skipped"]:
-                        losses.append(st["loss"])
-                        if "tau" in st:
-                            taus.append(st["tau"])
-                    rec = {"epoch": epoch, "step": sb.step, "global_step": gstep, "loss": st["loss"],
-                           "lr": sched(gstep - 1), "grad_norm": st["grad_norm"], "targets": st["targets"],
-                           "real_tokens": st["real_tokens"], "padded_tokens": st["padded_tokens"],
-                           "efficiency": st["real_tokens"] / max(1, st["padded_tokens"]),
-                           "tokens_per_s": st["real_tokens"] / dt, "step_time_s": dt, "data_wait_s": wait,
-                           "data_wait_share": wait / dt if dt > 0 else 0.0,
-                           "mfu": st["flops"] / (dt * peak * d.world_size) if peak else None}
-                    for k in ("tau", "acc", "slot_acc", "anchors"):
-                        if k in st:
-                            rec[k] = st[k]
-                    if "anchors" in st:
-                        rec["anchors_per_s"] = st["anchors"] / dt
-                        totals["anchors"] += st["anchors"]
-                    if gstep % cfg.log_every == 0:
-                        log.write(rec)
-                        if wb is not None:
-                            wb.log(rec, step=gstep)
-                    if bar is not None:
-                        bar.update(bar.task_ids[0], advance=1,
-                                   info=f"loss {st['loss']:.3f}  {rec['tokens_per_s']:,.0f} tok/s")
-                    if cfg.ckpt_every and gstep % cfg.ckpt_every == 0:
-                        save()
-            if step >= int(m.num_steps):
-                epoch, step = epoch + 1, 0
-        save()
+        while run.epoch < cfg.epochs and (limit is None or run.gstep < limit):
+            m = _epoch_manifest(run)
+            build = (lambda mb, _e=run.epoch, _l=m.layout: obj.build(run.ds, mb, _e, _l, run.loader.pin))
+            with run.loader.open_epoch(run.epoch, start_step=run.step, build=build) as pf:
+                _run_epoch(run, pf, limit, totals, losses, log, wb, bar)
+            if run.step >= int(m.num_steps):
+                run.epoch, run.step = run.epoch + 1, 0
+        run.save()
         if d.is_main and totals["steps"]:
             obj.finish(out)
     except (Exception, KeyboardInterrupt) as e:
         # A stop on error keeps the progress: write the checkpoint when the state is that of a
         # whole step. Across ranks only when every rank stops at the same point (data errors,
         # agreed by _fetch); a lone rank's other error cannot run the collective save.
-        if consistent and (getattr(e, "dflash_data_error", False) or not d.active) and gstep > 0:
-            save()
-            e.dflash_saved = f"{ckpt_path} at global step {gstep}"
+        if run.consistent and (getattr(e, "dflash_data_error", False) or not d.active) and run.gstep > 0:
+            run.save()
+            e.dflash_saved = f"{run.ckpt_path} at global step {run.gstep}"
         raise
     finally:
         if bar is not None:
             bar.stop()
         log.close()
 
-    summary = _summary(totals, losses, epoch, step, gstep, obj, d)
-    if taus:
-        k = max(1, min(5, len(taus) // 2))
-        summary.update(tau_first=sum(taus[:k]) / k, tau_last=sum(taus[-k:]) / k,
-                       anchors=totals["anchors"], anchors_per_s=totals["anchors"] / max(totals["time_s"], 1e-9))
+    summary = _summary(totals, losses, run.epoch, run.step, run.gstep, obj, d) | obj.run_summary(totals["time_s"])
     if d.is_main and totals["steps"]:  # a call with nothing left to do keeps the last run's summary
-        atomic_write_json(out / "summary.json", _finite(summary), format=SUMMARY_FORMAT, version=FORMAT_VERSION)
+        atomic_write_json(out / "summary.json", finite(summary), format=SUMMARY_FORMAT, version=FORMAT_VERSION)
         if wb is not None:
             wb.summary.update(summary)
             wb.finish()
     return summary
+
+
+def _epoch_manifest(run: _Run):
+    """The manifest of ``run.epoch``, refused when packed otherwise than the first one."""
+    m = run.loader.manifest(run.epoch)
+    _check_manifest_shape(m, run.d)
+    shape = _manifest_key(m)
+    run.obj.check_epoch(run.epoch, m)
+    if any(run.run_key[k] != v for k, v in shape.items()):
+        raise FormatError(f"epoch {run.epoch} manifest was packed with {shape}, epoch 0 with "
+                          f"{ {k: run.run_key[k] for k in shape} }; pack every epoch with the same options")
+    return m
+
+
+def _run_epoch(run: _Run, pf, limit: int | None, totals: dict, losses: list, log, wb, bar) -> None:
+    """Train the steps of one epoch's prefetcher ``pf`` until it ends or ``limit`` global steps."""
+    cfg, d, obj = run.cfg, run.d, run.obj
+    autocast = _autocast_for(d.device, cfg.bf16)
+    attn_ctx = (lambda: kernels.force_backend(cfg.attn)) if cfg.attn != "auto" else contextlib.nullcontext
+    peak = distributed.peak_flops(d.device)
+    while limit is None or run.gstep < limit:
+        t0 = time.perf_counter()
+        w0 = pf.wait_s
+        sb = _fetch(pf, d)
+        if sb is None:
+            break
+        run.consistent = False
+        with attn_ctx():
+            st = train_step(obj.model, run.opt, sb, lr=run.sched(run.gstep), grad_clip=cfg.grad_clip, d=d,
+                            autocast=autocast, objective=obj)
+        if d.device.type == "cuda":
+            torch.cuda.synchronize(d.device)
+        dt = time.perf_counter() - t0
+        wait = pf.wait_s - w0
+        run.step, run.gstep = sb.step + 1, run.gstep + 1
+        run.consistent = True
+        _accumulate(totals, st, dt, wait)
+        if not st["skipped"]:
+            losses.append(st["loss"])
+        rec = {"epoch": run.epoch, "step": sb.step, "global_step": run.gstep, "loss": st["loss"],
+               "lr": run.sched(run.gstep - 1), "grad_norm": st["grad_norm"], "targets": st["targets"],
+               "real_tokens": st["real_tokens"], "padded_tokens": st["padded_tokens"],
+               "efficiency": st["real_tokens"] / max(1, st["padded_tokens"]),
+               "tokens_per_s": st["real_tokens"] / dt, "step_time_s": dt, "data_wait_s": wait,
+               "data_wait_share": wait / dt if dt > 0 else 0.0,
+               "mfu": st["flops"] / (dt * peak * d.world_size) if peak else None}
+        rec.update(obj.log_fields(st, dt))
+        if run.gstep % cfg.log_every == 0:
+            log.write(rec)
+            if wb is not None:
+                wb.log(rec, step=run.gstep)
+        if bar is not None:
+            bar.update(bar.task_ids[0], advance=1, info=f"loss {st['loss']:.3f}  {rec['tokens_per_s']:,.0f} tok/s")
+        if cfg.ckpt_every and run.gstep % cfg.ckpt_every == 0:
+            run.save()
 
 
 def _manifest_key(m) -> dict:

@@ -2,7 +2,7 @@
 
 Per micro-batch (documents packed back to back, ids ``x``, loss mask ``lm``):
 
-1. **Anchors** of each document: ``dflash_prep.anchors.sample_anchors_batch`` keyed by
+1. **Anchors** of each document: ``dflash_prep.objectives.anchors.sample_anchors_batch`` keyed by
    (anchor seed, epoch, sample id), cap ``max_anchors``, policy ``cap``/``density``: sorted
    eligible positions (``lm[a] = lm[a+1] = 1``), the same whatever else shares the batch.
 2. **Blocks**: block j is ``[x[a_j], MASK x (B-1)]`` at positions ``a_j .. a_j+B-1``; slot
@@ -32,11 +32,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dflash_prep.anchors import SAMPLER_VERSION, sample_anchors_batch
-from dflash_prep.errors import FormatError
+from dflash_prep.errors import ConfigError, FormatError
+from dflash_prep.objectives.anchors import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_ANCHORS, SAMPLER_VERSION,
+                                            sample_anchors_batch)
 
 from .chunked_ce import weighted_ce
-from .data import _read
+from .config import TrainConfig
+from .data import TensorBatch, _read
 
 
 def default_gamma(block_size: int) -> float:
@@ -67,7 +69,7 @@ class AnchorSpec:
 
 
 @dataclass
-class DFlashBatch:
+class DFlashBatch(TensorBatch):
     """One micro-batch for the DFlash objective (CPU tensors; ``to`` moves them).
 
     Documents: ``input_ids``/``position_ids`` ``[T]`` int64 (positions restart per document),
@@ -94,11 +96,6 @@ class DFlashBatch:
     real_tokens: int
     padded_tokens: int
     n_anchors: int
-
-    def to(self, device: torch.device) -> "DFlashBatch":
-        kw = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-              for k, v in self.__dict__.items()}
-        return DFlashBatch(**kw)
 
 
 def build_dflash_batch(ds, mb, *, epoch: int, spec: AnchorSpec, gamma: float, mask_token_id: int,
@@ -200,13 +197,152 @@ def step_flops(target_params_tapped: int, drafter_params: int, lm_head_params: i
         + 4.0 * n_rows * lm_head_params
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak of the GPU model, for MFU; None when unknown (or on CPU)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, peak in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40", 181e12), ("A10", 125e12)):
-        if key in name:
-            return peak
-    return None
+# ----------------------------------------------------------------------------- the trainer objective
+class DFlashObjective:
+    """Drafter training on a frozen target (module docstring), behind the loop's objective
+    protocol (:mod:`dflash_prep.train.objectives`). The block size is ``anchor_spec``'s: the
+    drafter is built for it, and every use reads :attr:`block_size`."""
 
+    name = "dflash"
+
+    def __init__(self, drafter, target, cfg: TrainConfig, *, anchor_spec: AnchorSpec, gamma: float, identity: dict,
+                 anchor_source: str = "the options"):
+        if drafter.config.block_size != anchor_spec.block_size:
+            raise ConfigError(f"the drafter is built for B = {drafter.config.block_size}, the anchors are drawn for "
+                              f"B = {anchor_spec.block_size}")
+        self.model, self.target, self.cfg = drafter, target, cfg
+        self.spec, self.gamma, self.identity = anchor_spec, float(gamma), identity
+        self.anchor_source = anchor_source
+        self.stats_width = stats_width(self.block_size)
+        P = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+        last = max(drafter.config.target_layer_ids)
+        self._p_target = sum(P(target.layers[i]) for i in range(last + 1))
+        self._p_drafter = P(drafter)
+        self._p_head = target.lm_head.weight.numel()
+        self._taus: list[float] = []
+        self._anchors = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    def build(self, ds, mb, epoch: int, layout: str, pin: bool):
+        c = self.model.config
+        return build_dflash_batch(ds, mb, epoch=epoch, spec=self.spec, gamma=self.gamma,
+                                  mask_token_id=c.mask_token_id, vocab_size=c.vocab_size, pin=pin)
+
+    @staticmethod
+    def denominator(b) -> float:
+        return b.weight_sum
+
+    @staticmethod
+    def targets(denom: float) -> float:
+        return denom
+
+    def loss(self, b, autocast):
+        return dflash_loss(self.model, self.target, b, block_size=self.block_size, ce_chunk=self.cfg.ce_chunk,
+                           autocast=autocast)
+
+    def metrics(self, stats: torch.Tensor, denom: float) -> dict:
+        return summarize_stats(stats, denom, self.block_size)
+
+    def flops(self, b) -> float:
+        c = self.model.config
+        return step_flops(self._p_target, self._p_drafter, self._p_head, b, c.heads, c.head_dim, c.num_layers,
+                          self.block_size)
+
+    def contract(self) -> dict:
+        c = self.model.config
+        return {"objective": "dflash", **self.identity, "target_layer_ids": list(c.target_layer_ids),
+                "mask_token_id": c.mask_token_id, "block_size": self.block_size, "gamma": self.gamma,
+                "anchors": self.spec.to_dict()}
+
+    def describe(self) -> str:
+        c = self.model.config
+        return (f"dflash: target {self.cfg.target} ({self.target.num_layers} layers), taps {list(c.target_layer_ids)}, "
+                f"B={self.block_size}, gamma={self.gamma:g}, mask id {c.mask_token_id}, anchors "
+                f"{self.spec.policy}<={self.spec.max_anchors} drawn by the library sampler with seed {self.spec.seed} "
+                f"(from {self.anchor_source})")
+
+    def check_epoch(self, epoch: int, manifest) -> None:
+        """Every epoch after the first draws anchors as the first did (its budgets assume them)."""
+        if epoch > 0:
+            spec = anchor_spec(self.cfg, manifest)[0]
+            if spec != self.spec:
+                raise FormatError(f"epoch {epoch} manifest draws anchors with {spec}, epoch 0 "
+                                  f"with {self.spec}; pack every epoch with the same drafter options")
+
+    def log_fields(self, st: dict, dt: float) -> dict:
+        """tau, accuracies and anchors of a step for its log record; kept for :meth:`run_summary`."""
+        rec = {k: st[k] for k in ("tau", "acc", "slot_acc", "anchors") if k in st}
+        if not st["skipped"] and "tau" in st:
+            self._taus.append(st["tau"])
+        if "anchors" in st:
+            rec["anchors_per_s"] = st["anchors"] / dt
+            self._anchors += st["anchors"]
+        return rec
+
+    def run_summary(self, time_s: float) -> dict:
+        taus = self._taus
+        if not taus:
+            return {}
+        k = max(1, min(5, len(taus) // 2))
+        return {"tau_first": sum(taus[:k]) / k, "tau_last": sum(taus[-k:]) / k, "anchors": self._anchors,
+                "anchors_per_s": self._anchors / max(time_s, 1e-9)}
+
+    def model_config(self) -> dict:
+        return self.model.config.to_dict()
+
+    def num_parameters(self) -> int:
+        return self._p_drafter
+
+    def finish(self, out) -> None:
+        pass  # `export RUN --out DIR` writes the public format from the checkpoint
+
+
+def build(cfg: TrainConfig, ds, device: torch.device, manifest=None) -> DFlashObjective:
+    """The drafter for ``cfg.target`` (a transformers folder), with the anchors of ``manifest``."""
+    from transformers import AutoConfig
+
+    from .drafter import Drafter, DrafterConfig
+    from .target import FrozenTarget, load_tokenizer, pick_mask_token, target_identity
+
+    spec, source = anchor_spec(cfg, manifest)
+    hc = AutoConfig.from_pretrained(cfg.target)
+    tok = load_tokenizer(cfg.target)
+    mask_id = pick_mask_token(tok, int(hc.vocab_size), cfg.mask_token_id)
+    ids = list(cfg.target_layer_ids) or None
+    dcfg = DrafterConfig.from_target_config(hc, cfg.draft_layers, spec.block_size, mask_id, target_layer_ids=ids)
+    target = FrozenTarget(cfg.target, dcfg.target_layer_ids, device=device)
+    drafter = Drafter(dcfg).to(device)
+    gamma = cfg.gamma or default_gamma(spec.block_size)
+    return DFlashObjective(drafter, target, cfg, anchor_spec=spec, gamma=gamma,
+                           identity=target_identity(cfg.target, tok), anchor_source=source)
+
+
+def anchor_spec(cfg: TrainConfig, manifest=None):
+    """``(AnchorSpec, where the seed came from)``: a ``pack --objective dflash`` manifest's anchor
+    options (its header's ``dflash``) win; a flag that contradicts them is refused, since the
+    manifest's anchor budgets and digest assume them. Otherwise the flags, with the defaults of
+    :mod:`dflash_prep.objectives.anchors` (B = 16, 512 anchors), ``cap``, and ``--anchor-seed``
+    or else ``--seed``."""
+    header = getattr(manifest, "header", None) if manifest is not None else None
+    d = header.get("dflash") if isinstance(header, dict) else None
+    if d is None:
+        seed = cfg.anchor_seed if cfg.anchor_seed >= 0 else cfg.seed
+        where = "--anchor-seed" if cfg.anchor_seed >= 0 else "--seed (the manifests are not pack --objective dflash)"
+        return AnchorSpec(seed=seed, max_anchors=cfg.max_anchors or DEFAULT_MAX_ANCHORS,
+                          policy=cfg.anchor_policy or "cap", block_size=cfg.block_size or DEFAULT_BLOCK_SIZE), where
+    if int(d.get("sampler_version", -1)) != SAMPLER_VERSION:
+        raise ConfigError(f"manifest epoch {manifest.epoch} was packed with anchor sampler v{d.get('sampler_version')}, "
+                          f"this trainer draws with v{SAMPLER_VERSION}; re-pack it (`dflash-prep pack ... --overwrite`)")
+    for flag, mine, theirs in (("--block-size", cfg.block_size, int(d["block_size"])),
+                               ("--max-anchors", cfg.max_anchors, int(d["max_anchors"])),
+                               ("--anchor-policy", cfg.anchor_policy, d["anchor_policy"]),
+                               ("--anchor-seed", cfg.anchor_seed if cfg.anchor_seed >= 0 else None,
+                                int(d["anchor_seed"]))):
+        if mine and mine != theirs:
+            raise ConfigError(f"{flag} {mine} contradicts the manifest, packed with {theirs} (pack --objective "
+                              f"dflash); drop {flag} or re-pack with it")
+    return AnchorSpec(seed=int(d["anchor_seed"]), max_anchors=int(d["max_anchors"]), policy=d["anchor_policy"],
+                      block_size=int(d["block_size"])), "the manifest"

@@ -4,9 +4,9 @@ A checkpoint taken at global step ``g``, cursor ``(epoch N, step K)``, by a job 
 ranks continues under ``W'`` ranks only when asked (``--rescale``):
 
 1. epoch ``N`` from step ``K`` is read from its continuation manifest ``MANIFESTS/resume/
-   epoch-000N`` (:mod:`dflash_prep.repack`: the unconsumed rest of the epoch re-packed for
+   epoch-000N`` (:mod:`dflash_prep.pack.repack`: the unconsumed rest of the epoch re-packed for
    ``W' x A`` from the same plan). When it is missing, rank 0 writes it with
-   :func:`dflash_prep.repack.resume_epoch` while the other ranks wait at a barrier, as
+   :func:`dflash_prep.pack.repack.resume_epoch` while the other ranks wait at a barrier, as
    :mod:`dflash_prep.train.source` packs a missing epoch. The continuation's step ``s`` is
    shown to the loop as the epoch's step ``K + s`` (:class:`ShiftedManifest`), so the cursor,
    the log and later checkpoints keep the epoch's own step numbers and the global step
@@ -35,6 +35,8 @@ import numpy as np
 import torch
 
 from dflash_prep.errors import ConfigError, FormatError
+from dflash_prep.formats import manifest as man
+from dflash_prep.pack.repack import resume_dir, resume_epoch
 
 from . import checkpoint as ckpt
 from . import distributed
@@ -73,8 +75,6 @@ class RescaledSource:
     def manifest(self, epoch: int):
         if epoch != int(self.cont["epoch"]):
             return self._src.manifest(epoch)
-        from dflash_prep import manifest as man
-        from dflash_prep.repack import resume_dir, resume_epoch
 
         s, c = self._src, self.cont
         path = resume_dir(s.root, epoch)

@@ -1,10 +1,10 @@
 """Where the trainer's data comes from: the tokenized dataset, the plan and the manifests.
 
 :class:`FileSource` opens the outputs of ``tokenize``, ``analyze`` and ``pack`` through
-their public loaders (``dflash_prep.dataset.open_dataset``, ``dflash_prep.plan.load``,
-``dflash_prep.manifest.open``). Shards stay memory-mapped; each rank reads only the
+their public loaders (``dflash_prep.formats.dataset.open_dataset``, ``dflash_prep.formats.plan.load``,
+``dflash_prep.formats.manifest.open``). Shards stay memory-mapped; each rank reads only the
 samples of its own micro-batches. A missing epoch manifest is packed on the fly by rank 0
-with ``dflash_prep.pack.pack_epochs`` (the code behind ``dflash-prep pack``), under the
+with ``dflash_prep.pack.pack.pack_epochs`` (the code behind ``dflash-prep pack``), under the
 ``PackConfig`` the root's ``pack_config.json`` declares (defaults for this world size when
 there is none), while the other ranks wait, or, with ``pack_missing=False``, is an error
 that names the command.
@@ -19,6 +19,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_prep.errors import ConfigError, FingerprintMismatch
+from dflash_prep.formats import manifest as man
+from dflash_prep.formats import plan as plan_mod
+from dflash_prep.formats.dataset import open_dataset
+from dflash_prep.pack import config as pack_config
+from dflash_prep.pack.pack import pack_epochs
 
 from . import distributed
 
@@ -38,9 +43,6 @@ class FileSource:
 
     def __init__(self, data: str | Path, plan: str | Path, manifests: str | Path, *,
                  pack_missing: bool = True, dist: distributed.Dist | None = None):
-        from dflash_prep import plan as plan_mod
-        from dflash_prep.dataset import open_dataset
-
         self.root = Path(manifests)
         self.plan_path = Path(plan)
         self.data_path = Path(data)
@@ -63,8 +65,6 @@ class FileSource:
                 "data_fingerprint": str(self.dataset.fingerprint)}
 
     def manifest(self, epoch: int):
-        from dflash_prep import manifest as man
-
         folder = man.epoch_dir(self.root, epoch)
         if not Path(folder).exists():
             cfg = self._pack_config()
@@ -88,14 +88,10 @@ class FileSource:
     def _pack_config(self):
         """The PackConfig the epochs under this root were packed with (``pack_config.json``), else
         the defaults for this world size."""
-        from dflash_prep import pack_config
-
         return pack_config.load(self.root) or pack_config.PackConfig(world_size=self.dist.world_size if self.dist else 1)
 
     def _pack(self, epoch: int) -> None:
         """Rank 0 packs the epoch with ``pack_epochs`` (as ``dflash-prep pack``); the others wait."""
-        from dflash_prep.pack import pack_epochs
-
         d = self.dist
         if d is None or d.is_main:
             cfg = self._pack_config()

@@ -45,6 +45,7 @@ up to, not including, the first assistant turn, with the generation prompt) or
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -54,7 +55,7 @@ from typing import Protocol
 import torch
 
 from dflash_prep.errors import ConfigError, DflashError, FormatError
-from dflash_prep.fileio import atomic_write_json
+from dflash_prep.formats.fileio import atomic_write_json
 
 EVAL_FORMAT = "dflash-prep/speculate-eval"
 EVAL_VERSION = 1
@@ -78,7 +79,6 @@ class Target:
         if bad:
             raise ConfigError(f"target layer ids {bad} are outside the target's {n} layers")
         self.cache = None
-        import inspect
 
         # transformers >= 5.2x names the argument `cache` (`past_key_values` is deprecated there)
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -16,9 +16,12 @@ and ``special_tokens_map.json``. The same arguments give the same bytes (seeded 
 from __future__ import annotations
 
 import argparse
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
+
+from dflash_prep.synth.synth import _pool
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 """Special tokens, ids 0..3. ``<|mask|>`` is never produced by the template: a DFlash drafter
@@ -94,8 +97,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
 
 def default_texts(chars: int = 400_000) -> list[str]:
     """The synth corpus's text pool, cut in 1,000-character pieces (what the demo trains on)."""
-    from dflash_prep.synth import _pool
-
     text = _pool(1)[:chars]
     return [text[i:i + 1000] for i in range(0, len(text), 1000)]
 
@@ -126,8 +127,6 @@ def build_target(out: Path | str, spec: TargetSpec = TargetSpec(), texts: Iterab
                                                do_sample=False)
     tmp = out.with_name(f".{out.name}.tmp-target")
     if tmp.exists():
-        import shutil
-
         shutil.rmtree(tmp)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)

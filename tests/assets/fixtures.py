@@ -27,7 +27,7 @@ def train_bpe(folder: Path, *, template: bool = True, vocab_size: int = 400, ext
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from dflash_prep.synth import _pool
+    from dflash_prep.synth.synth import _pool
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dflash_prep.errors import ConfigError
-from dflash_prep.fileio import read_json
+from dflash_prep.formats.fileio import read_json
+
 from bench import attention as bench
 
 

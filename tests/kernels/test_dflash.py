@@ -18,8 +18,8 @@ from dflash_prep.kernels import attention_dflash, force_backend
 from dflash_prep.kernels.dflash_reference import attention_dflash_reference
 from dflash_prep.kernels.errors import AttentionConfigError
 
-from .dflash_helpers import NAMES, make_dflash, run_dflash
-from .helpers import close_to_reference
+from tests.kernels.dflash_helpers import NAMES, make_dflash, run_dflash
+from tests.kernels.helpers import close_to_reference
 
 
 def _check(docs, block_size, hq, hkv, d, dtype, seed=0):

@@ -1,12 +1,11 @@
-"""Trainer tests: make ``train_fakes`` importable (also in spawned workers), keep CPU use small.
+"""Trainer tests: keep CPU use small; Triton's interpreter without a GPU.
 
-The fakes live beside the tests rather than in a package, so this folder goes on
-``sys.path`` (spawned processes inherit ``sys.path`` from the parent).
+The fakes and fixtures beside the tests are imported as ``tests.train.<module>``, like every
+test helper (pyproject's ``pythonpath`` puts the repository root on ``sys.path``; spawned
+workers inherit it).
 """
 
 import os
-import sys
-from pathlib import Path
 
 import torch
 
@@ -14,9 +13,5 @@ import torch
 # on a GPU machine the compiled kernels run (the gpu-marked tests)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-HERE = str(Path(__file__).parent)
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
 
 torch.set_num_threads(1)  # the test machine has 2 cores shared with other engineers

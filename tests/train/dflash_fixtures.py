@@ -70,7 +70,8 @@ def dflash_grads_setup(target, world: int, accum: int, rank: int):
     from dflash_prep.train.data import iter_steps
     from dflash_prep.train.loop import build_optimizer
     from dflash_prep.train.objectives import build_objective
-    from train_fakes import FakeSource
+
+    from tests.train.train_fakes import FakeSource
 
     src = FakeSource(n=48, world_size=world, grad_accum=accum, layout="varlen")
     cfg = dflash_cfg("unused", target)

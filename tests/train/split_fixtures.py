@@ -18,14 +18,14 @@ BLOCK, MAX_ANCHORS = 4, 6
 
 def build_pipeline(root: Path, *, world_size: int = 2, grad_accum: int = 2, n: int = 64) -> dict:
     """synth -> tokenize (the target's tokenizer) -> plan -> pack --objective dflash, epochs 0-1."""
-    from dflash_prep import lengths as lengths_mod
-    from dflash_prep import plan as plan_mod
-    from dflash_prep.pack import PackConfig, pack_epochs
-    from dflash_prep.pack_dflash import drafter_options
-    from dflash_prep.synth import SynthConfig, synth
-    from dflash_prep.tokenize import TokenizeConfig, tokenize
+    from dflash_prep.formats import lengths as lengths_mod
+    from dflash_prep.formats import plan as plan_mod
+    from dflash_prep.pack.pack import PackConfig, pack_epochs
+    from dflash_prep.objectives.dflash import drafter_options
+    from dflash_prep.synth.synth import SynthConfig, synth
+    from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 
-    from dflash_fixtures import tiny_target
+    from tests.train.dflash_fixtures import tiny_target
 
     target = tiny_target(0)
     synth(SynthConfig(out=root / "corpus", profile="mini", n=n, seed=0))
@@ -36,7 +36,7 @@ def build_pipeline(root: Path, *, world_size: int = 2, grad_accum: int = 2, n: i
                   root / "plan")
     d = drafter_options(target_config=target, draft_layers=1, block_size=BLOCK, max_anchors=MAX_ANCHORS)
     pack_epochs(plan=root / "plan" / "plan.json", epochs=[0, 1], out=root / "man",
-                config=PackConfig(objective="dflash", drafter=d, world_size=world_size, grad_accum=grad_accum))
+                config=PackConfig(objective="dflash", options=d, world_size=world_size, grad_accum=grad_accum))
     return {"root": str(root), "target": str(target), "data": str(root / "data"),
             "plan": str(root / "plan" / "plan.json"), "manifests": str(root / "man")}
 
@@ -54,7 +54,7 @@ def batch_builder(paths: dict, source):
 
     from dflash_prep.train.config import TrainConfig
     from dflash_prep.train.objective_dflash import build_dflash_batch, default_gamma
-    from dflash_prep.train.objectives import anchor_spec
+    from dflash_prep.train.objective_dflash import anchor_spec
     from dflash_prep.train.target import load_tokenizer, pick_mask_token
 
     target = paths["target"]

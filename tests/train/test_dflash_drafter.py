@@ -6,7 +6,7 @@ import torch
 from dflash_prep.errors import ConfigError
 from dflash_prep.train.drafter import Drafter, DrafterConfig, build_target_layer_ids
 
-from dflash_oracle import public_block_forward
+from tests.train.dflash_oracle import public_block_forward
 
 
 def _cfg(**kw):

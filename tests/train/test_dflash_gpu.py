@@ -11,8 +11,8 @@ import torch
 from dflash_prep import kernels
 from dflash_prep.train.loop import train
 
-from dflash_fixtures import MASK_ID, dflash_cfg
-from train_fakes import FakeSource
+from tests.train.dflash_fixtures import MASK_ID, dflash_cfg
+from tests.train.train_fakes import FakeSource
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -9,15 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_prep.anchors import sample_anchors
+from dflash_prep.objectives.anchors import sample_anchors
 from dflash_prep.train.chunked_ce import weighted_ce
 from dflash_prep.train.drafter import Drafter, DrafterConfig
-from dflash_prep.train.objective_dflash import (AnchorSpec, build_dflash_batch, default_gamma, dflash_loss,
-                                                slot_weights)
+from dflash_prep.train.objective_dflash import AnchorSpec, build_dflash_batch, default_gamma, dflash_loss, slot_weights
 from dflash_prep.train.target import FrozenTarget
 
-from dflash_fixtures import MASK_ID, tiny_target
-from train_fakes import FakeDataset, FakeMB
+from tests.train.dflash_fixtures import MASK_ID, tiny_target
+from tests.train.train_fakes import FakeDataset, FakeMB
 
 B = 4
 SPEC = AnchorSpec(seed=5, max_anchors=5, policy="cap", block_size=B)
@@ -159,14 +158,14 @@ def test_chunked_ce_matches_full_cross_entropy():
 
 def test_anchor_options_come_from_a_dflash_manifest():
     """A `pack --objective dflash` header fixes B, cap, policy and seed; the batch's anchors are the
-    ones pack_dflash.microbatch_anchors regenerates from it; a contradicting flag is refused."""
+    ones dflash_anchors.microbatch_anchors regenerates from it; a contradicting flag is refused."""
     from types import SimpleNamespace
 
-    from dflash_prep.anchors import SAMPLER_VERSION
     from dflash_prep.errors import ConfigError
-    from dflash_prep.pack_dflash import microbatch_anchors
+    from dflash_prep.objectives.anchors import SAMPLER_VERSION
+    from dflash_prep.objectives.dflash_anchors import microbatch_anchors
     from dflash_prep.train.config import TrainConfig
-    from dflash_prep.train.objectives import anchor_spec
+    from dflash_prep.train.objective_dflash import anchor_spec
 
     header = {"epoch": 2, "dflash": {"block_size": 4, "max_anchors": 3, "anchor_policy": "cap", "anchor_seed": 11,
                                      "sampler_version": SAMPLER_VERSION}}

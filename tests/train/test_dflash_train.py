@@ -17,8 +17,8 @@ from dflash_prep.train.config import TrainConfig
 from dflash_prep.train.distributed import Dist
 from dflash_prep.train.loop import train, train_step
 
-from dflash_fixtures import dflash_cfg, dflash_grads_setup, gloo_dflash_worker, tiny_target
-from train_fakes import FakeSource
+from tests.train.dflash_fixtures import dflash_cfg, dflash_grads_setup, gloo_dflash_worker, tiny_target
+from tests.train.train_fakes import FakeSource
 
 
 def _src(**kw):

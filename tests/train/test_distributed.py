@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 from dflash_prep.train.distributed import Dist
 from dflash_prep.train.loop import train_step
 from dflash_prep.train.model import token_loss_sum
-from train_fakes import gloo_worker, grads_setup
+
+from tests.train.train_fakes import gloo_worker, grads_setup
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 

@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_prep import dataset as ds_mod
-from dflash_prep import lengths as lengths_mod
-from dflash_prep import manifest
-from dflash_prep import plan as plan_mod
 from dflash_prep.errors import ConfigError, DflashError, FormatError
-from dflash_prep.fileio import atomic_save_npy, fingerprint_array, fingerprint_json
-from dflash_prep.pack import pack_epochs
+from dflash_prep.formats import dataset as ds_mod
+from dflash_prep.formats import lengths as lengths_mod
+from dflash_prep.formats import manifest
+from dflash_prep.formats import plan as plan_mod
+from dflash_prep.formats.fileio import atomic_save_npy, fingerprint_array, fingerprint_json
+from dflash_prep.pack.pack import pack_epochs
 from dflash_prep.train import checkpoint as ckpt
 from dflash_prep.train.config import TrainConfig
 from dflash_prep.train.loop import train

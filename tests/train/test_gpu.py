@@ -9,7 +9,8 @@ import torch
 
 from dflash_prep.train.config import TrainConfig
 from dflash_prep.train.loop import train
-from train_fakes import FakeSource
+
+from tests.train.train_fakes import FakeSource
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_prep import lengths as lengths_mod
-from dflash_prep import plan as plan_mod
 from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
-from dflash_prep.pack import pack_epochs
-from dflash_prep.synth import SynthConfig, synth
-from dflash_prep.tokenize import TokenizeConfig, tokenize
+from dflash_prep.formats import lengths as lengths_mod
+from dflash_prep.formats import plan as plan_mod
+from dflash_prep.pack.pack import pack_epochs
+from dflash_prep.synth.synth import SynthConfig, synth
+from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 from dflash_prep.train.loader import ManifestLoader
 
 
@@ -41,7 +41,7 @@ def _key(b):
 
 @pytest.mark.parametrize("layout", ["padded", "varlen"])
 def test_hf_collation_matches_the_dataset(pipe, layout):
-    from dflash_prep.dataset import open_dataset
+    from dflash_prep.formats.dataset import open_dataset
 
     ds = open_dataset(pipe / "data")
     loader = _loader(pipe, layout, collate="trainer")
@@ -66,7 +66,7 @@ def test_hf_collation_matches_the_dataset(pipe, layout):
 
 
 def test_yields_this_ranks_microbatches_in_manifest_order_over_epochs(pipe):
-    from dflash_prep import manifest
+    from dflash_prep.formats import manifest
 
     got = [b.sample_ids.tolist() for b in _loader(pipe, rank=1, collate="trainer")]
     want = []

@@ -12,7 +12,8 @@ from dflash_prep.train import bench
 from dflash_prep.train.config import ModelConfig, TrainConfig, build, preset
 from dflash_prep.train.data import build_batch
 from dflash_prep.train.model import Decoder, token_loss_sum
-from train_fakes import FakeDataset
+
+from tests.train.train_fakes import FakeDataset
 
 
 def test_presets_shapes_and_100m_size():

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from dflash_prep import lengths as lengths_mod
-from dflash_prep import plan as plan_mod
 from dflash_prep.errors import ConfigError, FingerprintMismatch
-from dflash_prep.synth import SynthConfig, synth
-from dflash_prep.tokenize import TokenizeConfig, tokenize
+from dflash_prep.formats import lengths as lengths_mod
+from dflash_prep.formats import plan as plan_mod
+from dflash_prep.synth.synth import SynthConfig, synth
+from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 from dflash_prep.train.config import TrainConfig
 from dflash_prep.train.loop import train
 from dflash_prep.train.source import FileSource
@@ -40,7 +40,7 @@ def test_missing_manifest_is_an_error_naming_the_command(pipeline):
 
 
 def test_missing_epochs_are_packed_on_the_fly_and_trained_in_manifest_order(pipeline):
-    from dflash_prep import manifest
+    from dflash_prep.formats import manifest
 
     s = train(_cfg(pipeline, epochs=2, max_steps=0))
     for e in (0, 1):
@@ -62,8 +62,8 @@ def test_plan_for_other_data_is_refused(pipeline, tmp_path):
 
 
 def test_epoch_packed_on_the_fly_keeps_a_neighbours_budget_override(pipeline, tmp_path):
-    from dflash_prep import manifest
-    from dflash_prep.pack import pack_epochs
+    from dflash_prep.formats import manifest
+    from dflash_prep.pack.pack import pack_epochs
 
     override = plan_mod.Budget(value=384)
     pack_epochs(plan=pipeline / "plan" / "plan.json", epochs=[0], out=tmp_path / "man", data=pipeline / "data",

@@ -11,7 +11,8 @@ from dflash_prep.errors import FormatError
 from dflash_prep.train import checkpoint as ckpt
 from dflash_prep.train.config import TrainConfig
 from dflash_prep.train.loop import train
-from train_fakes import FakeSource
+
+from tests.train.train_fakes import FakeSource
 
 SMALL = dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
 

@@ -10,13 +10,13 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dflash_prep import lengths as lengths_mod
-from dflash_prep import manifest
-from dflash_prep import plan as plan_mod
 from dflash_prep.errors import ConfigError
-from dflash_prep.pack import pack_epochs
-from dflash_prep.synth import SynthConfig, synth
-from dflash_prep.tokenize import TokenizeConfig, tokenize
+from dflash_prep.formats import lengths as lengths_mod
+from dflash_prep.formats import manifest
+from dflash_prep.formats import plan as plan_mod
+from dflash_prep.pack.pack import pack_epochs
+from dflash_prep.synth.synth import SynthConfig, synth
+from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 from dflash_prep.train import checkpoint as ckpt
 from dflash_prep.train.config import TrainConfig
 from dflash_prep.train.data import build_batch
@@ -93,7 +93,7 @@ def test_rescaled_resume_covers_the_epoch_exactly_once(two_parts):
     steps = {r["step"]: [mb for w in range(2) for mb in parent.microbatches(w) if mb.step == r["step"]]
              for r in recs[:3]}
     steps.update({3 + t: [mb for mb in cont.microbatches(0) if mb.step == t] for t in range(cont.num_steps)})
-    from dflash_prep.dataset import open_dataset
+    from dflash_prep.formats.dataset import open_dataset
 
     ds = open_dataset(root / "data")
     for r in recs:

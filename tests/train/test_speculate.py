@@ -7,8 +7,7 @@ import torch
 
 from dflash_prep.train.drafter import Drafter, DrafterConfig
 from dflash_prep.train.export import write_export
-from dflash_prep.train.speculate import (DFlashProposer, Target, greedy_generate, main, speculative_generate,
-                                         summarize)
+from dflash_prep.train.speculate import DFlashProposer, Target, greedy_generate, main, speculative_generate, summarize
 from dflash_prep.train.target_init import TargetSpec, build_target, default_texts
 
 B = 4
@@ -123,7 +122,7 @@ def test_eval_entry_point_writes_a_versioned_report(tiny, tmp_path):
 
 def test_proposer_drafts_what_the_public_algorithm_drafts(tiny):
     """One DFlashProposer block == the public per-block computation after a prefill of ``start``."""
-    from dflash_oracle import public_block_forward
+    from tests.train.dflash_oracle import public_block_forward
 
     _, model, _ = tiny
     drafter = _drafter(model, seed=2)

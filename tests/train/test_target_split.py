@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from dflash_prep.errors import ConfigError, FormatError
 from dflash_prep.train.roles import Roles
 from dflash_prep.train.target_link import HEADER_LEN, KIND_DATA, Tag, decode_header, encode_header, sample_digest
-from split_fixtures import build_pipeline, open_source, split_rank
+from tests.train.split_fixtures import build_pipeline, open_source, split_rank
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 

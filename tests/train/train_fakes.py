@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_prep.bucketing import pack_padded_epoch
-from dflash_prep.plan import Budget
+from dflash_prep.formats.plan import Budget
+from dflash_prep.pack.bucketing import pack_padded_epoch
 
 VOCAB = 97
 

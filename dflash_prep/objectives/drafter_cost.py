@@ -1,0 +1,181 @@
+"""What one DFlash drafter training step costs, per sample and per micro-batch (FLOPs).
+
+docs/definitions.md "Drafter step cost", made exact. Per sample of ``L`` tokens with ``k`` anchors
+(blocks of ``B`` tokens) and anchor positions ``a_j``:
+
+- target forward (frozen, no backward): ``2 * P_t * L`` plus causal attention within the
+  document, ``2 * h * d * L^2`` per target layer (``4 h d L^2 / 2``);
+- drafter context (trained, x3 for backward): the fc over the ``n`` tapped hidden states
+  (``n * H * H`` per token) and each draft layer's k/v projection of that feature
+  (``2 * H * h_kv * d``), ``6 * (n H^2 + N * 2 H h_kv d) * L``;
+- drafter blocks: ``6 * P_d * k * B`` through the ``N`` draft layers, plus attention of each
+  block's ``B`` queries over its prefix and its own block, ``12 * h * d * B * (a_j + B)`` per
+  draft layer (``4 h d B (a_j + B)`` forward, x3 with backward);
+- LM head (frozen, gradients flow through it): ``6 * k * B * H * V``.
+
+``P_t`` counts the target's decoder-layer weights (attention + SwiGLU MLP), embeddings and
+LM head aside; a draft layer has the target's layer shape, so ``P_d = N * layer + n * H^2``
+(fc, ``n = N`` tapped layers). Pack does not read masks, so ``sum_j a_j`` is taken at its
+expectation when the supervised tokens end the sample (a prompt, then the response):
+candidates are positions ``L - S .. L - 2``, mean ``L - S/2 - 1`` (clipped at 0). For the
+public recipe's shape (Qwen3-8B target, 5 draft layers, B = 16, 512 anchors, L ~ 1150)
+the anchor terms are ~84% of the step, near the ~78% public benchmarks report.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numba as nb
+import numpy as np
+
+from dflash_prep.errors import ConfigError
+
+#: The fields of a transformers config.json this model reads, and their names there.
+CONFIG_KEYS = {"hidden": "hidden_size", "layers": "num_hidden_layers", "intermediate": "intermediate_size",
+               "heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+               "vocab": "vocab_size"}
+
+
+@dataclass(frozen=True)
+class DrafterCostModel:
+    """Model sizes of the drafter step cost (module docstring).
+
+    Attributes:
+        hidden: the target's d_model ``H`` (the drafter shares it).
+        layers: target decoder layers.
+        intermediate: SwiGLU width.
+        heads: query heads ``h``.
+        kv_heads: key/value heads ``h_kv``.
+        head_dim: ``d``.
+        vocab: ``V``, the LM head's rows.
+        draft_layers: ``N``, the drafter's decoder layers (it taps ``N`` target layers).
+    """
+
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    draft_layers: int = 1
+
+    def __post_init__(self):
+        for f in fields(self):
+            if int(getattr(self, f.name)) < 1:
+                raise ConfigError(f"cost model: {f.name} must be >= 1, got {getattr(self, f.name)}")
+
+    @classmethod
+    def from_config(cls, folder: str | Path, draft_layers: int = 1) -> "DrafterCostModel":
+        """Sizes from a transformers ``config.json`` (a folder or the file itself)."""
+        path = Path(folder)
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read a transformers config.json ({e}); pass --target-config DIR "
+                              "holding the target's config.json, or --target-dims") from None
+        cfg = cfg.get("text_config", cfg)           # multimodal configs nest the language model
+        vals = {}
+        for ours, theirs in CONFIG_KEYS.items():
+            v = cfg.get(theirs)
+            if v is None and ours == "head_dim" and cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+                v = cfg["hidden_size"] // cfg["num_attention_heads"]
+            if v is None and ours == "kv_heads":
+                v = cfg.get("num_attention_heads")
+            if v is None:
+                raise ConfigError(f"{path}: no {theirs!r}; the drafter cost model needs {', '.join(CONFIG_KEYS.values())}")
+            vals[ours] = int(v)
+        return cls(**vals, draft_layers=int(draft_layers))
+
+    @classmethod
+    def from_dims(cls, spec: str, draft_layers: int = 1) -> "DrafterCostModel":
+        """Sizes from ``"hidden=4096,layers=36,intermediate=12288,heads=32,kv_heads=8,head_dim=128,vocab=151936"``."""
+        vals = {}
+        for part in spec.split(","):
+            k, sep, v = part.strip().partition("=")
+            if not sep or k not in CONFIG_KEYS:
+                raise ConfigError(f"--target-dims {spec!r}: write name=value pairs with names {', '.join(CONFIG_KEYS)}")
+            try:
+                vals[k] = int(v)
+            except ValueError:
+                raise ConfigError(f"--target-dims: {k}={v!r} is not an integer") from None
+        missing = [k for k in CONFIG_KEYS if k not in vals]
+        if missing:
+            raise ConfigError(f"--target-dims {spec!r} lacks {', '.join(missing)}")
+        return cls(**vals, draft_layers=int(draft_layers))
+
+    # -- parameter counts
+    @property
+    def layer_params(self) -> int:
+        """Weights of one decoder layer: q, k, v, o projections and the SwiGLU MLP."""
+        H, hd = self.hidden, self.head_dim
+        return H * self.heads * hd * 2 + H * self.kv_heads * hd * 2 + 3 * H * self.intermediate
+
+    @property
+    def target_params(self) -> int:
+        return self.layers * self.layer_params
+
+    @property
+    def draft_params(self) -> int:
+        return self.draft_layers * self.layer_params + self.draft_layers * self.hidden * self.hidden
+
+    def coefficients(self, block_size: int) -> dict:
+        """FLOPs per unit of each per-sample quantity (float64): ``tokens`` (L), ``tokens_sq``
+        (L^2), ``anchors`` (k) and ``anchor_pos`` (sum of anchor positions)."""
+        B, H, hd, N = float(block_size), float(self.hidden), float(self.head_dim), float(self.draft_layers)
+        ctx = 6.0 * (N * H * H + N * 2.0 * H * self.kv_heads * hd)
+        attn_d = 12.0 * self.heads * hd * B * N
+        return {"tokens": 2.0 * self.target_params + ctx,
+                "tokens_sq": 2.0 * self.heads * hd * self.layers,
+                "anchors": 6.0 * self.draft_params * B + 6.0 * B * H * self.vocab + attn_d * B,
+                "anchor_pos": attn_d}
+
+    def coefficient_array(self, block_size: int) -> np.ndarray:
+        """:meth:`coefficients` as float64 ``[tokens, tokens_sq, anchors, anchor_pos]`` (numba's)."""
+        c = self.coefficients(block_size)
+        return np.array([c["tokens"], c["tokens_sq"], c["anchors"], c["anchor_pos"]], np.float64)
+
+    def describe(self, block_size: int) -> dict:
+        """What manifest.json records: the sizes, parameter counts and coefficients."""
+        return {**asdict(self), "target_params": self.target_params, "draft_params": self.draft_params,
+                "coefficients": self.coefficients(block_size)}
+
+
+@nb.njit(cache=True, inline="always")
+def step_flops(coef, L, S, k):
+    """One sample's drafter step FLOPs from :meth:`DrafterCostModel.coefficient_array` (numba)."""
+    L = np.float64(L)
+    k = np.float64(k)
+    return (coef[0] * L + coef[1] * L * L + coef[2] * k
+            + coef[3] * (k * max(L - np.float64(S) / 2.0 - 1.0, 0.0)))
+
+
+@nb.njit(cache=True, parallel=True)
+def _sample_costs(coef, lens, sup, counts, out):
+    for i in nb.prange(lens.shape[0]):
+        out[i] = step_flops(coef, lens[i], sup[i], counts[i])
+
+
+def sample_cost(model: DrafterCostModel, block_size: int, lengths, supervised, counts) -> np.ndarray:
+    """Drafter step FLOPs per sample (float64), the terms of the module docstring summed."""
+    arrs = [np.ascontiguousarray(a) for a in (lengths, supervised, counts)]
+    arrs = [a if a.dtype.kind in "iuf" else a.astype(np.float64) for a in arrs]
+    if not arrs[0].shape == arrs[1].shape == arrs[2].shape:
+        raise ConfigError("lengths, supervised and counts need one entry per sample each")
+    out = np.empty(arrs[0].shape[0], np.float64)
+    _sample_costs(model.coefficient_array(block_size), *arrs, out)
+    return out
+
+
+def cost_shares(model: DrafterCostModel, block_size: int, lengths, supervised, counts) -> dict:
+    """Share of the total in target (per token + attention) and anchor (drafter blocks, LM head) work."""
+    c = model.coefficients(block_size)
+    L = np.asarray(lengths, np.float64)
+    target = float((c["tokens"] * L + c["tokens_sq"] * L * L).sum())
+    total = float(sample_cost(model, block_size, lengths, supervised, counts).sum())
+    return {"target": target / total if total else 0.0, "anchors": 1.0 - target / total if total else 0.0}
+

@@ -1,0 +1,1 @@
+"""Stage 3, plan -> manifests: per-epoch bucketing, step schedule, rank balance, resume re-packing, metrics."""

@@ -1,0 +1,1 @@
+"""Stage 1, corpus -> dataset: read records, render chats, encode ids and loss masks, write Arrow shards."""

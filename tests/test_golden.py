@@ -1,0 +1,225 @@
+"""Golden outputs: the pipeline's bytes and a short training run's losses, pinned.
+
+One small fixed corpus goes through the command line (synth -> tokenize -> analyze -> pack LM
+padded, LM varlen and ``--objective dflash`` for 2 ranks), then the trainer runs 3 LM steps and
+3 DFlash steps on a tiny random Qwen3 target. The SHA-256 of every file written (JSON with its
+machine-dependent fields removed: absolute source paths, the tool version, timings), the anchor
+digest and every logged loss (exact float repr) must equal the values recorded from the code
+before the module layout and the objective registry changed. Every option is passed explicitly,
+so a changed default elsewhere does not move these values; a changed algorithm does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_prep.cli import app
+
+# the tiny target's shape: 4 layers, so two draft layers tap build_target_layer_ids(4, 2)
+TARGET_DIMS = "hidden=64,layers=4,intermediate=96,heads=4,kv_heads=2,head_dim=16,vocab=300"
+PACK = ["--schedule", "class-aware", "--window", "256", "--open-bins", "4", "--budget-unit", "tokens",
+        "--budget", "4096"]
+W2 = ["--world-size", "2", "--grad-accum", "1"]
+ANCHORS = ["--block-size", "8", "--max-anchors", "24", "--anchor-policy", "cap", "--draft-layers", "2"]
+DFLASH_PACK = ["--objective", "dflash", *ANCHORS, "--anchor-budget", "900", "--cost-fill", "0.95",
+               "--anchor-seed", "11"]
+# TrainConfig fields that have no command-line flag, written to the run's config file
+TRAIN_TOML = """\
+epochs = 1
+pack_missing = false
+min_lr_ratio = 0.1
+weight_decay = 0.1
+betas = [0.9, 0.95]
+log_every = 1
+ckpt_every = 0
+"""
+LM_MODEL = ("[model]\npreset = \"tiny\"\nvocab_size = 0\nn_layers = 2\nd_model = 32\nn_heads = 4\nn_kv_heads = 2\n"
+            "head_dim = 8\nffn_dim = 64\nrope_theta = 10000.0\nnorm_eps = 1e-5\ntie_embeddings = true\ninit_std = 0.02\n")
+TRAIN_COMMON = ["--max-steps", "3", "--lr", "0.003", "--warmup-steps", "1", "--grad-clip", "1.0", "--seed", "4",
+                "--attn", "reference", "--device", "cpu", "--no-bf16", "--prefetch", "2", "--from-scratch",
+                "--no-progress", "--ce-chunk", "64", "--no-pack-missing", "--no-rescale", "--wandb", ""]
+# JSON keys that name this machine or this run's timing, not the algorithm's output
+VOLATILE = {"meta.json": ("created_by", "source", "meta_fingerprint"),
+            "analyze-report.json": ("seconds", "cpu_seconds", "png", "plan", "data.path")}
+
+GOLDEN: dict[str, str] = {  # recorded from commit 750806e (before the layout change)
+    "anchor_digest": "s1d2:4f137ac1cb9e8adf75402496323d50cc",
+    "data/anchor_candidates.npy": "a3df4e833d122a28d3627236edc37e6715a2a44a3295db27b815fb7353ef7f53",
+    "data/dataset_info.json": "42bc9a3736243c3b4d5e80f641c538db1c48fbf4ab28bc550218e9f12f12edbf",
+    "data/lengths.npy": "63737af94936a2b47b70adba69f07fc4e6bbbce486102812b255758b743e28b4",
+    "data/meta.json": "7cc25b0004245ccedf5912bc8de344e543da9ccd74fa20aa88f2d47a7a75be9f",
+    "data/shard-00000.arrow": "3cf29ae65a25783e1f86bcf240b17e29642d1bbf6408d64736341580ac02ed0f",
+    "data/state.json": "902e2b0c7495d55ff5210d6cd66ac0c4f08f9a1417b3f5e921173b0a76603d28",
+    "data/supervised.npy": "b8fd0f7e3d3202f31478b849ff4e8839e29ff507c9effdf40e6a3cb337308e65",
+    "dflash_losses":
+        "(5.703701616644784, 1.0, 36); "
+        "(5.594639311645034, 1.0833333333333333, 36); "
+        "(5.510225368479361, 1.0666666666666667, 30)",
+    "lm_losses":
+        "(5.561141709598698, 7746); "
+        "(5.398583652210885, 7435); "
+        "(5.237604362960637, 5055)",
+    "manifests/dflash/epoch-0000/anchor_counts.npy": "3c1a23debfaada1b9d9d328979f0f0afef5d11cee0e1a9a75cf01fe15588e3e1",
+    "manifests/dflash/epoch-0000/anchors.npy": "d8c1233cde5b69dc4033a7db144e2eef6057c31043c8c19c47abccd210d803cf",
+    "manifests/dflash/epoch-0000/cu_seqlens.npy": "4cbcf4baaf91a01f2d51c02de42cca7c732089eb6358c4be71e10ed3c436f1ee",
+    "manifests/dflash/epoch-0000/dropped_ids.npy": "e734dac55ea9fbbe782af2d8c02c3c5992131906228afb2aaaf137d6f3ed74db",
+    "manifests/dflash/epoch-0000/manifest.json": "7ac0b544a909d959e5951c92b30fee665eec3f718427f1a97603f509a71679c7",
+    "manifests/dflash/epoch-0000/microbatches.npy": "358a8250e26cfd5f9212f6ee0c345247384647fd3a463d4e0fc970679e56e291",
+    "manifests/dflash/epoch-0000/sample_ids.npy": "8a17a8b81966a47093d6078ce2dc3c1725407d98ed0972f29cbcc38d1b85fc88",
+    "manifests/dflash/epoch-0000/sample_lens.npy": "fa4e622f67e1f5fb094b81c438c6ae811a92b6ac555119ae919dc9fafd7d5ba6",
+    "manifests/dflash/pack_config.json": "f9325ea2ddd98886a557f5eea86310d73858edecf43c54bb787cdc237fa8d789",
+    "manifests/dflash/root.json": "b1cc062e5f249e21751f4508316f0e48af23591b1460e1aaee2423c3badbf425",
+    "manifests/lm-padded/epoch-0000/dropped_ids.npy": "e734dac55ea9fbbe782af2d8c02c3c5992131906228afb2aaaf137d6f3ed74db",
+    "manifests/lm-padded/epoch-0000/manifest.json": "e543bd5e76a98730d9000e0bb6d3acd45d5611c74e57a96bbdedc2a9df4e4572",
+    "manifests/lm-padded/epoch-0000/microbatches.npy": "96f89a3f4dad63aeaca18ee14679aaf610bebdf9060a3fd61dff2a58b9fba2cb",
+    "manifests/lm-padded/epoch-0000/sample_ids.npy": "6bf9f1c0243831ba41cba73bd4ffcc1acf58dd89cb4990edfffea1dfd7f71323",
+    "manifests/lm-padded/epoch-0000/sample_lens.npy": "15bc87a68862546e8d21cf3d3df8e9da154cf0b3a862b975ed26ab8d80d9b9fb",
+    "manifests/lm-padded/epoch-0001/dropped_ids.npy": "e734dac55ea9fbbe782af2d8c02c3c5992131906228afb2aaaf137d6f3ed74db",
+    "manifests/lm-padded/epoch-0001/manifest.json": "ad14eadd59f6d2a9886145cbe7f5595b4cbac11ac088097892e218a3a63ea917",
+    "manifests/lm-padded/epoch-0001/microbatches.npy": "bd7ffb5287003057b788360aa2e02b0f169b53062ce322ba3c2a3836621212f2",
+    "manifests/lm-padded/epoch-0001/sample_ids.npy": "ff298dc50fb863a91644859444366058993aaa575ed550b688801a9a741b05cd",
+    "manifests/lm-padded/epoch-0001/sample_lens.npy": "f9f9aedf024c91fca4124c5d39658d310f9cdbe293ea05dbbc14a69be224080b",
+    "manifests/lm-padded/pack_config.json": "e2232ea0da48a81c5f8a97ce96b351924be6c4523995ee97e967c20c4ea5757a",
+    "manifests/lm-padded/root.json": "f837193e7c99a21da433353ba464e8ac188cddfaa218e2c8b1f1aca1fa3a23ea",
+    "manifests/lm-varlen/epoch-0000/cu_seqlens.npy": "20917dc484dadc71cf5bde4b4fa265c82364189efe8868b09d02587ed302ca10",
+    "manifests/lm-varlen/epoch-0000/dropped_ids.npy": "e734dac55ea9fbbe782af2d8c02c3c5992131906228afb2aaaf137d6f3ed74db",
+    "manifests/lm-varlen/epoch-0000/manifest.json": "985adfd7abb8b144567cabcae20eab33331010577ec839c3a50af614e662d897",
+    "manifests/lm-varlen/epoch-0000/microbatches.npy": "efce4ff5611841b01eafd6f472695a872b475d324f1122a8a45458c509277437",
+    "manifests/lm-varlen/epoch-0000/sample_ids.npy": "90605038ab8fdcc2e2fd0ff399d3c981ff57bc969f2804610e6c33b4f876fc27",
+    "manifests/lm-varlen/epoch-0000/sample_lens.npy": "1216fd0a311c2ef0c4358ada02a47c5decfb6ef9372988051d7e3b065d43e61d",
+    "manifests/lm-varlen/pack_config.json": "66a887766174e8b07971223370b9438ae479118b78012d4251d9abfb9c17b26e",
+    "manifests/lm-varlen/root.json": "48d79a5cb449605397c11d89b9bd9f578b956bcb966dcb5586eda47134987081",
+    "plan/analyze-report.json": "cdf3ebe70470d0112ff18859ae7b7df51ed4622f73d70659b54a23b26b25f594",
+    "plan/plan.json": "2c511c4522741c69b7d0d7df819cd474429edc5792ef73877cbcb3bcf4907e44",
+    "t-dflash/epoch-0000/anchor_counts.npy": "7c446d19cf08468f6e15bf5a429f9634135ab19f00e1718068fa0791247ddcc5",
+    "t-dflash/epoch-0000/cu_seqlens.npy": "aa1940b9aa932010a0dcfcd4e22a53e4ffaaac8a662b03f24005b2b2a765f333",
+    "t-dflash/epoch-0000/dropped_ids.npy": "e734dac55ea9fbbe782af2d8c02c3c5992131906228afb2aaaf137d6f3ed74db",
+    "t-dflash/epoch-0000/manifest.json": "b19cab97e5b9e59cda968bb63a0c99f01861f07e6be09d9ccf4702011486cea3",
+    "t-dflash/epoch-0000/microbatches.npy": "adb735bd3f464a2d491e845c161fc15da60bbc97019876f9c6139d045d0989df",
+    "t-dflash/epoch-0000/sample_ids.npy": "5af646ff1af9c0a56b2a0cdb29aedc2c961404fb992381563b606326ecf8cfee",
+    "t-dflash/epoch-0000/sample_lens.npy": "1989060afc29f290f58733e93a423bf89019bdf9025303b701fb86d81fed4612",
+    "t-dflash/pack_config.json": "d033c800e37ad985107e1672d8c0d1bf43bd389231035c8e509710dd2f2daf89",
+    "t-dflash/root.json": "1976a1d1db7b2b0569c2931cdc15c55e0811f7754ecde0914fbcb4efdf0ce2a9",
+}
+
+
+def _cli(args, application=app):
+    r = CliRunner().invoke(application, [str(a) for a in args], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return r
+
+
+def _digest(path: Path) -> str:
+    raw = path.read_bytes()
+    if path.name in VOLATILE:
+        obj = json.loads(raw)
+        for key in VOLATILE[path.name]:
+            *outer, last = key.split(".")
+            inner = obj
+            for k in outer:
+                inner = inner[k]
+            del inner[last]
+        raw = json.dumps(obj, sort_keys=True).encode()
+    return hashlib.sha256(raw).hexdigest()
+
+
+def _tree(root: Path, name: str) -> dict[str, str]:
+    return {f"{name}/{p.relative_to(root).as_posix()}": _digest(p)
+            for p in sorted(root.rglob("*")) if p.is_file() and not p.name.startswith(".")}
+
+
+def _losses(run: Path) -> list[str]:
+    recs = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()[1:]]
+    keys = ("loss", "tau", "anchors") if "tau" in recs[0] else ("loss", "real_tokens")
+    return [repr(tuple(r[k] for k in keys)) for r in recs]
+
+
+def _train(args, toml: str, cfg: Path):
+    from dflash_prep.train.__main__ import app as train_app
+
+    cfg.write_text(TRAIN_TOML + toml)
+    _cli(["--config", cfg, *args], train_app)
+
+
+def observe(root: Path) -> dict[str, str]:
+    """Every pinned value of the fixed pipeline under ``root`` (a new folder)."""
+    import torch
+
+    from tests.train.dflash_fixtures import tiny_target
+
+    torch.set_num_threads(1)  # CPU losses are bitwise only for a fixed thread count
+    out: dict[str, str] = {}
+    _cli(["synth", "--out", root / "corpus", "--n", 1500, "--profile", "mini", "--seed", 3])
+    _cli(["tokenize", root / "corpus" / "chat.jsonl", "--tokenizer", "byte", "--out", root / "data",
+          "--max-len", 1024, "--on-overflow", "truncate", "--format", "auto", "--roles-to-train", "assistant",
+          "--train-on-eos", "turn", "--train-turns", "all", "--expand-turns", "auto", "--num-proc", 1])
+    _cli(["analyze", root / "data", "--out", root / "plan", "--budget", 4096, "--budget-unit", "tokens",
+          "--buckets", 4, "--window", 256, "--seed", 5, "--max-repeat-pair", 0.05, "--world-size", 2,
+          "--grad-accum", 1, "--sim-epochs", 2, "--no-plot", "--objective", "dflash", "--target-dims", TARGET_DIMS,
+          *ANCHORS])
+    plan = root / "plan" / "plan.json"
+    m = root / "manifests"
+    _cli(["pack", root / "data", "--plan", plan, "--out", m / "lm-padded", "--epochs", "0-1", "--layout", "padded",
+          "--objective", "lm", *PACK, *W2])
+    _cli(["pack", root / "data", "--plan", plan, "--out", m / "lm-varlen", "--epoch", 0, "--layout", "varlen",
+          "--objective", "lm", *PACK, *W2])
+    _cli(["pack", root / "data", "--plan", plan, "--out", m / "dflash", "--epoch", 0, "--layout", "varlen",
+          "--target-dims", TARGET_DIMS, "--store-anchors", *DFLASH_PACK, *PACK, *W2])
+    for name in ("data", "plan", "manifests"):
+        out.update(_tree(root / name, name))
+    header = json.loads((m / "dflash" / "epoch-0000" / "manifest.json").read_text())
+    out["anchor_digest"] = header["dflash"]["anchor_digest"]
+
+    # LM: 3 steps of a small decoder on one rank, 2 accumulation micro-batches
+    _cli(["pack", root / "data", "--plan", plan, "--out", m / "lm-w1", "--epoch", 0, "--layout", "padded",
+          "--objective", "lm", "--world-size", 1, "--grad-accum", 2, *PACK])
+    _train(["--data", root / "data", "--plan", plan, "--manifests", m / "lm-w1", "--out", root / "lm-run",
+            "--model", "tiny", "--objective", "lm", *TRAIN_COMMON], LM_MODEL, root / "lm-run.toml")
+    out["lm_losses"] = "; ".join(_losses(root / "lm-run"))
+
+    # DFlash: 3 steps of a 2-layer drafter on the tiny target, its own tokenizer's data
+    target = tiny_target()
+    _cli(["synth", "--out", root / "t-corpus", "--n", 120, "--profile", "mini", "--seed", 7])
+    _cli(["tokenize", root / "t-corpus" / "chat.jsonl", "--tokenizer", target, "--out", root / "t-data",
+          "--max-len", 256, "--on-overflow", "truncate"])
+    _cli(["analyze", root / "t-data", "--out", root / "t-plan", "--budget", 1024, "--budget-unit", "tokens",
+          "--buckets", 2, "--window", 0, "--seed", 6, "--world-size", 1, "--grad-accum", 1, "--no-plot"])
+    t_plan = root / "t-plan" / "plan.json"
+    _cli(["pack", root / "t-data", "--plan", t_plan, "--out", m / "t-dflash", "--epoch", 0, "--layout", "varlen",
+          "--world-size", 1, "--grad-accum", 1, "--schedule", "class-aware", "--open-bins", 4,
+          "--budget-unit", "tokens", "--budget", 1024, "--objective", "dflash", "--block-size", 4,
+          "--max-anchors", 6, "--anchor-policy", "cap", "--anchor-budget", 60, "--cost-fill", 0.95,
+          "--anchor-seed", 11, "--draft-layers", 2, "--target-config", target])
+    out.update(_tree(m / "t-dflash", "t-dflash"))
+    _train(["--data", root / "t-data", "--plan", t_plan, "--manifests", m / "t-dflash", "--out", root / "dflash-run",
+            "--objective", "dflash", "--target", target, "--draft-layers", 2, "--block-size", 4, "--gamma", 1.5,
+            "--max-anchors", 6, "--anchor-policy", "cap", "--anchor-seed", 11, "--mask-token-id", 3,
+            *TRAIN_COMMON], "", root / "dflash-run.toml")
+    out["dflash_losses"] = "; ".join(_losses(root / "dflash-run"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory):
+    return observe(tmp_path_factory.mktemp("golden"))
+
+
+def test_every_pinned_value_is_unchanged(observed):
+    changed = {k: (GOLDEN.get(k), v) for k, v in observed.items() if GOLDEN.get(k) != v}
+    missing = sorted(set(GOLDEN) - set(observed))
+    assert not changed and not missing, (
+        f"{len(changed)} golden value(s) changed, {len(missing)} no longer written: "
+        + "; ".join(f"{k}: {want} -> {got}" for k, (want, got) in sorted(changed.items())) + f"; missing {missing}")
+
+
+if __name__ == "__main__":  # print the current values, to record them in GOLDEN
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        json.dump(observe(Path(d)), sys.stdout, indent=4, sort_keys=True)
