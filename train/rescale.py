@@ -4,10 +4,13 @@ A checkpoint taken at global step ``g``, cursor ``(epoch N, step K)``, by a job 
 ranks continues under ``W'`` ranks only when asked (``--rescale``):
 
 1. epoch ``N`` from step ``K`` is read from its continuation manifest ``MANIFESTS/resume/
-   epoch-000N`` (:mod:`dflash_prep.repack`: the unconsumed rest of the epoch re-packed for
-   ``W' x A`` from the same plan). When it is missing, rank 0 writes it with
-   :func:`dflash_prep.repack.resume_epoch` while the other ranks wait at a barrier, as
-   :mod:`dflash_prep.train.source` packs a missing epoch. The continuation's step ``s`` is
+   epoch-000N`` (:mod:`dflash_prep.pack.repack`: the unconsumed rest of the epoch re-packed for
+   ``W' x A`` from the same plan, in the epoch's layout: padded or varlen, LM or DFlash; a
+   DFlash continuation keeps the parent's anchor options and digest, so the drafter
+   regenerates the same anchors for every sample, keyed by (anchor seed, epoch, sample id)).
+   When it is missing, rank 0 writes it with :func:`dflash_prep.pack.repack.resume_epoch`
+   while the other ranks wait at a barrier, as :mod:`dflash_prep.train.source` packs a
+   missing epoch. The continuation's step ``s`` is
    shown to the loop as the epoch's step ``K + s`` (:class:`ShiftedManifest`), so the cursor,
    the log and later checkpoints keep the epoch's own step numbers and the global step
    continues at ``g``. A cursor at an epoch edge (``K = 0``) needs no continuation;

@@ -32,7 +32,7 @@ parent's, or the re-pack is refused. ``anchor_counts.npy`` (and ``anchors.npy`` 
 ``--store-anchors``) follow the new ``sample_ids`` order.
 
 So every sample of the epoch is used exactly once across the two parts (the parent's
-first ``K`` steps, then the continuation), which :func:`dflash_prep.manifest.verify`
+first ``K`` steps, then the continuation), which :func:`dflash_prep.formats.manifest.verify`
 checks on the continuation. Each step's loss normaliser is still the step's own target
 tokens, summed over its ``W' x A'`` micro-batches.
 """
