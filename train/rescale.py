@@ -105,7 +105,10 @@ def plan_resume(state: dict | None, *, rescale: bool, world_size: int, ckpt_path
     """The continuation this resume reads (None: plain manifests only).
 
     A checkpoint already inside a continuation at this world size keeps it; a new world size
-    needs ``rescale`` and starts a continuation at the cursor (none at an epoch edge)."""
+    needs ``rescale`` and starts a continuation at the cursor (none at an epoch edge). A new
+    world size while the cursor is still inside a continuation is refused: the continuation
+    is always of the epoch manifest, and the steps since the first change were not read from
+    it."""
     if state is None:
         return None
     key, cur = state["run_key"], state["cursor"]
@@ -114,6 +117,14 @@ def plan_resume(state: dict | None, *, rescale: bool, world_size: int, ckpt_path
     if W == world_size:
         return saved
     e, k = int(cur["epoch"]), int(cur["step"])
+    if saved and int(saved["epoch"]) == e and k > 0:
+        # the epoch's steps from saved["from_step"] on came from the continuation, not from the epoch
+        # manifest that a second re-pack would continue: its samples would be trained twice or never
+        raise ConfigError(
+            f"{ckpt_path}: epoch {e} already continues from step {saved['from_step']} under world size {W} "
+            f"(MANIFESTS/resume/epoch-{e:04d}); a second world-size change inside one epoch is not supported. "
+            f"Finish epoch {e} on {W} rank(s) (the next epoch edge may change the world size with --rescale), "
+            "or pass --from-scratch")
     if not rescale:
         raise ConfigError(
             f"{ckpt_path}: the checkpoint was trained with world size {W} but this job has {world_size} "

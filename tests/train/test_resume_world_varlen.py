@@ -127,3 +127,24 @@ def test_rescaled_run_trains_exactly_the_continuation(tmp_path, kind, w_from, w_
     assert state["run_key"]["world_size"] == w_to and state["run_key"]["continuation"]["from_step"] == K
     assert state["cursor"] == {"epoch": 1, "step": 0, "global_step": K + cont.num_steps}
     assert len(state["rng"]) == w_to
+
+
+def test_second_world_size_change_inside_an_epoch_is_refused():
+    """A checkpoint inside a continuation (epoch 0 from step 3 under W = 1) cannot re-pack epoch 0
+    again: its steps 3.. came from the continuation, not from the epoch manifest."""
+    from dflash_prep.errors import ConfigError
+    from dflash_prep.train.rescale import plan_resume
+
+    cont = {"epoch": 0, "from_step": 3, "parent_world_size": 2, "parent_grad_accum": 1, "world_size": 1}
+    inside = {"run_key": {"world_size": 1, "grad_accum": 1, "continuation": cont},
+              "cursor": {"epoch": 0, "step": 5, "global_step": 5}}
+    for w in (2, 4):
+        with pytest.raises(ConfigError, match="second world-size change"):
+            plan_resume(inside, rescale=True, world_size=w, ckpt_path="run/checkpoint.pt")
+    assert plan_resume(inside, rescale=False, world_size=1, ckpt_path="run/checkpoint.pt") == cont
+    # at the next epoch edge, or in a later epoch, a new world size starts afresh
+    edge = {**inside, "cursor": {"epoch": 1, "step": 0, "global_step": 9}}
+    assert plan_resume(edge, rescale=True, world_size=2, ckpt_path="run/checkpoint.pt") == cont
+    later = {**inside, "cursor": {"epoch": 1, "step": 2, "global_step": 11}}
+    assert plan_resume(later, rescale=True, world_size=2, ckpt_path="run/checkpoint.pt") == {
+        "epoch": 1, "from_step": 2, "parent_world_size": 1, "parent_grad_accum": 1, "world_size": 2}
