@@ -5,9 +5,12 @@ ranks continues under ``W'`` ranks only when asked (``--rescale``):
 
 1. epoch ``N`` from step ``K`` is read from its continuation manifest ``MANIFESTS/resume/
    epoch-000N`` (:mod:`dflash_prep.pack.repack`: the unconsumed rest of the epoch re-packed for
-   ``W' x A`` from the same plan). When it is missing, rank 0 writes it with
-   :func:`dflash_prep.pack.repack.resume_epoch` while the other ranks wait at a barrier, as
-   :mod:`dflash_prep.train.source` packs a missing epoch. The continuation's step ``s`` is
+   ``W' x A`` from the same plan, in the epoch's layout: padded or varlen, LM or DFlash; a
+   DFlash continuation keeps the parent's anchor options and digest, so the drafter
+   regenerates the same anchors for every sample, keyed by (anchor seed, epoch, sample id)).
+   When it is missing, rank 0 writes it with :func:`dflash_prep.pack.repack.resume_epoch`
+   while the other ranks wait at a barrier, as :mod:`dflash_prep.train.source` packs a
+   missing epoch. The continuation's step ``s`` is
    shown to the loop as the epoch's step ``K + s`` (:class:`ShiftedManifest`), so the cursor,
    the log and later checkpoints keep the epoch's own step numbers and the global step
    continues at ``g``. A cursor at an epoch edge (``K = 0``) needs no continuation;
@@ -102,7 +105,10 @@ def plan_resume(state: dict | None, *, rescale: bool, world_size: int, ckpt_path
     """The continuation this resume reads (None: plain manifests only).
 
     A checkpoint already inside a continuation at this world size keeps it; a new world size
-    needs ``rescale`` and starts a continuation at the cursor (none at an epoch edge)."""
+    needs ``rescale`` and starts a continuation at the cursor (none at an epoch edge). A new
+    world size while the cursor is still inside a continuation is refused: the continuation
+    is always of the epoch manifest, and the steps since the first change were not read from
+    it."""
     if state is None:
         return None
     key, cur = state["run_key"], state["cursor"]
@@ -111,6 +117,14 @@ def plan_resume(state: dict | None, *, rescale: bool, world_size: int, ckpt_path
     if W == world_size:
         return saved
     e, k = int(cur["epoch"]), int(cur["step"])
+    if saved and int(saved["epoch"]) == e and k > 0:
+        # the epoch's steps from saved["from_step"] on came from the continuation, not from the epoch
+        # manifest that a second re-pack would continue: its samples would be trained twice or never
+        raise ConfigError(
+            f"{ckpt_path}: epoch {e} already continues from step {saved['from_step']} under world size {W} "
+            f"(MANIFESTS/resume/epoch-{e:04d}); a second world-size change inside one epoch is not supported. "
+            f"Finish epoch {e} on {W} rank(s) (the next epoch edge may change the world size with --rescale), "
+            "or pass --from-scratch")
     if not rescale:
         raise ConfigError(
             f"{ckpt_path}: the checkpoint was trained with world size {W} but this job has {world_size} "
