@@ -23,6 +23,9 @@ from dflash_prep.errors import ConfigError
 ATTN_BACKENDS = ("auto", "reference", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 OBJECTIVES = ("lm", "dflash")
+OPTIMIZERS = ("adamw", "muon")
+SLOT_WEIGHTS = ("decay", "dpace")
+LOSSES = ("ce", "kl")
 
 
 def _positive_finite(name: str, v, *, zero_ok: bool = False) -> None:
@@ -122,7 +125,13 @@ class TrainConfig:
     """Pack a missing epoch's manifest on the fly (same code as ``dflash-prep pack``);
     when False a missing manifest is an error naming the command to run."""
     lr: float = 3e-3
-    """Peak learning rate (AdamW)."""
+    """Peak learning rate (AdamW, and the AdamW part under ``muon``)."""
+    optimizer: str = ""
+    """``adamw``, or ``muon``: Muon on the 2-D weight matrices, AdamW on the rest
+    (:mod:`dflash_prep.train.optim`); empty = the recipe's: ``muon`` for ``--objective dflash``,
+    ``adamw`` for ``lm``."""
+    muon_lr: float = 0.0
+    """Muon's peak learning rate; 0 = 10 x ``lr`` (speculators' rule). The schedule scales both."""
     min_lr_ratio: float = 0.1
     """Cosine decays to ``lr * min_lr_ratio``."""
     warmup_steps: int = 5
@@ -164,15 +173,25 @@ class TrainConfig:
     """Rows per chunk of LM head + cross-entropy (both objectives; memory ~ chunk x vocab)."""
     target: str = ""
     """DFlash: the frozen target, a local transformers causal-LM folder with its tokenizer."""
-    draft_layers: int = 1
-    """DFlash: draft layers N (the taps are build_target_layer_ids(L, N) unless target_layer_ids)."""
+    draft_layers: int = 5
+    """DFlash: draft layers N (the taps are build_target_layer_ids(L, N) unless target_layer_ids);
+    5 is the recipe's (speculators RFC #979)."""
     target_layer_ids: tuple[int, ...] = ()
     """DFlash: tapped target layers; empty = the public rule."""
     block_size: int = 0
     """DFlash: block size B (an anchor token plus B - 1 drafted slots); 0 = the manifest's
     (``pack --objective dflash``), else 16."""
+    slot_weights: str = ""
+    """DFlash: ``decay`` (exp(-(r-1)/gamma)) or ``dpace`` (D-PACE, from the drafter's confidence
+    in the forward); empty = the recipe's ``dpace`` (``decay`` for ``--objective lm``, unused)."""
     gamma: float = 0.0
     """DFlash: slot-weight decay exp(-(r-1)/gamma); 0 = the rule (B - 2) / 2 (7 at B = 16)."""
+    dpace_alpha: float = 0.5
+    """DFlash: D-PACE smoothing alpha in (0, 1] (q~ = (1 - alpha) q + alpha)."""
+    loss: str = "ce"
+    """DFlash: ``ce`` on the data token, or ``kl`` from the target's next-token distribution."""
+    kl_temperature: float = 1.0
+    """DFlash: temperature of both distributions under ``--loss kl``."""
     max_anchors: int = 0
     """DFlash: anchors per sample at most; 0 = the manifest's, else 512."""
     anchor_policy: str = ""
@@ -215,6 +234,7 @@ class TrainConfig:
         if self.ce_chunk < 1:
             raise ConfigError(f"--ce-chunk must be at least 1, got {self.ce_chunk}")
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        self._resolve_recipe()
         if self.objective == "dflash":
             if not self.target:
                 raise ConfigError("--objective dflash needs --target DIR (a local transformers causal-LM folder)")
@@ -229,6 +249,25 @@ class TrainConfig:
         elif self.target:
             raise ConfigError("--target is the DFlash objective's frozen model; pass --objective dflash, or "
                               "--init-from DIR to train a transformers model as an LM")
+
+    def _resolve_recipe(self) -> None:
+        """Fill the recipe defaults that depend on the objective and check the loss options."""
+        dflash = self.objective == "dflash"
+        if not self.optimizer:
+            object.__setattr__(self, "optimizer", "muon" if dflash else "adamw")
+        if not self.slot_weights:
+            object.__setattr__(self, "slot_weights", "dpace" if dflash else "decay")
+        for flag, v, ok in (("--optimizer", self.optimizer, OPTIMIZERS), ("--slot-weights", self.slot_weights,
+                            SLOT_WEIGHTS), ("--loss", self.loss, LOSSES)):
+            if v not in ok:
+                raise ConfigError(f"{flag} must be one of {', '.join(ok)}, got {v!r}")
+        if isinstance(self.dpace_alpha, bool) or not isinstance(self.dpace_alpha, (int, float)) \
+                or not 0.0 < self.dpace_alpha <= 1.0:
+            raise ConfigError(f"--dpace-alpha must be in (0, 1], got {self.dpace_alpha!r}")
+        _positive_finite("--kl-temperature", self.kl_temperature)
+        _positive_finite("--muon-lr", self.muon_lr, zero_ok=True)
+        if not dflash and (self.slot_weights != "decay" or self.loss != "ce"):
+            raise ConfigError("--slot-weights dpace and --loss kl are DFlash options; pass --objective dflash")
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         """The preset with overrides; the dataset's vocab unless the overrides fix one."""
