@@ -56,7 +56,13 @@ def main(
     target: Annotated[Optional[str], typer.Option(help="DFlash: the frozen target, a transformers folder")] = None,
     draft_layers: Annotated[Optional[int], typer.Option(help="DFlash: draft layers N")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="DFlash: block size B")] = None,
+    slot_weights: Annotated[Optional[str], typer.Option(help="DFlash: decay or dpace (default dpace)")] = None,
     gamma: Annotated[Optional[float], typer.Option(help="DFlash: slot-weight decay (0 = (B-2)/2)")] = None,
+    dpace_alpha: Annotated[Optional[float], typer.Option(help="DFlash: D-PACE smoothing alpha in (0, 1]")] = None,
+    loss: Annotated[Optional[str], typer.Option(help="DFlash: ce (data token) or kl (to the target)")] = None,
+    kl_temperature: Annotated[Optional[float], typer.Option(help="DFlash: temperature of --loss kl")] = None,
+    optimizer: Annotated[Optional[str], typer.Option(help="adamw or muon (default: muon for dflash, adamw for lm)")] = None,
+    muon_lr: Annotated[Optional[float], typer.Option(help="Muon peak LR (0 = 10 x --lr)")] = None,
     max_anchors: Annotated[Optional[int], typer.Option(help="DFlash: anchors per sample at most")] = None,
     anchor_policy: Annotated[Optional[str], typer.Option(help="DFlash: cap or density")] = None,
     anchor_seed: Annotated[Optional[int], typer.Option(help="DFlash: anchor seed (-1 = manifest's, else --seed)")] = None,
@@ -76,7 +82,9 @@ def main(
                                progress=progress, wandb=wandb, objective=objective, init_from=init_from,
                                target=target, draft_layers=draft_layers, block_size=block_size, gamma=gamma,
                                max_anchors=max_anchors, anchor_policy=anchor_policy, anchor_seed=anchor_seed,
-                               mask_token_id=mask_token_id, ce_chunk=ce_chunk)
+                               mask_token_id=mask_token_id, ce_chunk=ce_chunk, slot_weights=slot_weights,
+                               dpace_alpha=dpace_alpha, loss=loss, kl_temperature=kl_temperature,
+                               optimizer=optimizer, muon_lr=muon_lr)
         from .loop import train
 
         s = train(cfg)

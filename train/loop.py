@@ -8,9 +8,11 @@ Per optimizer step ``s`` of epoch ``e`` (this rank holds micro-batches ``mb_1..m
 1. ``N = all_reduce_sum(sum of the objective's denominators over this rank's micro-batches)``:
    LM: the real target tokens, DFlash: the sum of block weights ``w``, of the whole step,
    every rank and every accumulation micro-batch (float64, with the token and FLOP counts);
+   D-PACE weights come out of the forward, so there ``N`` is all-reduced after it and the
+   summed gradient of the unscaled loss sums is divided by it (the same update; ``train_step``);
 2. for each micro-batch: ``(loss sum / N).backward()`` (gradients accumulate);
 3. all-reduce the gradients with SUM (so the step's gradient is that of the per-token (per-w)
-   mean over the whole step, never a mean of per-micro-batch means), clip, AdamW step; the
+   mean over the whole step, never a mean of per-micro-batch means), clip, optimizer step; the
    objective's stats vector (loss sum, DFlash accuracy/tau sums) is all-reduced once.
 
 So 2 ranks x A=1 and 1 rank x A=2 over the same micro-batches give the same gradient (up to
@@ -45,8 +47,8 @@ from . import distributed, rescale
 from .config import TrainConfig
 from .data import StepBatches
 from .loader import ManifestLoader
-from .model import Decoder
 from .objectives import build_objective
+from .optim import build_optimizer
 from .lr import Schedule
 from .source import tokenizer_field
 
@@ -55,21 +57,17 @@ SUMMARY_FORMAT = "dflash-prep/train-summary"
 FORMAT_VERSION = 1
 
 
-def build_optimizer(model: Decoder, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices and embeddings only (not RMSNorm gains)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=1e-8, foreach=False)
-
-
 def train_step(model, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float, grad_clip: float,
                d: distributed.Dist, autocast, objective=None) -> dict:
     """One optimizer step over this rank's micro-batches of step ``sb.step`` (module docstring).
 
     ``objective`` (default: the LM objective on ``model``) turns each micro-batch into a loss
     sum and a stats vector (:mod:`dflash_prep.train.objectives`); ``N`` is the sum of its
-    ``denominator`` over the step's ranks and micro-batches.
+    ``denominator`` over the step's ranks and micro-batches. An objective with
+    ``deferred_denominator`` (D-PACE: the weights come out of the forward) defers ``N``: each micro-batch backpropagates its loss
+    sum unscaled, ``N`` comes from the all-reduced stats (``objective.denominator_from``), and
+    the all-reduced gradient is divided by it before clipping. The same linear map, so the
+    update stays that of ``sum w * CE / N`` over the whole step, however it is split.
     """
     if objective is None:
         from .objectives import LMObjective
@@ -77,7 +75,9 @@ def train_step(model, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float,
     params = [p for p in model.parameters() if p.requires_grad]
     opt.zero_grad(set_to_none=True)
     # float64 holds integer counts exactly (< 2^53) and the DFlash weight sums
-    counts = torch.tensor([sum(objective.denominator(b) for b in sb.micro), sum(b.real_tokens for b in sb.micro),
+    deferred = getattr(objective, "deferred_denominator", False)
+    counts = torch.tensor([0.0 if deferred else sum(objective.denominator(b) for b in sb.micro),
+                           sum(b.real_tokens for b in sb.micro),
                            sum(b.padded_tokens for b in sb.micro), sum(objective.flops(b) for b in sb.micro)],
                           dtype=torch.float64, device=d.device)
     distributed.all_reduce_sum(counts, d)
@@ -87,22 +87,40 @@ def train_step(model, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float,
     for b in sb.micro:
         b = b.to(d.device)
         ls, st = objective.loss(b, autocast)
-        (ls / denom).backward()
+        (ls if deferred else ls / denom).backward()
         stats += st
     distributed.all_reduce_grads(params, d)
     distributed.all_reduce_sum(stats, d)
+    if deferred:
+        denom_sum = objective.denominator_from(stats)
+        if denom_sum > 0:
+            for p in params:
+                p.grad.div_(denom_sum)
     if grad_clip > 0:
         gnorm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=False))
     else:
         gnorm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
     if denom_sum > 0:
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_scale", 1.0)
         opt.step()
     out = objective.metrics(stats, denom_sum)
     targets = int(denom_sum) if objective.name == "lm" else denom_sum
     return {**out, "grad_norm": gnorm, "targets": targets, "real_tokens": int(real), "padded_tokens": int(padded),
             "flops": flops, "skipped": denom_sum == 0}
+
+
+def recipe_line(cfg: TrainConfig, obj) -> str:
+    """The DFlash recipe the run resolved (defaults filled in), printed at start."""
+    c, ls = obj.model.config, obj.loss_spec
+    weights = f"dpace alpha={ls.dpace_alpha:g}" if ls.slot_weights == "dpace" else f"decay gamma={obj.gamma:g}"
+    loss = f"kl T={ls.kl_temperature:g}" if ls.loss == "kl" else "ce"
+    opt = f"muon lr={cfg.muon_lr or 10 * cfg.lr:g} + adamw lr={cfg.lr:g}" if cfg.optimizer == "muon" \
+        else f"adamw lr={cfg.lr:g}"
+    return (f"dflash recipe: B={c.block_size}, {c.num_layers} draft layer(s), slot weights {weights}, loss {loss}, "
+            f"optimizer {opt}; target {cfg.target} ({obj.target.num_layers} layers), taps "
+            f"{list(c.target_layer_ids)}, mask id {c.mask_token_id}, anchors {obj.spec.policy}<={obj.spec.max_anchors} "
+            f"drawn by the library sampler with seed {obj.spec.seed} (from {obj.anchor_source})")
 
 
 def _autocast_for(device: torch.device, bf16: bool):
@@ -314,13 +332,9 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
     obj = build_objective(cfg, ds, d.device, manifest=first)  # seeds torch with cfg.seed first
     model = obj.model
     mcfg = obj.model_config()
-    run_key["contract"] = obj.contract()
+    run_key["contract"] = {**obj.contract(), "optimizer": cfg.optimizer}
     if d.is_main and cfg.objective == "dflash":
-        c = model.config
-        print(f"dflash: target {cfg.target} ({obj.target.num_layers} layers), taps {list(c.target_layer_ids)}, "
-              f"B={c.block_size}, gamma={obj.gamma:g}, mask id {c.mask_token_id}, anchors "
-              f"{obj.spec.policy}<={obj.spec.max_anchors} drawn by the library sampler with seed {obj.spec.seed} "
-              f"(from {obj.anchor_source})", flush=True)
+        print(recipe_line(cfg, obj), flush=True)
     opt = build_optimizer(model, cfg)
     # Cosine horizon: epochs x the first epoch's steps (epochs differ by a step or two; past the
     # horizon the LR stays at its floor). Not max_steps, which only stops early: so a run cut

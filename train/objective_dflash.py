@@ -7,14 +7,23 @@ Per micro-batch (documents packed back to back, ids ``x``, loss mask ``lm``):
    eligible positions (``lm[a] = lm[a+1] = 1``), the same whatever else shares the batch.
 2. **Blocks**: block j is ``[x[a_j], MASK x (B-1)]`` at positions ``a_j .. a_j+B-1``; slot
    ``r = 1..B-1`` predicts ``x[a_j + r]`` (same position, no shift) with weight
-   ``w = exp(-(r-1)/gamma) * lm[a_j+r]`` (0 past the document's end); slot 0 has no loss.
+   ``w = exp(-(r-1)/gamma) * lm[a_j+r]`` (``--slot-weights decay``; 0 past the document's end)
+   or the D-PACE weight of :func:`dpace_weights` (``dpace``: from the drafter's CE on each
+   slot in this forward, no gradient, times the same mask); slot 0 has no loss.
 3. **Forward**: the frozen target's taps over the packed documents (one forward, document-
    causal) are the context; the target's frozen ``embed_tokens`` embeds the blocks; the
-   drafter maps them to hidden states; the target's frozen ``lm_head`` and CE run in chunks
-   over the rows with ``w > 0`` only (:func:`dflash_prep.train.chunked_ce.weighted_ce`).
-4. **Loss** = ``sum w * CE / sum w`` where ``sum w`` is over the whole optimizer step (all
+   drafter maps them to hidden states; the target's frozen ``lm_head`` and the loss run in
+   chunks over the rows with a label only (:func:`dflash_prep.train.chunked_ce.weighted_ce`,
+   or :func:`dflash_prep.train.chunked_kl.row_losses` for ``dpace`` / ``kl``). The slot loss is
+   the CE on the data token (``--loss ce``) or ``KL(target || drafter)`` at ``--kl-temperature``
+   (``kl``): slot r of block j learns the target's next-token distribution at ``a_j + r - 1``,
+   so the target then runs all its layers (attention needs every position) and its final norm,
+   and its head only on the labelled rows, fused into the loss's chunks.
+4. **Loss** = ``sum w * loss / sum w`` where ``sum w`` is over the whole optimizer step (all
    ranks, all accumulation micro-batches): the trainer all-reduces :attr:`DFlashBatch.weight_sum`
-   before any backward, exactly as the LM objective does with its target count.
+   before any backward, exactly as the LM objective does with its target count; D-PACE's
+   ``sum w`` is known after the forward only, so it is all-reduced then and divides the summed
+   gradient (:func:`dflash_prep.train.loop.train_step`): the same update for any split.
 
 **gamma rule**: ``gamma = (B - 2) / 2`` (7 at B = 16, 3 at B = 8), i.e. the last slot always
 weighs ``e^-2`` of the first; B = 2 has one slot, weight 1. ``--gamma`` overrides it.

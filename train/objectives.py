@@ -6,6 +6,8 @@ The training loop (:mod:`dflash_prep.train.loop`) is objective-agnostic. It asks
 - ``build(ds, mb, epoch, pin)``: one manifest micro-batch as tensors (run on the prefetch thread);
 - ``denominator(batch)``: the batch's share of the step's loss normaliser (LM: target tokens;
   DFlash: the sum of block weights), all-reduced over ranks and accumulation before any backward;
+  an objective with ``deferred_denominator`` (DFlash under D-PACE, whose weights come out of the
+  forward) gives it after the forward instead, ``denominator_from(stats)`` of the all-reduced stats;
 - ``loss(batch, autocast)``: ``(loss_sum, stats)``; the loop backpropagates ``loss_sum / N``
   and all-reduces ``stats`` (float64, ``stats_width`` entries) once per step;
 - ``metrics(stats, N)``: the step's logged metrics; ``flops(batch)`` for MFU;
@@ -115,10 +117,14 @@ class DFlashObjective:
     name = "dflash"
 
     def __init__(self, drafter, target, cfg: TrainConfig, *, anchor_spec, gamma: float, identity: dict):
-        from .objective_dflash import stats_width
+        from .objective_dflash import LossSpec, stats_width
 
         self.model, self.target, self.cfg = drafter, target, cfg
         self.spec, self.gamma, self.identity = anchor_spec, float(gamma), identity
+        self.loss_spec = LossSpec(slot_weights=cfg.slot_weights, dpace_alpha=float(cfg.dpace_alpha), loss=cfg.loss,
+                                  kl_temperature=float(cfg.kl_temperature))
+        # D-PACE weights come out of the forward: the loop all-reduces sum w after it (train_step)
+        self.deferred_denominator = cfg.slot_weights == "dpace"
         self.B = drafter.config.block_size
         self.stats_width = stats_width(self.B)
         P = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
@@ -131,18 +137,24 @@ class DFlashObjective:
         from .objective_dflash import build_dflash_batch
 
         c = self.model.config
-        return build_dflash_batch(ds, mb, epoch=epoch, spec=self.spec, gamma=self.gamma,
+        gamma = None if self.deferred_denominator else self.gamma
+        return build_dflash_batch(ds, mb, epoch=epoch, spec=self.spec, gamma=gamma,
                                   mask_token_id=c.mask_token_id, vocab_size=c.vocab_size, pin=pin)
 
     @staticmethod
     def denominator(b) -> float:
         return b.weight_sum
 
+    @staticmethod
+    def denominator_from(stats: torch.Tensor) -> float:
+        """The step's ``sum w`` from the all-reduced stats (its last entry): D-PACE's normaliser."""
+        return float(stats[-1])
+
     def loss(self, b, autocast):
         from .objective_dflash import dflash_loss
 
         return dflash_loss(self.model, self.target, b, block_size=self.B, ce_chunk=self.cfg.ce_chunk,
-                           autocast=autocast)
+                           autocast=autocast, spec=self.loss_spec)
 
     def metrics(self, stats: torch.Tensor, denom: float) -> dict:
         from .objective_dflash import summarize_stats
@@ -158,8 +170,15 @@ class DFlashObjective:
     def contract(self) -> dict:
         c = self.model.config
         return {"objective": "dflash", **self.identity, "target_layer_ids": list(c.target_layer_ids),
-                "mask_token_id": c.mask_token_id, "block_size": c.block_size, "gamma": self.gamma,
+                "mask_token_id": c.mask_token_id, "block_size": c.block_size, **self.recipe_fields(),
                 "anchors": self.spec.to_dict()}
+
+    def recipe_fields(self) -> dict:
+        """What the loss is (contract fields; the ones a setting leaves unused are None)."""
+        ls = self.loss_spec
+        return {"slot_weights": ls.slot_weights, "gamma": self.gamma if ls.slot_weights == "decay" else None,
+                "dpace_alpha": ls.dpace_alpha if ls.slot_weights == "dpace" else None, "loss": ls.loss,
+                "kl_temperature": ls.kl_temperature if ls.loss == "kl" else None}
 
     def model_config(self) -> dict:
         return self.model.config.to_dict()
