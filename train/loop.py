@@ -48,7 +48,7 @@ from .config import TrainConfig
 from .data import StepBatches
 from .loader import ManifestLoader
 from .objectives import build_objective
-from .optim import build_optimizer
+from .optim import build_optimizer, muon_lr
 from .lr import Schedule
 from .source import tokenizer_field
 
@@ -115,7 +115,7 @@ def recipe_line(cfg: TrainConfig, obj) -> str:
     c, ls = obj.model.config, obj.loss_spec
     weights = f"dpace alpha={ls.dpace_alpha:g}" if ls.slot_weights == "dpace" else f"decay gamma={obj.gamma:g}"
     loss = f"kl T={ls.kl_temperature:g}" if ls.loss == "kl" else "ce"
-    opt = f"muon lr={cfg.muon_lr or 10 * cfg.lr:g} + adamw lr={cfg.lr:g}" if cfg.optimizer == "muon" \
+    opt = f"muon lr={muon_lr(cfg):g} + adamw lr={cfg.lr:g}" if cfg.optimizer == "muon" \
         else f"adamw lr={cfg.lr:g}"
     return (f"dflash recipe: B={c.block_size}, {c.num_layers} draft layer(s), slot weights {weights}, loss {loss}, "
             f"optimizer {opt}; target {cfg.target} ({obj.target.num_layers} layers), taps "

@@ -71,6 +71,11 @@ class MuonAdamW:
         self.adamw.load_state_dict(state["adamw"])
 
 
+def muon_lr(cfg) -> float:
+    """Muon's peak LR: ``--muon-lr``, or 10 x ``--lr`` when it is 0."""
+    return cfg.muon_lr or 10.0 * cfg.lr
+
+
 def build_optimizer(model: torch.nn.Module, cfg):
     """The optimizer ``cfg.optimizer`` names, over ``model``'s trainable parameters (module docstring)."""
     if cfg.optimizer == "muon":
@@ -78,8 +83,8 @@ def build_optimizer(model: torch.nn.Module, cfg):
         if not mats or not rest:
             raise ConfigError(f"--optimizer muon needs 2-D weight matrices and other parameters; this model has "
                               f"{len(mats)} and {len(rest)}: use --optimizer adamw")
-        muon_lr = cfg.muon_lr or 10.0 * cfg.lr
-        muon = torch.optim.Muon([{"params": mats, "lr_scale": muon_lr / cfg.lr}], lr=muon_lr,
+        peak = muon_lr(cfg)
+        muon = torch.optim.Muon([{"params": mats, "lr_scale": peak / cfg.lr}], lr=peak,
                                 weight_decay=cfg.weight_decay, momentum=0.95, nesterov=True, ns_steps=5,
                                 adjust_lr_fn="match_rms_adamw")
         adamw = torch.optim.AdamW([{"params": rest, "weight_decay": 0.0, "lr_scale": 1.0}], lr=cfg.lr,
