@@ -48,7 +48,7 @@ from .config import TrainConfig
 from .data import StepBatches
 from .loader import ManifestLoader
 from .objectives import build_objective
-from .optim import build_optimizer, muon_lr
+from .optim import build_optimizer
 from .lr import Schedule
 from .source import tokenizer_field
 
@@ -64,10 +64,11 @@ def train_step(model, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float,
     ``objective`` (default: the LM objective on ``model``) turns each micro-batch into a loss
     sum and a stats vector (:mod:`dflash_prep.train.objectives`); ``N`` is the sum of its
     ``denominator`` over the step's ranks and micro-batches. An objective with
-    ``deferred_denominator`` (D-PACE: the weights come out of the forward) defers ``N``: each micro-batch backpropagates its loss
-    sum unscaled, ``N`` comes from the all-reduced stats (``objective.denominator_from``), and
-    the all-reduced gradient is divided by it before clipping. The same linear map, so the
-    update stays that of ``sum w * CE / N`` over the whole step, however it is split.
+    ``deferred_denominator`` (D-PACE: the weights come out of the forward) defers ``N``: each
+    micro-batch backpropagates its loss sum unscaled, ``N`` comes from the all-reduced stats
+    (``objective.denominator_from``), and the all-reduced gradient is divided by it before
+    clipping. The same linear map, so the update stays that of ``sum w * CE / N`` over the
+    whole step, however it is split.
     """
     if objective is None:
         from .objectives import LMObjective
@@ -108,19 +109,6 @@ def train_step(model, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float,
     targets = int(denom_sum) if objective.name == "lm" else denom_sum
     return {**out, "grad_norm": gnorm, "targets": targets, "real_tokens": int(real), "padded_tokens": int(padded),
             "flops": flops, "skipped": denom_sum == 0}
-
-
-def recipe_line(cfg: TrainConfig, obj) -> str:
-    """The DFlash recipe the run resolved (defaults filled in), printed at start."""
-    c, ls = obj.model.config, obj.loss_spec
-    weights = f"dpace alpha={ls.dpace_alpha:g}" if ls.slot_weights == "dpace" else f"decay gamma={obj.gamma:g}"
-    loss = f"kl T={ls.kl_temperature:g}" if ls.loss == "kl" else "ce"
-    opt = f"muon lr={muon_lr(cfg):g} + adamw lr={cfg.lr:g}" if cfg.optimizer == "muon" \
-        else f"adamw lr={cfg.lr:g}"
-    return (f"dflash recipe: B={c.block_size}, {c.num_layers} draft layer(s), slot weights {weights}, loss {loss}, "
-            f"optimizer {opt}; target {cfg.target} ({obj.target.num_layers} layers), taps "
-            f"{list(c.target_layer_ids)}, mask id {c.mask_token_id}, anchors {obj.spec.policy}<={obj.spec.max_anchors} "
-            f"drawn by the library sampler with seed {obj.spec.seed} (from {obj.anchor_source})")
 
 
 def _autocast_for(device: torch.device, bf16: bool):
@@ -334,7 +322,7 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
     mcfg = obj.model_config()
     run_key["contract"] = {**obj.contract(), "optimizer": cfg.optimizer}
     if d.is_main and cfg.objective == "dflash":
-        print(recipe_line(cfg, obj), flush=True)
+        print(obj.recipe(), flush=True)
     opt = build_optimizer(model, cfg)
     # Cosine horizon: epochs x the first epoch's steps (epochs differ by a step or two; past the
     # horizon the LR stays at its floor). Not max_steps, which only stops early: so a run cut

@@ -173,6 +173,20 @@ class DFlashObjective:
                 "mask_token_id": c.mask_token_id, "block_size": c.block_size, **self.recipe_fields(),
                 "anchors": self.spec.to_dict()}
 
+    def recipe(self) -> str:
+        """The recipe the run resolved (defaults filled in), one line printed at start."""
+        from .optim import muon_lr
+
+        cfg, c, ls = self.cfg, self.model.config, self.loss_spec
+        weights = f"dpace alpha={ls.dpace_alpha:g}" if ls.slot_weights == "dpace" else f"decay gamma={self.gamma:g}"
+        loss = f"kl T={ls.kl_temperature:g}" if ls.loss == "kl" else "ce"
+        opt = f"muon lr={muon_lr(cfg):g} + adamw lr={cfg.lr:g}" if cfg.optimizer == "muon" else f"adamw lr={cfg.lr:g}"
+        return (f"dflash recipe: B={c.block_size}, {c.num_layers} draft layer(s), slot weights {weights}, loss {loss}, "
+                f"optimizer {opt}; target {cfg.target} ({self.target.num_layers} layers), taps "
+                f"{list(c.target_layer_ids)}, mask id {c.mask_token_id}, anchors {self.spec.policy}<="
+                f"{self.spec.max_anchors} drawn by the library sampler with seed {self.spec.seed} "
+                f"(from {self.anchor_source})")
+
     def recipe_fields(self) -> dict:
         """What the loss is (contract fields; the ones a setting leaves unused are None)."""
         ls = self.loss_spec
