@@ -124,7 +124,15 @@ def test_contract_change_is_refused_naming_the_field(tmp_path, change, field):
     assert s["global_step"] == 1
 
 
-def test_dflash_defaults_follow_the_recipe():
+def test_dflash_defaults_follow_the_recipe(tmp_path):
+    from dflash_prep.train.config import build
+
+    toml = tmp_path / "run.toml"
+    toml.write_text('objective = "dflash"\ntarget = "t"\nslot_weights = "decay"\ngamma = 3.0\nloss = "kl"\n'
+                    'kl_temperature = 2.0\noptimizer = "adamw"\n')
+    f = build(toml, optimizer="muon", muon_lr=0.01)  # file keys, then flags
+    assert (f.slot_weights, f.gamma, f.loss, f.kl_temperature, f.optimizer, f.muon_lr) == \
+        ("decay", 3.0, "kl", 2.0, "muon", 0.01)
     c = TrainConfig(objective="dflash", target="t")
     assert (c.slot_weights, c.dpace_alpha, c.loss, c.optimizer, c.draft_layers) == ("dpace", 0.5, "ce", "muon", 5)
     lm = TrainConfig()
