@@ -198,6 +198,7 @@ def observe(root: Path) -> dict[str, str]:
     out.update(_tree(m / "t-dflash", "t-dflash"))
     _train(["--data", root / "t-data", "--plan", t_plan, "--manifests", m / "t-dflash", "--out", root / "dflash-run",
             "--objective", "dflash", "--target", target, "--draft-layers", 2, "--block-size", 4, "--gamma", 1.5,
+            "--slot-weights", "decay", "--loss", "ce", "--optimizer", "adamw",
             "--max-anchors", 6, "--anchor-policy", "cap", "--anchor-seed", 11, "--mask-token-id", 3,
             *TRAIN_COMMON], "", root / "dflash-run.toml")
     out["dflash_losses"] = "; ".join(_losses(root / "dflash-run"))

@@ -14,9 +14,10 @@ file directly, since zip readers ignore trailing bytes) holds:
 - ``run_key``: what fixes the data order: the plan's identity and fingerprint, the dataset
   fingerprint, and the manifest's layout, world size and accumulation;
 - ``run_key["contract"]``: what the objective fixes besides the data: ``objective``; for DFlash
-  the target's fingerprint, tokenizer and chat-template hashes, taps, mask id, B, gamma and the
-  anchor policy (seed, cap, policy, sampler version); for an LM started ``--init-from`` a
-  folder, that folder's fingerprint;
+  the target's fingerprint, tokenizer and chat-template hashes, taps, mask id, B, the loss
+  (slot weights with gamma or D-PACE alpha, ce or kl with its temperature) and the anchor
+  policy (seed, cap, policy, sampler version); for an LM started ``--init-from`` a folder,
+  that folder's fingerprint; for every objective the optimizer (adamw or muon);
 - ``model_config``: the trained module's shape (decoder, transformers config or drafter config).
 
 Resume is exact: with the loader a pure function of (manifest, cursor) and no dropout,
@@ -156,7 +157,8 @@ def check_run_key(saved: dict, current: dict, *, path: str | Path) -> None:
             "contract.\n"
             + "\n".join(diffs) + "\n"
             "Changing how data flows (boundaries, budget, seed, window, layout, world size, accumulation or the "
-            "dataset) or what is trained (objective, target, taps, mask id, block size, gamma, anchors) changes "
+            "dataset) or what is trained (objective, target, taps, mask id, block size, slot weights, gamma, alpha, "
+            "loss, temperature, optimizer, anchors) changes "
             "the run, so continuing this checkpoint would mix two batch orders. Either point "
             "--plan/--manifests back at the plan the run started with, or pass --from-scratch to start a new "
             "run on the new plan.")

@@ -25,6 +25,9 @@ from dflash_prep.errors import ConfigError
 
 ATTN_BACKENDS = ("auto", "reference", "triton")
 DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZERS = ("adamw", "muon")
+SLOT_WEIGHTS = ("decay", "dpace")
+LOSSES = ("ce", "kl")
 
 
 def _positive_finite(name: str, v, *, zero_ok: bool = False) -> None:
@@ -147,6 +150,11 @@ class TrainConfig:
     missing), later epochs from manifests packed for this world size (:mod:`dflash_prep.train.rescale`)."""
     lr: float = opt(3e-3, panel=OPTIMIZER)
     """Peak learning rate (AdamW)."""
+    optimizer: str = opt("", panel=OPTIMIZER)
+    """``adamw``, or ``muon``: Muon on the 2-D weight matrices, AdamW at ``lr`` on the rest
+    (:mod:`dflash_prep.train.optim`); empty = the objective's (``muon`` for dflash, ``adamw`` for lm)."""
+    muon_lr: float = opt(0.0, panel=OPTIMIZER)
+    """Muon's peak learning rate; 0 = 10 x ``lr`` (speculators' rule). The schedule scales both."""
     min_lr_ratio: float = opt(0.1, panel=OPTIMIZER)
     """Cosine decays to ``lr * min_lr_ratio``."""
     warmup_steps: int = opt(5, panel=OPTIMIZER)
@@ -188,15 +196,25 @@ class TrainConfig:
     """Rows per chunk of LM head + cross-entropy (both objectives; memory ~ chunk x vocab)."""
     target: str = opt("", panel=OBJECTIVE)
     """DFlash: the frozen target, a local transformers causal-LM folder with its tokenizer."""
-    draft_layers: int = opt(1, panel=OBJECTIVE)
-    """DFlash: draft layers N (the taps are build_target_layer_ids(L, N) unless target_layer_ids)."""
+    draft_layers: int = opt(5, panel=OBJECTIVE)
+    """DFlash: draft layers N (the taps are build_target_layer_ids(L, N) unless target_layer_ids);
+    5 is the recipe's (speculators RFC #979)."""
     target_layer_ids: tuple[int, ...] = opt((), panel=OBJECTIVE)
     """DFlash: tapped target layers; empty = the public rule."""
     block_size: int = opt(0, panel=OBJECTIVE)
     """DFlash: block size B (an anchor token plus B - 1 drafted slots); 0 = the manifest's
     (``pack --objective dflash``), else 16."""
+    slot_weights: str = opt("", panel=OBJECTIVE)
+    """DFlash: ``decay`` (exp(-(r-1)/gamma)) or ``dpace`` (D-PACE, from the drafter's confidence
+    in the forward); empty = the objective's (``dpace`` for dflash)."""
     gamma: float = opt(0.0, panel=OBJECTIVE)
     """DFlash: slot-weight decay exp(-(r-1)/gamma); 0 = the rule (B - 2) / 2 (7 at B = 16)."""
+    dpace_alpha: float = opt(0.5, panel=OBJECTIVE)
+    """DFlash: D-PACE smoothing alpha in (0, 1] (q~ = (1 - alpha) q + alpha)."""
+    loss: str = opt("ce", panel=OBJECTIVE)
+    """DFlash: ``ce`` on the data token, or ``kl`` from the target's next-token distribution."""
+    kl_temperature: float = opt(1.0, panel=OBJECTIVE)
+    """DFlash: temperature of both distributions under ``--loss kl``."""
     max_anchors: int = opt(0, panel=OBJECTIVE)
     """DFlash: anchors per sample at most; 0 = the manifest's, else 512."""
     anchor_policy: str = opt("", panel=OBJECTIVE)
@@ -237,7 +255,25 @@ class TrainConfig:
         if self.ce_chunk < 1:
             raise ConfigError(f"--ce-chunk must be at least 1, got {self.ce_chunk}")
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-        objectives.get(self.objective).check_train(self)
+        obj = objectives.get(self.objective)
+        for k, v in obj.train_defaults.items():      # what the objective's recipe fills in when left empty
+            if not getattr(self, k):
+                object.__setattr__(self, k, v)
+        self._check_recipe()
+        obj.check_train(self)
+
+    def _check_recipe(self) -> None:
+        """The optimizer and loss options are ones this trainer knows."""
+        for flag, v, ok in (("--optimizer", self.optimizer, OPTIMIZERS), ("--loss", self.loss, LOSSES)):
+            if v not in ok:
+                raise ConfigError(f"{flag} must be one of {', '.join(ok)}, got {v!r}")
+        if self.slot_weights and self.slot_weights not in SLOT_WEIGHTS:
+            raise ConfigError(f"--slot-weights must be one of {', '.join(SLOT_WEIGHTS)}, got {self.slot_weights!r}")
+        if isinstance(self.dpace_alpha, bool) or not isinstance(self.dpace_alpha, (int, float)) \
+                or not 0.0 < self.dpace_alpha <= 1.0:
+            raise ConfigError(f"--dpace-alpha must be in (0, 1], got {self.dpace_alpha!r}")
+        _positive_finite("--kl-temperature", self.kl_temperature)
+        _positive_finite("--muon-lr", self.muon_lr, zero_ok=True)
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         """The preset with overrides; the dataset's vocab unless the overrides fix one."""

@@ -8,9 +8,11 @@ Per optimizer step ``s`` of epoch ``e`` (this rank holds micro-batches ``mb_1..m
 1. ``N = all_reduce_sum(sum of the objective's denominators over this rank's micro-batches)``:
    LM: the real target tokens, DFlash: the sum of block weights ``w``, of the whole step,
    every rank and every accumulation micro-batch (float64, with the token and FLOP counts);
+   D-PACE weights come out of the forward, so there ``N`` is all-reduced after it and the
+   summed gradient of the unscaled loss sums is divided by it (the same update; ``train_step``);
 2. for each micro-batch: ``(loss sum / N).backward()`` (gradients accumulate);
 3. all-reduce the gradients with SUM (so the step's gradient is that of the per-token (per-w)
-   mean over the whole step, never a mean of per-micro-batch means), clip, AdamW step; the
+   mean over the whole step, never a mean of per-micro-batch means), clip, optimizer step; the
    objective's stats vector (loss sum, DFlash accuracy/tau sums) is all-reduced once.
 
 So 2 ranks x A=1 and 1 rank x A=2 over the same micro-batches give the same gradient (up to
@@ -46,18 +48,10 @@ from .config import TrainConfig
 from .data import StepBatches
 from .loader import ManifestLoader
 from .lr import Schedule
-from .model import Decoder
 from .objectives import build_objective
+from .optim import build_optimizer
 from .runlog import FORMAT_VERSION, SUMMARY_FORMAT, RunLog, check_run_folder, finite
 from .source import tokenizer_field
-
-
-def build_optimizer(model: Decoder, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices and embeddings only (not RMSNorm gains)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=1e-8, foreach=False)
 
 
 def train_step(model, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float, grad_clip: float,
@@ -66,7 +60,12 @@ def train_step(model, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float,
 
     ``objective`` (default: the LM objective on ``model``) turns each micro-batch into a loss
     sum and a stats vector (:mod:`dflash_prep.train.objectives`); ``N`` is the sum of its
-    ``denominator`` over the step's ranks and micro-batches.
+    ``denominator`` over the step's ranks and micro-batches. An objective with
+    ``deferred_denominator`` (D-PACE: the weights come out of the forward) defers ``N``: each
+    micro-batch backpropagates its loss sum unscaled, ``N`` comes from the all-reduced stats
+    (``objective.denominator_from``), and the all-reduced gradient is divided by it before
+    clipping. The same linear map, so the update stays that of ``sum w * CE / N`` over the
+    whole step, however it is split.
     """
     if objective is None:
         from .objectives import LMObjective
@@ -74,7 +73,9 @@ def train_step(model, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float,
     params = [p for p in model.parameters() if p.requires_grad]
     opt.zero_grad(set_to_none=True)
     # float64 holds integer counts exactly (< 2^53) and the DFlash weight sums
-    counts = torch.tensor([sum(objective.denominator(b) for b in sb.micro), sum(b.real_tokens for b in sb.micro),
+    deferred = getattr(objective, "deferred_denominator", False)
+    counts = torch.tensor([0.0 if deferred else sum(objective.denominator(b) for b in sb.micro),
+                           sum(b.real_tokens for b in sb.micro),
                            sum(b.padded_tokens for b in sb.micro), sum(objective.flops(b) for b in sb.micro)],
                           dtype=torch.float64, device=d.device)
     distributed.all_reduce_sum(counts, d)
@@ -84,17 +85,22 @@ def train_step(model, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float,
     for b in sb.micro:
         b = b.to(d.device)
         ls, st = objective.loss(b, autocast)
-        (ls / denom).backward()
+        (ls if deferred else ls / denom).backward()
         stats += st
     distributed.all_reduce_grads(params, d)
     distributed.all_reduce_sum(stats, d)
+    if deferred:
+        denom_sum = objective.denominator_from(stats)
+        if denom_sum > 0:
+            for p in params:
+                p.grad.div_(denom_sum)
     if grad_clip > 0:
         gnorm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=False))
     else:
         gnorm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
     if denom_sum > 0:
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_scale", 1.0)
         opt.step()
     out = objective.metrics(stats, denom_sum)
     return {**out, "grad_norm": gnorm, "targets": objective.targets(denom_sum), "real_tokens": int(real), "padded_tokens": int(padded),
@@ -258,7 +264,7 @@ def _setup(cfg: TrainConfig, source, d: distributed.Dist) -> _Run:
     run_key = {**source.run_identity(), **_manifest_key(first), **({"continuation": cont} if cont else {})}
 
     obj = build_objective(cfg, ds, d.device, manifest=first)  # seeds torch with cfg.seed first
-    run_key["contract"] = obj.contract()
+    run_key["contract"] = {**obj.contract(), "optimizer": cfg.optimizer}
     about = obj.describe()
     if d.is_main and about:
         print(about, flush=True)

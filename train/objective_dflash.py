@@ -7,14 +7,23 @@ Per micro-batch (documents packed back to back, ids ``x``, loss mask ``lm``):
    eligible positions (``lm[a] = lm[a+1] = 1``), the same whatever else shares the batch.
 2. **Blocks**: block j is ``[x[a_j], MASK x (B-1)]`` at positions ``a_j .. a_j+B-1``; slot
    ``r = 1..B-1`` predicts ``x[a_j + r]`` (same position, no shift) with weight
-   ``w = exp(-(r-1)/gamma) * lm[a_j+r]`` (0 past the document's end); slot 0 has no loss.
+   ``w = exp(-(r-1)/gamma) * lm[a_j+r]`` (``--slot-weights decay``; 0 past the document's end)
+   or the D-PACE weight of :func:`dpace_weights` (``dpace``: from the drafter's CE on each
+   slot in this forward, no gradient, times the same mask); slot 0 has no loss.
 3. **Forward**: the frozen target's taps over the packed documents (one forward, document-
    causal) are the context; the target's frozen ``embed_tokens`` embeds the blocks; the
-   drafter maps them to hidden states; the target's frozen ``lm_head`` and CE run in chunks
-   over the rows with ``w > 0`` only (:func:`dflash_prep.train.chunked_ce.weighted_ce`).
-4. **Loss** = ``sum w * CE / sum w`` where ``sum w`` is over the whole optimizer step (all
+   drafter maps them to hidden states; the target's frozen ``lm_head`` and the loss run in
+   chunks over the rows with a label only (:func:`dflash_prep.train.chunked_ce.weighted_ce`,
+   or :func:`dflash_prep.train.chunked_kl.row_losses` for ``dpace`` / ``kl``). The slot loss is
+   the CE on the data token (``--loss ce``) or ``KL(target || drafter)`` at ``--kl-temperature``
+   (``kl``): slot r of block j learns the target's next-token distribution at ``a_j + r - 1``,
+   so the target then runs all its layers (attention needs every position) and its final norm,
+   and its head only on the labelled rows, fused into the loss's chunks.
+4. **Loss** = ``sum w * loss / sum w`` where ``sum w`` is over the whole optimizer step (all
    ranks, all accumulation micro-batches): the trainer all-reduces :attr:`DFlashBatch.weight_sum`
-   before any backward, exactly as the LM objective does with its target count.
+   before any backward, exactly as the LM objective does with its target count; D-PACE's
+   ``sum w`` is known after the forward only, so it is all-reduced then and divides the summed
+   gradient (:func:`dflash_prep.train.loop.train_step`): the same update for any split.
 
 **gamma rule**: ``gamma = (B - 2) / 2`` (7 at B = 16, 3 at B = 8), i.e. the last slot always
 weighs ``e^-2`` of the first; B = 2 has one slot, weight 1. ``--gamma`` overrides it.
@@ -46,12 +55,39 @@ def default_gamma(block_size: int) -> float:
     return max(0.5, (int(block_size) - 2) / 2.0)
 
 
-def slot_weights(block_size: int, gamma: float) -> np.ndarray:
-    """``[B]`` float32: 0 for slot 0, ``exp(-(r-1)/gamma)`` for r >= 1."""
+def slot_weights(block_size: int, gamma: float | None) -> np.ndarray:
+    """``[B]`` float32: 0 for slot 0, ``exp(-(r-1)/gamma)`` for r >= 1 (1 when ``gamma`` is None:
+    D-PACE, whose weights come from the forward, keeps only the loss mask here)."""
     r = np.arange(block_size, dtype=np.float64)
-    w = np.exp(-(r - 1.0) / float(gamma))
+    w = np.ones(block_size) if gamma is None else np.exp(-(r - 1.0) / float(gamma))
     w[0] = 0.0
     return w.astype(np.float32)
+
+
+def dpace_weights(ce: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE slot weights (arXiv 2605.18810, Eq. 7-8) ``[N, B]`` float32, computed without gradient.
+
+    ``ce [N, B]``: the drafter's cross-entropy on each slot's target token (any value where the
+    mask is 0); ``mask [N, B]``: the loss mask (0 on slot 0, on unlabelled slots and past the
+    document's end). Per block (row), with ``q_r = exp(-CE_r)``:
+
+        q~_r = (1 - alpha) q_r + alpha      on labelled slots, 1 elsewhere (a no-op in the product)
+        C_m  = prod_{i <= m} q~_i           (the product starts at slot 1: slot 0 is never labelled)
+        w_r  = mask_r * sum_{m >= r} mask_m C_m
+
+    Not normalised per block: the loss divides by the step's ``sum w``. Masked slots are no-ops
+    in the product and left out of the sum, as in the public implementations (speculators
+    ``dpace_loss_decay``, Model-Optimizer ``_dpace_position_weights``). ``w`` is
+    non-increasing over a block's labelled slots (``w_r - w_{r'} = sum`` of positive ``C_m``).
+    """
+    if not 0.0 < float(alpha) <= 1.0:
+        raise ValueError(f"dpace_weights: alpha must be in (0, 1], got {alpha}")
+    with torch.no_grad():
+        keep = mask > 0                                                     # (N, B)
+        q = (1.0 - alpha) * torch.exp(-ce.detach().float()) + alpha
+        q = torch.where(keep, q, torch.ones_like(q))
+        c = torch.cumprod(q, dim=1) * keep                                  # (N, B) C_m on labelled slots
+        return torch.flip(torch.cumsum(torch.flip(c, (1,)), dim=1), (1,)) * keep
 
 
 @dataclass(frozen=True)
@@ -75,8 +111,10 @@ class DFlashBatch(TensorBatch):
     Documents: ``input_ids``/``position_ids`` ``[T]`` int64 (positions restart per document),
     ``cu_seqlens`` int32 ``[D + 1]``. Blocks: ``anchors`` int32 ``[N]`` (within-document
     positions), ``cu_blk`` int32 ``[D + 1]`` (multiples of B), ``noise_ids``/``blk_pos``/
-    ``targets`` int64 ``[N * B]``, ``weights`` float32 ``[N * B]`` (the loss weights, 0 on slot 0).
-    ``weight_sum`` is the float64 sum of ``weights``, the micro-batch's share of the normaliser.
+    ``targets`` int64 ``[N * B]``, ``weights`` float32 ``[N * B]`` (the loss weights, 0 on slot 0;
+    under D-PACE the loss mask, the weights coming from the forward).
+    ``weight_sum`` is the float64 sum of ``weights``, the micro-batch's share of the normaliser
+    (under D-PACE the forward's ``sum w`` replaces it: the last entry of the stats vector).
     """
 
     step: int
@@ -98,7 +136,7 @@ class DFlashBatch(TensorBatch):
     n_anchors: int
 
 
-def build_dflash_batch(ds, mb, *, epoch: int, spec: AnchorSpec, gamma: float, mask_token_id: int,
+def build_dflash_batch(ds, mb, *, epoch: int, spec: AnchorSpec, gamma: float | None, mask_token_id: int,
                        vocab_size: int, pin: bool = False) -> DFlashBatch:
     """Documents, anchors and blocks of one manifest micro-batch (any layout: documents are packed)."""
     sids = np.asarray(mb.sample_ids, np.int64)
@@ -146,30 +184,72 @@ def build_dflash_batch(ds, mb, *, epoch: int, spec: AnchorSpec, gamma: float, ma
 
 
 def stats_width(block_size: int) -> int:
-    """Length of the per-step stats vector: loss, blocks, tau sum, then correct/valid per slot."""
-    return 3 + 2 * (block_size - 1)
+    """Length of the per-step stats vector: loss, blocks, tau sum, correct/valid per slot, sum w."""
+    return 4 + 2 * (block_size - 1)
 
 
-def dflash_loss(drafter, target, b: DFlashBatch, *, block_size: int, ce_chunk: int,
-                autocast) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum w * CE, stats)`` for one micro-batch: stats float64 ``[stats_width(B)]`` (no grad)."""
+@dataclass(frozen=True)
+class LossSpec:
+    """What the loss of a block slot is: part of the run contract (module docstring of :mod:`.objectives`)."""
+
+    slot_weights: str = "decay"
+    """``decay`` (``exp(-(r-1)/gamma)``, fixed in the batch) or ``dpace`` (:func:`dpace_weights`)."""
+    dpace_alpha: float = 0.5
+    """D-PACE's smoothing ``alpha``."""
+    loss: str = "ce"
+    """``ce`` on the data token, or ``kl`` from the target's next-token distribution."""
+    kl_temperature: float = 1.0
+    """Temperature of both distributions under ``kl``."""
+
+
+def _teacher_rows(b: "DFlashBatch", block_size: int) -> torch.Tensor:
+    """``[N * B]`` int64: the packed index of the target position whose next-token distribution
+    slot (j, r) is taught (``a_j + r - 1`` of its document; clamped at 0 for slot 0 of a first anchor)."""
+    rows = torch.arange(b.n_anchors * block_size, device=b.blk_pos.device)
+    doc = torch.searchsorted(b.cu_blk[1:].to(torch.int64), rows, right=True)    # (N*B,) document of each row
+    return (b.cu_seqlens.to(torch.int64)[doc] + b.blk_pos - 1).clamp_min(0)
+
+
+def dflash_loss(drafter, target, b: DFlashBatch, *, block_size: int, ce_chunk: int, autocast,
+                spec: LossSpec = LossSpec()) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum w * loss, stats)`` for one micro-batch: stats float64 ``[stats_width(B)]`` (no grad).
+
+    ``decay`` + ``ce`` runs :func:`~dflash_prep.train.chunked_ce.weighted_ce` with the batch's
+    weights; ``dpace`` or ``kl`` run :func:`~dflash_prep.train.chunked_kl.row_losses` and weight
+    the rows afterwards (D-PACE from the rows' CE). ``kl`` runs the target to its end
+    (``FrozenTarget.features(final=True)``); its head is applied to the labelled rows only.
+    """
+    from .chunked_kl import row_losses
+
     B = block_size
+    N = b.n_anchors
+    kl = spec.loss == "kl"
     with autocast():
-        feats = target.features(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)  # (T, k*H), no grad
+        got = target.features(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, final=kl)  # no grad
+        feats, last = got if kl else (got, None)                                            # (T, k*H), (T, H)
         with torch.no_grad():
             noise = target.embed_tokens(b.noise_ids)                                        # (Q, H)
         hid = drafter(noise, feats, b.position_ids, b.blk_pos, b.cu_seqlens, b.cu_blk, b.anchors, B)  # (Q, H)
         sel = torch.nonzero(b.weights > 0).squeeze(1)                                       # rows with a loss
-        loss, pred = weighted_ce(hid.index_select(0, sel), target.lm_head.weight, b.targets.index_select(0, sel),
-                                 b.weights.index_select(0, sel), chunk=ce_chunk)
-    N = b.n_anchors
+        h, tg, w = hid.index_select(0, sel), b.targets.index_select(0, sel), b.weights.index_select(0, sel)
+        head = target.lm_head.weight
+        if spec.slot_weights == "decay" and not kl:
+            loss, pred = weighted_ce(h, head, tg, w, chunk=ce_chunk)
+        else:
+            teacher = last.index_select(0, _teacher_rows(b, B).index_select(0, sel)) if kl else None
+            rl, ce, pred = row_losses(h, head, tg, teacher=teacher, temperature=spec.kl_temperature, chunk=ce_chunk)
+            if spec.slot_weights == "dpace":
+                full = torch.zeros(N * B, dtype=torch.float32, device=hid.device)
+                full[sel] = ce.float()
+                w = dpace_weights(full.view(N, B), b.weights.view(N, B), spec.dpace_alpha).view(-1).index_select(0, sel)
+            loss = (w.to(rl.dtype) * rl).sum()
     correct = torch.zeros(N * B, dtype=torch.float64, device=hid.device)
-    correct[sel] = (pred == b.targets.index_select(0, sel)).double()
+    correct[sel] = (pred == tg).double()
     valid = (b.weights > 0).double().view(N, B)[:, 1:]                                      # (N, B-1)
     correct = correct.view(N, B)[:, 1:]                                                     # (N, B-1)
     tau = (1.0 + torch.cumprod(correct, dim=1).sum(dim=1)).sum() if N else correct.new_zeros(())
     stats = torch.cat([torch.stack([loss.detach().double(), correct.new_tensor(float(N)), tau]),
-                       correct.sum(0), valid.sum(0)])
+                       correct.sum(0), valid.sum(0), w.detach().double().sum().reshape(1)])
     return loss, stats
 
 
@@ -213,6 +293,10 @@ class DFlashObjective:
         self.model, self.target, self.cfg = drafter, target, cfg
         self.spec, self.gamma, self.identity = anchor_spec, float(gamma), identity
         self.anchor_source = anchor_source
+        self.loss_spec = LossSpec(slot_weights=cfg.slot_weights, dpace_alpha=float(cfg.dpace_alpha), loss=cfg.loss,
+                                  kl_temperature=float(cfg.kl_temperature))
+        # D-PACE weights come out of the forward: the loop all-reduces sum w after it (train_step)
+        self.deferred_denominator = cfg.slot_weights == "dpace"
         self.stats_width = stats_width(self.block_size)
         P = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
         last = max(drafter.config.target_layer_ids)
@@ -228,7 +312,8 @@ class DFlashObjective:
 
     def build(self, ds, mb, epoch: int, layout: str, pin: bool):
         c = self.model.config
-        return build_dflash_batch(ds, mb, epoch=epoch, spec=self.spec, gamma=self.gamma,
+        gamma = None if self.deferred_denominator else self.gamma
+        return build_dflash_batch(ds, mb, epoch=epoch, spec=self.spec, gamma=gamma,
                                   mask_token_id=c.mask_token_id, vocab_size=c.vocab_size, pin=pin)
 
     @staticmethod
@@ -236,12 +321,17 @@ class DFlashObjective:
         return b.weight_sum
 
     @staticmethod
+    def denominator_from(stats: torch.Tensor) -> float:
+        """The step's ``sum w`` from the all-reduced stats (its last entry): D-PACE's normaliser."""
+        return float(stats[-1])
+
+    @staticmethod
     def targets(denom: float) -> float:
         return denom
 
     def loss(self, b, autocast):
         return dflash_loss(self.model, self.target, b, block_size=self.block_size, ce_chunk=self.cfg.ce_chunk,
-                           autocast=autocast)
+                           autocast=autocast, spec=self.loss_spec)
 
     def metrics(self, stats: torch.Tensor, denom: float) -> dict:
         return summarize_stats(stats, denom, self.block_size)
@@ -254,15 +344,29 @@ class DFlashObjective:
     def contract(self) -> dict:
         c = self.model.config
         return {"objective": "dflash", **self.identity, "target_layer_ids": list(c.target_layer_ids),
-                "mask_token_id": c.mask_token_id, "block_size": self.block_size, "gamma": self.gamma,
+                "mask_token_id": c.mask_token_id, "block_size": self.block_size, **self.recipe_fields(),
                 "anchors": self.spec.to_dict()}
 
     def describe(self) -> str:
-        c = self.model.config
-        return (f"dflash: target {self.cfg.target} ({self.target.num_layers} layers), taps {list(c.target_layer_ids)}, "
-                f"B={self.block_size}, gamma={self.gamma:g}, mask id {c.mask_token_id}, anchors "
-                f"{self.spec.policy}<={self.spec.max_anchors} drawn by the library sampler with seed {self.spec.seed} "
+        """The recipe the run resolved (defaults filled in), one line printed at start."""
+        from .optim import muon_lr
+
+        cfg, c, ls = self.cfg, self.model.config, self.loss_spec
+        weights = f"dpace alpha={ls.dpace_alpha:g}" if ls.slot_weights == "dpace" else f"decay gamma={self.gamma:g}"
+        loss = f"kl T={ls.kl_temperature:g}" if ls.loss == "kl" else "ce"
+        opt = f"muon lr={muon_lr(cfg):g} + adamw lr={cfg.lr:g}" if cfg.optimizer == "muon" else f"adamw lr={cfg.lr:g}"
+        return (f"dflash recipe: B={self.block_size}, {c.num_layers} draft layer(s), slot weights {weights}, "
+                f"loss {loss}, optimizer {opt}; target {cfg.target} ({self.target.num_layers} layers), taps "
+                f"{list(c.target_layer_ids)}, mask id {c.mask_token_id}, anchors {self.spec.policy}<="
+                f"{self.spec.max_anchors} drawn by the library sampler with seed {self.spec.seed} "
                 f"(from {self.anchor_source})")
+
+    def recipe_fields(self) -> dict:
+        """What the loss is (contract fields; the ones a setting leaves unused are None)."""
+        ls = self.loss_spec
+        return {"slot_weights": ls.slot_weights, "gamma": self.gamma if ls.slot_weights == "decay" else None,
+                "dpace_alpha": ls.dpace_alpha if ls.slot_weights == "dpace" else None, "loss": ls.loss,
+                "kl_temperature": ls.kl_temperature if ls.loss == "kl" else None}
 
     def check_epoch(self, epoch: int, manifest) -> None:
         """Every epoch after the first draws anchors as the first did (its budgets assume them)."""

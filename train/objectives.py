@@ -9,6 +9,8 @@ The training loop (:mod:`dflash_prep.train.loop`) is objective-agnostic: it buil
 - ``build(ds, mb, epoch, pin)``: one manifest micro-batch as tensors (run on the prefetch thread);
 - ``denominator(batch)``: the batch's share of the step's loss normaliser (LM: target tokens;
   DFlash: the sum of block weights), all-reduced over ranks and accumulation before any backward;
+  an objective with ``deferred_denominator`` (DFlash under D-PACE, whose weights come out of the
+  forward) gives it after the forward instead, ``denominator_from(stats)`` of the all-reduced stats;
 - ``loss(batch, autocast)``: ``(loss_sum, stats)``; the loop backpropagates ``loss_sum / N``
   and all-reduces ``stats`` (float64, ``stats_width`` entries) once per step;
 - ``metrics(stats, N)``: the step's logged metrics; ``flops(batch)`` for MFU; ``targets(N)``:

@@ -10,7 +10,10 @@
   across documents: each document's states equal those of a forward over it alone.
 - **Taps**: forward hooks on decoder layers ``target_layer_ids`` record their outputs (the
   public ``hidden_states[l + 1]``); the hook of the last tapped layer stops the forward, so
-  the layers above it, the final norm and the LM head never run.
+  the layers above it, the final norm and the LM head never run. With ``final=True`` (``--loss
+  kl``, which needs the target's next-token distributions) the forward runs to the end and also
+  returns the final-normed last hidden states; the LM head is left to the caller, which applies
+  it to the labelled positions only, in chunks (:mod:`dflash_prep.train.chunked_kl`).
 - **Identity** (:func:`target_identity`, part of the run contract): sha256 of config.json and
   every weight file, of the tokenizer files, and of the chat template.
 """
@@ -144,27 +147,30 @@ class FrozenTarget:
         return self.embed_tokens.weight.dtype
 
     @torch.no_grad()
-    def features(self, input_ids, position_ids, cu_seqlens, max_seqlen: int) -> torch.Tensor:
-        """Concatenated taps ``[T, k*H]`` (tap order = ``target_layer_ids``) for packed documents."""
+    def features(self, input_ids, position_ids, cu_seqlens, max_seqlen: int, *, final: bool = False):
+        """Concatenated taps ``[T, k*H]`` (tap order = ``target_layer_ids``) for packed documents;
+        with ``final``, ``(taps, last [T, H])``: the whole forward's final-normed hidden states."""
         got: dict[int, torch.Tensor] = {}
         last = max(self.taps)
 
         def hook(idx):
             def fn(_mod, _inp, out):
                 got[idx] = (out[0] if isinstance(out, tuple) else out)[0]  # (T, H)
-                if idx == last:
+                if idx == last and not final:
                     raise _Stop
             return fn
 
         handles = [self.layers[i].register_forward_hook(hook(i)) for i in sorted(set(self.taps))]
+        out = None
         try:
-            packed_forward(self.model, input_ids, position_ids, cu_seqlens, max_seqlen)
+            out = packed_forward(self.model, input_ids, position_ids, cu_seqlens, max_seqlen)
         except _Stop:
             pass
         finally:
             for h in handles:
                 h.remove()
-        return torch.cat([got[i] for i in self.taps], dim=-1)  # (T, k*H)
+        taps = torch.cat([got[i] for i in self.taps], dim=-1)  # (T, k*H)
+        return (taps, out.last_hidden_state[0]) if final else taps
 
 
 def _sha_files(files: list[Path]) -> str:

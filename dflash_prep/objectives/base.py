@@ -60,11 +60,16 @@ class DataObjective:
         """The ``pack`` flags that reproduce ``options`` (after ``--objective NAME``)."""
         return ""
 
+    #: trainer options (``TrainConfig`` fields) this objective's recipe fills in when left empty
+    train_defaults: dict = {"optimizer": "adamw"}
+
     def check_train(self, cfg) -> None:
         """Refuse trainer options (a ``TrainConfig``) this objective cannot train with."""
         if cfg.target:
             raise ConfigError("--target is the DFlash objective's frozen model; pass --objective dflash, or "
                               "--init-from DIR to train a transformers model as an LM")
+        if cfg.slot_weights not in ("", "decay") or cfg.loss != "ce":
+            raise ConfigError("--slot-weights and --loss kl are DFlash options; pass --objective dflash")
 
     # --- pack ------------------------------------------------------------------------------
     def inputs(self, cfg, src):

@@ -365,6 +365,9 @@ class DFlashObjective(DataObjective):
                               "budget is its own (--cost-fill): pass --budget-unit tokens")
         return options.resolve(seed=plan.seed, token_budget=budget.value)
 
+    #: the recipe the field converged on (speculators RFC #979): D-PACE slot weights, Muon
+    train_defaults = {"optimizer": "muon", "slot_weights": "dpace"}
+
     def check_train(self, cfg) -> None:
         if not cfg.target:
             raise ConfigError("--objective dflash needs --target DIR (a local transformers causal-LM folder)")

@@ -33,14 +33,15 @@ def dflash_cfg(out, target, **kw):
 
     base = dict(out=str(out), objective="dflash", target=str(target), draft_layers=2, block_size=4,
                 max_anchors=6, mask_token_id=MASK_ID, progress=False, prefetch=2, warmup_steps=1, lr=3e-3,
-                device="cpu", ce_chunk=16)
+                device="cpu", ce_chunk=16, slot_weights="decay", optimizer="adamw")  # the pre-recipe defaults
     base.update(kw)
     return TrainConfig(**base)
 
 
-def gloo_dflash_worker(rank: int, world: int, init_file: str, out_dir: str, target: str) -> None:
-    """``torch.multiprocessing.spawn`` entry: one DFlash step over W=world, A=1 with no clipping;
-    rank 0 saves the summed drafter gradients and the step record."""
+def gloo_dflash_worker(rank: int, world: int, init_file: str, out_dir: str, target: str, kw: dict | None = None) -> None:
+    """``torch.multiprocessing.spawn`` entry: one DFlash step over W=world, A=1 with no clipping
+    (``kw``: run-config overrides); rank 0 saves the summed drafter gradients, the parameters
+    after the step and the step record."""
     import contextlib
 
     import torch
@@ -52,19 +53,21 @@ def gloo_dflash_worker(rank: int, world: int, init_file: str, out_dir: str, targ
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        obj, opt, sb = dflash_grads_setup(target, world, 1, rank)
+        obj, opt, sb = dflash_grads_setup(target, world, 1, rank, **(kw or {}))
         st = train_step(obj.model, opt, sb, lr=1e-3, grad_clip=0.0, d=Dist(rank, world, 0, torch.device("cpu")),
                         autocast=contextlib.nullcontext, objective=obj)
         if rank == 0:
-            torch.save({"grads": {n: p.grad.clone() for n, p in obj.model.named_parameters()}, "step": st},
+            torch.save({"grads": {n: p.grad.clone() for n, p in obj.model.named_parameters()}, "step": st,
+                        "params": {n: p.detach().clone() for n, p in obj.model.named_parameters()}},
                        Path(out_dir) / "dflash_grads.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def dflash_grads_setup(target, world: int, accum: int, rank: int):
-    """Objective, optimizer and step-0 batches of ``rank`` for W x A over the same micro-batches."""
+def dflash_grads_setup(target, world: int, accum: int, rank: int, **kw):
+    """Objective, optimizer and step-0 batches of ``rank`` for W x A over the same micro-batches
+    (``kw``: run-config overrides)."""
     import torch
 
     from dflash_prep.train.data import iter_steps
@@ -74,7 +77,7 @@ def dflash_grads_setup(target, world: int, accum: int, rank: int):
     from tests.train.train_fakes import FakeSource
 
     src = FakeSource(n=48, world_size=world, grad_accum=accum, layout="varlen")
-    cfg = dflash_cfg("unused", target)
+    cfg = dflash_cfg("unused", target, **kw)
     obj = build_objective(cfg, src.dataset, torch.device("cpu"))
     m = src.manifest(0)
     sb = next(iter(iter_steps(src.dataset, m, rank, build=lambda mb: obj.build(src.dataset, mb, 0, m.layout, False))))

@@ -12,7 +12,8 @@
 # Knobs (environment): DEMO_DFLASH (output folder), PY, N (training conversations), HELD
 # (held-out prompts), B (block size), LM_STEPS, DRAFT_STEPS, DRAFT_LAYERS, MAX_ANCHORS (anchors per
 # sample), MAX_NEW (tokens per prompt), REGEN_TOKENS (tokens per regenerated answer),
-# LM_EPOCHS / DRAFT_EPOCHS (epochs packed for each run).
+# LM_EPOCHS / DRAFT_EPOCHS (epochs packed for each run), SLOT_WEIGHTS (decay|dpace), LOSS (ce|kl),
+# OPTIMIZER (adamw|muon).
 set -euo pipefail
 
 OUT=${DEMO_DFLASH:-demo-dflash}
@@ -29,6 +30,9 @@ DRAFT_LAYERS=${DRAFT_LAYERS:-1}
 MAX_NEW=${MAX_NEW:-64}
 REGEN_TOKENS=${REGEN_TOKENS:-96}
 BUDGET=${BUDGET:-2048}
+SLOT_WEIGHTS=${SLOT_WEIGHTS:-decay}
+LOSS=${LOSS:-ce}
+OPTIMIZER=${OPTIMIZER:-adamw}
 # The target's shape: small enough that one LM step on 2,048 tokens takes about a second on a
 # loaded 2-core machine (the LM head dominates: keep the vocabulary small). 4 layers: a
 # 1-layer drafter taps layer L//2 = 2.
@@ -107,9 +111,12 @@ else
 fi
 
 step "6. train the drafter on the frozen target ($DRAFT_LAYERS layer(s), B = $B, $DRAFT_STEPS steps)"
+# the demo's small settings, passed explicitly: the trainer's dflash defaults are the full recipe
+# (B = 16, 5 draft layers, D-PACE, Muon), sized for a real target
 $TRAIN --objective dflash --target "$OUT/target" --draft-layers "$DRAFT_LAYERS" --block-size "$B" \
     --data "$DATA" --plan "$PLAN" --manifests "$MANIFESTS" --out "$OUT/drafter-run" \
-    --epochs "$DRAFT_EPOCHS" --max-steps "$DRAFT_STEPS" --lr 3e-3 --warmup-steps 5 --max-anchors "$MAX_ANCHORS"
+    --epochs "$DRAFT_EPOCHS" --max-steps "$DRAFT_STEPS" --lr 3e-3 --warmup-steps 5 --max-anchors "$MAX_ANCHORS" \
+    --slot-weights "$SLOT_WEIGHTS" --loss "$LOSS" --optimizer "$OPTIMIZER"
 
 step "7. export it in the public DFlash format: $OUT/drafter"
 $PY -m dflash_prep.train.export "$OUT/drafter-run" --out "$OUT/drafter" --overwrite
