@@ -153,7 +153,7 @@ def _forward(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, prob: DFlas
     dflash_fwd_kernel[_grid(prob.heads_q, q.shape[0], bm, prob.num_docs)](
         q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_ctx, cu_blk, anchors, tiles,
         *_rh(q), *_rh(k_ctx), *_rh(v_ctx), *_rh(k_blk), *_rh(v_blk), *_rh(o), lse.stride(0),
-        prob.scale * LOG2E.value, prob.num_docs, prob.group, _iters(prob.num_docs + 1),
+        prob.scale * LOG2E.value, prob.num_docs, prob.group, _iters(prob.num_docs + 1), prob.window,
         num_warps=warps, num_stages=stages, **_consts(q, prob, bm, bn))
     return o, lse
 
@@ -177,7 +177,7 @@ def _backward(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_ctx, cu_blk, anchors
     dflash_bwd_dq_kernel[_grid(prob.heads_q, rows, bm, prob.num_docs)](
         q, k_ctx, v_ctx, k_blk, v_blk, do, dq, lse, delta, cu_ctx, cu_blk, anchors, tile_table(cu_blk, bm),
         *_rh(q), *_rh(k_ctx), *_rh(v_ctx), *_rh(k_blk), *_rh(v_blk), *_rh(do), *_rh(dq), lse.stride(0),
-        *scales, prob.num_docs, prob.group, docs_iter,
+        *scales, prob.num_docs, prob.group, docs_iter, prob.window,
         num_warps=warps, num_stages=stages, **_consts(q, prob, bm, bn))
 
     bm, bn, warps, stages = blocks_for("dkdv_blk", prob)
@@ -192,7 +192,7 @@ def _backward(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_ctx, cu_blk, anchors
         dflash_bwd_dkdv_ctx_kernel[_grid(prob.heads_kv, prob.ctx_tokens, bn, prob.num_docs)](
             q, k_ctx, v_ctx, do, dkc, dvc, lse, delta, cu_ctx, cu_blk, anchors, tile_table(cu_ctx, bn),
             *_rh(q), *_rh(k_ctx), *_rh(v_ctx), *_rh(do), *_rh(dkc), *_rh(dvc), lse.stride(0),
-            *scales, prob.num_docs, prob.group, docs_iter, _iters(prob.num_blocks),
+            *scales, prob.num_docs, prob.group, docs_iter, _iters(prob.num_blocks), prob.window,
             num_warps=warps, num_stages=stages, **_consts(q, prob, bm, bn))
     return grads
 
