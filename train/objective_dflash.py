@@ -188,14 +188,15 @@ def summarize_stats(stats: torch.Tensor, denom: float, block_size: int) -> dict:
 
 
 def step_flops(target_params_tapped: int, drafter_params: int, lm_head_params: int, b: DFlashBatch,
-               heads: int, head_dim: int, num_layers: int, block_size: int) -> float:
+               heads: int, head_dim: int, num_layers: int, block_size: int, *, window: int = 0) -> float:
     """Model FLOPs of one micro-batch (docs/definitions.md "Drafter step cost"): target forward
-    ``2 P_t T``; drafter ``6 P_d N B`` plus attention ``3 * 4 Hq D B (a_j + B)`` per block and
-    layer; LM head ``4 n H V`` (forward + input gradient; the head is frozen) over the ``n``
+    ``2 P_t T``; drafter ``6 P_d N B`` plus attention ``3 * 4 Hq D B (min(a_j, W) + B)`` per block
+    and layer (``a_j`` when the window W is 0); LM head ``4 n H V`` (forward + input gradient; the head is frozen) over the ``n``
     rows with a loss."""
     B = block_size
     n_rows = int((b.weights > 0).sum())
-    attn = 3.0 * 4.0 * heads * head_dim * B * float((b.anchors.double() + B).sum()) * num_layers
+    seen = b.anchors.double() if window == 0 else b.anchors.double().clamp(max=float(window))
+    attn = 3.0 * 4.0 * heads * head_dim * B * float((seen + B).sum()) * num_layers
     return 2.0 * target_params_tapped * b.real_tokens + 6.0 * drafter_params * b.n_anchors * B + attn \
         + 4.0 * n_rows * lm_head_params
 
