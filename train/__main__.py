@@ -57,6 +57,7 @@ def main(
     draft_layers: Annotated[Optional[int], typer.Option(help="DFlash: draft layers N")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="DFlash: block size B")] = None,
     gamma: Annotated[Optional[float], typer.Option(help="DFlash: slot-weight decay (0 = (B-2)/2)")] = None,
+    sliding_window: Annotated[Optional[int], typer.Option(help="DFlash: sliding-window draft attention W (0 = full, else >= B)")] = None,
     max_anchors: Annotated[Optional[int], typer.Option(help="DFlash: anchors per sample at most")] = None,
     anchor_policy: Annotated[Optional[str], typer.Option(help="DFlash: cap or density")] = None,
     anchor_seed: Annotated[Optional[int], typer.Option(help="DFlash: anchor seed (-1 = manifest's, else --seed)")] = None,
@@ -75,6 +76,7 @@ def main(
                                prefetch=prefetch, ckpt_every=ckpt_every, from_scratch=from_scratch,
                                progress=progress, wandb=wandb, objective=objective, init_from=init_from,
                                target=target, draft_layers=draft_layers, block_size=block_size, gamma=gamma,
+                               sliding_window=sliding_window,
                                max_anchors=max_anchors, anchor_policy=anchor_policy, anchor_seed=anchor_seed,
                                mask_token_id=mask_token_id, ce_chunk=ce_chunk)
         from .loop import train

@@ -173,6 +173,9 @@ class TrainConfig:
     (``pack --objective dflash``), else 16."""
     gamma: float = 0.0
     """DFlash: slot-weight decay exp(-(r-1)/gamma); 0 = the rule (B - 2) / 2 (7 at B = 16)."""
+    sliding_window: int = 0
+    """DFlash: sliding-window attention W of every draft layer (0 = full, else at least B): slot r
+    of block j sees context positions >= a_j + r - W + 1 only (the public ``sliding_attention`` rule)."""
     max_anchors: int = 0
     """DFlash: anchors per sample at most; 0 = the manifest's, else 512."""
     anchor_policy: str = ""
@@ -226,6 +229,8 @@ class TrainConfig:
             check_options(self.max_anchors or 1, self.anchor_policy or "cap", self.block_size or 2)
             if self.gamma < 0:
                 raise ConfigError(f"--gamma must be > 0 (0 = the default rule), got {self.gamma}")
+            if self.sliding_window < 0:
+                raise ConfigError(f"--sliding-window must be >= 0 (0 = full attention), got {self.sliding_window}")
         elif self.target:
             raise ConfigError("--target is the DFlash objective's frozen model; pass --objective dflash, or "
                               "--init-from DIR to train a transformers model as an LM")

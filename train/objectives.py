@@ -153,7 +153,8 @@ class DFlashObjective:
         from .objective_dflash import step_flops
 
         c = self.model.config
-        return step_flops(self._p_target, self._p_drafter, self._p_head, b, c.heads, c.head_dim, c.num_layers, self.B)
+        return step_flops(self._p_target, self._p_drafter, self._p_head, b, c.heads, c.head_dim, c.num_layers, self.B,
+                          window=c.sliding_window)
 
     def contract(self) -> dict:
         c = self.model.config
@@ -204,7 +205,8 @@ def build_objective(cfg: TrainConfig, ds, device: torch.device, manifest=None):
     tok = load_tokenizer(cfg.target)
     mask_id = pick_mask_token(tok, int(hc.vocab_size), cfg.mask_token_id)
     ids = list(cfg.target_layer_ids) or None
-    dcfg = DrafterConfig.from_target_config(hc, cfg.draft_layers, spec.block_size, mask_id, target_layer_ids=ids)
+    dcfg = DrafterConfig.from_target_config(hc, cfg.draft_layers, spec.block_size, mask_id, target_layer_ids=ids,
+                                            sliding_window=cfg.sliding_window)
     target = FrozenTarget(cfg.target, dcfg.target_layer_ids, device=device)
     drafter = Drafter(dcfg).to(device)
     gamma = cfg.gamma or default_gamma(spec.block_size)
