@@ -137,8 +137,9 @@ class PackConfig:
             f += " --store-anchors" if d.store_anchors else ""
             if d.cost_model is not None:
                 cm = asdict(d.cost_model)
-                layers = cm.pop("draft_layers")
+                layers, window = cm.pop("draft_layers"), cm.pop("sliding_window")
                 f += " --target-dims " + ",".join(f"{k}={v}" for k, v in cm.items()) + f" --draft-layers {layers}"
+                f += f" --sliding-window {window}" if window else ""
         return f
 
 

@@ -259,14 +259,15 @@ def store_anchors(ds, sample_ids: np.ndarray, opts: DrafterOptions, epoch: int, 
 
 
 def drafter_options(*, target_config=None, target_dims: str | None = None, draft_layers: int = 1,
-                    **options) -> DrafterOptions:
+                    sliding_window: int = 0, **options) -> DrafterOptions:
     """:class:`DrafterOptions` from the CLI's flags: the cost model from exactly one of a
-    transformers config (``--target-config``) or explicit ``--target-dims``."""
+    transformers config (``--target-config``) or explicit ``--target-dims``, with the drafter's
+    ``--draft-layers`` and ``--sliding-window`` (0 = full attention)."""
     if (target_config is None) == (target_dims is None):
         raise ConfigError("--objective dflash needs the cost model's sizes from exactly one of --target-config DIR "
                           "(a transformers config.json) or --target-dims hidden=...,layers=...")
-    cm = (DrafterCostModel.from_config(target_config, draft_layers) if target_config is not None
-          else DrafterCostModel.from_dims(target_dims, draft_layers))
+    cm = (DrafterCostModel.from_config(target_config, draft_layers, sliding_window) if target_config is not None
+          else DrafterCostModel.from_dims(target_dims, draft_layers, sliding_window))
     return DrafterOptions(cost_model=cm, **options)
 
 

@@ -250,6 +250,24 @@ def test_drafter_cost_model_by_hand(tmp_path):
         DrafterCostModel.from_config(tmp_path)
 
 
+def test_drafter_cost_model_with_a_sliding_window_by_hand():
+    """Anchors uniform on [L - S, L - 2] = [100, 298]: E[min(a, W)] below, across and above the range."""
+    from dflash_prep.drafter_cost import sample_cost
+
+    dims = "hidden=256,layers=8,intermediate=768,heads=4,kv_heads=2,head_dim=64,vocab=1000"
+    full = DrafterCostModel.from_dims(dims, draft_layers=2)
+    h, d, N, B, L, S, k = 4, 64, 2, 16, 300, 200, 7
+    base = sample_cost(full, B, [L], [S], [k])[0] - 12 * h * d * B * N * k * 199  # all but the prefix keys
+    for W, seen in ((64, 64.0), (200, ((200 ** 2 - 100 ** 2) / 2 + 200 * 98) / 198), (298, 199.0), (4096, 199.0)):
+        cm = DrafterCostModel.from_dims(dims, draft_layers=2, sliding_window=W)
+        got = sample_cost(cm, B, [L], [S], [k])[0]
+        assert got == pytest.approx(base + 12 * h * d * B * N * k * seen, rel=1e-12), W
+        assert cm.describe(B)["sliding_window"] == W
+    assert sample_cost(DrafterCostModel.from_dims(dims, 2, 64), B, [L], [S], [k])[0] < sample_cost(full, B, [L], [S], [k])[0]
+    with pytest.raises(ConfigError, match="sliding-window"):
+        DrafterCostModel.from_dims(dims, sliding_window=-1)
+
+
 def test_dropped_samples_keep_their_digest_and_stored_anchors(dataset, planned, tmp_path):
     """drop_last leaves samples out of the epoch: anchors.npy holds the kept ones only, in
     sample_ids order, and the digest (over every sample of the dataset) still verifies."""
