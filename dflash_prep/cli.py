@@ -219,6 +219,7 @@ def analyze_cmd(
     target_config: Annotated[Optional[Path], typer.Option(help="dflash cost model: the target's folder or config.json")] = None,
     target_dims: Annotated[Optional[str], typer.Option(help="dflash cost model: hidden=,layers=,intermediate=,heads=,kv_heads=,head_dim=,vocab=")] = None,
     draft_layers: Annotated[int, typer.Option(help="dflash cost model: drafter decoder layers")] = 1,
+    sliding_window: Annotated[int, typer.Option(help="dflash cost model: the drafter's sliding-window attention W (0 = full)")] = 0,
     overwrite: Annotated[bool, typer.Option(help="replace a plan.json made from other data or options")] = False,
 ):
     """Search bucket boundaries over every distinct length, compare strategies, write plan.json."""
@@ -229,8 +230,8 @@ def analyze_cmd(
     if objective not in OBJECTIVES:
         raise typer.BadParameter(f"--objective must be one of {', '.join(OBJECTIVES)}")
     drafter = None if objective != "dflash" else drafter_options(
-        target_config=target_config, target_dims=target_dims, draft_layers=draft_layers, block_size=block_size,
-        max_anchors=max_anchors, anchor_policy=anchor_policy)
+        target_config=target_config, target_dims=target_dims, draft_layers=draft_layers, sliding_window=sliding_window,
+        block_size=block_size, max_anchors=max_anchors, anchor_policy=anchor_policy)
     cfg = AnalyzeConfig(data=data, lengths_file=lengths, out=out, budget=budget, budget_unit=budget_unit,
                         model_dim=model_dim, max_batch_size=max_batch_size, buckets=buckets,
                         target_efficiency=target_efficiency, seed=seed, window=window,
@@ -309,6 +310,7 @@ def pack_cmd(
     target_config: Annotated[Optional[Path], typer.Option(help="dflash cost model: the target's folder or config.json")] = None,
     target_dims: Annotated[Optional[str], typer.Option(help="dflash cost model: hidden=,layers=,intermediate=,heads=,kv_heads=,head_dim=,vocab=")] = None,
     draft_layers: Annotated[int, typer.Option(help="dflash cost model: drafter decoder layers")] = 1,
+    sliding_window: Annotated[int, typer.Option(help="dflash cost model: the drafter's sliding-window attention W (0 = full)")] = 0,
     resume_from_step: Annotated[Optional[int], typer.Option(help="re-pack the rest of --epoch N (already in OUT) from step K for this --world-size/--grad-accum, into OUT/resume/epoch-000N")] = None,
 ):
     """Pack deterministic per-epoch manifests (batches, steps, ranks) from a plan."""
@@ -330,8 +332,9 @@ def pack_cmd(
         _print_summaries([(f"{d.parent.name}/{d.name}", manifest.open(d).summary)])
         return
     drafter = None if objective != "dflash" else drafter_options(
-        target_config=target_config, target_dims=target_dims, draft_layers=draft_layers, block_size=block_size,
-        max_anchors=max_anchors, anchor_policy=anchor_policy, anchor_budget=anchor_budget, cost_fill=cost_fill,
+        target_config=target_config, target_dims=target_dims, draft_layers=draft_layers, sliding_window=sliding_window,
+        block_size=block_size, max_anchors=max_anchors, anchor_policy=anchor_policy, anchor_budget=anchor_budget,
+        cost_fill=cost_fill,
         anchor_seed=anchor_seed, store_anchors=store_anchors)
     cfg = PackConfig(world_size=world_size, grad_accum=grad_accum, layout=layout, schedule=schedule, window=window,
                      drop_last=drop_last, open_bins=open_bins, objective=objective, drafter=drafter,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -226,6 +227,13 @@ def test_pack_config_flags_round_trip(dataset, planned, tmp_path):
     res = CliRunner().invoke(app, args + shlex.split(cfg.cli_flags()))
     assert res.exit_code == 0, res.output
     assert load_pack_config(tmp_path / "m") == cfg
+    # a sliding window in the cost model: --sliding-window round-trips through the printed flags
+    cm = dataclasses.replace(cfg.drafter.cost_model, sliding_window=16)
+    win = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, cost_model=cm))
+    assert "--sliding-window 16" in win.cli_flags()
+    res = CliRunner().invoke(app, args[:5] + [str(tmp_path / "w"), "--epoch", "0"] + shlex.split(win.cli_flags()))
+    assert res.exit_code == 0, res.output
+    assert load_pack_config(tmp_path / "w") == win
 
 
 def test_drafter_cost_model_by_hand(tmp_path):
