@@ -15,7 +15,8 @@ work, and the grid's surplus programs (it is sized by an upper bound) exit at on
 
 Forward of one tile, online softmax with fp32 accumulation. Each row sees the context
 ``[lo_row, a_row)`` (``lo_row`` = :func:`window_lo`: 0 without a window, ``a + slot - W + 1``
-with one), so:
+with one; the constexpr ``WINDOWED`` = W > 0 compiles the window's extra loop and masks only
+into the windowed variant, so full attention runs the code it ran before), so:
 
 - context tiles below the tile's smallest ``lo_row`` (that of its first row) are skipped:
   this is what makes a sliding window cheaper, not just masked;
@@ -88,25 +89,28 @@ SAME_BLOCK = tl.constexpr(2)  # own-block keys, cols local to the tile: keep col
 
 @triton.jit
 def window_lo(anchor, slot, window):
-    """First context position the query at ``anchor + slot`` sees: 0 without a window (``window``
-    0), else ``max(0, anchor + slot - window + 1)`` (kernels.inputs.window_start, the public rule)."""
-    return tl.where(window > 0, tl.maximum(anchor + slot + 1 - window, 0), 0)
+    """First context position the query at ``anchor + slot`` sees under a sliding window
+    ``window`` > 0: ``max(0, anchor + slot - window + 1)`` (kernels.inputs.window_start, the public rule)."""
+    return tl.maximum(anchor + slot + 1 - window, 0)
 
 
 @triton.jit
-def keep_mask(cols, lim, lim_lo, MODE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def keep_mask(cols, lim, lim_lo, MODE: tl.constexpr, BLOCK_SIZE: tl.constexpr, WINDOWED: tl.constexpr):
     """(rows, cols) keep mask of a LIMIT or SAME_BLOCK tile; ``lim``/``lim_lo`` per row, ``cols`` per column."""
     if MODE == SAME_BLOCK:
         return (cols[None, :] // BLOCK_SIZE) == lim[:, None]
-    else:
+    elif WINDOWED:
         return (cols[None, :] < lim[:, None]) & (cols[None, :] >= lim_lo[:, None])
+    else:
+        return cols[None, :] < lim[:, None]
 
 
 @triton.jit
 def context_spans(a_lo, a_hi, window, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """(start, full_lo, full_hi) of a query tile with anchors ``a_lo <= ... <= a_hi``: its rows see
-    nothing below ``start``, every row sees all of ``[full_lo, full_hi)`` (no mask needed) and
-    ``[start, full_lo)`` and ``[full_hi, a_hi)`` need the per-row limits; multiples of BLOCK_N."""
+    """(start, full_lo, full_hi) of a query tile with anchors ``a_lo <= ... <= a_hi`` under a
+    sliding window: its rows see nothing below ``start``, every row sees all of ``[full_lo,
+    full_hi)`` (no mask needed) and ``[start, full_lo)`` and ``[full_hi, a_hi)`` need the
+    per-row limits; multiples of BLOCK_N."""
     start = (window_lo(a_lo, 0, window) // BLOCK_N) * BLOCK_N  # the first row's window start
     full_hi = (a_lo // BLOCK_N) * BLOCK_N
     last_lo = window_lo(a_hi, BLOCK_SIZE - 1, window)  # the last row's window start: the largest
@@ -117,7 +121,7 @@ def context_spans(a_lo, a_hi, window, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.cons
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skt, svt, offs_d, lim, lim_lo, lo, hi, load_hi, qk_scale,
                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MODE: tl.constexpr,
-               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr):
     """Online softmax over keys ``[lo, hi)`` of ``k_base``/``v_base``; masked MODEs load only ``col < load_hi``."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -136,7 +140,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skt, svt, offs_d, lim, lim_lo, 
             v = v.to(tl.float32)
         qk = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MODE != FULL:
-            qk = tl.where(keep_mask(cols, lim, lim_lo, MODE, BLOCK_SIZE), qk, MASKED)
+            qk = tl.where(keep_mask(cols, lim, lim_lo, MODE, BLOCK_SIZE, WINDOWED), qk, MASKED)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
@@ -152,7 +156,7 @@ def dflash_fwd_kernel(
     sqt, sqh, skct, skch, svct, svch, skbt, skbh, svbt, svbh, sot, soh, slh,
     qk_scale, num_docs, group, docs_iter, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     h = tl.program_id(0)
     t = tl.num_programs(1) - 1 - tl.program_id(1)  # last tiles (largest anchors, most work) first
@@ -180,21 +184,25 @@ def dflash_fwd_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         kc_base = KC + c0 * skct + hk * skch
         vc_base = VC + c0 * svct + hk * svch
-        lo_row = window_lo(a_row, loc % BLOCK_SIZE, window)  # (BLOCK_M,)
-        start, full_lo, full_hi = context_spans(a_lo, a_hi, window, BLOCK_N, BLOCK_SIZE)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, lo_row, start,
-                                   full_lo, a_hi, qk_scale, BLOCK_N, BLOCK_SIZE, LIMIT, UPCAST, PRECISION)
+        full_hi = (a_lo // BLOCK_N) * BLOCK_N
+        full_lo = full_hi * 0
+        lo_row = a_row  # unused without a window
+        if WINDOWED:
+            lo_row = window_lo(a_row, loc % BLOCK_SIZE, window)  # (BLOCK_M,)
+            start, full_lo, full_hi = context_spans(a_lo, a_hi, window, BLOCK_N, BLOCK_SIZE)
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, lo_row, start,
+                                       full_lo, a_hi, qk_scale, BLOCK_N, BLOCK_SIZE, LIMIT, UPCAST, PRECISION, True)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, lo_row, full_lo,
-                                   full_hi, full_hi, qk_scale, BLOCK_N, BLOCK_SIZE, FULL, UPCAST, PRECISION)
+                                   full_hi, full_hi, qk_scale, BLOCK_N, BLOCK_SIZE, FULL, UPCAST, PRECISION, WINDOWED)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, lo_row, full_hi,
-                                   a_hi, a_hi, qk_scale, BLOCK_N, BLOCK_SIZE, LIMIT, UPCAST, PRECISION)
+                                   a_hi, a_hi, qk_scale, BLOCK_N, BLOCK_SIZE, LIMIT, UPCAST, PRECISION, WINDOWED)
         # own blocks: the dense BLOCK_M x BLOCK_M diagonal tile over the same rows (walked in BLOCK_N
         # wide column chunks, which bounds registers), block-diagonal mask
         kb_base = KB + t64 * skbt + hk * skbh
         vb_base = VB + t64 * svbt + hk * svbh
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kb_base, vb_base, skbt, svbt, offs_d, loc // BLOCK_SIZE,
                                    loc, 0, tl.minimum(left, BLOCK_M), left, qk_scale,
-                                   BLOCK_N, BLOCK_SIZE, SAME_BLOCK, UPCAST, PRECISION)
+                                   BLOCK_N, BLOCK_SIZE, SAME_BLOCK, UPCAST, PRECISION, WINDOWED)
         acc = acc / l_i[:, None]
         lse = (m_i + tl.math.log2(l_i)) * LN2  # natural-log LSE of scale * q.k
         tl.store(O + t64 * sot + h64 * soh + loc[:, None] * sot + offs_d[None, :],
