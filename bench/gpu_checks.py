@@ -32,6 +32,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 FORMAT = "dflash-prep/gpu-checks"
 FLOOR = {"torch.float32": 1e-5, "torch.float16": 1e-4, "torch.bfloat16": 1e-3}
@@ -146,7 +147,7 @@ def check_trainer(device, smoke: bool) -> dict:
         spec = AnchorSpec(seed=cfg.seed, max_anchors=8 if smoke else g.MAX_ANCHORS, policy="cap", block_size=g.B)
         obj = DFlashObjective(Drafter(dcfg).to(device), target, tc, anchor_spec=spec, gamma=default_gamma(g.B),
                               identity={})
-        batches = [obj.build(ds, type("MB", (), dict(sample_ids=m, step=i, rank=0, accum=0))(), 0, "varlen",
+        batches = [obj.build(ds, SimpleNamespace(sample_ids=m, step=i, rank=0, accum=0), 0, "varlen",
                              device.type == "cuda") for i, m in enumerate(mbs)]
         with torch.no_grad():
             first = batches[0].to(device)
