@@ -70,15 +70,15 @@ train: venv
 	$(BIN)/python -m dflash_prep.train.launch $(TORCHRUN_ARGS) --nproc_per_node $$nproc -m dflash_prep.train --data $(TRAIN_DATA) --plan $(TRAIN_PLAN) \
 		--manifests $(TRAIN_MANIFESTS) --out $(TRAIN_OUT) $$extra $(ARGS)
 
-# GPU benchmarks, <= 5 min each: attention kernels vs SDPA/Flex (results/kernels-bench.*), the
-# DFlash attention check vs Flex/SDPA (<= 3 min, results/attention-dflash.*), then the trainer's
-# benchmark when train/bench.py exists.
-bench-gpu: venv
-	$(BIN)/python -m bench.attention --out results/
-	$(BIN)/python -m bench.attention_dflash --out results/
-	@if $(BIN)/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec("dflash_prep.train.bench") is None)"; then \
-		$(BIN)/python -m dflash_prep.train.bench --gpu; else echo "bench-gpu: train.bench not present, skipped"; fi
-	$(BIN)/python -m bench.drafter_gpu --out results/
+# The GPU machine's one entry point (bench/gpu_all.py), <= 5 min in all: kernel and trainer
+# correctness first, then the causal and DFlash kernel timings (windowed vs full attention at 32K
+# context included) and the drafter-training throughput, each step in its own subprocess under
+# its own limit, writing its JSON under $(GPU_OUT) as it finishes. It runs with that machine's own
+# python3 and PYTHONPATH=. (no venv: there is no pip or network there). On CPU:
+#   PYTHONPATH=. python3 -m bench.gpu_all --smoke --out /tmp/gpu
+GPU_OUT ?= $(if $(OUT),$(OUT),results/gpu)
+bench-gpu:
+	PYTHONPATH=. $(PY) -m bench.gpu_all --out $(GPU_OUT)
 
 # Side by side with the peers (bench/peers.py, README "bench-peers"): installs the `bench`
 # extra (lhotse, trl) first; <= ~15 min on 2 CPU cores. Writes results/bench/peers.{json,png}.

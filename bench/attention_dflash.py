@@ -21,8 +21,14 @@ sorted, drawn from a seeded generator. Per case:
   dense boolean mask of the same layout (GQA heads expanded beforehand, the math backend
   excluded). A baseline that fails (e.g. out of memory) records its error instead.
 
+Sliding window (issue 23): at a long context (32K context, 512 anchors, B = 16, W = 2048)
+ours with full attention and ours with the window, forward and backward, on the same inputs;
+the window's speed-up is the ratio of the times (the kernels skip key tiles outside every
+window, so the cost should fall towards ``min(a_j, W)`` keys per block). Its correctness is
+checked against the reference (window W_check) on the first main case.
+
 FLOPs as issue 15 counts them: forward ``4 * Hq * D * sum_blocks B * (a_j + B)``, backward
-2.5x that. Targets, as ratios in one run: forward >= 1.2x Flex, backward >= 1.0x Flex. Cases
+2.5x that (windowed rows: ``min(a_j, W)`` in place of ``a_j``). Targets, as ratios in one run: forward >= 1.2x Flex, backward >= 1.0x Flex. Cases
 run in priority order; after ``budget_s`` seconds the baselines are skipped (and say so),
 because every Flex shape compiles anew. ``--smoke`` runs tiny shapes on CPU through the Triton
 interpreter (Flex eagerly, forward only); its numbers are not performance figures and no
@@ -73,6 +79,10 @@ class DFlashBenchConfig:
     """Seed of the anchors and the random inputs."""
     budget_s: float = 100.0
     """After this many seconds, baselines (Flex, SDPA) are skipped; ours and the checks still run."""
+    window_cases: tuple[tuple[int, int, int], ...] = ((32768, 512, 2048),)
+    """(S, N, W): ours full vs ours with sliding window W on the same inputs."""
+    window_check: int = 1024
+    """Sliding window of the extra correctness check on the first case (0: none)."""
 
     def __post_init__(self) -> None:
         from dflash_prep.errors import ConfigError
@@ -84,11 +94,16 @@ class DFlashBenchConfig:
             raise ConfigError(f"heads_q={self.heads_q} must be a multiple of heads_kv={self.heads_kv}")
         if self.budget_s <= 0:
             raise ConfigError(f"budget_s must be > 0, got {self.budget_s}")
+        for s, n, w in self.window_cases:
+            if not (0 < n <= s and w >= self.block_size):
+                raise ConfigError(f"window case (S={s}, N={n}, W={w}): need 0 < N <= S and W >= B={self.block_size}")
+        if 0 < self.window_check < self.block_size:
+            raise ConfigError(f"window_check={self.window_check} must be 0 or >= B={self.block_size}")
 
 
 def smoke_config(out: str) -> DFlashBenchConfig:
     return DFlashBenchConfig(out=out, smoke=True, cases=((40, 5),), block_size=4, heads_q=2, heads_kv=1,
-                             head_dim=32, budget_s=600)
+                             head_dim=32, budget_s=600, window_cases=((64, 6, 8),), window_check=8)
 
 
 def documents(s: int, n: int) -> list[tuple[int, int]]:
@@ -96,9 +111,10 @@ def documents(s: int, n: int) -> list[tuple[int, int]]:
     return [(s, n), (max(1, s // 4), n // 4), (max(1, s // 8), 0)]
 
 
-def dflash_flops(anchors, heads_q: int, head_dim: int, block_size: int) -> int:
-    """Forward FLOPs: 4 * Hq * D * sum_j B * (a_j + B) (exact int)."""
-    return 4 * heads_q * head_dim * sum(block_size * (int(a) + block_size) for a in anchors)
+def dflash_flops(anchors, heads_q: int, head_dim: int, block_size: int, window: int = 0) -> int:
+    """Forward FLOPs: 4 * Hq * D * sum_j B * (a_j + B), ``min(a_j, W)`` under a window (exact int)."""
+    seen = (int(a) if window == 0 else min(int(a), window) for a in anchors)
+    return 4 * heads_q * head_dim * sum(block_size * (a + block_size) for a in seen)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -184,7 +200,7 @@ def _grads(fn, leaves, meta, block_size, do, **kw):
     return [o.detach(), *torch.autograd.grad(o, xs, do)]
 
 
-def correctness(leaves, meta, block_size, do) -> dict:
+def correctness(leaves, meta, block_size, do, window: int = 0) -> dict:
     """Ours vs the fp32 reference, with the bf16 reference's error as the yardstick; + determinism."""
     import torch
 
@@ -192,12 +208,12 @@ def correctness(leaves, meta, block_size, do) -> dict:
     from dflash_prep.kernels.dflash_reference import attention_dflash_reference
 
     with force_backend("triton"):
-        ours = _grads(attention_dflash, leaves, meta, block_size, do)
-        again = _grads(attention_dflash, leaves, meta, block_size, do)
+        ours = _grads(attention_dflash, leaves, meta, block_size, do, window=window)
+        again = _grads(attention_dflash, leaves, meta, block_size, do, window=window)
     wide = [t.detach().float() for t in leaves]
-    ref = _grads(attention_dflash_reference, wide, meta, block_size, do.float())
-    same = _grads(attention_dflash_reference, leaves, meta, block_size, do, upcast=False)
-    out = dict(deterministic=all(torch.equal(a, b) for a, b in zip(ours, again)), grads={})
+    ref = _grads(attention_dflash_reference, wide, meta, block_size, do.float(), window=window)
+    same = _grads(attention_dflash_reference, leaves, meta, block_size, do, upcast=False, window=window)
+    out = dict(window=window, deterministic=all(torch.equal(a, b) for a, b in zip(ours, again)), grads={})
     for name, g, r, s in zip(NAMES, ours, ref, same):
         err = float((g.float() - r).abs().max()) if g.numel() else 0.0
         err_same = float((s.float() - r).abs().max()) if g.numel() else 0.0
@@ -221,6 +237,7 @@ class Runner:
         self.timer = Timer(self.cuda)
         self.t0 = time.perf_counter()
         self.rows: list[dict] = []
+        self.window_rows: list[dict] = []
         self.checks: list[dict] = []
 
     def _time(self, base: dict, provider: str, fn_maker, inputs, *, ours: bool, ref=None, note=None):
@@ -244,6 +261,8 @@ class Runner:
                     flops_fwd=dflash_flops(meta[2].tolist(), cfg.heads_q, cfg.head_dim, bsz))
         do = torch.randn(leaves[0].shape, generator=torch.Generator().manual_seed(cfg.seed)).to(self.device, torch.bfloat16)
         self.checks.append(dict(S=s, N=n, **correctness(leaves, meta, bsz, do)))
+        if cfg.window_check and (s, n) == cfg.cases[0]:
+            self.checks.append(dict(S=s, N=n, **correctness(leaves, meta, bsz, do, window=cfg.window_check)))
 
         def ours(*xs):
             def fwd():
@@ -273,6 +292,46 @@ class Runner:
         del leaves, q4, k4, v4, k_rep, v_rep
         if self.cuda:
             torch.cuda.empty_cache()
+
+    def window_case(self, s: int, n: int, w: int) -> None:
+        """Ours with full attention, then with sliding window ``w``, on the same inputs."""
+        import torch
+
+        from bench.attention import timed_row
+        from dflash_prep.kernels import attention_dflash, force_backend
+
+        cfg, bsz = self.cfg, self.cfg.block_size
+        leaves, meta = make_case(cfg, s, n, self.device)
+        anchors = meta[2].tolist()
+        for window in (0, w):
+            base = dict(S=s, N=n, W=window, docs=documents(s, n), rows=leaves[0].shape[0], ctx=leaves[1].shape[0],
+                        flops_fwd=dflash_flops(anchors, cfg.heads_q, cfg.head_dim, bsz, window))
+
+            def make(*xs, window=window):
+                def fwd():
+                    with force_backend("triton"):
+                        return attention_dflash(*xs, *meta, bsz, window=window)
+                return fwd
+
+            name = "ours" if window == 0 else f"ours window {window}"
+            self.window_rows.append(timed_row(self.timer, base, name, make, leaves, ours=True)[0])
+        del leaves
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
+def window_speedups(rows: list[dict]) -> list[dict]:
+    """Per window case: full / windowed time, forward and backward."""
+    out = []
+    for r in rows:
+        if r["W"] == 0:
+            continue
+        full = next(f for f in rows if f["W"] == 0 and (f["S"], f["N"]) == (r["S"], r["N"]))
+        out.append(dict(S=r["S"], N=r["N"], W=r["W"],
+                        fwd_speedup=full["fwd_ms"] / r["fwd_ms"] if r["fwd_ms"] else None,
+                        bwd_speedup=full["bwd_ms"] / r["bwd_ms"] if r["bwd_ms"] else None,
+                        flops_ratio=full["flops_fwd"] / r["flops_fwd"]))
+    return out
 
 
 def evaluate_targets(rows: list[dict], cfg: DFlashBenchConfig) -> list[dict]:
@@ -304,10 +363,19 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['S']} | {r['N']} | {r['provider']} | {fmt(r['fwd_ms'], '.3f')} | "
                      f"{fmt(r['bwd_ms'], '.3f')} | {fmt(r['fwd_tflops'])} | {fmt(r['bwd_tflops'])} | "
                      f"{fmt(r['max_abs_diff'], '.2e')} | {r['error'] or r['note'] or ''} |")
-    lines += ["", "| S | N | correct (6 tensors, 2x rule) | deterministic | worst err / bound |", "|---|---|---|---|---|"]
+    lines += ["", "Sliding window: ours with full attention and with window W, same inputs.", "",
+              "| S | N | W | fwd ms | bwd ms | fwd speed-up | bwd speed-up | FLOPs ratio |", "|---|---|---|---|---|---|---|---|"]
+    ups = {(u["S"], u["N"], u["W"]): u for u in report["window_speedups"]}
+    for r in report["window_rows"]:
+        u = ups.get((r["S"], r["N"], r["W"]), {})
+        lines.append(f"| {r['S']} | {r['N']} | {r['W'] or 'full'} | {fmt(r['fwd_ms'], '.3f')} | {fmt(r['bwd_ms'], '.3f')} | "
+                     f"{fmt(u.get('fwd_speedup'), '.2f')} | {fmt(u.get('bwd_speedup'), '.2f')} | "
+                     f"{fmt(u.get('flops_ratio'), '.2f')} |")
+    lines += ["", "| S | N | W | correct (6 tensors, 2x rule) | deterministic | worst err / bound |",
+              "|---|---|---|---|---|---|"]
     for ch in report["checks"]:
         worst = max(ch["grads"].values(), key=lambda g: g["err"] / g["bound"])
-        lines.append(f"| {ch['S']} | {ch['N']} | {'yes' if ch['passed'] else '**no**'} | "
+        lines.append(f"| {ch['S']} | {ch['N']} | {ch['window'] or 'full'} | {'yes' if ch['passed'] else '**no**'} | "
                      f"{'yes' if ch['deterministic'] else '**no**'} | {worst['err']:.2e} / {worst['bound']:.2e} |")
     lines += ["", "| target | S | N | ratio | bar | pass |", "|---|---|---|---|---|---|"]
     for t in report["targets"]:
@@ -354,6 +422,8 @@ def run(cfg: DFlashBenchConfig) -> dict:
     runner = Runner(cfg)
     for s, n in cfg.cases:
         runner.case(s, n)
+    for s, n, w in cfg.window_cases:
+        runner.window_case(s, n, w)
     report = dict(
         format=FORMAT, version=VERSION,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -362,6 +432,7 @@ def run(cfg: DFlashBenchConfig) -> dict:
         torch=torch.__version__, triton=triton.__version__, smoke=cfg.smoke,
         elapsed_s=round(time.perf_counter() - runner.t0, 1), config=asdict(cfg),
         rows=runner.rows, checks=runner.checks, targets=evaluate_targets(runner.rows, cfg),
+        window_rows=runner.window_rows, window_speedups=window_speedups(runner.window_rows),
     )
     stem = "attention-dflash-smoke" if cfg.smoke else "attention-dflash"
     out = Path(cfg.out)
@@ -375,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run through the Triton interpreter")
     parser.add_argument("--out", default="results", help="results folder (default: results/)")
     parser.add_argument("--budget-s", type=float, default=None, help="skip baselines after this many seconds")
+    parser.add_argument("--cases", default=None, help="main cases S:N,S:N,... in priority order (default: all nine)")
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of the @triton.jit kernels
@@ -386,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = smoke_config(args.out) if args.smoke else DFlashBenchConfig(out=args.out)
     if args.budget_s is not None:
         cfg = DFlashBenchConfig(**{**asdict(cfg), "budget_s": args.budget_s})
+    if args.cases:
+        cases = tuple(tuple(int(x) for x in c.split(":")) for c in args.cases.split(","))
+        cfg = DFlashBenchConfig(**{**asdict(cfg), "cases": cases})
     report = run(cfg)
     print(markdown(report))
     bad = [c for c in report["checks"] if not c["passed"]]

@@ -219,7 +219,8 @@ def analyze_cmd(
     anchor_policy: Annotated[str, typer.Option(help="dflash: cap or density")] = "cap",
     target_config: Annotated[Optional[Path], typer.Option(help="dflash cost model: the target's folder or config.json")] = None,
     target_dims: Annotated[Optional[str], typer.Option(metavar="SIZES", help="dflash cost model, the target's sizes as name=value pairs joined by commas: hidden, layers, intermediate, heads, kv_heads, head_dim, vocab")] = None,
-    draft_layers: Annotated[int, typer.Option(help="dflash cost model: drafter decoder layers")] = 1,
+    draft_layers: Annotated[int, typer.Option(help="dflash cost model: drafter decoder layers (the recipe's 5)")] = 5,
+    sliding_window: Annotated[int, typer.Option(help="dflash cost model: the drafter's sliding-window attention W (0 = full; the recipe's 2048)")] = 2048,
     overwrite: Annotated[bool, typer.Option(help="replace a plan.json made from other data or options")] = False,
 ):
     """Search bucket boundaries over every distinct length, compare strategies, write plan.json."""
@@ -231,7 +232,8 @@ def analyze_cmd(
         raise typer.BadParameter(f"--objective must be one of {', '.join(objectives.names())}")
     obj = objectives.get(objective)
     options = obj.options_from_cli(
-        target_config=target_config, target_dims=target_dims, draft_layers=draft_layers, block_size=block_size,
+        target_config=target_config, target_dims=target_dims, draft_layers=draft_layers, sliding_window=sliding_window,
+        block_size=block_size,
         max_anchors=max_anchors, anchor_policy=anchor_policy)
     cfg = AnalyzeConfig(data=data, lengths_file=lengths, out=out, budget=budget, budget_unit=budget_unit,
                         model_dim=model_dim, max_batch_size=max_batch_size, buckets=buckets,
@@ -310,7 +312,8 @@ def pack_cmd(
     store_anchors: Annotated[bool, typer.Option("--store-anchors", help="dflash: also write anchors.npy (every position; reads all masks)", rich_help_panel=_OBJ)] = False,
     target_config: Annotated[Optional[Path], typer.Option(help="dflash cost model: the target's folder or config.json", rich_help_panel=_OBJ)] = None,
     target_dims: Annotated[Optional[str], typer.Option(metavar="SIZES", help="dflash cost model, the target's sizes as name=value pairs joined by commas: hidden, layers, intermediate, heads, kv_heads, head_dim, vocab", rich_help_panel=_OBJ)] = None,
-    draft_layers: Annotated[int, typer.Option(help="dflash cost model: drafter decoder layers", rich_help_panel=_OBJ)] = 1,
+    draft_layers: Annotated[int, typer.Option(help="dflash cost model: drafter decoder layers (the recipe's 5)", rich_help_panel=_OBJ)] = 5,
+    sliding_window: Annotated[int, typer.Option(help="dflash cost model: the drafter's sliding-window attention W (0 = full; the recipe's 2048)", rich_help_panel=_OBJ)] = 2048,
     resume_from_step: Annotated[Optional[int], typer.Option(help="re-pack the rest of --epoch N (already in OUT) from step K for this --world-size and --grad-accum, into OUT / resume / epoch-000N", rich_help_panel=_IO)] = None,
 ):
     """Pack deterministic per-epoch manifests (batches, steps, ranks) from a plan."""
@@ -332,7 +335,8 @@ def pack_cmd(
         _print_summaries([(f"{d.parent.name}/{d.name}", manifest.open(d).summary)])
         return
     options = objectives.get(objective).options_from_cli(
-        target_config=target_config, target_dims=target_dims, draft_layers=draft_layers, block_size=block_size,
+        target_config=target_config, target_dims=target_dims, draft_layers=draft_layers, sliding_window=sliding_window,
+        block_size=block_size,
         max_anchors=max_anchors, anchor_policy=anchor_policy, anchor_budget=anchor_budget, cost_fill=cost_fill,
         anchor_seed=anchor_seed, store_anchors=store_anchors)
     cfg = PackConfig(world_size=world_size, grad_accum=grad_accum, layout=layout, schedule=schedule, window=window,

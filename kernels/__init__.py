@@ -86,7 +86,7 @@ def attention_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
 
 def attention_dflash(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_blk: torch.Tensor,
                      v_blk: torch.Tensor, cu_ctx: torch.Tensor, cu_blk: torch.Tensor, anchors: torch.Tensor,
-                     block_size: int, *, scale: float | None = None) -> torch.Tensor:
+                     block_size: int, *, scale: float | None = None, window: int = 0) -> torch.Tensor:
     """DFlash drafter attention over packed documents -> o ``[sum_d N_d*B, Hq, D]``.
 
     Document ``d`` has ``S_d`` context rows ``k_ctx``/``v_ctx[cu_ctx[d]:cu_ctx[d+1]]``
@@ -96,13 +96,16 @@ def attention_dflash(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, 
     within a document, ``0 <= a_j < S_d``. Block ``j``'s queries see context positions
     ``[0, a_j)`` of their document and the B draft keys of their own block (bidirectional),
     nothing else. ``N_d = 0`` is allowed. GQA when Hq is a multiple of Hkv; ``scale``
-    defaults to 1/sqrt(D). Differentiable in q, k_ctx, v_ctx, k_blk and v_blk.
+    defaults to 1/sqrt(D). ``window`` > 0 is a sliding window (at least B): the query of slot
+    ``r`` of block ``j`` then sees only the context positions ``>= a_j + r - window + 1``
+    (:func:`~dflash_prep.kernels.inputs.window_start`), and the Triton kernels skip the key
+    tiles outside every window. Differentiable in q, k_ctx, v_ctx, k_blk and v_blk.
     """
     q, k_ctx, v_ctx, k_blk, v_blk = _autocast(q, k_ctx, v_ctx, k_blk, v_blk)
     if resolve_backend(q.device) == "reference":
         return attention_dflash_reference(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size,
-                                          scale=scale)
+                                          scale=scale, window=window)
     from . import dflash  # lazy, as above
 
-    prob = check_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size, scale)
+    prob = check_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size, scale, window=window)
     return dflash.flash_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, prob)

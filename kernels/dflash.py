@@ -39,7 +39,8 @@ INTERPRET_BLOCKS = {"fwd": (16, 8, 4, 1), "dq": (16, 8, 4, 1), "dkdv_blk": (8, 1
 # GPU tiles, picked without a GPU: among a few candidates per kernel, those whose sm_90 cubin,
 # compiled ahead of time by Triton 3.6 (the GPU machine's), spills least. Stack bytes at
 # D=128 / D=64, from `python -m bench.dflash_resources` with Triton 3.6 first on PYTHONPATH:
-# fwd 0 / 0, dq 80 / 0, dkdv_blk 8 / 0, dkdv_ctx 80 / 0. Not yet timed on a GPU.
+# fwd 0 / 0, dq 80 / 0, dkdv_blk 8 / 0, dkdv_ctx 80 / 0. The sliding-window variant (constexpr
+# WINDOWED, `--windowed`): fwd 40 / 0, dq 80 / 0, dkdv_blk 8 / 0, dkdv_ctx 248 / 304. Not yet timed on a GPU.
 FIXED_BLOCKS = {
     64: {"fwd": (128, 64, 8, 3), "dq": (128, 64, 8, 3), "dkdv_blk": (32, 64, 4, 2), "dkdv_ctx": (64, 128, 8, 2)},
     128: {"fwd": (128, 32, 8, 3), "dq": (128, 32, 8, 2), "dkdv_blk": (32, 32, 4, 2), "dkdv_ctx": (64, 128, 8, 2)},
@@ -99,6 +100,7 @@ def compile_sm90(name: str, consts: dict, *, warps: int, stages: int, dtype: str
     from triton.compiler import ASTSource
 
     kernel = KERNELS[name]
+    consts = {"WINDOWED": False, **consts}  # full attention unless asked
     sig = {}
     for arg in kernel.arg_names:
         if arg in consts:
@@ -118,7 +120,7 @@ def compile_sm90(name: str, consts: dict, *, warps: int, stages: int, dtype: str
 def _consts(q: torch.Tensor, prob: DFlashProblem, bm: int, bn: int) -> dict:
     upcast = INTERPRETED and q.dtype != torch.float32
     return dict(HEAD_DIM=prob.head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_SIZE=prob.block_size, UPCAST=upcast,
-                PRECISION="ieee" if (q.dtype == torch.float32 or upcast) else "tf32")
+                PRECISION="ieee" if (q.dtype == torch.float32 or upcast) else "tf32", WINDOWED=prob.window > 0)
 
 
 def _rh(t: torch.Tensor) -> tuple[int, int]:
@@ -153,7 +155,7 @@ def _forward(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, prob: DFlas
     dflash_fwd_kernel[_grid(prob.heads_q, q.shape[0], bm, prob.num_docs)](
         q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_ctx, cu_blk, anchors, tiles,
         *_rh(q), *_rh(k_ctx), *_rh(v_ctx), *_rh(k_blk), *_rh(v_blk), *_rh(o), lse.stride(0),
-        prob.scale * LOG2E.value, prob.num_docs, prob.group, _iters(prob.num_docs + 1),
+        prob.scale * LOG2E.value, prob.num_docs, prob.group, _iters(prob.num_docs + 1), prob.window,
         num_warps=warps, num_stages=stages, **_consts(q, prob, bm, bn))
     return o, lse
 
@@ -177,7 +179,7 @@ def _backward(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_ctx, cu_blk, anchors
     dflash_bwd_dq_kernel[_grid(prob.heads_q, rows, bm, prob.num_docs)](
         q, k_ctx, v_ctx, k_blk, v_blk, do, dq, lse, delta, cu_ctx, cu_blk, anchors, tile_table(cu_blk, bm),
         *_rh(q), *_rh(k_ctx), *_rh(v_ctx), *_rh(k_blk), *_rh(v_blk), *_rh(do), *_rh(dq), lse.stride(0),
-        *scales, prob.num_docs, prob.group, docs_iter,
+        *scales, prob.num_docs, prob.group, docs_iter, prob.window,
         num_warps=warps, num_stages=stages, **_consts(q, prob, bm, bn))
 
     bm, bn, warps, stages = blocks_for("dkdv_blk", prob)
@@ -192,7 +194,7 @@ def _backward(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_ctx, cu_blk, anchors
         dflash_bwd_dkdv_ctx_kernel[_grid(prob.heads_kv, prob.ctx_tokens, bn, prob.num_docs)](
             q, k_ctx, v_ctx, do, dkc, dvc, lse, delta, cu_ctx, cu_blk, anchors, tile_table(cu_ctx, bn),
             *_rh(q), *_rh(k_ctx), *_rh(v_ctx), *_rh(do), *_rh(dkc), *_rh(dvc), lse.stride(0),
-            *scales, prob.num_docs, prob.group, docs_iter, _iters(prob.num_blocks),
+            *scales, prob.num_docs, prob.group, docs_iter, _iters(prob.num_blocks), prob.window,
             num_warps=warps, num_stages=stages, **_consts(q, prob, bm, bn))
     return grads
 

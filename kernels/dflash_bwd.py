@@ -15,9 +15,11 @@ and ``dS = P * (dO V^T - delta)``:
   accumulators at once, which spilled registers at D = 128.)
 - :func:`dflash_bwd_dkdv_ctx_kernel`: one program per (context key tile of ``BLOCK_N``
   positions of one document, key/value head). The blocks that see any key of the tile
-  ``[c, c + BLOCK_N)`` are those with ``a_j > c``, a suffix of the document's sorted
-  anchors found by binary search; of those, blocks with ``a_j >= c + BLOCK_N`` see the whole
-  tile and run without a mask, and only the blocks in between apply ``col < a_j``. It
+  ``[c, c + BLOCK_N)`` are those with ``a_j > c`` and, under a sliding window W, whose
+  first row's window starts inside it (``a_j + 1 - W < c + BLOCK_N``): a run of the
+  document's sorted anchors found by binary search, so a tile outside every window costs
+  two searches. Of those, blocks with ``a_j >= c + BLOCK_N`` (and ``a_j + B - W <= c``)
+  see the whole tile and run without a mask; the others apply ``lo_row <= col < a_j``. It
   accumulates ``dK_ctx``/``dV_ctx`` over those rows and every query head of the group.
 
 Every gradient element is written by exactly one program, in a fixed order, so results
@@ -32,16 +34,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .dflash_fwd import FULL, LIMIT, SAME_BLOCK, first_greater, jit_dflash, keep_mask, locate
+from .dflash_fwd import FULL, LIMIT, SAME_BLOCK, context_spans, first_greater, jit_dflash, keep_mask, locate, window_lo
 from .flash_fwd import rounded
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skt, svt, offs_d, lim, lo, hi, load_hi, qk_scale,
+def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skt, svt, offs_d, lim, lim_lo, lo, hi, load_hi, qk_scale,
               BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MODE: tl.constexpr,
-              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr):
     """dQ (unscaled) from keys ``[lo, hi)`` of ``k_base``/``v_base``, masked as in the forward's MODE."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -61,7 +63,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skt, svt, offs_d, lim, lo,
         qk = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         p = tl.math.exp2(qk - lse2[:, None])
         if MODE != FULL:
-            p = tl.where(keep_mask(cols, lim, MODE, BLOCK_SIZE), p, 0.0)
+            p = tl.where(keep_mask(cols, lim, lim_lo, MODE, BLOCK_SIZE, WINDOWED), p, 0.0)
         dp = tl.dot(do, vt, input_precision=PRECISION)
         ds = rounded(p * (dp - delta[:, None]), in_dtype, UPCAST)
         dq = tl.dot(ds, tl.trans(kt), dq, input_precision=PRECISION)
@@ -72,9 +74,9 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skt, svt, offs_d, lim, lo,
 def dflash_bwd_dq_kernel(
     Q, KC, VC, KB, VB, DO, DQ, LSE, DELTA, CU_CTX, CU_BLK, ANCHORS, CU_TILES,
     sqt, sqh, skct, skch, svct, svch, skbt, skbh, svbt, svbh, sdot, sdoh, sdqt, sdqh, slh,
-    sm_scale, qk_scale, num_docs, group, docs_iter,
+    sm_scale, qk_scale, num_docs, group, docs_iter, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     h = tl.program_id(0)
     t = tl.num_programs(1) - 1 - tl.program_id(1)  # last tiles (largest anchors, most work) first
@@ -104,15 +106,22 @@ def dflash_bwd_dq_kernel(
             do = do.to(tl.float32)
         kc_base = KC + c0 * skct + hk * skch
         vc_base = VC + c0 * svct + hk * svch
-        full = (a_lo // BLOCK_N) * BLOCK_N
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        dq = _dq_inner(dq, q, do, lse2, delta, kc_base, vc_base, skct, svct, offs_d, a_row, 0, full, full, qk_scale,
-                       BLOCK_N, BLOCK_SIZE, FULL, UPCAST, PRECISION)
-        dq = _dq_inner(dq, q, do, lse2, delta, kc_base, vc_base, skct, svct, offs_d, a_row, full, a_hi, a_hi,
-                       qk_scale, BLOCK_N, BLOCK_SIZE, LIMIT, UPCAST, PRECISION)
+        full_hi = (a_lo // BLOCK_N) * BLOCK_N
+        full_lo = full_hi * 0
+        lo_row = a_row  # unused without a window
+        if WINDOWED:
+            lo_row = window_lo(a_row, loc % BLOCK_SIZE, window)  # (BLOCK_M,)
+            start, full_lo, full_hi = context_spans(a_lo, a_hi, window, BLOCK_N, BLOCK_SIZE)
+            dq = _dq_inner(dq, q, do, lse2, delta, kc_base, vc_base, skct, svct, offs_d, a_row, lo_row, start,
+                           full_lo, a_hi, qk_scale, BLOCK_N, BLOCK_SIZE, LIMIT, UPCAST, PRECISION, True)
+        dq = _dq_inner(dq, q, do, lse2, delta, kc_base, vc_base, skct, svct, offs_d, a_row, lo_row, full_lo, full_hi,
+                       full_hi, qk_scale, BLOCK_N, BLOCK_SIZE, FULL, UPCAST, PRECISION, WINDOWED)
+        dq = _dq_inner(dq, q, do, lse2, delta, kc_base, vc_base, skct, svct, offs_d, a_row, lo_row, full_hi, a_hi,
+                       a_hi, qk_scale, BLOCK_N, BLOCK_SIZE, LIMIT, UPCAST, PRECISION, WINDOWED)
         dq = _dq_inner(dq, q, do, lse2, delta, KB + t64 * skbt + hk * skbh, VB + t64 * svbt + hk * svbh, skbt, svbt,
-                       offs_d, loc // BLOCK_SIZE, 0, tl.minimum(left, BLOCK_M), left, qk_scale,
-                       BLOCK_N, BLOCK_SIZE, SAME_BLOCK, UPCAST, PRECISION)
+                       offs_d, loc // BLOCK_SIZE, loc, 0, tl.minimum(left, BLOCK_M), left, qk_scale,
+                       BLOCK_N, BLOCK_SIZE, SAME_BLOCK, UPCAST, PRECISION, WINDOWED)
         dq = dq * sm_scale
         tl.store(DQ + t64 * sdqt + h64 * sdqh + loc[:, None] * sdqt + offs_d[None, :],
                  rounded(dq, DQ.dtype.element_ty, UPCAST).to(DQ.dtype.element_ty), mask=row_ok[:, None])
@@ -120,13 +129,13 @@ def dflash_bwd_dq_kernel(
 
 @triton.jit
 def _dkdv_rows(dk, dv, k, v, q_base, do_base, lse_base, delta_base, ANCHORS, sqt, sdot, offs_n, offs_d,
-               lo, hi, qk_scale,
+               lo, hi, qk_scale, window,
                BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, MODE: tl.constexpr,
-               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr):
     """dK (unscaled) and dV of one key tile from global draft rows ``[lo, hi)``.
 
     ``offs_n`` holds the tile's key positions: context positions within the document (FULL,
-    LIMIT: keep ``col < a_row``) or global draft rows (SAME_BLOCK: keep ``col // B == row // B``).
+    LIMIT: keep ``lo_row <= col < a_row``, :func:`window_lo`) or global draft rows (SAME_BLOCK: keep ``col // B == row // B``).
     """
     offs_i = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
@@ -145,7 +154,11 @@ def _dkdv_rows(dk, dv, k, v, q_base, do_base, lse_base, delta_base, ANCHORS, sqt
         pt = tl.math.exp2(qkt - lse2[None, :])
         if MODE == LIMIT:
             a_row = tl.load(ANCHORS + r64 // BLOCK_SIZE, mask=row_ok, other=0)
-            pt = tl.where(offs_n[:, None] < a_row[None, :], pt, 0.0)
+            if WINDOWED:
+                lo_row = window_lo(a_row, rows % BLOCK_SIZE, window)  # draft rows start at multiples of B
+                pt = tl.where((offs_n[:, None] < a_row[None, :]) & (offs_n[:, None] >= lo_row[None, :]), pt, 0.0)
+            else:
+                pt = tl.where(offs_n[:, None] < a_row[None, :], pt, 0.0)
         elif MODE == SAME_BLOCK:
             pt = tl.where((offs_n[:, None] // BLOCK_SIZE) == (rows[None, :] // BLOCK_SIZE), pt, 0.0)
         dv = tl.dot(rounded(pt, in_dtype, UPCAST), do, dv, input_precision=PRECISION)
@@ -161,7 +174,7 @@ def dflash_bwd_dkdv_blk_kernel(
     sqt, sqh, skbt, skbh, svbt, svbh, sdot, sdoh, sdkt, sdkh, sdvt, sdvh, slh,
     sm_scale, qk_scale, num_docs, group, docs_iter,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     hk = tl.program_id(0)
     t = tl.program_id(1)
@@ -187,8 +200,8 @@ def dflash_bwd_dkdv_blk_kernel(
         for g in range(0, group):
             h64 = hk64 * group + g
             dk, dv = _dkdv_rows(dk, dv, kb, vb, Q + h64 * sqh, DO + h64 * sdoh, LSE + h64 * slh, DELTA + h64 * slh,
-                                ANCHORS, sqt, sdot, offs_n, offs_d, k_lo, k_hi, qk_scale,
-                                BLOCK_M, BLOCK_SIZE, SAME_BLOCK, UPCAST, PRECISION)
+                                ANCHORS, sqt, sdot, offs_n, offs_d, k_lo, k_hi, qk_scale, 0,
+                                BLOCK_M, BLOCK_SIZE, SAME_BLOCK, UPCAST, PRECISION, False)
         dk = dk * sm_scale
         tl.store(DKB + k64 * sdkt + hk64 * sdkh + loc * sdkt + offs_d[None, :],
                  rounded(dk, DKB.dtype.element_ty, UPCAST).to(DKB.dtype.element_ty), mask=key_ok[:, None])
@@ -200,9 +213,9 @@ def dflash_bwd_dkdv_blk_kernel(
 def dflash_bwd_dkdv_ctx_kernel(
     Q, KC, VC, DO, DKC, DVC, LSE, DELTA, CU_CTX, CU_BLK, ANCHORS, CU_TILES,
     sqt, sqh, skct, skch, svct, svch, sdot, sdoh, sdkt, sdkh, sdvt, sdvh, slh,
-    sm_scale, qk_scale, num_docs, group, docs_iter, blocks_iter,
+    sm_scale, qk_scale, num_docs, group, docs_iter, blocks_iter, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     hk = tl.program_id(0)
     t = tl.program_id(1)
@@ -214,8 +227,14 @@ def dflash_bwd_dkdv_ctx_kernel(
         b1 = tl.load(CU_BLK + doc + 1) // BLOCK_SIZE
         col_lo = tile * BLOCK_N
         j0 = first_greater(ANCHORS, b0, b1, col_lo, blocks_iter)  # first block with a_j > col_lo
-        if j0 < b1:
-            j1 = first_greater(ANCHORS, j0, b1, col_lo + BLOCK_N - 1, blocks_iter)  # a_j >= col_lo + BLOCK_N
+        j2 = b1
+        if WINDOWED:  # past the window: a block's first row (the widest) starts at a_j + 1 - W > col_lo + BLOCK_N - 1
+            j2 = first_greater(ANCHORS, j0, b1, col_lo + BLOCK_N + window - 2, blocks_iter)
+        if j0 < j2:
+            j1 = first_greater(ANCHORS, j0, j2, col_lo + BLOCK_N - 1, blocks_iter)  # a_j >= col_lo + BLOCK_N
+            j3 = j2
+            if WINDOWED:  # whole tile inside the window of every row: the last row's start a_j + B - W <= col_lo
+                j3 = first_greater(ANCHORS, j1, j2, col_lo + window - BLOCK_SIZE, blocks_iter)
             hk64 = hk.to(tl.int64)
             offs_n = col_lo + tl.arange(0, BLOCK_N)  # context positions within the document
             offs_d = tl.arange(0, HEAD_DIM)
@@ -236,11 +255,14 @@ def dflash_bwd_dkdv_ctx_kernel(
                 lse_base = LSE + h64 * slh
                 delta_base = DELTA + h64 * slh
                 dk, dv = _dkdv_rows(dk, dv, kc, vc, q_base, do_base, lse_base, delta_base, ANCHORS, sqt, sdot,
-                                    offs_n, offs_d, j0 * BLOCK_SIZE, j1 * BLOCK_SIZE, qk_scale,
-                                    BLOCK_M, BLOCK_SIZE, LIMIT, UPCAST, PRECISION)
+                                    offs_n, offs_d, j0 * BLOCK_SIZE, j1 * BLOCK_SIZE, qk_scale, window,
+                                    BLOCK_M, BLOCK_SIZE, LIMIT, UPCAST, PRECISION, WINDOWED)
                 dk, dv = _dkdv_rows(dk, dv, kc, vc, q_base, do_base, lse_base, delta_base, ANCHORS, sqt, sdot,
-                                    offs_n, offs_d, j1 * BLOCK_SIZE, b1 * BLOCK_SIZE, qk_scale,
-                                    BLOCK_M, BLOCK_SIZE, FULL, UPCAST, PRECISION)
+                                    offs_n, offs_d, j1 * BLOCK_SIZE, j3 * BLOCK_SIZE, qk_scale, window,
+                                    BLOCK_M, BLOCK_SIZE, FULL, UPCAST, PRECISION, WINDOWED)
+                dk, dv = _dkdv_rows(dk, dv, kc, vc, q_base, do_base, lse_base, delta_base, ANCHORS, sqt, sdot,
+                                    offs_n, offs_d, j3 * BLOCK_SIZE, j2 * BLOCK_SIZE, qk_scale, window,
+                                    BLOCK_M, BLOCK_SIZE, LIMIT, UPCAST, PRECISION, WINDOWED)
             dk = dk * sm_scale
             tl.store(DKC + c64 * sdkt + hk64 * sdkh + loc * sdkt + offs_d[None, :],
                      rounded(dk, DKC.dtype.element_ty, UPCAST).to(DKC.dtype.element_ty), mask=col_ok[:, None])

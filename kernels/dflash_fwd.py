@@ -13,12 +13,19 @@ no host sync); a program finds its document by binary search over it (:func:`loc
 Programs run the last tiles first: their anchors are the largest, so they carry the most
 work, and the grid's surplus programs (it is sized by an upper bound) exit at once.
 
-Forward of one tile, online softmax with fp32 accumulation:
+Forward of one tile, online softmax with fp32 accumulation. Each row sees the context
+``[lo_row, a_row)`` (``lo_row`` = :func:`window_lo`: 0 without a window, ``a + slot - W + 1``
+with one; the constexpr ``WINDOWED`` = W > 0 compiles the window's extra loop and masks only
+into the windowed variant, so full attention runs the code it ran before), so:
 
-- context tiles ``[0, a_min)`` rounded down to ``BLOCK_N`` are loaded without any mask:
-  every row of the tile sees them (``a_min`` = the tile's first anchor, anchors sorted);
-- context tiles from there up to ``a_max`` (the tile's last anchor) apply the per-row
-  limit ``col < a_row``; nothing at or beyond ``a_max`` is loaded;
+- context tiles below the tile's smallest ``lo_row`` (that of its first row) are skipped:
+  this is what makes a sliding window cheaper, not just masked;
+- tiles from there up to the tile's largest ``lo_row`` rounded up (that of its last row)
+  apply the per-row limits ``lo_row <= col < a_row``;
+- tiles from there to ``a_min`` rounded down (``a_min`` = the tile's first anchor, anchors
+  sorted) are loaded without any mask: every row of the tile sees them;
+- tiles from there up to ``a_max`` (the tile's last anchor) apply the per-row limits
+  again; nothing at or beyond ``a_max`` is loaded;
 - the tile's own blocks are one dense ``BLOCK_M x BLOCK_M`` diagonal tile of ``k_blk`` /
   ``v_blk`` (the same rows as the queries), masked to ``row // B == col // B``. It is walked
   in ``BLOCK_N`` wide column chunks by the same loop as the context: a single
@@ -43,7 +50,7 @@ import triton.language as tl
 from .flash_fwd import LN2, MASKED, rounded
 
 # runtime ints that must not be specialized (a value of 1 would compile a new variant)
-COUNTS = ["num_docs", "group", "docs_iter", "blocks_iter"]
+COUNTS = ["num_docs", "group", "docs_iter", "blocks_iter", "window"]
 
 
 def jit_dflash(fn):
@@ -76,23 +83,45 @@ def locate(CU_TILES, t, num_docs, docs_iter):
 
 # how a key tile is masked (constexpr MODE of the inner loops)
 FULL = tl.constexpr(0)  # context keys every row sees: no mask
-LIMIT = tl.constexpr(1)  # context keys: keep col < lim[row] (the row's anchor)
+LIMIT = tl.constexpr(1)  # context keys: keep lim_lo[row] <= col < lim[row] (the row's window start and anchor)
 SAME_BLOCK = tl.constexpr(2)  # own-block keys, cols local to the tile: keep col // B == lim[row] (the row's block)
 
 
 @triton.jit
-def keep_mask(cols, lim, MODE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """(rows, cols) keep mask of a LIMIT or SAME_BLOCK tile; ``lim`` per row, ``cols`` per column."""
+def window_lo(anchor, slot, window):
+    """First context position the query at ``anchor + slot`` sees under a sliding window
+    ``window`` > 0: ``max(0, anchor + slot - window + 1)`` (kernels.inputs.window_start, the public rule)."""
+    return tl.maximum(anchor + slot + 1 - window, 0)
+
+
+@triton.jit
+def keep_mask(cols, lim, lim_lo, MODE: tl.constexpr, BLOCK_SIZE: tl.constexpr, WINDOWED: tl.constexpr):
+    """(rows, cols) keep mask of a LIMIT or SAME_BLOCK tile; ``lim``/``lim_lo`` per row, ``cols`` per column."""
     if MODE == SAME_BLOCK:
         return (cols[None, :] // BLOCK_SIZE) == lim[:, None]
+    elif WINDOWED:
+        return (cols[None, :] < lim[:, None]) & (cols[None, :] >= lim_lo[:, None])
     else:
         return cols[None, :] < lim[:, None]
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skt, svt, offs_d, lim, lo, hi, load_hi, qk_scale,
+def context_spans(a_lo, a_hi, window, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """(start, full_lo, full_hi) of a query tile with anchors ``a_lo <= ... <= a_hi`` under a
+    sliding window: its rows see nothing below ``start``, every row sees all of ``[full_lo,
+    full_hi)`` (no mask needed) and ``[start, full_lo)`` and ``[full_hi, a_hi)`` need the
+    per-row limits; multiples of BLOCK_N."""
+    start = (window_lo(a_lo, 0, window) // BLOCK_N) * BLOCK_N  # the first row's window start
+    full_hi = (a_lo // BLOCK_N) * BLOCK_N
+    last_lo = window_lo(a_hi, BLOCK_SIZE - 1, window)  # the last row's window start: the largest
+    full_lo = tl.minimum(tl.cdiv(last_lo, BLOCK_N) * BLOCK_N, full_hi)
+    return start, full_lo, full_hi
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skt, svt, offs_d, lim, lim_lo, lo, hi, load_hi, qk_scale,
                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MODE: tl.constexpr,
-               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr):
     """Online softmax over keys ``[lo, hi)`` of ``k_base``/``v_base``; masked MODEs load only ``col < load_hi``."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -111,7 +140,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skt, svt, offs_d, lim, lo, hi, 
             v = v.to(tl.float32)
         qk = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MODE != FULL:
-            qk = tl.where(keep_mask(cols, lim, MODE, BLOCK_SIZE), qk, MASKED)
+            qk = tl.where(keep_mask(cols, lim, lim_lo, MODE, BLOCK_SIZE, WINDOWED), qk, MASKED)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
@@ -125,9 +154,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skt, svt, offs_d, lim, lo, hi, 
 def dflash_fwd_kernel(
     Q, KC, VC, KB, VB, O, LSE, CU_CTX, CU_BLK, ANCHORS, CU_TILES,
     sqt, sqh, skct, skch, svct, svch, skbt, skbh, svbt, svbh, sot, soh, slh,
-    qk_scale, num_docs, group, docs_iter,
+    qk_scale, num_docs, group, docs_iter, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     h = tl.program_id(0)
     t = tl.num_programs(1) - 1 - tl.program_id(1)  # last tiles (largest anchors, most work) first
@@ -155,18 +184,25 @@ def dflash_fwd_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         kc_base = KC + c0 * skct + hk * skch
         vc_base = VC + c0 * svct + hk * svch
-        full = (a_lo // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, 0, full, full,
-                                   qk_scale, BLOCK_N, BLOCK_SIZE, FULL, UPCAST, PRECISION)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, full, a_hi, a_hi,
-                                   qk_scale, BLOCK_N, BLOCK_SIZE, LIMIT, UPCAST, PRECISION)
+        full_hi = (a_lo // BLOCK_N) * BLOCK_N
+        full_lo = full_hi * 0
+        lo_row = a_row  # unused without a window
+        if WINDOWED:
+            lo_row = window_lo(a_row, loc % BLOCK_SIZE, window)  # (BLOCK_M,)
+            start, full_lo, full_hi = context_spans(a_lo, a_hi, window, BLOCK_N, BLOCK_SIZE)
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, lo_row, start,
+                                       full_lo, a_hi, qk_scale, BLOCK_N, BLOCK_SIZE, LIMIT, UPCAST, PRECISION, True)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, lo_row, full_lo,
+                                   full_hi, full_hi, qk_scale, BLOCK_N, BLOCK_SIZE, FULL, UPCAST, PRECISION, WINDOWED)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kc_base, vc_base, skct, svct, offs_d, a_row, lo_row, full_hi,
+                                   a_hi, a_hi, qk_scale, BLOCK_N, BLOCK_SIZE, LIMIT, UPCAST, PRECISION, WINDOWED)
         # own blocks: the dense BLOCK_M x BLOCK_M diagonal tile over the same rows (walked in BLOCK_N
         # wide column chunks, which bounds registers), block-diagonal mask
         kb_base = KB + t64 * skbt + hk * skbh
         vb_base = VB + t64 * svbt + hk * svbh
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kb_base, vb_base, skbt, svbt, offs_d, loc // BLOCK_SIZE,
-                                   0, tl.minimum(left, BLOCK_M), left, qk_scale,
-                                   BLOCK_N, BLOCK_SIZE, SAME_BLOCK, UPCAST, PRECISION)
+                                   loc, 0, tl.minimum(left, BLOCK_M), left, qk_scale,
+                                   BLOCK_N, BLOCK_SIZE, SAME_BLOCK, UPCAST, PRECISION, WINDOWED)
         acc = acc / l_i[:, None]
         lse = (m_i + tl.math.log2(l_i)) * LN2  # natural-log LSE of scale * q.k
         tl.store(O + t64 * sot + h64 * soh + loc[:, None] * sot + offs_d[None, :],

@@ -8,7 +8,10 @@ block ``j``'s B queries attends to
 - context positions ``[0, a_j)`` of its own document (strictly before the anchor), and
 - all B draft keys of its own block, in both directions,
 
-and to nothing else. The own block is always visible, so no row is ever fully masked; a
+and to nothing else. With a sliding window ``W > 0`` the query of slot ``r`` (position
+``a_j + r``) keeps only the context positions ``c >= a_j + r - W + 1`` of those
+(:func:`~dflash_prep.kernels.inputs.window_start`: the public code's rule); its own block
+stays whole, since W >= B. The own block is always visible, so no row is ever fully masked; a
 document with ``N_d = 0`` contributes no rows.
 
 Per document this is one softmax over the concatenation ``[context scores (masked to
@@ -25,13 +28,13 @@ from __future__ import annotations
 
 import torch
 
-from .inputs import check_dflash
+from .inputs import check_dflash, window_start
 
 
 def attention_dflash_reference(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size: int, *,
-                               scale: float | None = None, upcast: bool = True) -> torch.Tensor:
+                               scale: float | None = None, upcast: bool = True, window: int = 0) -> torch.Tensor:
     """DFlash attention by a per-document masked softmax. Shapes as in ``attention_dflash``; -> [sum N_d·B, Hq, D]."""
-    prob = check_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size, scale)
+    prob = check_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size, scale, window=window)
     dtype, bsz, group = q.dtype, prob.block_size, prob.group
     if upcast:
         wide = torch.promote_types(dtype, torch.float32)
@@ -51,7 +54,9 @@ def attention_dflash_reference(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, an
             kb, vb = (t[r0:r1].transpose(0, 1).repeat_interleave(group, 0).reshape(hq, n, bsz, -1)
                       for t in (k_blk, v_blk))  # (Hq, n, B, D)
             row_anchor = anchors[r0 // bsz:r1 // bsz].repeat_interleave(bsz)  # (n*B,)
-            seen = torch.arange(seq, device=q.device)[None, :] < row_anchor[:, None]  # (n*B, S)
+            row_start = window_start(row_anchor, torch.arange(rows, device=q.device) % bsz, prob.window)  # (n*B,)
+            cols = torch.arange(seq, device=q.device)[None, :]
+            seen = (cols < row_anchor[:, None]) & (cols >= row_start[:, None])  # (n*B, S)
             s_ctx = (qd @ kc.transpose(1, 2) * prob.scale).masked_fill(~seen, float("-inf"))  # (Hq, n*B, S)
             s_blk = qd.reshape(hq, n, bsz, -1) @ kb.transpose(2, 3) * prob.scale  # (Hq, n, B, B)
             probs = torch.softmax(torch.cat([s_ctx, s_blk.reshape(hq, rows, bsz)], dim=-1), dim=-1)

@@ -163,6 +163,10 @@ class DFlashProblem:
     """sum_d S_d: rows of k_ctx / v_ctx."""
     scale: float
     """Softmax scale applied to q.k (default 1/sqrt(D))."""
+    window: int = 0
+    """Sliding window W of the draft queries, 0 = full: the query of slot r of block j (position
+    ``a_j + r``) sees context positions ``c`` with ``a_j + r - c < W`` only (see
+    :func:`window_start`); its own block is always whole (W >= B)."""
 
     def __post_init__(self) -> None:
         if self.heads_kv <= 0 or self.heads_q % self.heads_kv:
@@ -194,7 +198,34 @@ def _offsets(name: str, cu: torch.Tensor, total: int, what: str) -> torch.Tensor
     return c
 
 
-def check_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size, scale) -> DFlashProblem:
+def check_window(window, block_size: int, what: str) -> int:
+    """``window`` as an int: 0 (full attention) or a sliding window of at least ``block_size``."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise AttentionConfigError(f"{what}: window must be an int >= 0 (0 = full attention), got {window!r}")
+    if 0 < window < block_size:
+        raise AttentionConfigError(
+            f"{what}: window={window} is smaller than block_size={block_size}; a sliding window must hold a "
+            "whole block (the public code's rule for the block's own keys is only defined then): use 0 or >= B"
+        )
+    return window
+
+
+def window_start(anchor: torch.Tensor, slot: torch.Tensor, window: int) -> torch.Tensor:
+    """First context position the query at ``anchor + slot`` sees under sliding window ``window``.
+
+    The public DFlash inference code passes ``sliding_window=W`` of a ``sliding_attention``
+    layer to transformers, whose flash-attention path keeps key ``k`` for query ``p`` when
+    ``|p - k| <= W - 1`` (``window_size=(W-1, W-1)``, keys and queries aligned on absolute
+    positions), the same as its mask rule ``k > p - W``. For context keys (``k < a <= p``)
+    that is ``k >= a + slot - W + 1``; 0 when ``window`` is 0 (full attention).
+    """
+    if window == 0:
+        return torch.zeros_like(anchor)
+    return (anchor + slot - (window - 1)).clamp_min(0)
+
+
+def check_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size, scale, *,
+                 window: int = 0) -> DFlashProblem:
     """Validate a DFlash attention call; return its :class:`DFlashProblem`.
 
     Shapes, dtypes and devices are always checked. The values of ``cu_ctx``, ``cu_blk`` and
@@ -266,4 +297,5 @@ def check_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_s
     return DFlashProblem(
         num_docs=cu_ctx.numel() - 1, heads_q=hq, heads_kv=k_ctx.shape[1], head_dim=d, block_size=block_size,
         num_blocks=num_blocks, ctx_tokens=k_ctx.shape[0], scale=_scale(scale, d),
+        window=check_window(window, block_size, what),
     )

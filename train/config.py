@@ -215,6 +215,10 @@ class TrainConfig:
     """DFlash: ``ce`` on the data token, or ``kl`` from the target's next-token distribution."""
     kl_temperature: float = opt(1.0, panel=OBJECTIVE)
     """DFlash: temperature of both distributions under ``--loss kl``."""
+    sliding_window: int = opt(-1, panel=OBJECTIVE)
+    """DFlash: sliding-window attention W of every draft layer (0 = full, else at least B; -1 = the
+    objective's recipe: 2048): slot r of block j sees context positions >= a_j + r - W + 1 only
+    (the public ``sliding_attention`` rule)."""
     max_anchors: int = opt(0, panel=OBJECTIVE)
     """DFlash: anchors per sample at most; 0 = the manifest's, else 512."""
     anchor_policy: str = opt("", panel=OBJECTIVE)
@@ -256,8 +260,8 @@ class TrainConfig:
             raise ConfigError(f"--ce-chunk must be at least 1, got {self.ce_chunk}")
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
         obj = objectives.get(self.objective)
-        for k, v in obj.train_defaults.items():      # what the objective's recipe fills in when left empty
-            if not getattr(self, k):
+        for k, v in obj.train_defaults.items():      # what the objective's recipe fills in when left unset
+            if getattr(self, k) in ("", -1):
                 object.__setattr__(self, k, v)
         self._check_recipe()
         obj.check_train(self)

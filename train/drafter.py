@@ -27,7 +27,9 @@ Packed layout (training): D documents, document d with S_d context tokens and N_
 ``[x[a_j], MASK x (B-1)]`` with positions ``blk_pos``, and block j of document d attends to the
 context ``[0, a_j)`` of its own document plus its own B tokens (bidirectionally): exactly what
 the public inference code computes for one block after a prefill of ``a_j`` tokens
-(``dflash_prep.kernels.attention_dflash`` implements that mask).
+(``dflash_prep.kernels.attention_dflash`` implements that mask). With ``sliding_window`` W > 0
+every layer is a public ``sliding_attention`` layer: slot r keeps the context from
+``a_j + r - W + 1`` on.
 
 RoPE is the default (unscaled) rotary embedding with base ``rope_theta``, in the HF
 ``rotate_half`` convention; the drafter has its own config, so a target's RoPE scaling is not
@@ -101,6 +103,10 @@ class DrafterConfig:
     """The target's vocabulary (rows of its embed_tokens / lm_head)."""
     attention_bias: bool = False
     """Biases on q/k/v/o projections (Qwen3: False; taken from the target's config)."""
+    sliding_window: int = 0
+    """Sliding-window attention W of every draft layer, 0 = full: the query of slot r of block j
+    sees the context positions ``>= a_j + r - W + 1`` only (the public code's rule for a
+    ``sliding_attention`` layer, :func:`dflash_prep.kernels.inputs.window_start`); at least B."""
 
     def __post_init__(self):
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -124,6 +130,9 @@ class DrafterConfig:
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(f"drafter.mask_token_id {self.mask_token_id} is outside the vocabulary "
                               f"(0..{self.vocab_size - 1})")
+        if self.sliding_window < 0 or 0 < self.sliding_window < self.block_size:
+            raise ConfigError(f"--sliding-window must be 0 (full attention) or at least the block size "
+                              f"{self.block_size}, got {self.sliding_window}")
         if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
             raise ConfigError("drafter.rms_norm_eps and drafter.rope_theta must be positive")
 
@@ -142,10 +151,11 @@ class DrafterConfig:
 
     @classmethod
     def from_target_config(cls, hf_config, num_layers: int, block_size: int, mask_token_id: int,
-                           target_layer_ids=None) -> "DrafterConfig":
+                           target_layer_ids=None, sliding_window: int = 0) -> "DrafterConfig":
         """A drafter shaped like one layer of the target (HF ``PretrainedConfig``: Qwen3, Llama,
         Mistral): same hidden size, heads, head_dim, MLP width, norm eps and RoPE base; taps
-        :func:`build_target_layer_ids` unless ``target_layer_ids`` is given."""
+        :func:`build_target_layer_ids` unless ``target_layer_ids`` is given; its own
+        ``sliding_window`` (the target's is not inherited)."""
         c = hf_config
         heads = int(c.num_attention_heads)
         head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
@@ -159,7 +169,8 @@ class DrafterConfig:
                    rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)), rope_theta=float(theta),
                    max_position=int(getattr(c, "max_position_embeddings", 4096)), block_size=int(block_size),
                    num_target_layers=L, target_layer_ids=tuple(ids), mask_token_id=int(mask_token_id),
-                   vocab_size=int(c.vocab_size), attention_bias=bool(getattr(c, "attention_bias", False)))
+                   vocab_size=int(c.vocab_size), attention_bias=bool(getattr(c, "attention_bias", False)),
+                   sliding_window=int(sliding_window))
 
 
 def _norm(cfg: DrafterConfig, dim: int) -> RMSNorm:
@@ -193,7 +204,7 @@ class DFlashAttention(nn.Module):
         q, k_blk = apply_rope(q, *rope_blk), apply_rope(k_blk, *rope_blk)
         k_ctx = apply_rope(k_ctx, *rope_ctx)
         o = kernels.attention_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size,
-                                     scale=1.0 / math.sqrt(c.head_dim))  # (Q, Hq, D)
+                                     scale=1.0 / math.sqrt(c.head_dim), window=c.sliding_window)  # (Q, Hq, D)
         return self.o_proj(o.reshape(Q, c.heads * c.head_dim))
 
 

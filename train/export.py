@@ -9,8 +9,11 @@ gets, through one atomic folder rename (nothing half-written is ever visible und
   ``Qwen3PreTrainedModel`` with ``config_class = Qwen3Config``) reads: the Qwen3 fields
   (``hidden_size``, ``num_hidden_layers`` = draft layers, heads, ``head_dim``,
   ``intermediate_size``, ``rms_norm_eps``, RoPE base as both ``rope_theta`` and
-  ``rope_parameters``, ``vocab_size`` = the target's, ``layer_types`` all ``full_attention``,
-  ``use_sliding_window`` false, ...), ``model_type`` ``qwen3``, ``architectures``
+  ``rope_parameters``, ``vocab_size`` = the target's, ``layer_types`` all ``full_attention``
+  and ``use_sliding_window`` false, or for a drafter trained with ``--sliding-window W`` all
+  ``sliding_attention`` with ``use_sliding_window`` true, ``sliding_window`` W and
+  ``max_window_layers`` 0 (Qwen3Config drops ``sliding_window`` unless ``use_sliding_window``
+  is set), ...), ``model_type`` ``qwen3``, ``architectures``
   ``["DFlashDraftModel"]``, ``auto_map`` ``{"AutoModel": "dflash.DFlashDraftModel"}`` (the
   published drafters' convention: ``AutoModel(..., trust_remote_code=True)`` finds the class in
   a ``dflash.py`` beside the weights, which this export does not ship), plus the DFlash fields
@@ -26,7 +29,8 @@ gets, through one atomic folder rename (nothing half-written is ever visible und
 
 :func:`load_export` reads a folder back into our ``Drafter`` with strict key and shape
 matching; it also reads a public DFlash folder (no ``export.json``), e.g. a published drafter,
-as long as it is the Qwen3-style, full-attention kind.
+as long as it is the Qwen3-style kind with one attention type in every layer (full, or
+sliding with one window).
 """
 
 from __future__ import annotations
@@ -95,10 +99,7 @@ def public_config(cfg: DrafterConfig, *, dtype: str = "float32") -> dict:
         "vocab_size": cfg.vocab_size,
         "attention_bias": cfg.attention_bias,
         "attention_dropout": 0.0,
-        "layer_types": ["full_attention"] * cfg.num_layers,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": cfg.num_layers,
+        **_window_fields(cfg),
         "tie_word_embeddings": False,
         "initializer_range": 0.02,
         "use_cache": True,
@@ -107,15 +108,41 @@ def public_config(cfg: DrafterConfig, *, dtype: str = "float32") -> dict:
     }
 
 
+def _window_fields(cfg: DrafterConfig) -> dict:
+    """The Qwen3 attention-type fields of a drafter with ``sliding_window`` W (0 = full)."""
+    if cfg.sliding_window == 0:
+        return {"layer_types": ["full_attention"] * cfg.num_layers, "use_sliding_window": False,
+                "sliding_window": None, "max_window_layers": cfg.num_layers}
+    return {"layer_types": ["sliding_attention"] * cfg.num_layers, "use_sliding_window": True,
+            "sliding_window": cfg.sliding_window, "max_window_layers": 0}
+
+
+def public_window(c: dict, *, path: str | Path = CONFIG_FILE) -> int:
+    """The one sliding window (0 = full) every layer of a public config applies, read the way
+    Qwen3Config and the public layer do: ``sliding_window`` counts only with
+    ``use_sliding_window``; missing ``layer_types`` default to sliding from layer
+    ``max_window_layers`` on; a ``sliding_attention`` layer uses that window, others none."""
+    n = int(c.get("num_hidden_layers", 0))
+    w = c.get("sliding_window") if c.get("use_sliding_window") else None
+    types = c.get("layer_types") or ["sliding_attention" if w is not None and i >= int(c.get("max_window_layers", 28))
+                                     else "full_attention" for i in range(n)]
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise FormatError(f"{path}: layer_types {unknown} are not supported (full_attention or sliding_attention)")
+    windows = {int(w) if (t == "sliding_attention" and w is not None) else 0 for t in types}
+    if len(windows) > 1:
+        raise FormatError(f"{path}: draft layers mix full and sliding-window attention ({types}, sliding_window {w}); "
+                          "this drafter applies one window to every layer: re-export with one layer type")
+    return windows.pop() if windows else 0
+
+
 def config_from_public(c: dict, *, path: str | Path = CONFIG_FILE) -> DrafterConfig:
     """A :class:`DrafterConfig` from a public DFlash ``config.json`` dict; refuses what our
-    drafter cannot represent (sliding-window layers, RoPE scaling, another architecture)."""
+    drafter cannot represent (layers of mixed attention types, RoPE scaling, another architecture)."""
     if ARCHITECTURE not in (c.get("architectures") or []):
         raise FormatError(f"{path}: architectures {c.get('architectures')!r} lacks {ARCHITECTURE!r}; "
                           "not a DFlash drafter folder")
-    types = c.get("layer_types") or ["full_attention"] * int(c.get("num_hidden_layers", 0))
-    if c.get("use_sliding_window") or any(t != "full_attention" for t in types):
-        raise FormatError(f"{path}: sliding-window draft layers ({types}) are not supported by this drafter")
+    window = public_window(c, path=path)
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise FormatError(f"{path}: RoPE type {rope.get('rope_type')!r} is not supported (default RoPE only)")
@@ -135,7 +162,8 @@ def config_from_public(c: dict, *, path: str | Path = CONFIG_FILE) -> DrafterCon
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
             max_position=int(c.get("max_position_embeddings", 4096)), block_size=int(c["block_size"]),
             num_target_layers=L, target_layer_ids=tuple(ids), mask_token_id=int(dfc["mask_token_id"]),
-            vocab_size=int(c["vocab_size"]), attention_bias=bool(c.get("attention_bias", False)))
+            vocab_size=int(c["vocab_size"]), attention_bias=bool(c.get("attention_bias", False)),
+            sliding_window=window)
     except KeyError as e:
         raise FormatError(f"{path}: missing field {e} of the DFlash config") from None
 

@@ -265,14 +265,15 @@ def summarize_stats(stats: torch.Tensor, denom: float, block_size: int) -> dict:
 
 
 def step_flops(target_params_tapped: int, drafter_params: int, lm_head_params: int, b: DFlashBatch,
-               heads: int, head_dim: int, num_layers: int, block_size: int) -> float:
+               heads: int, head_dim: int, num_layers: int, block_size: int, *, window: int = 0) -> float:
     """Model FLOPs of one micro-batch (docs/definitions.md "Drafter step cost"): target forward
-    ``2 P_t T``; drafter ``6 P_d N B`` plus attention ``3 * 4 Hq D B (a_j + B)`` per block and
-    layer; LM head ``4 n H V`` (forward + input gradient; the head is frozen) over the ``n``
+    ``2 P_t T``; drafter ``6 P_d N B`` plus attention ``3 * 4 Hq D B (min(a_j, W) + B)`` per block
+    and layer (``a_j`` when the window W is 0); LM head ``4 n H V`` (forward + input gradient; the head is frozen) over the ``n``
     rows with a loss."""
     B = block_size
     n_rows = int((b.weights > 0).sum())
-    attn = 3.0 * 4.0 * heads * head_dim * B * float((b.anchors.double() + B).sum()) * num_layers
+    seen = b.anchors.double() if window == 0 else b.anchors.double().clamp(max=float(window))
+    attn = 3.0 * 4.0 * heads * head_dim * B * float((seen + B).sum()) * num_layers
     return 2.0 * target_params_tapped * b.real_tokens + 6.0 * drafter_params * b.n_anchors * B + attn \
         + 4.0 * n_rows * lm_head_params
 
@@ -339,12 +340,13 @@ class DFlashObjective:
     def flops(self, b) -> float:
         c = self.model.config
         return step_flops(self._p_target, self._p_drafter, self._p_head, b, c.heads, c.head_dim, c.num_layers,
-                          self.block_size)
+                          self.block_size, window=c.sliding_window)
 
     def contract(self) -> dict:
         c = self.model.config
         return {"objective": "dflash", **self.identity, "target_layer_ids": list(c.target_layer_ids),
-                "mask_token_id": c.mask_token_id, "block_size": self.block_size, **self.recipe_fields(),
+                "mask_token_id": c.mask_token_id, "block_size": self.block_size,
+                "sliding_window": c.sliding_window, **self.recipe_fields(),
                 "anchors": self.spec.to_dict()}
 
     def describe(self) -> str:
@@ -355,7 +357,8 @@ class DFlashObjective:
         weights = f"dpace alpha={ls.dpace_alpha:g}" if ls.slot_weights == "dpace" else f"decay gamma={self.gamma:g}"
         loss = f"kl T={ls.kl_temperature:g}" if ls.loss == "kl" else "ce"
         opt = f"muon lr={muon_lr(cfg):g} + adamw lr={cfg.lr:g}" if cfg.optimizer == "muon" else f"adamw lr={cfg.lr:g}"
-        return (f"dflash recipe: B={self.block_size}, {c.num_layers} draft layer(s), slot weights {weights}, "
+        window = f"window {c.sliding_window}" if c.sliding_window else "full attention"
+        return (f"dflash recipe: B={self.block_size}, {c.num_layers} draft layer(s), {window}, slot weights {weights}, "
                 f"loss {loss}, optimizer {opt}; target {cfg.target} ({self.target.num_layers} layers), taps "
                 f"{list(c.target_layer_ids)}, mask id {c.mask_token_id}, anchors {self.spec.policy}<="
                 f"{self.spec.max_anchors} drawn by the library sampler with seed {self.spec.seed} "
@@ -416,7 +419,8 @@ def build(cfg: TrainConfig, ds, device: torch.device, manifest=None) -> DFlashOb
     tok = load_tokenizer(cfg.target)
     mask_id = pick_mask_token(tok, int(hc.vocab_size), cfg.mask_token_id)
     ids = list(cfg.target_layer_ids) or None
-    dcfg = DrafterConfig.from_target_config(hc, cfg.draft_layers, spec.block_size, mask_id, target_layer_ids=ids)
+    dcfg = DrafterConfig.from_target_config(hc, cfg.draft_layers, spec.block_size, mask_id, target_layer_ids=ids,
+                                            sliding_window=cfg.sliding_window)
     target = FrozenTarget(cfg.target, dcfg.target_layer_ids, device=device)
     drafter = Drafter(dcfg).to(device)
     gamma = cfg.gamma or default_gamma(spec.block_size)

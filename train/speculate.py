@@ -136,6 +136,9 @@ class DFlashProposer:
     The packed contract wants ``anchor < S_d`` (training anchors sit inside their document), so
     the context gets one zero row at position ``start`` that the mask hides (only ``[0, a)`` is
     visible); the target's ``lm_head`` on the drafter's outputs for slots 1..B-1, argmax.
+    A drafter with a sliding window W (its config's ``sliding_window``) gets only the context
+    its widest row sees, ``[start - W + 1, start)``, at its absolute positions (the mask works
+    on position differences, so the cut document gives the same output): O(W) per block.
     """
 
     def __init__(self, drafter, target: Target, *, block_size: int, mask_token_id: int):
@@ -149,13 +152,15 @@ class DFlashProposer:
         dev = self.target.device
         B = self.block_size
         noise = self.target.embed(block.to(dev))  # (B, H)
-        feats = ctx_feats.to(dev)
-        feats = torch.cat([feats, feats.new_zeros(1, feats.shape[1])])  # (start + 1, k*H)
-        ctx_pos = torch.arange(start + 1, device=dev)  # (S,)
+        window = int(getattr(self.drafter.config, "sliding_window", 0))
+        lo = max(0, start - (window - 1)) if window else 0  # slot 0's window start: the widest view
+        feats = ctx_feats[lo:start].to(dev)
+        feats = torch.cat([feats, feats.new_zeros(1, feats.shape[1])])  # (start - lo + 1, k*H)
+        ctx_pos = torch.arange(lo, start + 1, device=dev)  # (S,) absolute positions, for RoPE
         blk_pos = torch.arange(start, start + B, device=dev)  # (B,)
-        cu_ctx = torch.tensor([0, start + 1], dtype=torch.int32, device=dev)
+        cu_ctx = torch.tensor([0, start - lo + 1], dtype=torch.int32, device=dev)
         cu_blk = torch.tensor([0, B], dtype=torch.int32, device=dev)
-        anchors = torch.tensor([start], dtype=torch.int32, device=dev)
+        anchors = torch.tensor([start - lo], dtype=torch.int32, device=dev)  # within the cut document
         h = self.drafter(noise, feats, ctx_pos, blk_pos, cu_ctx, cu_blk, anchors, B)  # (B, H)
         return self.target.lm_head(h[1:]).argmax(-1)  # (B-1,)
 

@@ -61,7 +61,7 @@ class DataObjective:
         return ""
 
     #: trainer options (``TrainConfig`` fields) this objective's recipe fills in when left empty
-    train_defaults: dict = {"optimizer": "adamw"}
+    train_defaults: dict = {"optimizer": "adamw", "slot_weights": "decay", "sliding_window": 0}
 
     def check_train(self, cfg) -> None:
         """Refuse trainer options (a ``TrainConfig``) this objective cannot train with."""

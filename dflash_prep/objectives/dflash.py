@@ -193,14 +193,15 @@ def epoch_extras(de: DrafterEpoch, opts: DrafterOptions, kc: np.ndarray, mb_anch
 
 
 def drafter_options(*, target_config=None, target_dims: str | None = None, draft_layers: int = 1,
-                    **options) -> DrafterOptions:
+                    sliding_window: int = 0, **options) -> DrafterOptions:
     """:class:`DrafterOptions` from the CLI's flags: the cost model from exactly one of a
-    transformers config (``--target-config``) or explicit ``--target-dims``."""
+    transformers config (``--target-config``) or explicit ``--target-dims``, with the drafter's
+    ``--draft-layers`` and ``--sliding-window`` (0 = full attention)."""
     if (target_config is None) == (target_dims is None):
         raise ConfigError("--objective dflash needs the cost model's sizes from exactly one of --target-config DIR "
                           "(a transformers config.json) or --target-dims hidden=...,layers=...")
-    cm = (DrafterCostModel.from_config(target_config, draft_layers) if target_config is not None
-          else DrafterCostModel.from_dims(target_dims, draft_layers))
+    cm = (DrafterCostModel.from_config(target_config, draft_layers, sliding_window) if target_config is not None
+          else DrafterCostModel.from_dims(target_dims, draft_layers, sliding_window))
     return DrafterOptions(cost_model=cm, **options)
 
 
@@ -366,7 +367,7 @@ class DFlashObjective(DataObjective):
         return options.resolve(seed=plan.seed, token_budget=budget.value)
 
     #: the recipe the field converged on (speculators RFC #979): D-PACE slot weights, Muon
-    train_defaults = {"optimizer": "muon", "slot_weights": "dpace"}
+    train_defaults = {"optimizer": "muon", "slot_weights": "dpace", "sliding_window": 2048}
 
     def check_train(self, cfg) -> None:
         if not cfg.target:
@@ -378,6 +379,8 @@ class DFlashObjective(DataObjective):
         anchors.check_options(cfg.max_anchors or 1, cfg.anchor_policy or "cap", cfg.block_size or 2)
         if cfg.gamma < 0:
             raise ConfigError(f"--gamma must be > 0 (0 = the default rule), got {cfg.gamma}")
+        if cfg.sliding_window < 0:
+            raise ConfigError(f"--sliding-window must be >= 0 (0 = full attention), got {cfg.sliding_window}")
 
     def options_from_cli(self, **flags) -> DrafterOptions:
         return drafter_options(**flags)
@@ -390,8 +393,9 @@ class DFlashObjective(DataObjective):
         f += " --store-anchors" if d.store_anchors else ""
         if d.cost_model is not None:
             cm = asdict(d.cost_model)
-            layers = cm.pop("draft_layers")
+            layers, window = cm.pop("draft_layers"), cm.pop("sliding_window")
             f += " --target-dims " + ",".join(f"{k}={v}" for k, v in cm.items()) + f" --draft-layers {layers}"
+            f += f" --sliding-window {window}"
         return f
 
     def inputs(self, cfg, src):

@@ -10,14 +10,16 @@ docs/definitions.md "Drafter step cost", made exact. Per sample of ``L`` tokens 
   (``2 * H * h_kv * d``), ``6 * (n H^2 + N * 2 H h_kv d) * L``;
 - drafter blocks: ``6 * P_d * k * B`` through the ``N`` draft layers, plus attention of each
   block's ``B`` queries over its prefix and its own block, ``12 * h * d * B * (a_j + B)`` per
-  draft layer (``4 h d B (a_j + B)`` forward, x3 with backward);
+  draft layer (``4 h d B (a_j + B)`` forward, x3 with backward); with a sliding window W the
+  prefix is cut to ``min(a_j, W)`` keys (the kernels skip the rest);
 - LM head (frozen, gradients flow through it): ``6 * k * B * H * V``.
 
 ``P_t`` counts the target's decoder-layer weights (attention + SwiGLU MLP), embeddings and
 LM head aside; a draft layer has the target's layer shape, so ``P_d = N * layer + n * H^2``
 (fc, ``n = N`` tapped layers). Pack does not read masks, so ``sum_j a_j`` is taken at its
 expectation when the supervised tokens end the sample (a prompt, then the response):
-candidates are positions ``L - S .. L - 2``, mean ``L - S/2 - 1`` (clipped at 0). For the
+candidates are positions ``L - S .. L - 2``, mean ``L - S/2 - 1`` (clipped at 0); under a
+window, ``E[min(a, W)]`` for ``a`` uniform on that range (:func:`mean_seen`). For the
 public recipe's shape (Qwen3-8B target, 5 draft layers, B = 16, 512 anchors, L ~ 1150)
 the anchor terms are ~84% of the step, near the ~78% public benchmarks report.
 """
@@ -52,6 +54,8 @@ class DrafterCostModel:
         head_dim: ``d``.
         vocab: ``V``, the LM head's rows.
         draft_layers: ``N``, the drafter's decoder layers (it taps ``N`` target layers).
+        sliding_window: ``W`` of the draft layers' attention (``--sliding-window``), 0 = full:
+            a block attends to ``min(a_j, W)`` context keys.
     """
 
     hidden: int
@@ -62,14 +66,17 @@ class DrafterCostModel:
     head_dim: int
     vocab: int
     draft_layers: int = 1
+    sliding_window: int = 0
 
     def __post_init__(self):
+        if int(self.sliding_window) < 0:
+            raise ConfigError(f"--sliding-window must be >= 0 (0 = full attention), got {self.sliding_window}")
         for f in fields(self):
-            if int(getattr(self, f.name)) < 1:
+            if f.name != "sliding_window" and int(getattr(self, f.name)) < 1:
                 raise ConfigError(f"cost model: {f.name} must be >= 1, got {getattr(self, f.name)}")
 
     @classmethod
-    def from_config(cls, folder: str | Path, draft_layers: int = 1) -> "DrafterCostModel":
+    def from_config(cls, folder: str | Path, draft_layers: int = 1, sliding_window: int = 0) -> "DrafterCostModel":
         """Sizes from a transformers ``config.json`` (a folder or the file itself)."""
         path = Path(folder)
         path = path / "config.json" if path.is_dir() else path
@@ -89,10 +96,10 @@ class DrafterCostModel:
             if v is None:
                 raise ConfigError(f"{path}: no {theirs!r}; the drafter cost model needs {', '.join(CONFIG_KEYS.values())}")
             vals[ours] = int(v)
-        return cls(**vals, draft_layers=int(draft_layers))
+        return cls(**vals, draft_layers=int(draft_layers), sliding_window=int(sliding_window))
 
     @classmethod
-    def from_dims(cls, spec: str, draft_layers: int = 1) -> "DrafterCostModel":
+    def from_dims(cls, spec: str, draft_layers: int = 1, sliding_window: int = 0) -> "DrafterCostModel":
         """Sizes from ``"hidden=4096,layers=36,intermediate=12288,heads=32,kv_heads=8,head_dim=128,vocab=151936"``."""
         vals = {}
         for part in spec.split(","):
@@ -106,7 +113,7 @@ class DrafterCostModel:
         missing = [k for k in CONFIG_KEYS if k not in vals]
         if missing:
             raise ConfigError(f"--target-dims {spec!r} lacks {', '.join(missing)}")
-        return cls(**vals, draft_layers=int(draft_layers))
+        return cls(**vals, draft_layers=int(draft_layers), sliding_window=int(sliding_window))
 
     # -- parameter counts
     @property
@@ -135,9 +142,10 @@ class DrafterCostModel:
                 "anchor_pos": attn_d}
 
     def coefficient_array(self, block_size: int) -> np.ndarray:
-        """:meth:`coefficients` as float64 ``[tokens, tokens_sq, anchors, anchor_pos]`` (numba's)."""
+        """:meth:`coefficients` as float64 ``[tokens, tokens_sq, anchors, anchor_pos, window]`` (numba's;
+        the last is the sliding window W, 0 = full)."""
         c = self.coefficients(block_size)
-        return np.array([c["tokens"], c["tokens_sq"], c["anchors"], c["anchor_pos"]], np.float64)
+        return np.array([c["tokens"], c["tokens_sq"], c["anchors"], c["anchor_pos"], self.sliding_window], np.float64)
 
     def describe(self, block_size: int) -> dict:
         """What manifest.json records: the sizes, parameter counts and coefficients."""
@@ -146,12 +154,27 @@ class DrafterCostModel:
 
 
 @nb.njit(cache=True, inline="always")
+def mean_seen(L, S, W):
+    """Expected context keys a block attends to, ``E[min(a, W)]`` (``E[a]`` when W is 0), for an
+    anchor ``a`` uniform on the candidates ``[L - S, L - 2]`` of a sample of ``L`` tokens whose
+    last ``S`` are supervised (continuous approximation; floats in, float out)."""
+    mean = max(L - S / 2.0 - 1.0, 0.0)
+    if W <= 0.0:
+        return mean
+    lo, hi = max(L - S, 0.0), max(L - 2.0, 0.0)
+    if W >= hi:
+        return mean
+    if W <= lo:
+        return W
+    return ((W * W - lo * lo) / 2.0 + W * (hi - W)) / (hi - lo)
+
+
+@nb.njit(cache=True, inline="always")
 def step_flops(coef, L, S, k):
     """One sample's drafter step FLOPs from :meth:`DrafterCostModel.coefficient_array` (numba)."""
     L = np.float64(L)
     k = np.float64(k)
-    return (coef[0] * L + coef[1] * L * L + coef[2] * k
-            + coef[3] * (k * max(L - np.float64(S) / 2.0 - 1.0, 0.0)))
+    return coef[0] * L + coef[1] * L * L + coef[2] * k + coef[3] * (k * mean_seen(L, np.float64(S), coef[4]))
 
 
 @nb.njit(cache=True, parallel=True)

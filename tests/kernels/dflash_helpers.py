@@ -42,8 +42,21 @@ def run_dflash(fn, q, k_ctx, v_ctx, k_blk, v_blk, do, cu_ctx, cu_blk, anchors, b
     return (o.detach(), *[torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves, grads)])
 
 
-def naive_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size, *, scale=None):
-    """The definition, one block and one head at a time: softmax over cat(k_ctx[:a_j], own block)."""
+def public_window_keep(a: int, block_size: int, window: int) -> torch.Tensor:
+    """(B, a + B) keep mask of one block the way the public inference code runs a
+    ``sliding_attention`` layer: keys are [context 0..a-1 | block a..a+B-1] at their absolute
+    positions, the block's B queries at a..a+B-1, and transformers' flash-attention path passes
+    ``window_size=(W-1, W-1)`` (only when there are more than W keys): keep ``|q_pos - k_pos| <= W-1``."""
+    q_pos = torch.arange(a, a + block_size)[:, None]
+    k_pos = torch.arange(a + block_size)[None, :]
+    if window == 0 or a + block_size <= window:
+        return torch.ones(block_size, a + block_size, dtype=torch.bool)
+    return (q_pos - k_pos).abs() <= window - 1
+
+
+def naive_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size, *, scale=None, window=0):
+    """The definition, one block and one head at a time: softmax over cat(k_ctx[:a_j], own block),
+    under :func:`public_window_keep` when ``window`` > 0."""
     rows, hq, d = q.shape
     group = hq // k_ctx.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -58,7 +71,9 @@ def naive_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_s
                 hk = h // group
                 keys = torch.cat([k_ctx[s0:s0 + a, hk], k_blk[r:r + block_size, hk]])  # (a + B, D)
                 vals = torch.cat([v_ctx[s0:s0 + a, hk], v_blk[r:r + block_size, hk]])
-                p = torch.softmax(q[r:r + block_size, h] @ keys.T * scale, dim=-1)  # (B, a + B)
+                scores = (q[r:r + block_size, h] @ keys.T * scale).masked_fill(
+                    ~public_window_keep(a, block_size, window), float("-inf"))  # (B, a + B)
+                p = torch.softmax(scores, dim=-1)
                 heads.append(p @ vals)  # (B, D)
             out.append(torch.stack(heads, dim=1))  # (B, Hq, D)
     return torch.cat(out) if out else q.new_zeros(q.shape)

@@ -29,7 +29,8 @@ def test_dense_layout_matches_the_mask_definition():
 
 @pytest.mark.parametrize("kwargs,match", [(dict(cases=((8, 9),)), "0 < N <= S"),
                                           (dict(heads_q=6, heads_kv=4), "multiple"),
-                                          (dict(budget_s=0), "budget_s")])
+                                          (dict(budget_s=0), "budget_s"),
+                                          (dict(window_cases=((64, 4, 8),)), "W >= B")])
 def test_bad_config(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         bench.DFlashBenchConfig(**kwargs)
@@ -38,7 +39,12 @@ def test_bad_config(kwargs, match):
 def test_smoke_runs_and_writes_a_versioned_report(tmp_path):
     assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
     report = bench.read_report(tmp_path / "attention-dflash-smoke.json")
-    assert report["smoke"] is True and [c["passed"] for c in report["checks"]] == [True]
+    assert report["smoke"] is True and [c["passed"] for c in report["checks"]] == [True, True]
+    assert [c["window"] for c in report["checks"]] == [0, 8]  # full, then the sliding-window check
+    assert [(r["provider"], r["W"]) for r in report["window_rows"]] == [("ours", 0), ("ours window 8", 8)]
+    assert all(r["fwd_ms"] > 0 and r["bwd_ms"] > 0 for r in report["window_rows"])
+    [up] = report["window_speedups"]
+    assert up["W"] == 8 and up["flops_ratio"] > 1 and up["fwd_speedup"] > 0
     assert set(report["checks"][0]["grads"]) == set(bench.NAMES)
     providers = {r["provider"]: r for r in report["rows"]}
     assert set(providers) == {"ours", "flex-blockmask", "sdpa-dense-mask"}

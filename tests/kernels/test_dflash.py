@@ -22,16 +22,17 @@ from tests.kernels.dflash_helpers import NAMES, make_dflash, run_dflash
 from tests.kernels.helpers import close_to_reference
 
 
-def _check(docs, block_size, hq, hkv, d, dtype, seed=0):
+def _check(docs, block_size, hq, hkv, d, dtype, seed=0, window=0):
     args = make_dflash(docs, block_size, hq, hkv, d, dtype, seed=seed)
     with force_backend("triton"):
-        got = run_dflash(attention_dflash, *args, block_size)
+        got = run_dflash(attention_dflash, *args, block_size, window=window)
     wide = [t.float() if t.is_floating_point() else t for t in args]
-    ref = run_dflash(attention_dflash_reference, *wide, block_size)
-    same = run_dflash(attention_dflash_reference, *args, block_size, upcast=False)
+    ref = run_dflash(attention_dflash_reference, *wide, block_size, window=window)
+    same = run_dflash(attention_dflash_reference, *args, block_size, upcast=False, window=window)
     for name, g, r, s in zip(NAMES, got, ref, same):
         assert g.dtype == dtype and g.shape == s.shape, name
-        close_to_reference(f"dflash {docs} B={block_size} ({hq},{hkv}) D={d} {dtype} {name}", g, r, s)
+        assert torch.isfinite(g.float()).all(), name
+        close_to_reference(f"dflash {docs} B={block_size} ({hq},{hkv}) D={d} {dtype} W={window} {name}", g, r, s)
     return got
 
 
@@ -54,6 +55,46 @@ def test_b16_mha_fp32_d32_one_block_per_query_tile():
 
 def test_d128_bf16_b4_gqa_4_1():
     _check([(20, [2, 7, 11, 19])], 4, 4, 1, 128, torch.bfloat16)
+
+
+# Sliding windows: below the context (the first key tiles of late query tiles are skipped and the
+# masked band crosses key tiles), W = B (slot B-1 sees no context at all: a fully masked context
+# row), and W equal to the longest context + B (nothing cut, the same as full attention).
+@pytest.mark.parametrize("window", [4, 11, 24, 70 + 4])
+def test_sliding_window_bf16_b4_gqa(window):
+    docs = [(40, [0, 1, 8, 16, 23, 39]), (17, []), (3, [2]), (70, [5, 5, 31, 32, 33, 64, 69])]
+    got = _check(docs, 4, 4, 2, 32, torch.bfloat16, window=window)
+    if window == 74:
+        with force_backend("triton"):
+            full = run_dflash(attention_dflash, *make_dflash(docs, 4, 4, 2, 32, torch.bfloat16), 4)
+        for name, a, b in zip(NAMES, got, full):
+            assert torch.equal(a, b), name
+
+
+def test_sliding_window_b8_fp32_wide_tiles(monkeypatch):
+    from dflash_prep.kernels import dflash
+
+    monkeypatch.setattr(dflash, "INTERPRET_BLOCKS", {"fwd": (16, 32, 4, 1), "dq": (16, 32, 4, 1),
+                                                     "dkdv_blk": (16, 32, 4, 1), "dkdv_ctx": (64, 16, 4, 1)})
+    _check([(100, [3, 9, 40, 41, 77, 99]), (9, [0, 8])], 8, 2, 1, 32, torch.float32, seed=2, window=16)
+
+
+def test_sliding_window_skips_the_key_tiles_outside_every_window():
+    """Context keys no window reaches are never loaded, not just masked: NaN there (which a
+    masked load-and-multiply would spread, 0 * NaN) leaves every output and gradient finite
+    and equal to the clean run. Block at 60, W = 8: rows see [53, 64); fwd/dq key tiles of 8
+    start at 48, dK/dV_ctx tiles of 16 below 48 find no block."""
+    args = list(make_dflash([(64, [60]), (20, [3, 19])], 4, 2, 1, 32, torch.float32, seed=5))
+    with force_backend("triton"):
+        clean = run_dflash(attention_dflash, *args, 4, window=8)
+        for i in (1, 2):  # k_ctx, v_ctx
+            args[i] = args[i].clone()
+            args[i][:48] = float("nan")
+        dirty = run_dflash(attention_dflash, *args, 4, window=8)
+    for name, a, b in zip(NAMES, clean, dirty):
+        if name in ("dk_ctx", "dv_ctx"):
+            assert torch.equal(b[:48], torch.zeros_like(b[:48])), name
+        assert torch.equal(a, b), name
 
 
 def test_only_empty_documents():

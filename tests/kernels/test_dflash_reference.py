@@ -24,6 +24,42 @@ def test_reference_matches_the_naive_loop_forward_and_backward(block_size, heads
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.parametrize("window", [4, 5, 8, 12, 64])
+def test_sliding_window_matches_the_public_rule_forward_and_backward(window):
+    # windows below, inside and above the longest context (12 + B); B = 4 so W >= B
+    args = make_dflash(DOCS, 4, 4, 2, 16, torch.float64, seed=window)
+    got = run_dflash(attention_dflash_reference, *args, 4, window=window)
+    want = run_dflash(naive_dflash, *args, 4, window=window)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    if window < 12:
+        full = run_dflash(attention_dflash_reference, *args, 4)
+        assert not torch.allclose(got[0], full[0])  # the window changed something
+
+
+def test_sliding_window_rule_position_by_position():
+    """W = 6, B = 4, anchor 9: slot r sees context [9 + r - 5, 9), i.e. 5, 4, 3, 2 positions."""
+    from dflash_prep.kernels.inputs import window_start
+
+    from .dflash_helpers import public_window_keep
+
+    keep = public_window_keep(9, 4, 6)  # (B, a + B)
+    assert keep[:, 9:].all()  # the own block: whole
+    for r in range(4):
+        seen = torch.nonzero(keep[r, :9]).flatten().tolist()
+        assert seen == list(range(4 + r, 9)), (r, seen)
+        assert int(window_start(torch.tensor(9), torch.tensor(r), 6)) == 4 + r
+    assert int(window_start(torch.tensor(2), torch.tensor(3), 6)) == 0  # clipped at the document start
+    assert int(window_start(torch.tensor(9), torch.tensor(3), 0)) == 0  # 0 = full
+
+
+def test_window_smaller_than_the_block_is_refused():
+    args = make_dflash([(6, [1, 5])], 4, 2, 1, 8, torch.float32)
+    for bad, match in ((2, "smaller than block_size"), (-1, ">= 0"), (2.5, ">= 0")):
+        with pytest.raises(AttentionConfigError, match=match):
+            attention_dflash_reference(*args[:5], *args[6:], 4, window=bad)
+
+
 def test_reference_matches_a_dense_mask_through_sdpa():
     args = make_dflash(DOCS, 4, 4, 2, 16, torch.float64, seed=1)
     q, k_ctx, v_ctx, k_blk, v_blk, _, cu_ctx, cu_blk, anchors = args

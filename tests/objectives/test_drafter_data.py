@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -229,6 +230,13 @@ def test_pack_config_flags_round_trip(dataset, planned, tmp_path):
     res = CliRunner().invoke(app, args + shlex.split(cfg.cli_flags()))
     assert res.exit_code == 0, res.output
     assert load_pack_config(tmp_path / "m") == cfg
+    # a sliding window in the cost model: --sliding-window round-trips through the printed flags
+    cm = dataclasses.replace(cfg.options.cost_model, sliding_window=16)
+    win = dataclasses.replace(cfg, options=dataclasses.replace(cfg.options, cost_model=cm))
+    assert "--sliding-window 16" in win.cli_flags()
+    res = CliRunner().invoke(app, args[:5] + [str(tmp_path / "w"), "--epoch", "0"] + shlex.split(win.cli_flags()))
+    assert res.exit_code == 0, res.output
+    assert load_pack_config(tmp_path / "w") == win
 
 
 def test_drafter_cost_model_by_hand(tmp_path):
@@ -251,6 +259,24 @@ def test_drafter_cost_model_by_hand(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({k2: v for k2, v in QWEN_LIKE.items()
                                                            if k2 != "num_hidden_layers"}))
         DrafterCostModel.from_config(tmp_path)
+
+
+def test_drafter_cost_model_with_a_sliding_window_by_hand():
+    """Anchors uniform on [L - S, L - 2] = [100, 298]: E[min(a, W)] below, across and above the range."""
+    from dflash_prep.objectives.drafter_cost import sample_cost
+
+    dims = "hidden=256,layers=8,intermediate=768,heads=4,kv_heads=2,head_dim=64,vocab=1000"
+    full = DrafterCostModel.from_dims(dims, draft_layers=2)
+    h, d, N, B, L, S, k = 4, 64, 2, 16, 300, 200, 7
+    base = sample_cost(full, B, [L], [S], [k])[0] - 12 * h * d * B * N * k * 199  # all but the prefix keys
+    for W, seen in ((64, 64.0), (200, ((200 ** 2 - 100 ** 2) / 2 + 200 * 98) / 198), (298, 199.0), (4096, 199.0)):
+        cm = DrafterCostModel.from_dims(dims, draft_layers=2, sliding_window=W)
+        got = sample_cost(cm, B, [L], [S], [k])[0]
+        assert got == pytest.approx(base + 12 * h * d * B * N * k * seen, rel=1e-12), W
+        assert cm.describe(B)["sliding_window"] == W
+    assert sample_cost(DrafterCostModel.from_dims(dims, 2, 64), B, [L], [S], [k])[0] < sample_cost(full, B, [L], [S], [k])[0]
+    with pytest.raises(ConfigError, match="sliding-window"):
+        DrafterCostModel.from_dims(dims, sliding_window=-1)
 
 
 def test_dropped_samples_keep_their_digest_and_stored_anchors(dataset, planned, tmp_path):

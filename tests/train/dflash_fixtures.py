@@ -33,7 +33,7 @@ def dflash_cfg(out, target, **kw):
 
     base = dict(out=str(out), objective="dflash", target=str(target), draft_layers=2, block_size=4,
                 max_anchors=6, mask_token_id=MASK_ID, progress=False, prefetch=2, warmup_steps=1, lr=3e-3,
-                device="cpu", ce_chunk=16, slot_weights="decay", optimizer="adamw")  # the pre-recipe defaults
+                device="cpu", ce_chunk=16, slot_weights="decay", optimizer="adamw", sliding_window=0)  # the pre-recipe defaults
     base.update(kw)
     return TrainConfig(**base)
 

@@ -3,7 +3,10 @@
 - :func:`public_block_forward`: one block of the drafter the way the public DFlash inference
   code runs it after a prefill of ``a`` tokens: context features ``[0, a)`` and the B block
   embeddings, positions ``0 .. a + B - 1``, no mask; RoPE from transformers' Qwen3 rotary
-  embedding and attention from torch SDPA.
+  embedding and attention from torch SDPA. ``window`` W > 0 runs every layer as a public
+  ``sliding_attention`` layer the way transformers' flash-attention path does it (the public
+  inference code passes ``sliding_window=W`` to it): ``window_size=(W-1, W-1)`` over keys and
+  queries aligned on their absolute positions, applied only when there are more than W keys.
 """
 
 from __future__ import annotations
@@ -22,7 +25,16 @@ def _rotate_half(x):
     return torch.cat((-x[..., d:], x[..., :d]), dim=-1)
 
 
-def public_block_forward(drafter, noise, feats, a: int):
+def _flash_window_mask(q_len: int, k_len: int, window: int):
+    """Keep mask (q_len, k_len) of flash-attn's ``window_size=(W-1, W-1)``, non-causal, bottom-right
+    aligned (query i sits at key index i + k_len - q_len); None when transformers skips it."""
+    if not window or k_len <= window:
+        return None
+    q_at = torch.arange(q_len)[:, None] + (k_len - q_len)
+    return (torch.arange(k_len)[None, :] - q_at).abs() <= window - 1
+
+
+def public_block_forward(drafter, noise, feats, a: int, window: int = 0):
     """``noise [B, H]`` (block embeddings), ``feats [a, k*H]`` (context taps) -> ``[B, H]``."""
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
@@ -51,7 +63,8 @@ def public_block_forward(drafter, noise, feats, a: int):
         q = q * cos[-B:] + _rotate_half(q) * sin[-B:]
         k = k * cos + _rotate_half(k) * sin
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
-                                           v.repeat_interleave(group, 1).transpose(0, 1))  # (Hq, B, D)
+                                           v.repeat_interleave(group, 1).transpose(0, 1),
+                                           attn_mask=_flash_window_mask(B, a + B, window))  # (Hq, B, D)
         x = x + o.transpose(0, 1).reshape(B, -1) @ w["self_attn.o_proj.weight"].T
         h = _rms(x, w["post_attention_layernorm.weight"], c.rms_norm_eps)
         x = x + (F.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T

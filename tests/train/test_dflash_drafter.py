@@ -28,6 +28,8 @@ def test_target_layer_ids_rule():
         _cfg(target_layer_ids=(1, 6))
     with pytest.raises(ConfigError, match="block-size"):
         _cfg(block_size=1)
+    with pytest.raises(ConfigError, match="sliding-window"):
+        _cfg(sliding_window=3)  # below B = 4
 
 
 def test_parameter_names_are_the_public_ones():
@@ -55,10 +57,12 @@ def test_from_target_config():
     assert DrafterConfig.from_dict(c.to_dict()) == c
 
 
-def test_packed_forward_equals_public_block_forward():
-    """Two documents, anchors incl. 0 and S-1, GQA: every block equals the public algorithm's output."""
+@pytest.mark.parametrize("window", [0, 4, 6, 13])
+def test_packed_forward_equals_public_block_forward(window):
+    """Two documents, anchors incl. 0 and S-1, GQA: every block equals the public algorithm's
+    output, with full attention and sliding windows below and above the longest context (9 + B)."""
     torch.manual_seed(0)
-    cfg = _cfg()
+    cfg = _cfg(sliding_window=window)
     d = Drafter(cfg).double()
     B, k = cfg.block_size, cfg.num_taps
     lens = [9, 5]
@@ -75,7 +79,7 @@ def test_packed_forward_equals_public_block_forward():
     row = 0
     for di, doc_anchors in enumerate(anchors):
         for j, a in enumerate(doc_anchors):
-            want = public_block_forward(d, noise[di][j * B:(j + 1) * B], feats[di][:a], a)
+            want = public_block_forward(d, noise[di][j * B:(j + 1) * B], feats[di][:a], a, window=window)
             got = out[row:row + B]
             err = (got - want).abs().max().item()
             assert err < 1e-10, f"doc {di} anchor {a}: max |diff| {err:.3g}"
@@ -89,3 +93,37 @@ def test_bad_shapes_are_refused():
         d(torch.zeros(4, 64), torch.zeros(3, 64), torch.arange(3), torch.arange(4),
           torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32),
           torch.tensor([1], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("window", [0, 4])
+def test_no_leak_block_loss_never_reaches_taps_at_or_past_its_anchor(backend, window):
+    """Issue 23 item 6 through the whole drafter (2 layers): anchors side by side and closer than
+    B (3, 4, 5, 7 at B = 4). Block j's loss has exactly zero gradient on the target taps at
+    positions >= a_j of its document (and before its window), and on every other document."""
+    from dflash_prep.kernels import force_backend
+
+    torch.manual_seed(1)
+    cfg = _cfg(head_dim=32, heads=2, kv_heads=1, sliding_window=window)
+    d = Drafter(cfg)
+    B, lens, anchors = cfg.block_size, [12, 5], [[3, 4, 5, 7, 11], [0, 2]]
+    feats = torch.randn(sum(lens), cfg.num_taps * cfg.hidden)
+    noise = torch.randn(sum(map(len, anchors)) * B, cfg.hidden)
+    cu_ctx = torch.tensor([0, 12, 17], dtype=torch.int32)
+    cu_blk = torch.tensor([0, 5 * B, 7 * B], dtype=torch.int32)
+    anc = torch.tensor(sum(anchors, []), dtype=torch.int32)
+    ctx_pos = torch.cat([torch.arange(n) for n in lens])
+    blk_pos = torch.cat([torch.arange(a, a + B) for a in anc.tolist()])
+    starts = [0, 12]
+    docs = [0] * 5 + [1] * 2
+    for j, a in enumerate(anc.tolist()):
+        taps = feats.clone().requires_grad_()
+        with force_backend(backend):
+            out = d(noise, taps, ctx_pos, blk_pos, cu_ctx, cu_blk, anc, B)
+        (grad,) = torch.autograd.grad(out[j * B:(j + 1) * B].square().sum(), taps)
+        lo = max(0, a - (window - 1)) if window else 0
+        seen = torch.zeros(feats.shape[0], dtype=torch.bool)
+        seen[starts[docs[j]] + lo:starts[docs[j]] + a] = True
+        assert torch.equal(grad[~seen], torch.zeros_like(grad[~seen])), \
+            f"{backend} W={window}: block {j} (a={a}) leaks into taps {torch.nonzero(grad[~seen].abs().sum(1))}"
+        assert a == lo or grad[seen].abs().sum(1).gt(0).all()

@@ -74,7 +74,7 @@ def test_resume_is_bitwise_and_metrics_are_logged(tmp_path, capsys, recipe):
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("dflash recipe:"))
     want = "slot weights dpace alpha=0.5, loss kl T=2, optimizer muon lr=0.03 + adamw lr=0.003" if recipe \
         else "slot weights decay gamma=1, loss ce, optimizer adamw lr=0.003"
-    assert "B=4, 2 draft layer(s), " + want in line, line
+    assert "B=4, 2 draft layer(s), full attention, " + want in line, line
     train(dflash_cfg(tmp_path / "b", target, max_steps=k, **recipe), source=_src(grad_accum=2))
     b = train(dflash_cfg(tmp_path / "b", target, max_steps=n, **recipe), source=_src(grad_accum=2))
     assert a["global_step"] == b["global_step"] == n and b["steps"] == n - k
@@ -134,9 +134,11 @@ def test_dflash_defaults_follow_the_recipe(tmp_path):
     assert (f.slot_weights, f.gamma, f.loss, f.kl_temperature, f.optimizer, f.muon_lr) == \
         ("decay", 3.0, "kl", 2.0, "muon", 0.01)
     c = TrainConfig(objective="dflash", target="t")
-    assert (c.slot_weights, c.dpace_alpha, c.loss, c.optimizer, c.draft_layers) == ("dpace", 0.5, "ce", "muon", 5)
+    assert (c.slot_weights, c.dpace_alpha, c.loss, c.optimizer, c.draft_layers, c.sliding_window) == \
+        ("dpace", 0.5, "ce", "muon", 5, 2048)
+    assert TrainConfig(objective="dflash", target="t", sliding_window=0).sliding_window == 0     # 0 = full, kept
     lm = TrainConfig()
-    assert (lm.slot_weights, lm.loss, lm.optimizer) == ("decay", "ce", "adamw")
+    assert (lm.slot_weights, lm.loss, lm.optimizer, lm.sliding_window) == ("decay", "ce", "adamw", 0)
     assert TrainConfig(objective="dflash", target="t", slot_weights="decay", optimizer="adamw").optimizer == "adamw"
     for bad, match in ((dict(loss="kl"), "objective dflash"), (dict(slot_weights="dpace"), "objective dflash"),
                        (dict(optimizer="sgd"), "--optimizer"), (dict(objective="dflash", target="t", loss="mse"), "--loss"),

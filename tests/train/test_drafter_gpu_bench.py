@@ -35,8 +35,10 @@ def test_smoke_run_writes_both_paths_and_their_ratio(tmp_path, keep_determinism)
     assert ours["useful_anchor_slots"] == 1.0 and ours["useful_tokens"] == 1.0  # packed: nothing wasted
     assert padded["useful_anchor_slots"] < 1.0 and padded["useful_tokens"] < 1.0
     assert rep["ratio_anchors_per_s"] == pytest.approx(ours["anchors_per_s"] / padded["anchors_per_s"])
-    assert rep["target_met"] == (rep["ratio_anchors_per_s"] >= 1.3)
-    assert "ours / padded anchors/s" in (tmp_path / "drafter_gpu.md").read_text()
+    assert rep["smoke"] is True and rep["target_met"] is None  # CPU figures give no verdict on the GPU target
+    md = (tmp_path / "drafter_gpu.md").read_text()
+    assert "ours / padded anchors/s" in md and "smoke: CPU figures, no verdict" in md
+    assert ": met" not in md and "NOT met" not in md
 
 
 def test_padded_batch_keeps_the_real_blocks_and_pads_rows_to_the_recipe_shape():

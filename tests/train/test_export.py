@@ -57,6 +57,42 @@ def test_export_then_load_gives_the_same_logits(tmp_path):
     assert back.config == cfg and meta["export"]["weights_fingerprint"] == side["weights_fingerprint"]
 
 
+def test_windowed_export_loads_with_the_public_window_and_matches_the_public_forward(tmp_path):
+    """A drafter trained with a sliding window W = 4 < context (B = 4): config.json says so in the
+    public fields, Qwen3Config (what DFlashDraftModel's config_class reads) gives every layer
+    that window by the public layer's own rule, load_export restores it, and each block's hidden
+    states equal the public algorithm's (transformers' flash window) run from the exported weights."""
+    from transformers import Qwen3Config
+
+    from tests.train.dflash_oracle import public_block_forward
+
+    cfg = _cfg(sliding_window=4)
+    d = _trained_like(cfg, seed=5)
+    write_export(d, tmp_path / "x", source={})
+    c = json.loads((tmp_path / "x" / "config.json").read_text())
+    assert c["layer_types"] == ["sliding_attention"] * 2 and c["use_sliding_window"] is True
+    assert c["sliding_window"] == 4 and c["max_window_layers"] == 0
+    hc = Qwen3Config(**{k: v for k, v in c.items() if k not in ("architectures", "auto_map", "model_type")})
+    layer_windows = [hc.sliding_window if hc.layer_types[i] == "sliding_attention" else None for i in range(2)]
+    assert layer_windows == [4, 4]  # the line DFlashDraftModel's attention layer runs
+    back, _ = load_export(tmp_path / "x")
+    assert back.config.sliding_window == 4 and back.config == cfg
+    noise, feats, ctx_pos, blk_pos, cu_ctx, cu_blk, anchors, B = _inputs(cfg)
+    with torch.no_grad():
+        got = back(noise, feats, ctx_pos, blk_pos, cu_ctx, cu_blk, anchors, B)
+        full = Drafter(_cfg())
+        full.load_state_dict(back.state_dict())
+        unwindowed = full(noise, feats, ctx_pos, blk_pos, cu_ctx, cu_blk, anchors, B)
+        starts = [0, 0, 7, 7]
+        worst = 0.0
+        for j, a in enumerate(anchors.tolist()):
+            want = public_block_forward(back, noise[j * B:(j + 1) * B], feats[starts[j]:starts[j] + a], a,
+                                        window=layer_windows[0])
+            worst = max(worst, (got[j * B:(j + 1) * B] - want).abs().max().item())
+    assert worst < 1e-5, worst
+    assert (got - unwindowed).abs().max() > 1e-3  # the window cut something (anchor 5: 9 keys > W)
+
+
 def test_files_are_the_public_format(tmp_path):
     from safetensors import safe_open
 
@@ -120,9 +156,14 @@ def test_bad_inputs_are_refused(tmp_path):
     cfile.write_text(json.dumps({**c, "num_hidden_layers": 3, "layer_types": ["full_attention"] * 3}))
     with pytest.raises(FormatError, match="missing"):
         load_export(tmp_path / "x")  # strict keys: layer 2 has no weights
-    cfile.write_text(json.dumps({**c, "layer_types": ["sliding_attention", "full_attention"]}))
-    with pytest.raises(FormatError, match="sliding"):
+    cfile.write_text(json.dumps({**c, "layer_types": ["sliding_attention", "full_attention"],
+                                 "use_sliding_window": True, "sliding_window": 8}))
+    with pytest.raises(FormatError, match="mix full and sliding"):
         load_export(tmp_path / "x")
+    # sliding layer types without use_sliding_window: Qwen3Config drops the window, the public
+    # layers attend in full, and so does the loaded drafter
+    cfile.write_text(json.dumps({**c, "layer_types": ["sliding_attention"] * 2, "sliding_window": 8}))
+    assert load_export(tmp_path / "x")[0].config.sliding_window == 0
     run = tmp_path / "lm"
     run.mkdir()
     m = torch.nn.Linear(2, 2)

@@ -138,6 +138,36 @@ def test_proposer_drafts_what_the_public_algorithm_drafts(tiny):
         assert torch.equal(prop.propose(block, feats[:start], start), want), start
 
 
+def test_windowed_proposer_drafts_what_the_public_windowed_algorithm_drafts(tiny):
+    """A drafter with sliding window W = B: the proposer cuts the context to the window and still
+    equals the public per-block computation (all features, transformers' flash window) for
+    blocks before and past the window; the window changes the hidden states."""
+    from tests.train.dflash_oracle import public_block_forward
+
+    from dflash_prep.train.drafter import Drafter, DrafterConfig
+
+    _, model, _ = tiny
+    full = _drafter(model, seed=2)
+    drafter = Drafter(DrafterConfig(**{**full.config.to_dict(), "sliding_window": B})).eval()
+    drafter.load_state_dict(full.state_dict())
+    target = Target(model, drafter.target_layer_ids)
+    prop = DFlashProposer(drafter, target, block_size=B, mask_token_id=3)
+    target.reset()
+    _, feats = target.forward(torch.tensor(PROMPTS[1] + [5, 6, 7]), 0)
+    seen = []
+    drafter.register_forward_hook(lambda mod, args, out: seen.append(out))
+    moved = 0.0
+    for start in (1, B - 1, 12):
+        block = torch.tensor([9] + [3] * (B - 1))
+        with torch.no_grad():
+            h = public_block_forward(drafter, target.embed(block), feats[:start], start, window=B)
+            moved = max(moved, (h - public_block_forward(full, target.embed(block), feats[:start], start)).abs().max())
+            want = target.lm_head(h[1:]).argmax(-1)
+        assert torch.equal(prop.propose(block, feats[:start], start), want), start
+        torch.testing.assert_close(seen[-1], h, rtol=1e-5, atol=1e-5)  # the drafter's own hidden states
+    assert moved > 1e-4
+
+
 def test_eval_refuses_a_drafter_trained_on_another_target(tiny, tmp_path):
     path, model, _ = tiny
     write_export(_drafter(model), tmp_path / "d", source={"run_key": {"contract": {"target_fingerprint": "0" * 64}}})

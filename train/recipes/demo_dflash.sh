@@ -33,6 +33,7 @@ BUDGET=${BUDGET:-2048}
 SLOT_WEIGHTS=${SLOT_WEIGHTS:-decay}
 LOSS=${LOSS:-ce}
 OPTIMIZER=${OPTIMIZER:-adamw}
+WINDOW=${WINDOW:-0}
 # The target's shape: small enough that one LM step on 2,048 tokens takes about a second on a
 # loaded 2-core machine (the LM head dominates: keep the vocabulary small). 4 layers: a
 # 1-layer drafter taps layer L//2 = 2.
@@ -98,7 +99,8 @@ if has_flag "$CLI pack" "--objective"; then
     PLAN="$OUT/plan/plan.json" MANIFESTS="$OUT/manifests"
     $CLI analyze "$DATA" --budget "$BUDGET" --out "$OUT/plan"
     $CLI pack "$DATA" --plan "$PLAN" --epochs 0-$(( DRAFT_EPOCHS - 1 )) --objective dflash --block-size "$B" \
-        --max-anchors "$MAX_ANCHORS" --target-config "$OUT/target" --out "$MANIFESTS"
+        --max-anchors "$MAX_ANCHORS" --target-config "$OUT/target" --draft-layers "$DRAFT_LAYERS" \
+        --sliding-window "$WINDOW" --out "$MANIFESTS"
 elif [ "$DATA" = "$OUT/lm-data" ]; then
     echo "NOTE: this dflash-prep's pack has no --objective dflash yet, and the data is the LM's: the drafter"
     echo "      trains on the LM's varlen manifests (token budget, no anchor budget)"
@@ -112,11 +114,11 @@ fi
 
 step "6. train the drafter on the frozen target ($DRAFT_LAYERS layer(s), B = $B, $DRAFT_STEPS steps)"
 # the demo's small settings, passed explicitly: the trainer's dflash defaults are the full recipe
-# (B = 16, 5 draft layers, D-PACE, Muon), sized for a real target
+# (B = 16, 5 draft layers, sliding window 2048, D-PACE, Muon), sized for a real target
 $TRAIN --objective dflash --target "$OUT/target" --draft-layers "$DRAFT_LAYERS" --block-size "$B" \
     --data "$DATA" --plan "$PLAN" --manifests "$MANIFESTS" --out "$OUT/drafter-run" \
     --epochs "$DRAFT_EPOCHS" --max-steps "$DRAFT_STEPS" --lr 3e-3 --warmup-steps 5 --max-anchors "$MAX_ANCHORS" \
-    --slot-weights "$SLOT_WEIGHTS" --loss "$LOSS" --optimizer "$OPTIMIZER"
+    --slot-weights "$SLOT_WEIGHTS" --loss "$LOSS" --optimizer "$OPTIMIZER" --sliding-window "$WINDOW"
 
 step "7. export it in the public DFlash format: $OUT/drafter"
 $PY -m dflash_prep.train.export "$OUT/drafter-run" --out "$OUT/drafter" --overwrite
