@@ -252,8 +252,8 @@ def test_drafter_cost_model_by_hand(tmp_path):
     L, S, k = 300, 200, 7                       # expected anchor position L - S/2 - 1 = 199
     want = (2 * Lt * layer * L + 2 * h * d * Lt * L * L            # target forward + attention
             + 6 * (N * H * H + N * 2 * H * kv * d) * L               # fc + draft k/v over the context
-            + 6 * cm.draft_params * k * B + 12 * h * d * B * N * (k * 199 + k * B)   # blocks + prefix attention
-            + 6 * k * B * H * V)                                      # LM head
+            + 6 * N * layer * k * B + 12 * h * d * B * N * (k * 199 + k * B)   # blocks + prefix attention
+            + 4 * k * (15 * 16 / 2 + 184 * 15) / 199 * H * V)   # frozen head, E[labelled rows] per block
     assert sample_cost(cm, B, [L], [S], [k])[0] == pytest.approx(want, rel=1e-12)
     with pytest.raises(ConfigError, match="num_hidden_layers"):
         (tmp_path / "config.json").write_text(json.dumps({k2: v for k2, v in QWEN_LIKE.items()
