@@ -42,9 +42,9 @@ import numpy as np
 import torch
 
 from dflash_prep.errors import ConfigError, FormatError
-from dflash_prep.objectives import drafter_cost
-from dflash_prep.objectives.anchors import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_ANCHORS, SAMPLER_VERSION,
-                                            sample_anchors_batch)
+from dflash_prep.objectives import drafter_cost, options as opt_decl
+from dflash_prep.objectives.anchors import SAMPLER_VERSION, sample_anchors_batch
+from dflash_prep.objectives.dflash import DrafterOptions
 
 from .chunked_ce import weighted_ce
 from .config import TrainConfig
@@ -435,25 +435,26 @@ def anchor_spec(cfg: TrainConfig, manifest=None):
     """``(AnchorSpec, where the seed came from)``: a ``pack --objective dflash`` manifest's anchor
     options (its header's ``dflash``) win; a flag that contradicts them is refused, since the
     manifest's anchor budgets and digest assume them. Otherwise the flags, with the defaults of
-    :mod:`dflash_prep.objectives.anchors` (B = 16, 512 anchors), ``cap``, and ``--anchor-seed``
+    :class:`dflash_prep.objectives.dflash.DrafterOptions` (pack's), and ``--anchor-seed``
     or else ``--seed``."""
     header = getattr(manifest, "header", None) if manifest is not None else None
     d = header.get("dflash") if isinstance(header, dict) else None
     if d is None:
         seed = cfg.anchor_seed if cfg.anchor_seed >= 0 else cfg.seed
         where = "--anchor-seed" if cfg.anchor_seed >= 0 else "--seed (the manifests are not pack --objective dflash)"
-        return AnchorSpec(seed=seed, max_anchors=cfg.max_anchors or DEFAULT_MAX_ANCHORS,
-                          policy=cfg.anchor_policy or "cap", block_size=cfg.block_size or DEFAULT_BLOCK_SIZE), where
+        o = DrafterOptions()                    # the pack defaults: one source
+        return AnchorSpec(seed=seed, max_anchors=cfg.max_anchors or o.max_anchors,
+                          policy=cfg.anchor_policy or o.anchor_policy, block_size=cfg.block_size or o.block_size), where
     if int(d.get("sampler_version", -1)) != SAMPLER_VERSION:
         raise ConfigError(f"manifest epoch {manifest.epoch} was packed with anchor sampler v{d.get('sampler_version')}, "
                           f"this trainer draws with v{SAMPLER_VERSION}; re-pack it (`dflash-prep pack ... --overwrite`)")
-    for flag, mine, theirs in (("--block-size", cfg.block_size, int(d["block_size"])),
-                               ("--max-anchors", cfg.max_anchors, int(d["max_anchors"])),
-                               ("--anchor-policy", cfg.anchor_policy, d["anchor_policy"]),
-                               ("--anchor-seed", cfg.anchor_seed if cfg.anchor_seed >= 0 else None,
-                                int(d["anchor_seed"]))):
+    o = opt_decl.from_header(DrafterOptions, d)
+    for flag, mine, theirs in (("--block-size", cfg.block_size, o.block_size),
+                               ("--max-anchors", cfg.max_anchors, o.max_anchors),
+                               ("--anchor-policy", cfg.anchor_policy, o.anchor_policy),
+                               ("--anchor-seed", cfg.anchor_seed if cfg.anchor_seed >= 0 else None, o.anchor_seed)):
         if mine and mine != theirs:
             raise ConfigError(f"{flag} {mine} contradicts the manifest, packed with {theirs} (pack --objective "
                               f"dflash); drop {flag} or re-pack with it")
-    return AnchorSpec(seed=int(d["anchor_seed"]), max_anchors=int(d["max_anchors"]), policy=d["anchor_policy"],
-                      block_size=int(d["block_size"])), "the manifest"
+    return AnchorSpec(seed=int(o.anchor_seed), max_anchors=o.max_anchors, policy=o.anchor_policy,
+                      block_size=o.block_size), "the manifest"

@@ -6,11 +6,11 @@ anchors :mod:`.anchors`, step cost :mod:`.drafter_cost`). Importing this package
 both; a new objective calls :func:`register` with its own instance.
 """
 
-from dflash_prep.objectives.base import DataObjective, get, names, of_header, register
+from dflash_prep.objectives.base import DataObjective, get, names, of_header, register, registered
 from dflash_prep.objectives.dflash import DFlashObjective
 from dflash_prep.objectives.lm import LMObjective
 
 register(LMObjective())
 register(DFlashObjective())
 
-__all__ = ["DataObjective", "get", "names", "of_header", "register"]
+__all__ = ["DataObjective", "get", "names", "of_header", "register", "registered"]

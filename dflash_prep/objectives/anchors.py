@@ -54,6 +54,7 @@ PURPOSE_ANCHORS = 0x616E63686F7273
 SAMPLER_VERSION = 1
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_ANCHORS = 512
+DEFAULT_POLICY = "cap"
 
 
 def check_options(max_anchors: int, policy: str, block_size: int = DEFAULT_BLOCK_SIZE) -> None:

@@ -41,6 +41,8 @@ Anchor positions are not stored: the trainer regenerates them per micro-batch wi
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Optional
 
 import numba as nb
 import numpy as np
@@ -50,46 +52,78 @@ from dflash_prep.formats.dataset import open_dataset
 from dflash_prep.formats.lengths import read_mask_counts
 from dflash_prep.formats.plan import Budget, check_seed
 from dflash_prep.objectives import anchors
+from dflash_prep.objectives import options as opt_decl
 from dflash_prep.objectives.anchors import anchor_count
 from dflash_prep.objectives.base import DataObjective
 from dflash_prep.objectives.dflash_anchors import EpochAnchors, differing_rows, store_anchors
 from dflash_prep.objectives.drafter_cost import DrafterCostModel, cost_shares, sample_cost, step_flops
+from dflash_prep.objectives.options import PACK, Flag, option
 from dflash_prep.pack import metrics, steps
 from dflash_prep.pack.bucketing import SideLoads, pack_varlen, row_sums, segment_sums
 
 #: Key tag of the drafter packing order ("dflash").
 PURPOSE_DFLASH = 0x64666C617368
-#: Default share of the mean-cost micro-batch the cost budget allows (see module docstring).
-DEFAULT_COST_FILL = 0.95
 #: The default anchor budget's room over a micro-batch of T tokens of mean composition.
 ANCHOR_HEADROOM = 1.25
+#: The public recipe's drafter (speculators RFC #979): the cost model's and the trainer's defaults.
+RECIPE_DRAFT_LAYERS = 5
+RECIPE_SLIDING_WINDOW = 2048
+
+
+def cost_model_from_flags(target_config: Path | None, target_dims: str | None, draft_layers: int,
+                          sliding_window: int) -> DrafterCostModel:
+    """The cost model from exactly one of a transformers config (``--target-config``) or explicit
+    ``--target-dims``, with the drafter's ``--draft-layers`` and ``--sliding-window`` (0 = full)."""
+    if (target_config is None) == (target_dims is None):
+        raise ConfigError("--objective dflash needs the cost model's sizes from exactly one of --target-config DIR "
+                          "(a transformers config.json) or --target-dims hidden=...,layers=...")
+    return (DrafterCostModel.from_config(target_config, draft_layers, sliding_window) if target_config is not None
+            else DrafterCostModel.from_dims(target_dims, draft_layers, sliding_window))
+
+
+def _spell_cost_model(cm: DrafterCostModel | None) -> dict:
+    if cm is None:
+        return {}
+    sizes = {k: v for k, v in asdict(cm).items() if k not in ("draft_layers", "sliding_window")}
+    return {"target_dims": ",".join(f"{k}={v}" for k, v in sizes.items()), "draft_layers": cm.draft_layers,
+            "sliding_window": cm.sliding_window}
+
+
+_COST_MODEL_FLAGS = (
+    Flag("target_config", Optional[Path], None, "cost model: the target's folder or config.json"),
+    Flag("target_dims", Optional[str], None, "cost model, the target's sizes as name=value pairs joined by commas: "
+         "hidden, layers, intermediate, heads, kv_heads, head_dim, vocab", metavar="SIZES"),
+    Flag("draft_layers", int, RECIPE_DRAFT_LAYERS, "cost model: drafter decoder layers (the recipe's)"),
+    Flag("sliding_window", int, RECIPE_SLIDING_WINDOW,
+         "cost model: the drafter's sliding-window attention W (0 = full; the recipe's)"))
 
 
 @dataclass(frozen=True)
 class DrafterOptions:
-    """The drafter part of a pack config (CLI flags of ``pack --objective dflash``).
+    """The drafter part of a pack config: the flags of ``pack`` / ``analyze --objective dflash``,
+    their defaults and help, declared once (:mod:`dflash_prep.objectives.options`).
 
-    Attributes:
-        cost_model: model sizes of the step cost (``--target-config`` + ``--draft-layers``,
-            or ``--target-dims``); required.
-        block_size: B, tokens per draft block (anchor + B - 1 masked slots).
-        max_anchors: anchors per sample at most (the public recipe: 512).
-        anchor_policy: ``cap`` or ``density`` (:mod:`dflash_prep.objectives.anchors`).
-        anchor_budget: anchors per micro-batch at most; None: :data:`ANCHOR_HEADROOM` x T x the
-            data's anchors per token (at least ``max_anchors``), fixed per epoch by :func:`prepare`.
-        cost_fill: cost budget as a share of T x mean cost per token (0 disables it).
-        anchor_seed: key of the anchor sampler; None resolves to the plan's seed.
-        store_anchors: also write ``anchors.npy`` (reads every loss mask).
+    ``cost_model`` is required by ``pack``; ``anchor_budget`` None is :data:`ANCHOR_HEADROOM` x
+    T x the data's anchors per token (at least ``max_anchors``), fixed per epoch by
+    :func:`prepare`; ``anchor_seed`` None resolves to the plan's seed.
     """
 
-    cost_model: DrafterCostModel | None = None
-    block_size: int = anchors.DEFAULT_BLOCK_SIZE
-    max_anchors: int = anchors.DEFAULT_MAX_ANCHORS
-    anchor_policy: str = "cap"
-    anchor_budget: int | None = None
-    cost_fill: float = DEFAULT_COST_FILL
-    anchor_seed: int | None = None
-    store_anchors: bool = False
+    cost_model: DrafterCostModel | None = option(
+        None, help="model sizes of the step cost", flags=_COST_MODEL_FLAGS, build=cost_model_from_flags,
+        spell=_spell_cost_model)
+    block_size: int = option(anchors.DEFAULT_BLOCK_SIZE, header=True, help="B, tokens per draft block (an anchor "
+                             "and B - 1 masked slots)")
+    max_anchors: int = option(anchors.DEFAULT_MAX_ANCHORS, header=True, help="anchors per sample at most")
+    anchor_policy: str = option(anchors.DEFAULT_POLICY, header=True, help="cap (min(max_anchors, candidates)) or "
+                                "density (one per B supervised tokens, capped)")
+    anchor_budget: int | None = option(None, commands=(PACK,), help="anchors per micro-batch at most (default: "
+                                       f"{ANCHOR_HEADROOM:g} x T x anchors per token)")
+    cost_fill: float = option(0.95, commands=(PACK,), help="cost budget as a share of T x mean drafter cost per "
+                              "token (0: none)")
+    anchor_seed: int | None = option(None, commands=(PACK,), header=True, help="anchor sampler seed (pack: the plan's "
+                                     "by default)")
+    store_anchors: bool = option(False, commands=(PACK,), help="also write anchors.npy (every position; reads all "
+                                 "masks)")
 
     def __post_init__(self):
         anchors.check_options(self.max_anchors, self.anchor_policy, self.block_size)
@@ -115,6 +149,15 @@ class DrafterOptions:
         if cm is not None:
             d["cost_model"] = DrafterCostModel(**cm)
         return cls(**d)
+
+
+def drafter_options(**flags) -> DrafterOptions:
+    """:class:`DrafterOptions` from ``pack``'s flag values by name (``target_dims=...``,
+    ``block_size=...``); a flag left out takes its declared default."""
+    known = {fl.name for fl in opt_decl.flags(DrafterOptions, PACK)}
+    if set(flags) - known:
+        raise ConfigError(f"unknown drafter option(s) {sorted(set(flags) - known)}; known: {', '.join(sorted(known))}")
+    return opt_decl.from_flags(DrafterOptions, PACK, flags)
 
 
 def pack_drafter(lengths: np.ndarray, counts: np.ndarray, cost: np.ndarray, *, seed: int, epoch: int,
@@ -180,8 +223,7 @@ def epoch_extras(de: DrafterEpoch, opts: DrafterOptions, kc: np.ndarray, mb_anch
     """The manifest's drafter header and summary entries; ``kc`` is ``anchor_counts.npy``
     (the anchors of each ``sample_ids`` entry) and ``de.digest`` the epoch's running
     :class:`anchors.DigestJob`."""
-    header = {"block_size": opts.block_size, "max_anchors": opts.max_anchors, "anchor_policy": opts.anchor_policy,
-              "anchor_seed": opts.anchor_seed, "anchor_budget": de.anchor_budget, "cost_budget": de.cost_budget,
+    header = {**opt_decl.header(opts), "anchor_budget": de.anchor_budget, "cost_budget": de.cost_budget,
               "sampler_version": anchors.SAMPLER_VERSION,
               "cost_model": opts.cost_model.describe(opts.block_size),
               "anchor_digest": de.digest.result()}
@@ -190,19 +232,6 @@ def epoch_extras(de: DrafterEpoch, opts: DrafterOptions, kc: np.ndarray, mb_anch
                "anchor_fill": float(mb_anchors.sum()) / (n_mb * de.anchor_budget),
                "token_fill": float(mb_tokens.sum()) / (n_mb * float(token_budget))}
     return header, summary
-
-
-def drafter_options(*, target_config=None, target_dims: str | None = None, draft_layers: int = 1,
-                    sliding_window: int = 0, **options) -> DrafterOptions:
-    """:class:`DrafterOptions` from the CLI's flags: the cost model from exactly one of a
-    transformers config (``--target-config``) or explicit ``--target-dims``, with the drafter's
-    ``--draft-layers`` and ``--sliding-window`` (0 = full attention)."""
-    if (target_config is None) == (target_dims is None):
-        raise ConfigError("--objective dflash needs the cost model's sizes from exactly one of --target-config DIR "
-                          "(a transformers config.json) or --target-dims hidden=...,layers=...")
-    cm = (DrafterCostModel.from_config(target_config, draft_layers, sliding_window) if target_config is not None
-          else DrafterCostModel.from_dims(target_dims, draft_layers, sliding_window))
-    return DrafterOptions(cost_model=cm, **options)
 
 
 # ----------------------------------------------------------------------------- verify
@@ -231,8 +260,7 @@ def verify_epoch(header: dict, arrays: dict, lens: np.ndarray, order: np.ndarray
     the regenerated positions; the anchor and cost budgets.
     """
     d = header["dflash"]
-    opts = DrafterOptions(block_size=int(d["block_size"]), max_anchors=int(d["max_anchors"]),
-                          anchor_policy=d["anchor_policy"], anchor_seed=int(d["anchor_seed"]))
+    opts = opt_decl.from_header(DrafterOptions, d)
     ids = np.asarray(arrays["sample_ids"])
     problems = []
     if int(d.get("sampler_version", -1)) != anchors.SAMPLER_VERSION:
@@ -367,7 +395,7 @@ class DFlashObjective(DataObjective):
         return options.resolve(seed=plan.seed, token_budget=budget.value)
 
     #: the recipe the field converged on (speculators RFC #979): D-PACE slot weights, Muon
-    train_defaults = {"optimizer": "muon", "slot_weights": "dpace", "sliding_window": 2048}
+    train_defaults = {"optimizer": "muon", "slot_weights": "dpace", "sliding_window": RECIPE_SLIDING_WINDOW}
 
     def check_train(self, cfg) -> None:
         if not cfg.target:
@@ -376,27 +404,11 @@ class DFlashObjective(DataObjective):
             raise ConfigError("--init-from is for --objective lm; a DFlash run reads its frozen model from --target")
         if cfg.draft_layers < 1:
             raise ConfigError(f"--draft-layers must be at least 1, got {cfg.draft_layers}")
-        anchors.check_options(cfg.max_anchors or 1, cfg.anchor_policy or "cap", cfg.block_size or 2)
+        anchors.check_options(cfg.max_anchors or 1, cfg.anchor_policy or anchors.DEFAULT_POLICY, cfg.block_size or 2)
         if cfg.gamma < 0:
             raise ConfigError(f"--gamma must be > 0 (0 = the default rule), got {cfg.gamma}")
         if cfg.sliding_window < 0:
             raise ConfigError(f"--sliding-window must be >= 0 (0 = full attention), got {cfg.sliding_window}")
-
-    def options_from_cli(self, **flags) -> DrafterOptions:
-        return drafter_options(**flags)
-
-    def cli_flags(self, d: DrafterOptions) -> str:
-        f = (f" --block-size {d.block_size} --max-anchors {d.max_anchors} "
-             f"--anchor-policy {d.anchor_policy} --cost-fill {d.cost_fill:g}")
-        f += f" --anchor-budget {d.anchor_budget}" if d.anchor_budget is not None else ""
-        f += f" --anchor-seed {d.anchor_seed}" if d.anchor_seed is not None else ""
-        f += " --store-anchors" if d.store_anchors else ""
-        if d.cost_model is not None:
-            cm = asdict(d.cost_model)
-            layers, window = cm.pop("draft_layers"), cm.pop("sliding_window")
-            f += " --target-dims " + ",".join(f"{k}={v}" for k, v in cm.items()) + f" --draft-layers {layers}"
-            f += f" --sliding-window {window}"
-        return f
 
     def inputs(self, cfg, src):
         if src.kind != "dataset":
