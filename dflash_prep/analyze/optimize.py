@@ -45,7 +45,7 @@ import numpy as np
 
 from dflash_prep.analyze.renewal import polish, renewal
 from dflash_prep.errors import ConfigError, InputError
-from dflash_prep.pack.bucketing import count_lengths
+from dflash_prep.pack.batch_stats import count_lengths
 
 _E_MAX = 6           # a = n / N_b >= 2**6 leaves every term below exp(-64): S(a) == 0
 

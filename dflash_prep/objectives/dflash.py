@@ -5,7 +5,7 @@ packs on three resources at once. Every sample ``i`` brings ``L_i`` tokens (targ
 memory), ``k_i`` anchors (:func:`anchors.anchor_counts`: drafter compute and memory) and a
 drafter step cost ``c_i`` (FLOPs). Algorithm, per epoch:
 
-1. order: a :func:`bucketing.keyed_permutation` of the samples, keyed by
+1. order: a :func:`dflash_prep.pack.keyed.keyed_permutation` of the samples, keyed by
    ``(seed, epoch, PURPOSE_DFLASH)`` (no bucketing: varlen has no padding to avoid);
 2. first-fit into ``open_bins`` open micro-batches (:func:`bucketing.pack_varlen`, the
    anchors and FLOPs as :class:`bucketing.SideLoads`): a sample joins the first open one
@@ -26,13 +26,13 @@ completion): ``cost_fill`` 0 (no cost budget) gives rank imbalance 0.091 at toke
 0.9975; 0.95 (default) 0.010 at 0.94; 0.9 0.0046 at 0.895. The full epoch through
 :func:`pack.build_epoch` at the default (``bench/drafter_data.py``): imbalance 0.0105.
 Per epoch at 902K (``bench/drafter_data.py``, idle 2-core VM): 0.29 s wall, 0.57 s CPU, the
-anchor digest (:class:`anchors.DigestJob`) on the second core while the first packs; at 100M:
+anchor digest (:class:`anchor_digest.DigestJob`) on the second core while the first packs; at 100M:
 49.6 s wall, 5.7 GiB peak, and 10.7 s more to hash and write the manifest.
 
 Anchor positions are not stored: the trainer regenerates them per micro-batch with
 :func:`anchors.sample_anchors_batch`, keyed by ``(anchor_seed, epoch, sample id)``.
 ``anchor_counts.npy`` (int32 per ``sample_ids`` entry) and the epoch's anchor digest
-(:class:`anchors.AnchorDigest`, over every sample of the dataset) are in the manifest;
+(:class:`anchor_digest.AnchorDigest`, over every sample of the dataset) are in the manifest;
 ``store_anchors`` also writes ``anchors.npy`` (int32 positions, concatenated in
 ``sample_ids`` order). verify and ``store_anchors`` read the masks once, shard by shard
 (:class:`EpochAnchors`).
@@ -51,7 +51,7 @@ from dflash_prep.errors import ConfigError
 from dflash_prep.formats.dataset import open_dataset
 from dflash_prep.formats.lengths import read_mask_counts
 from dflash_prep.formats.plan import Budget, check_seed
-from dflash_prep.objectives import anchors
+from dflash_prep.objectives import anchor_digest, anchors
 from dflash_prep.objectives import options as opt_decl
 from dflash_prep.objectives.anchors import anchor_count
 from dflash_prep.objectives.base import DataObjective
@@ -59,7 +59,8 @@ from dflash_prep.objectives.dflash_anchors import EpochAnchors, differing_rows, 
 from dflash_prep.objectives.drafter_cost import DrafterCostModel, cost_shares, sample_cost, step_flops
 from dflash_prep.objectives.options import PACK, Flag, option
 from dflash_prep.pack import metrics, steps
-from dflash_prep.pack.bucketing import SideLoads, pack_varlen, row_sums, segment_sums
+from dflash_prep.pack.batch_stats import row_sums, segment_sums
+from dflash_prep.pack.bucketing import SideLoads, pack_varlen
 
 #: Key tag of the drafter packing order ("dflash").
 PURPOSE_DFLASH = 0x64666C617368
@@ -193,7 +194,7 @@ class DrafterEpoch:
     cost: np.ndarray            # float64 drafter FLOPs per sample
     cost_budget: float | None
     anchor_budget: int
-    digest: "anchors.DigestJob | None" = None    # the epoch's anchor digest, being computed
+    digest: "anchor_digest.DigestJob | None" = None    # the epoch's anchor digest, being computed
 
 
 def prepare(lens: np.ndarray, supervised: np.ndarray, candidates: np.ndarray, opts: DrafterOptions,
@@ -222,7 +223,7 @@ def epoch_extras(de: DrafterEpoch, opts: DrafterOptions, kc: np.ndarray, mb_anch
                  mb_tokens: np.ndarray, token_budget: float) -> tuple[dict, dict]:
     """The manifest's drafter header and summary entries; ``kc`` is ``anchor_counts.npy``
     (the anchors of each ``sample_ids`` entry) and ``de.digest`` the epoch's running
-    :class:`anchors.DigestJob`."""
+    :class:`anchor_digest.DigestJob`."""
     header = {**opt_decl.header(opts), "anchor_budget": de.anchor_budget, "cost_budget": de.cost_budget,
               "sampler_version": anchors.SAMPLER_VERSION,
               "cost_model": opts.cost_model.describe(opts.block_size),
@@ -255,8 +256,8 @@ def verify_epoch(header: dict, arrays: dict, lens: np.ndarray, order: np.ndarray
     and checks: the masks' counts against ``supervised.npy``/``anchor_candidates.npy``;
     ``anchor_counts.npy`` against the sampler's counts; every anchor sorted, distinct and
     eligible; the recorded digest against the digest of the regenerated positions
-    (:func:`anchors.position_hashes`) and against the one the counts give
-    (:func:`anchors.selection_digest`, pack's way); ``anchors.npy`` (when present) equal to
+    (:func:`anchor_digest.position_hashes`) and against the one the counts give
+    (:func:`anchor_digest.selection_digest`, pack's way); ``anchors.npy`` (when present) equal to
     the regenerated positions; the anchor and cost budgets.
     """
     d = header["dflash"]
@@ -267,8 +268,8 @@ def verify_epoch(header: dict, arrays: dict, lens: np.ndarray, order: np.ndarray
         problems.append(f"packed with anchor sampler v{d.get('sampler_version')}, this dflash-prep has "
                         f"v{anchors.SAMPLER_VERSION}: the trainer would draw other anchors; re-pack the epoch")
     recorded = str(d.get("anchor_digest"))
-    if not recorded.startswith(anchors.DIGEST_PREFIX):
-        problems.append(f"anchor digest {recorded!r} is not of this dflash-prep's kind ({anchors.DIGEST_PREFIX}...: "
+    if not recorded.startswith(anchor_digest.DIGEST_PREFIX):
+        problems.append(f"anchor digest {recorded!r} is not of this dflash-prep's kind ({anchor_digest.DIGEST_PREFIX}...: "
                         "packed by another version); re-pack the epoch to verify its anchors")
     sup_all, cand_all = mask_counts.supervised, mask_counts.anchor_candidates
     k = anchors.anchor_counts(cand_all, sup_all, opts.max_anchors, opts.anchor_policy, opts.block_size)
@@ -276,13 +277,13 @@ def verify_epoch(header: dict, arrays: dict, lens: np.ndarray, order: np.ndarray
     if not np.array_equal(stored, k[ids]):
         problems.append(f"anchor_counts.npy disagrees with the sampler in {int((stored != k[ids]).sum())} samples")
         return problems, {}
-    job = anchors.DigestJob(cand_all, k, seed=opts.anchor_seed, epoch=epoch)      # pack's way, beside the pass
+    job = anchor_digest.DigestJob(cand_all, k, seed=opts.anchor_seed, epoch=epoch)      # pack's way, beside the pass
     ea = EpochAnchors(ds, opts, epoch, ids, stored)
     kept = arrays.get("anchors")
     if kept is not None and len(kept) != ea.offsets[-1]:
         problems.append(f"anchors.npy holds {len(kept)} positions, the counts say {int(ea.offsets[-1])}")
         kept = None
-    from_positions = anchors.AnchorDigest(len(ds))
+    from_positions = anchor_digest.AnchorDigest(len(ds))
     bad_counts, bad_anchors, differ = [], [], 0
     try:
         for first, mask, cu, pos, poff, s, c in ea:
@@ -292,7 +293,7 @@ def verify_epoch(header: dict, arrays: dict, lens: np.ndarray, order: np.ndarray
             bad = anchors.ineligible(mask, cu, pos, poff)
             if len(bad):
                 bad_anchors.append(first + int(bad[0]))
-            from_positions.update(anchors.position_hashes(mask, cu, np.arange(first, first + n), pos, poff))
+            from_positions.update(anchor_digest.position_hashes(mask, cu, np.arange(first, first + n), pos, poff))
             if kept is not None:
                 differ += differing_rows(pos, poff, ea.rows[first:first + n], ea.offsets, kept)
         from_counts = job.result()
@@ -308,7 +309,7 @@ def verify_epoch(header: dict, arrays: dict, lens: np.ndarray, order: np.ndarray
     if regenerated != from_counts:
         problems.append(f"the anchors regenerated from the masks digest to {regenerated}, the counts' draw to "
                         f"{from_counts}: the sampler is not reproducing itself; report this with the dataset")
-    if recorded != from_counts and recorded.startswith(anchors.DIGEST_PREFIX):
+    if recorded != from_counts and recorded.startswith(anchor_digest.DIGEST_PREFIX):
         problems.append(f"anchor digest {recorded} recorded, {from_counts} regenerated from the seed")
     if differ:
         problems.append(f"anchors.npy differs from the anchors the sampler regenerates from the seed in {differ} "
@@ -423,7 +424,7 @@ class DFlashObjective(DataObjective):
                               "(supervised.npy, anchor_candidates.npy); pack a dataset folder, not a lengths file")
         de = prepare(lens, mask_counts.supervised, mask_counts.anchor_candidates, cfg.options, cfg.budget.value)
         # the anchor digest needs only the counts: it runs on the other core while this one packs
-        de.digest = anchors.DigestJob(de.candidates, de.counts, seed=cfg.options.anchor_seed, epoch=epoch)
+        de.digest = anchor_digest.DigestJob(de.candidates, de.counts, seed=cfg.options.anchor_seed, epoch=epoch)
         return de
 
     def end_epoch(self, de) -> None:

@@ -36,7 +36,7 @@ from dflash_prep.formats import manifest, outputs
 from dflash_prep.formats.fileio import fingerprint_json, holds_marker
 from dflash_prep.formats.plan import MAX_REPEAT_PAIR, Budget, Plan, check_seed
 from dflash_prep.formats.plan import load as load_plan
-from dflash_prep.pack import bucketing
+from dflash_prep.pack import batch_stats, bucketing
 from dflash_prep.pack import config as pack_config
 from dflash_prep.pack import metrics, steps
 from dflash_prep.pack.config import PackConfig
@@ -150,7 +150,7 @@ class Rows:
 def _build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges: np.ndarray | None,
                  obj, state, dataset) -> EpochResult:
     order, offsets, bucket, olens = obj.pack(lens, plan, cfg, epoch, state)
-    edges = bucketing.class_edges(lens) if edges is None else edges
+    edges = batch_stats.class_edges(lens) if edges is None else edges
     se = steps.schedule_epoch(offsets, bucket, olens, edges, schedule=cfg.schedule, step_size=cfg.step_size,
                               drop_last=cfg.drop_last, n_buckets=plan.num_buckets, seed=plan.seed, epoch=epoch,
                               where=f"epoch {epoch}")
@@ -174,7 +174,7 @@ def _build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edge
     arrays = {"microbatches": np.ascontiguousarray(table, np.int64), "sample_ids": order[:n_used],
               "sample_lens": olens[:n_used], "dropped_ids": dropped.astype(np.int64)}
     if cfg.layout == "varlen":
-        arrays["cu_seqlens"] = bucketing.prefix_sum(olens[:n_used])
+        arrays["cu_seqlens"] = batch_stats.prefix_sum(olens[:n_used])
     summary = _summary(plan, cfg, obj, se, mb, cost, padded, step, rank, n_used, len(dropped), edges)
     header = _header(lens, plan, cfg, epoch, n_used, summary)
     obj.finish_epoch(state, cfg, epoch, arrays, header, summary, Rows(start, se.count[mb], se.real[mb]), dataset)
@@ -328,7 +328,7 @@ def _pack_into(out: Path, run_fp: str, plan: Plan, cfg: PackConfig, src, lens, e
 
 def _pack_loop(out, run_fp, plan, cfg, src, lens, epochs, overwrite, bar) -> list[Path]:
     committed = False
-    edges = bucketing.class_edges(lens)
+    edges = batch_stats.class_edges(lens)
     counts, dataset = objectives.get(cfg.objective).inputs(cfg, src)
     written, prev = [], None
     for e in sorted(set(epochs)):

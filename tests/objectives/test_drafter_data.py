@@ -12,7 +12,7 @@ import pytest
 from dflash_prep.errors import FormatError
 from dflash_prep.formats.dataset import open_dataset
 from dflash_prep.formats.lengths import read_mask_counts
-from dflash_prep.objectives import anchors
+from dflash_prep.objectives import anchor_digest, anchors
 from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 
 from tests.assets.fixtures import CHATS, write_jsonl
@@ -150,7 +150,7 @@ def test_verify_catches_wrong_anchors(dataset, planned, tmp_path):
     with pytest.raises(FormatError, match="anchors"):
         verify_epoch(tmp_path / "bad" / "epoch-0000")
     arrays = {name: np.array(a) for name, a in m.arrays.items()}
-    for name, digest, says in (("dig", anchors.DIGEST_PREFIX + "0" * 32, "regenerated from the seed"),
+    for name, digest, says in (("dig", anchor_digest.DIGEST_PREFIX + "0" * 32, "regenerated from the seed"),
                                ("old", "v1:" + "0" * 32, "another version")):
         header["dflash"] = dict(header["dflash"], anchor_digest=digest)
         manifest.write(tmp_path / name / "epoch-0000", header, arrays)
@@ -189,7 +189,7 @@ def test_cli_pack_dflash_then_verify(dataset, planned, tmp_path):
                               "vocab=1000", "--draft-layers", "3"])
     assert res.exit_code == 0, res.output
     h = manifest.open(tmp_path / "m" / "epoch-0001").header["dflash"]
-    assert h["max_anchors"] == 32 and h["cost_model"]["draft_layers"] == 3 and h["anchor_digest"].startswith(anchors.DIGEST_PREFIX)
+    assert h["max_anchors"] == 32 and h["cost_model"]["draft_layers"] == 3 and h["anchor_digest"].startswith(anchor_digest.DIGEST_PREFIX)
     assert "anchor_fill" in res.output
     res = runner.invoke(app, ["verify", str(tmp_path / "m")])
     assert res.exit_code == 0 and "2 epoch(s) verified" in res.output, res.output
