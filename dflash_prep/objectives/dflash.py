@@ -315,17 +315,26 @@ def verify_epoch(header: dict, arrays: dict, lens: np.ndarray, order: np.ndarray
         problems.append(f"anchors.npy differs from the anchors the sampler regenerates from the seed in {differ} "
                         "samples")
     ko = np.asarray(k, np.int64)[order]
-    mb_k = np.add.reduceat(ko, offsets[:-1]) if len(order) else np.zeros(0, np.int64)
+    problems += budget_problems(header, ko, np.asarray(lens)[order], sup_all[order], offsets)
+    return problems, {"anchors": int(ko.sum())}
+
+
+def budget_problems(header: dict, ko: np.ndarray, lens: np.ndarray, supervised: np.ndarray,
+                    offsets: np.ndarray) -> list[str]:
+    """Micro-batches over the recorded anchor or cost budget (a lone sample may exceed the cost
+    budget); the per-sample arrays are in micro-batch order (``offsets`` cut them)."""
+    d, problems = header["dflash"], []
+    mb_k = np.add.reduceat(ko, offsets[:-1]) if len(ko) else np.zeros(0, np.int64)
     if len(mb_k) and mb_k.max() > int(d["anchor_budget"]):
         problems.append(f"{int((mb_k > int(d['anchor_budget'])).sum())} micro-batches exceed the anchor budget "
                         f"{d['anchor_budget']}")
-    cost = microbatch_cost(header, np.asarray(lens)[order], sup_all[order], ko, offsets)
+    cost = microbatch_cost(header, lens, supervised, ko, offsets)
     cb = d.get("cost_budget")
     if cb and len(cost) and cost.max() > max(float(cb), 0.0) * (1 + 1e-9):
-        one = np.add.reduceat(np.ones(len(order), np.int64), offsets[:-1])
-        if (cost[one > 1] > float(cb) * (1 + 1e-9)).any():      # a lone sample may exceed it
+        one = np.add.reduceat(np.ones(len(ko), np.int64), offsets[:-1])
+        if (cost[one > 1] > float(cb) * (1 + 1e-9)).any():
             problems.append(f"micro-batches exceed the cost budget {cb:.4g}")
-    return problems, {"anchors": int(ko.sum())}
+    return problems
 
 
 # ----------------------------------------------------------------------------- analyze
