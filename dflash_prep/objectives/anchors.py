@@ -28,11 +28,10 @@ budgets and digests anchors from the per-sample counts tokenize records
 (:func:`anchor_counts`, :class:`dflash_prep.objectives.anchor_digest.DigestJob`), without reading a single mask; the
 dataset fingerprint pins every mask, hence every position.
 
-Speed: the digest draws every anchor of the epoch, ~215 draws per seedlike sample at the
-public cap (``min(k, C - k)``), so it is most of a 100M-sample pack. A Floyd step costs
-~2.3 ns: its stores go to addresses known before the collision test is read
-(:func:`_floyd_step`). Measured (``bench/drafter_data.py``): 10M seedlike samples digest in
-5.3 s on one core, 3.2 s on two.
+Speed: the digest draws every anchor of the epoch (``min(k, C - k)`` draws per sample), so
+it is most of a large drafter pack; a Floyd step is branch-free, its stores going to
+addresses known before the collision test is read (:func:`_floyd_step`). Its cost in a
+100M-sample pack (``bench/drafter_data.py``): docs/benchmarks.md#drafter-data-paths.
 """
 
 from __future__ import annotations
@@ -152,7 +151,8 @@ def _floyd_step(j, t, sel):
     # Floyd's step j: take t if free, else j (never taken before: every element so far is < j).
     # Branch-free, and both store addresses are known before sel[t] is read (sel[j] is written
     # first, so t == j ends taken): the CPU need not wait on the load to place the stores.
-    # 1.7x faster than ``sel[j if sel[t] else t] = 1``, whose branch mispredicts on collisions.
+    # faster than ``sel[j if sel[t] else t] = 1``, whose branch mispredicts on collisions
+    # (docs/benchmarks.md#drafter-data-paths)
     sel[j] = sel[t]
     sel[t] = 1
 

@@ -19,15 +19,12 @@ drafter step cost ``c_i`` (FLOPs). Algorithm, per epoch:
 The cost budget defaults to ``cost_fill`` x T x (the epoch's mean cost per token): the cost
 binds first, so micro-batches carry nearly equal FLOPs and ranks stay balanced even at
 ``A = 1``, while T stays a hard memory cap. Layout is varlen: every target token and
-every anchor slot computed is a real one (useful fractions 1.0 by construction).
-Measured on seedlike (902,087 samples, synthetic prompt/response masks, T = 65536, W = 8,
-A = 1, Qwen3-8B-sized cost model, LPT over each step's micro-batches before step
-completion): ``cost_fill`` 0 (no cost budget) gives rank imbalance 0.091 at token fill
-0.9975; 0.95 (default) 0.010 at 0.94; 0.9 0.0046 at 0.895. The full epoch through
-:func:`pack.build_epoch` at the default (``bench/drafter_data.py``): imbalance 0.0105.
-Per epoch at 902K (``bench/drafter_data.py``, idle 2-core VM): 0.29 s wall, 0.57 s CPU, the
-anchor digest (:class:`anchor_digest.DigestJob`) on the second core while the first packs; at 100M:
-49.6 s wall, 5.7 GiB peak, and 10.7 s more to hash and write the manifest.
+every anchor slot computed is a real one (useful fractions 1.0 by construction). The
+trade-off is ``cost_fill``: a lower share balances ranks better and fills fewer tokens per
+micro-batch (0 drops the cost budget: the best token fill, ranks balanced by LPT alone).
+The anchor digest (:class:`anchor_digest.DigestJob`) runs on the second core while the
+first packs. Rank balance, speed and memory at 902K and 100M samples
+(``bench/drafter_data.py``): docs/benchmarks.md#drafter-data-paths.
 
 Anchor positions are not stored: the trainer regenerates them per micro-batch with
 :func:`anchors.sample_anchors_batch`, keyed by ``(anchor_seed, epoch, sample id)``.

@@ -346,9 +346,9 @@ def pack_varlen(lengths: np.ndarray, *, seed: int, epoch: int, budget: Budget, o
     fullest bin (the highest fill fraction of any of its loads) is closed and its slot
     reopened. Bins are numbered in closing order; members keep their arrival order.
 
-    Measured on seedlike (902,087 samples, T=65536): 1 open bin (plain next-fit) fills
-    0.985 of ``M * T``, 2 bins 0.994, 4 bins 0.9975, 8 bins 0.9983; ~0.025 s warm. More bins
-    add little and let a short sample wait longer behind later ones.
+    One open bin is plain next-fit; each bin more raises the fill, with diminishing returns,
+    and lets a short sample wait longer behind later ones (the default 4 bins' fill on
+    seedlike: docs/benchmarks.md#pack, the varlen rows).
 
     Returns ``(order, offsets, olens)``: like :func:`pack_padded`, without buckets.
     """

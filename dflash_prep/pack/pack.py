@@ -14,10 +14,11 @@ For each epoch (a pure function of data, plan, options and the epoch number):
    steps, step mix, rank imbalance, dropped samples, sum L^2, and the repeat-pair rate
    against the previous epoch (packed in the same call, or read from disk beside it).
 
-Measured (``bench/pack_speed.py``, README ``bench-pack``): 902,087 seedlike samples pack,
-hash and write in 0.36 s wall (0.15 s CPU) per warm epoch; 100M samples in 58 s (22 s CPU)
-with peak RSS 1.9x the 1.3 GB manifest. The summary metrics come from fused per-batch
-aggregates (O(M) after one O(N) pass); ``verify`` recomputes them with :mod:`metrics`.
+Every pass is O(N) numba and the summary metrics come from fused per-batch aggregates (O(M)
+after one O(N) pass), so an epoch costs about what hashing and writing its manifest costs,
+with peak memory a small multiple of the manifest; ``verify`` recomputes the metrics with
+:mod:`metrics`. Speed and memory at 902K and 100M samples (``bench/pack_speed.py``):
+docs/benchmarks.md#pack.
 """
 
 from __future__ import annotations
