@@ -108,7 +108,7 @@ class _WithObjectiveOptions:
         for objective, fl in self._flags():
             decls = [fl.spelling] if fl.type is bool else []
             opt = typer.Option(*decls, help=fl.help, metavar=fl.metavar,
-                               rich_help_panel=f"Objective {objective}")
+                               rich_help_panel=fl.panel or f"Objective {objective}")
             extra.append(inspect.Parameter(fl.name, inspect.Parameter.KEYWORD_ONLY, default=fl.default,
                                            annotation=Annotated[fl.type, opt]))
         return inspect.Signature(own + extra)

@@ -33,13 +33,15 @@ PACK, ANALYZE = "pack", "analyze"
 
 @dataclass(frozen=True)
 class Flag:
-    """One command-line option: ``--name-with-dashes``, its Python type, default and help."""
+    """One command-line option: ``--name-with-dashes``, its Python type, default and help, and
+    its ``--help`` panel (None: the objective's, ``Objective NAME``)."""
 
     name: str
     type: Any
     default: Any
     help: str
     metavar: str | None = None
+    panel: str | None = None
 
     @property
     def spelling(self) -> str:
@@ -47,17 +49,18 @@ class Flag:
 
 
 def option(default=MISSING, *, help: str, commands: tuple[str, ...] = (PACK, ANALYZE), flag: str | None = None,
-           header: bool = False, metavar: str | None = None, flags: tuple[Flag, ...] = (),
+           panel: str | None = None, header: bool = False, metavar: str | None = None, flags: tuple[Flag, ...] = (),
            build: Callable[..., Any] | None = None, spell: Callable[[Any], dict] | None = None):
     """A field of an options dataclass that ``commands`` set (module docstring).
 
     ``flag``: the flag's name when not the field's (``"toy_weight"`` for ``--toy-weight``);
+    ``panel``: its ``--help`` panel when not the objective's;
     ``header``: the manifest header's section records the value; ``flags``/``build``/``spell``:
     a field set through several flags (all three together)."""
     if bool(flags) != (build is not None) or bool(flags) != (spell is not None):
         raise TypeError("option(): flags, build and spell go together")
-    meta = {"help": help, "commands": tuple(commands), "flag": flag, "header": header, "metavar": metavar,
-            "flags": tuple(flags), "build": build, "spell": spell}
+    meta = {"help": help, "commands": tuple(commands), "flag": flag, "panel": panel, "header": header,
+            "metavar": metavar, "flags": tuple(flags), "build": build, "spell": spell}
     return dataclasses.field(default=default, metadata={"option": meta})
 
 
@@ -77,7 +80,7 @@ def _field_flags(cls, f: dataclasses.Field, meta: dict) -> tuple[Flag, ...]:
     if meta["flags"]:
         return meta["flags"]
     hint = _plain_type(typing.get_type_hints(cls)[f.name])
-    return (Flag(meta["flag"] or f.name, hint, f.default, meta["help"], meta["metavar"]),)
+    return (Flag(meta["flag"] or f.name, hint, f.default, meta["help"], meta["metavar"], meta["panel"]),)
 
 
 def flags(cls, command: str) -> list[Flag]:

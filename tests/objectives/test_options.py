@@ -71,3 +71,33 @@ def test_the_cost_model_needs_exactly_one_source_and_unknown_names_are_refused()
         drafter_options(target_dims=DIMS, block=8)
     with pytest.raises(TypeError, match="go together"):
         options.option(1, help="x", flags=(options.Flag("a", int, 1, "a"),))
+
+
+def test_a_declared_panel_reaches_pack_help():
+    """A field may name its own --help panel; the CLI otherwise groups an objective's flags."""
+    from dataclasses import dataclass
+
+    from typer.testing import CliRunner
+
+    from dflash_prep import objectives
+    from dflash_prep.cli import app
+    from dflash_prep.objectives.base import _REGISTRY
+
+    @dataclass(frozen=True)
+    class PanelOptions:
+        knob: int = options.option(3, commands=(options.PACK,), flag="panel_knob", panel="Knobs", help="a knob")
+
+        @classmethod
+        def from_json(cls, d):
+            return cls(**d)
+
+    class PanelObjective(objectives.DataObjective):
+        name = "panel-test"
+        options_type = PanelOptions
+
+    objectives.register(PanelObjective())
+    try:
+        out = CliRunner().invoke(app, ["pack", "--help"], env={"COLUMNS": "200"}).output
+    finally:
+        del _REGISTRY["panel-test"]
+    assert "Knobs" in out and "--panel-knob" in out and "Objective panel-test" not in out
