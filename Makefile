@@ -37,7 +37,7 @@ demo: venv
 	$(BIN)/dflash-prep verify $(DEMO)/manifests
 	$(MAKE) --no-print-directory train ARGS="--from-scratch $(ARGS)"
 
-# A DFlash drafter end to end on CPU (train/recipes/demo_dflash.sh; README "Train a DFlash drafter"):
+# A DFlash drafter end to end on CPU (train/recipes/demo_dflash.sh; docs/dflash.md#demo-make-demo-dflash):
 # a tiny Qwen3 target built and trained as an LM, a drafter trained on it, exported in the public
 # DFlash format and evaluated by speculative decoding. Leaves $(DEMO_DFLASH)/target/,
 # $(DEMO_DFLASH)/drafter/ and $(DEMO_DFLASH)/eval.json. Not part of `make test`.
@@ -80,14 +80,15 @@ GPU_OUT ?= $(if $(OUT),$(OUT),results/gpu)
 bench-gpu:
 	PYTHONPATH=. $(PY) -m bench.gpu_all --out $(GPU_OUT)
 
-# Side by side with the peers (bench/peers.py, README "bench-peers"): installs the `bench`
+# Side by side with the peers (bench/peers.py, docs/benchmarks.md#side-by-side-with-the-peers): installs the `bench`
 # extra (lhotse, trl) first; <= ~15 min on 2 CPU cores. Writes results/bench/peers.{json,png}.
 BENCH_ARGS ?=
 bench: venv
 	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/python -m bench.peers $(BENCH_ARGS)
 
-# Does composition change what is learned? (bench/convergence.py, README "bench-convergence"):
+# Does composition change what is learned? (bench/convergence.py,
+# docs/benchmarks.md#does-batch-composition-change-what-is-learned):
 # 5 strategies x 3 seeds of the tiny model on CPU, 150 steps each: 16 min on 2 cores at load ~3.
 # Writes results/convergence/convergence.{json,png}. Not part of `make test`.
 CONVERGENCE_ARGS ?=

@@ -49,7 +49,8 @@ from dflash_prep.formats.plan import Budget, Plan
 from dflash_prep.objectives.dflash import DrafterOptions
 from dflash_prep.objectives.drafter_cost import DrafterCostModel, sample_cost
 from dflash_prep.pack import metrics, pack
-from dflash_prep.pack.bucketing import class_edges, keyed_permutation
+from dflash_prep.pack.batch_stats import class_edges
+from dflash_prep.pack.keyed import keyed_permutation
 from dflash_prep.pack.config import PackConfig
 from dflash_prep.synth import profiles
 

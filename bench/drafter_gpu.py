@@ -52,7 +52,7 @@ from dflash_prep.objectives.anchors import anchor_counts
 from dflash_prep.objectives.dflash import DrafterOptions
 from dflash_prep.objectives.drafter_cost import DrafterCostModel
 from dflash_prep.pack import pack
-from dflash_prep.pack.bucketing import class_edges
+from dflash_prep.pack.batch_stats import class_edges
 from dflash_prep.pack.config import PackConfig
 from dflash_prep.synth import profiles
 

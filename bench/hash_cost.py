@@ -1,7 +1,7 @@
 """What integrity on read costs: re-hashing a manifest on open against packing it.
 
 ``python -m bench.hash_cost --n 100000000`` packs one padded epoch of N seedlike lengths
-(T = 65536, W = 8, K = 6, the README's bench-pack setting, via ``bench.pack_speed``'s
+(T = 65536, W = 8, K = 6, the setting of docs/benchmarks.md#pack, via ``bench.pack_speed``'s
 inputs), then opens it with and without the array re-hash (``manifest.open``'s
 ``check_hashes``) and reports the difference against the pack's wall time; then epoch 1
 (whose pack opens epoch 0 from disk for the repeat-pair rate, hash included). It also

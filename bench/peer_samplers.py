@@ -35,7 +35,8 @@ import numpy as np
 
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.plan import Budget
-from dflash_prep.pack.bucketing import greedy_offsets, keyed_permutation, mix_key
+from dflash_prep.pack.bucketing import greedy_offsets
+from dflash_prep.pack.keyed import keyed_permutation, mix_key
 
 
 @dataclass(frozen=True)

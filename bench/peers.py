@@ -153,7 +153,7 @@ def _consecutive(make: Callable[[int], ps.PeerEpoch], world_size: int) -> EpochF
 
 
 def peer_rows(lengths: np.ndarray, cfg: BenchConfig, *, hf_batch: int) -> list[Row]:
-    """Every peer on one length set, in the README's order."""
+    """Every peer on one length set, in the order of docs/benchmarks.md#side-by-side-with-the-peers."""
     T, W, s = cfg.budget, cfg.world_size, cfg.seed
     rows = []
 

@@ -1,6 +1,6 @@
 """Regenerate throughput against a local ``transformers serve`` and the in-process engine.
 
-    python -m bench.regenerate_speed                      # README figures (CPU, a few minutes)
+    python -m bench.regenerate_speed                      # docs/benchmarks.md#regenerate-throughput (CPU, a few minutes)
     python -m bench.regenerate_speed --n 16 --concurrency 4   # quicker
 
 What is timed: ``dflash_prep.regenerate.regenerate.run`` on N single-turn prompts (synth text, 40-400

@@ -1,6 +1,6 @@
 """Tokenize throughput vs a bare ``tokenizers.encode_batch`` call, same texts, same run.
 
-    python -m bench.tokenize_speed                 # 200k-sample synth corpus (README figures)
+    python -m bench.tokenize_speed                 # 200k-sample synth corpus (docs/benchmarks.md#tokenize-throughput)
     python -m bench.tokenize_speed --n 20000       # quicker
 
 What is timed (wall clock, tokens/s = tokens produced / seconds):

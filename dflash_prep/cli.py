@@ -8,6 +8,7 @@ become a one-line red message and exit code 1, never a traceback.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -74,6 +75,59 @@ def command(*args, **kwargs):
 
     def deco(fn):
         return app.command(*args, **kwargs)(_friendly(fn))
+
+    return deco
+
+
+class _WithObjectiveOptions:
+    """Command ``name``, with one option per flag that a registered objective declares for it
+    (:mod:`dflash_prep.objectives.options`), in a ``--help`` panel per objective. The flags are
+    read when typer builds the command, so an objective registered after this module is
+    imported shows too. The command function gets them as ``objective_flags`` (by flag name)."""
+
+    def __init__(self, fn, name: str):
+        self._fn, self._name = fn, name
+        self.__name__, self.__doc__, self.__module__ = fn.__name__, fn.__doc__, fn.__module__
+
+    def _flags(self) -> list[tuple[str, object]]:
+        from dflash_prep import objectives
+        from dflash_prep.objectives import options
+
+        seen: dict[str, tuple[str, object]] = {}
+        for obj in objectives.registered():
+            for fl in options.flags(obj.options_type, self._name) if obj.options_type else ():
+                if fl.name in seen and seen[fl.name][1] != fl:
+                    raise TypeError(f"objectives {seen[fl.name][0]} and {obj.name} both declare {fl.spelling}")
+                seen.setdefault(fl.name, (obj.name, fl))
+        return list(seen.values())
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        own = [p for p in inspect.signature(self._fn, eval_str=True).parameters.values() if p.name != "objective_flags"]
+        extra = []
+        for objective, fl in self._flags():
+            decls = [fl.spelling] if fl.type is bool else []
+            opt = typer.Option(*decls, help=fl.help, metavar=fl.metavar,
+                               rich_help_panel=fl.panel or f"Objective {objective}")
+            extra.append(inspect.Parameter(fl.name, inspect.Parameter.KEYWORD_ONLY, default=fl.default,
+                                           annotation=Annotated[fl.type, opt]))
+        return inspect.Signature(own + extra)
+
+    @property
+    def __annotations__(self) -> dict:
+        return {p.name: p.annotation for p in self.__signature__.parameters.values()}
+
+    def __call__(self, **kwargs):
+        names = {fl.name for _, fl in self._flags()}
+        flags = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        return self._fn(**kwargs, objective_flags=flags)
+
+
+def objective_command(name: str):
+    """``@command(name)`` whose options include the registered objectives' (:class:`_WithObjectiveOptions`)."""
+
+    def deco(fn):
+        return app.command(name)(_WithObjectiveOptions(_friendly(fn), name))
 
     return deco
 
@@ -194,7 +248,7 @@ def regenerate_cmd(
 
 
 # --- analyze (dflash_prep.analyze) ---------------------------------------------------
-@command("analyze")
+@objective_command("analyze")
 def analyze_cmd(
     data: Annotated[Optional[Path], typer.Argument(help="tokenized dataset folder (only lengths.npy is read)")] = None,
     lengths: Annotated[Optional[Path], typer.Option("--lengths", help="what-if lengths: .npy or one integer per line")] = None,
@@ -213,15 +267,9 @@ def analyze_cmd(
     sim_epochs: Annotated[int, typer.Option(help="epochs simulated per row (>= 2)")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON instead of tables")] = False,
     plot: Annotated[bool, typer.Option(help="write analyze.png")] = True,
-    objective: Annotated[str, typer.Option(help="lm, or dflash: also predict pack --objective dflash (needs the cost model flags)")] = "lm",
-    block_size: Annotated[int, typer.Option(help="dflash: B, tokens per draft block")] = 16,
-    max_anchors: Annotated[int, typer.Option(help="dflash: anchors per sample at most")] = 512,
-    anchor_policy: Annotated[str, typer.Option(help="dflash: cap or density")] = "cap",
-    target_config: Annotated[Optional[Path], typer.Option(help="dflash cost model: the target's folder or config.json")] = None,
-    target_dims: Annotated[Optional[str], typer.Option(metavar="SIZES", help="dflash cost model, the target's sizes as name=value pairs joined by commas: hidden, layers, intermediate, heads, kv_heads, head_dim, vocab")] = None,
-    draft_layers: Annotated[int, typer.Option(help="dflash cost model: drafter decoder layers (the recipe's 5)")] = 5,
-    sliding_window: Annotated[int, typer.Option(help="dflash cost model: the drafter's sliding-window attention W (0 = full; the recipe's 2048)")] = 2048,
+    objective: Annotated[str, typer.Option(help="lm, or dflash: also predict pack --objective dflash (needs its cost model's flags)")] = "lm",
     overwrite: Annotated[bool, typer.Option(help="replace a plan.json made from other data or options")] = False,
+    objective_flags: dict | None = None,
 ):
     """Search bucket boundaries over every distinct length, compare strategies, write plan.json."""
     from dflash_prep import objectives
@@ -231,10 +279,7 @@ def analyze_cmd(
     if objective not in objectives.names():
         raise typer.BadParameter(f"--objective must be one of {', '.join(objectives.names())}")
     obj = objectives.get(objective)
-    options = obj.options_from_cli(
-        target_config=target_config, target_dims=target_dims, draft_layers=draft_layers, sliding_window=sliding_window,
-        block_size=block_size,
-        max_anchors=max_anchors, anchor_policy=anchor_policy)
+    options = obj.options_from_flags("analyze", objective_flags or {})
     cfg = AnalyzeConfig(data=data, lengths_file=lengths, out=out, budget=budget, budget_unit=budget_unit,
                         model_dim=model_dim, max_batch_size=max_batch_size, buckets=buckets,
                         target_efficiency=target_efficiency, seed=seed, window=window,
@@ -282,7 +327,7 @@ def _print_summaries(rows: list[tuple[str, dict]], json_out: bool = False, keys=
 _IO, _STEPS, _LAYOUT, _OBJ = "Inputs and outputs", "Steps and ranks", "Layout and budget", "Objective"
 
 
-@command("pack")
+@objective_command("pack")
 def pack_cmd(
     plan: Annotated[Path, typer.Option(help="plan.json (or its folder) written by `dflash-prep analyze`", rich_help_panel=_IO)],
     out: Annotated[Path, typer.Option(help="manifest root; epoch N goes to OUT/epoch-000N", rich_help_panel=_IO)],
@@ -303,18 +348,8 @@ def pack_cmd(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace epochs built from other inputs", rich_help_panel=_IO)] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object instead of tables", rich_help_panel=_IO)] = False,
     objective: Annotated[str, typer.Option(help="lm, or dflash: drafter training (token + anchor budgets, ranks balanced on the drafter step cost)", rich_help_panel=_OBJ)] = "lm",
-    block_size: Annotated[int, typer.Option(help="dflash: B, tokens per draft block", rich_help_panel=_OBJ)] = 16,
-    max_anchors: Annotated[int, typer.Option(help="dflash: anchors per sample at most", rich_help_panel=_OBJ)] = 512,
-    anchor_policy: Annotated[str, typer.Option(help="dflash: cap (min(max_anchors, candidates)) or density (one per B supervised tokens, capped)", rich_help_panel=_OBJ)] = "cap",
-    anchor_budget: Annotated[Optional[int], typer.Option(help="dflash: anchors per micro-batch at most (default: 1.25 x T x anchors per token)", rich_help_panel=_OBJ)] = None,
-    cost_fill: Annotated[float, typer.Option(help="dflash: cost budget as a share of T x mean drafter cost per token (0: none)", rich_help_panel=_OBJ)] = 0.95,
-    anchor_seed: Annotated[Optional[int], typer.Option(help="dflash: anchor sampler seed (default: the plan's)", rich_help_panel=_OBJ)] = None,
-    store_anchors: Annotated[bool, typer.Option("--store-anchors", help="dflash: also write anchors.npy (every position; reads all masks)", rich_help_panel=_OBJ)] = False,
-    target_config: Annotated[Optional[Path], typer.Option(help="dflash cost model: the target's folder or config.json", rich_help_panel=_OBJ)] = None,
-    target_dims: Annotated[Optional[str], typer.Option(metavar="SIZES", help="dflash cost model, the target's sizes as name=value pairs joined by commas: hidden, layers, intermediate, heads, kv_heads, head_dim, vocab", rich_help_panel=_OBJ)] = None,
-    draft_layers: Annotated[int, typer.Option(help="dflash cost model: drafter decoder layers (the recipe's 5)", rich_help_panel=_OBJ)] = 5,
-    sliding_window: Annotated[int, typer.Option(help="dflash cost model: the drafter's sliding-window attention W (0 = full; the recipe's 2048)", rich_help_panel=_OBJ)] = 2048,
     resume_from_step: Annotated[Optional[int], typer.Option(help="re-pack the rest of --epoch N (already in OUT) from step K for this --world-size and --grad-accum, into OUT / resume / epoch-000N", rich_help_panel=_IO)] = None,
+    objective_flags: dict | None = None,
 ):
     """Pack deterministic per-epoch manifests (batches, steps, ranks) from a plan."""
     from dflash_prep import objectives
@@ -334,11 +369,7 @@ def pack_cmd(
                          overwrite=overwrite)
         _print_summaries([(f"{d.parent.name}/{d.name}", manifest.open(d).summary)])
         return
-    options = objectives.get(objective).options_from_cli(
-        target_config=target_config, target_dims=target_dims, draft_layers=draft_layers, sliding_window=sliding_window,
-        block_size=block_size,
-        max_anchors=max_anchors, anchor_policy=anchor_policy, anchor_budget=anchor_budget, cost_fill=cost_fill,
-        anchor_seed=anchor_seed, store_anchors=store_anchors)
+    options = objectives.get(objective).options_from_flags("pack", objective_flags or {})
     cfg = PackConfig(world_size=world_size, grad_accum=grad_accum, layout=layout, schedule=schedule, window=window,
                      drop_last=drop_last, open_bins=open_bins, objective=objective, options=options,
                      budget=budget_override(p.budget, budget_unit, budget, model_dim))

@@ -24,7 +24,7 @@ from dflash_prep.formats.dataset import META_FILE, open_dataset
 from dflash_prep.formats.fileio import fingerprint_file
 from dflash_prep.formats.manifest import (COL, MANIFEST_FILE, Manifest, data_path, epoch_dir, find_epochs,  # noqa: A004
                                           open)
-from dflash_prep.pack import bucketing, metrics
+from dflash_prep.pack import batch_stats, metrics
 from dflash_prep.pack.repack import consumed_ids
 
 
@@ -42,7 +42,7 @@ def _summary_metrics(m: Manifest, lens: np.ndarray, order: np.ndarray, offsets: 
     cost = obj.verify_rank_cost(m, lens, order, offsets, state)
     eff = 1.0 if varlen else metrics.efficiency(lens, order, offsets)
     real, sq = t[:, COL["real_tokens"]], t[:, COL["sum_sq_len"]]    # checked against the lengths by the caller
-    edges = bucketing.class_edges(lens)             # pack's classes (a continuation keeps its parent's, the same)
+    edges = batch_stats.class_edges(lens)             # pack's classes (a continuation keeps its parent's, the same)
     out = {"efficiency": eff, "fill": metrics.fill(lens, order, offsets, float(b["value"]), varlen=varlen,
                                                      alpha=float(b["packing_alpha"])),
            "microbatches": int(len(t)), "steps": int(len(t) // (m.world_size * m.grad_accum)),

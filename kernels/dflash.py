@@ -37,10 +37,9 @@ MAX_BLOCK_SIZE = 128
 # fwd/dq tile queries (BLOCK_M >= B), dkdv_blk tiles own-block keys (BLOCK_N >= B), dkdv_ctx context keys.
 INTERPRET_BLOCKS = {"fwd": (16, 8, 4, 1), "dq": (16, 8, 4, 1), "dkdv_blk": (8, 16, 4, 1), "dkdv_ctx": (16, 16, 4, 1)}
 # GPU tiles, picked without a GPU: among a few candidates per kernel, those whose sm_90 cubin,
-# compiled ahead of time by Triton 3.6 (the GPU machine's), spills least. Stack bytes at
-# D=128 / D=64, from `python -m bench.dflash_resources` with Triton 3.6 first on PYTHONPATH:
-# fwd 0 / 0, dq 80 / 0, dkdv_blk 8 / 0, dkdv_ctx 80 / 0. The sliding-window variant (constexpr
-# WINDOWED, `--windowed`): fwd 40 / 0, dq 80 / 0, dkdv_blk 8 / 0, dkdv_ctx 248 / 304. Not yet timed on a GPU.
+# compiled ahead of time by Triton 3.6 (the GPU machine's), spills least (`python -m
+# bench.dflash_resources` with Triton 3.6 first on PYTHONPATH prints them, the sliding-window
+# variant with `--windowed`; the figures: docs/kernels.md#dflash-attention). Not yet timed on a GPU.
 FIXED_BLOCKS = {
     64: {"fwd": (128, 64, 8, 3), "dq": (128, 64, 8, 3), "dkdv_blk": (32, 64, 4, 2), "dkdv_ctx": (64, 128, 8, 2)},
     128: {"fwd": (128, 32, 8, 3), "dq": (128, 32, 8, 2), "dkdv_blk": (32, 32, 4, 2), "dkdv_ctx": (64, 128, 8, 2)},

@@ -260,7 +260,7 @@ def test_epoch_outside_64_bits_is_refused(pipe, tmp_path):
 
 
 def test_seeds_in_range_keep_their_fingerprints_and_shuffles(pipe):
-    from dflash_prep.pack.bucketing import keyed_permutation
+    from dflash_prep.pack.keyed import keyed_permutation
 
     src = lengths_mod.load(data=pipe / "data")
     plans = {s: plan_mod.Plan(data=src.describe(), boundaries=(200,), budget=plan_mod.Budget(value=1600),

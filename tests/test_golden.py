@@ -47,9 +47,11 @@ TRAIN_COMMON = ["--max-steps", "3", "--lr", "0.003", "--warmup-steps", "1", "--g
 VOLATILE = {"meta.json": ("created_by", "source", "meta_fingerprint"),
             "analyze-report.json": ("seconds", "cpu_seconds", "png", "plan", "data.path")}
 
-# Recorded from commit 750806e (before the layout change). The dflash manifests' three JSON files
-# were re-recorded once, when the drafter cost model gained ``sliding_window`` (issue 23: the
-# header records it, 0 here); every array and every loss is still 750806e's.
+# Recorded from commit 750806e (before the layout change); every LM value is still 750806e's. The
+# dflash manifests' JSON files were re-recorded when the drafter cost model gained
+# ``sliding_window`` (issue 23: the header records it, 0 here), and every dflash value (its
+# manifests, the analyze report's dflash prediction, the DFlash losses) when pack's cost model
+# took the trainer's LM-head term, 4 H V per labelled row (issue 21: one FLOP count).
 GOLDEN: dict[str, str] = {
     "anchor_digest": "s1d2:4f137ac1cb9e8adf75402496323d50cc",
     "data/anchor_candidates.npy": "a3df4e833d122a28d3627236edc37e6715a2a44a3295db27b815fb7353ef7f53",
@@ -60,21 +62,21 @@ GOLDEN: dict[str, str] = {
     "data/state.json": "902e2b0c7495d55ff5210d6cd66ac0c4f08f9a1417b3f5e921173b0a76603d28",
     "data/supervised.npy": "b8fd0f7e3d3202f31478b849ff4e8839e29ff507c9effdf40e6a3cb337308e65",
     "dflash_losses":
-        "(5.703701616644784, 1.0, 36); "
-        "(5.594639311645034, 1.0833333333333333, 36); "
-        "(5.510225368479361, 1.0666666666666667, 30)",
+        "(5.684586065107115, 1.0, 36); "
+        "(5.569241593498107, 1.0555555555555556, 36); "
+        "(5.508010330128777, 1.0666666666666667, 30)",
     "lm_losses":
         "(5.561141709598698, 7746); "
         "(5.398583652210885, 7435); "
         "(5.237604362960637, 5055)",
-    "manifests/dflash/epoch-0000/anchor_counts.npy": "3c1a23debfaada1b9d9d328979f0f0afef5d11cee0e1a9a75cf01fe15588e3e1",
-    "manifests/dflash/epoch-0000/anchors.npy": "d8c1233cde5b69dc4033a7db144e2eef6057c31043c8c19c47abccd210d803cf",
-    "manifests/dflash/epoch-0000/cu_seqlens.npy": "4cbcf4baaf91a01f2d51c02de42cca7c732089eb6358c4be71e10ed3c436f1ee",
+    "manifests/dflash/epoch-0000/anchor_counts.npy": "2c413a04fde06ea90d048ad0aa95e88695fd7b26c763071aaed99e39a7b24ab4",
+    "manifests/dflash/epoch-0000/anchors.npy": "d5c39deb45b6a61a3c66f98920703b1cca356bf3f7cc4ce3bd0c8b5a6b7f06c0",
+    "manifests/dflash/epoch-0000/cu_seqlens.npy": "a5b79b3e7fa81056d71407e9449071ccaa8787a87499341e6a8e722286461f1e",
     "manifests/dflash/epoch-0000/dropped_ids.npy": "e734dac55ea9fbbe782af2d8c02c3c5992131906228afb2aaaf137d6f3ed74db",
-    "manifests/dflash/epoch-0000/manifest.json": "c40bf54d05436d3fdea445ffb2db0b882f7665d9c0a308fa8587029e5a7b8245",
-    "manifests/dflash/epoch-0000/microbatches.npy": "358a8250e26cfd5f9212f6ee0c345247384647fd3a463d4e0fc970679e56e291",
-    "manifests/dflash/epoch-0000/sample_ids.npy": "8a17a8b81966a47093d6078ce2dc3c1725407d98ed0972f29cbcc38d1b85fc88",
-    "manifests/dflash/epoch-0000/sample_lens.npy": "fa4e622f67e1f5fb094b81c438c6ae811a92b6ac555119ae919dc9fafd7d5ba6",
+    "manifests/dflash/epoch-0000/manifest.json": "9addbc1047dee513cae82191aa1046f11a5ce503bbf60ba87fd02201d0f4ba1d",
+    "manifests/dflash/epoch-0000/microbatches.npy": "2a7d19985b9b247c787b98df4d5206f9958a14654cafa55bfc481be5b632cf2f",
+    "manifests/dflash/epoch-0000/sample_ids.npy": "f2981cb0284c9d1e9f5aaf829741ca4be21cd19fa73bffa3ac5b962645725386",
+    "manifests/dflash/epoch-0000/sample_lens.npy": "c8b8ee232ee14be8123801204eda6bf2161caacd55f251b3cc4755c90827234d",
     "manifests/dflash/pack_config.json": "6c81e897ac7bdc6690ea7db9790de8c870b8dc400720079dbe6f43b74266cdc1",
     "manifests/dflash/root.json": "73491517cb8204a551ab06f53ae3fa5a743d1d89c4cfe9daebbea2b5c93116c1",
     "manifests/lm-padded/epoch-0000/dropped_ids.npy": "e734dac55ea9fbbe782af2d8c02c3c5992131906228afb2aaaf137d6f3ed74db",
@@ -97,15 +99,15 @@ GOLDEN: dict[str, str] = {
     "manifests/lm-varlen/epoch-0000/sample_lens.npy": "1216fd0a311c2ef0c4358ada02a47c5decfb6ef9372988051d7e3b065d43e61d",
     "manifests/lm-varlen/pack_config.json": "66a887766174e8b07971223370b9438ae479118b78012d4251d9abfb9c17b26e",
     "manifests/lm-varlen/root.json": "48d79a5cb449605397c11d89b9bd9f578b956bcb966dcb5586eda47134987081",
-    "plan/analyze-report.json": "cdf3ebe70470d0112ff18859ae7b7df51ed4622f73d70659b54a23b26b25f594",
+    "plan/analyze-report.json": "38377cb88ba135fb2b93d6de6e3196520c7e54f845a2cbc12ecf9e8a09636456",
     "plan/plan.json": "2c511c4522741c69b7d0d7df819cd474429edc5792ef73877cbcb3bcf4907e44",
     "t-dflash/epoch-0000/anchor_counts.npy": "7c446d19cf08468f6e15bf5a429f9634135ab19f00e1718068fa0791247ddcc5",
-    "t-dflash/epoch-0000/cu_seqlens.npy": "aa1940b9aa932010a0dcfcd4e22a53e4ffaaac8a662b03f24005b2b2a765f333",
+    "t-dflash/epoch-0000/cu_seqlens.npy": "4735f4c769c44126c95d13032a47f923b1d377bc3b6fcae8aa905356d763effb",
     "t-dflash/epoch-0000/dropped_ids.npy": "e734dac55ea9fbbe782af2d8c02c3c5992131906228afb2aaaf137d6f3ed74db",
-    "t-dflash/epoch-0000/manifest.json": "bdceedd51483217cbc96a70004daf95ad4f6b922f5f67df75848aa399132ea61",
-    "t-dflash/epoch-0000/microbatches.npy": "adb735bd3f464a2d491e845c161fc15da60bbc97019876f9c6139d045d0989df",
-    "t-dflash/epoch-0000/sample_ids.npy": "5af646ff1af9c0a56b2a0cdb29aedc2c961404fb992381563b606326ecf8cfee",
-    "t-dflash/epoch-0000/sample_lens.npy": "1989060afc29f290f58733e93a423bf89019bdf9025303b701fb86d81fed4612",
+    "t-dflash/epoch-0000/manifest.json": "7368391c6ebda829669d8a11d9f26d9a2f866a1affd1e3fe4bcd212527f14c94",
+    "t-dflash/epoch-0000/microbatches.npy": "7fe38f4e74361e4ea03da98fead41aa8403dd36bb73231369b40f03eb454af86",
+    "t-dflash/epoch-0000/sample_ids.npy": "a360ab31e585008342fc438a74deea323efa844ae28ec9bbc69aa1a980920490",
+    "t-dflash/epoch-0000/sample_lens.npy": "a04cd53251d7ce207a90df86f80726fafb7020111e8a4f7ca57eb3c451042eba",
     "t-dflash/pack_config.json": "2cc0664e7507056804729a1d6df152c884d9b43331db276f0a8cfe04eeddc9e0",
     "t-dflash/root.json": "3bd2c822b62f954617ac2570f402254a5bb45ef89c819e741fb12a4bd258fa05",
 }

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from dflash_prep import objectives
 from dflash_prep.errors import ConfigError
+from dflash_prep.objectives.dflash import RECIPE_DRAFT_LAYERS, DrafterOptions
+from dflash_prep.objectives.options import shared_help
 
 ATTN_BACKENDS = ("auto", "reference", "triton")
 DEVICES = ("auto", "cpu", "cuda")
@@ -101,21 +103,24 @@ def preset(name: str, **overrides) -> ModelConfig:
 DATA, MODEL, OPTIMIZER, RUN, OBJECTIVE = "Data", "Model", "Optimizer", "Run", "Objective"
 
 
-def opt(default=MISSING, *, panel: str, flag: str | None = None, cli: bool = True, default_factory=MISSING):
+def opt(default=MISSING, *, panel: str, flag: str | None = None, cli: bool = True, default_factory=MISSING,
+        help: str | None = None):
     """A :class:`TrainConfig` field: its default, its ``--help`` panel, its flag's spelling when
     not ``--field-name`` and whether it has one at all (else config file only). The field's
-    docstring is its help (:func:`field_help`): every option is declared here once."""
+    docstring is its help (:func:`field_help`), or ``help`` for an option an objective declares
+    (:func:`dflash_prep.objectives.options.shared_help`): every option is declared once."""
     return field(default=default, default_factory=default_factory,
-                 metadata={"panel": panel, "flag": flag, "cli": cli})
+                 metadata={"panel": panel, "flag": flag, "cli": cli, "help": help})
 
 
 def field_help(cls) -> dict[str, str]:
-    """``{field: its docstring}``, read from the class's source (the string under each field)."""
+    """``{field: its help}``: the string under each field in the class's source, or its ``help``."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body, out = tree.body[0].body, {}
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             out[node.target.id] = " ".join(str(nxt.value.value).split())
+    out.update({f.name: "DFlash: " + f.metadata["help"] for f in fields(cls) if f.metadata.get("help")})
     return out
 
 
@@ -196,14 +201,12 @@ class TrainConfig:
     """Rows per chunk of LM head + cross-entropy (both objectives; memory ~ chunk x vocab)."""
     target: str = opt("", panel=OBJECTIVE)
     """DFlash: the frozen target, a local transformers causal-LM folder with its tokenizer."""
-    draft_layers: int = opt(5, panel=OBJECTIVE)
+    draft_layers: int = opt(RECIPE_DRAFT_LAYERS, panel=OBJECTIVE)
     """DFlash: draft layers N (the taps are build_target_layer_ids(L, N) unless target_layer_ids);
-    5 is the recipe's (speculators RFC #979)."""
+    the default is the recipe's (speculators RFC #979), as ``pack --draft-layers``'s."""
     target_layer_ids: tuple[int, ...] = opt((), panel=OBJECTIVE)
     """DFlash: tapped target layers; empty = the public rule."""
-    block_size: int = opt(0, panel=OBJECTIVE)
-    """DFlash: block size B (an anchor token plus B - 1 drafted slots); 0 = the manifest's
-    (``pack --objective dflash``), else 16."""
+    block_size: int = opt(0, panel=OBJECTIVE, help=shared_help(DrafterOptions, "block_size", 0))
     slot_weights: str = opt("", panel=OBJECTIVE)
     """DFlash: ``decay`` (exp(-(r-1)/gamma)) or ``dpace`` (D-PACE, from the drafter's confidence
     in the forward); empty = the objective's (``dpace`` for dflash)."""
@@ -217,16 +220,13 @@ class TrainConfig:
     """DFlash: temperature of both distributions under ``--loss kl``."""
     sliding_window: int = opt(-1, panel=OBJECTIVE)
     """DFlash: sliding-window attention W of every draft layer (0 = full, else at least B; -1 = the
-    objective's recipe: 2048): slot r of block j sees context positions >= a_j + r - W + 1 only
+    objective's recipe, ``pack``'s default): slot r of block j sees context positions >= a_j + r - W + 1 only
     (the public ``sliding_attention`` rule)."""
-    max_anchors: int = opt(0, panel=OBJECTIVE)
-    """DFlash: anchors per sample at most; 0 = the manifest's, else 512."""
-    anchor_policy: str = opt("", panel=OBJECTIVE)
-    """DFlash: ``cap`` (min(max_anchors, candidates)) or ``density`` (also <= ceil(supervised / B));
-    empty = the manifest's, else cap."""
-    anchor_seed: int = opt(-1, panel=OBJECTIVE)
-    """DFlash: anchor RNG seed; -1 = the manifest's, else ``seed``. A value that contradicts a
-    ``pack --objective dflash`` manifest is refused (its budgets assume its anchors)."""
+    max_anchors: int = opt(0, panel=OBJECTIVE, help=shared_help(DrafterOptions, "max_anchors", 0))
+    anchor_policy: str = opt("", panel=OBJECTIVE, help=shared_help(DrafterOptions, "anchor_policy", ""))
+    anchor_seed: int = opt(-1, panel=OBJECTIVE, help=shared_help(
+        DrafterOptions, "anchor_seed", -1, "--seed; a value that contradicts the manifest is refused (its budgets "
+        "assume its anchors)"))
     mask_token_id: int = opt(-1, panel=OBJECTIVE)
     """DFlash: mask token id; -1 = the tokenizer's mask token, ``<|mask|>``, or the first row past the tokenizer."""
 

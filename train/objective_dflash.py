@@ -42,8 +42,9 @@ import numpy as np
 import torch
 
 from dflash_prep.errors import ConfigError, FormatError
-from dflash_prep.objectives.anchors import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_ANCHORS, SAMPLER_VERSION,
-                                            sample_anchors_batch)
+from dflash_prep.objectives import drafter_cost, options as opt_decl
+from dflash_prep.objectives.anchors import SAMPLER_VERSION, sample_anchors_batch
+from dflash_prep.objectives.dflash import DrafterOptions
 
 from .chunked_ce import weighted_ce
 from .config import TrainConfig
@@ -264,18 +265,25 @@ def summarize_stats(stats: torch.Tensor, denom: float, block_size: int) -> dict:
             "acc": sum(corr) / sum(valid) if sum(valid) else float("nan")}
 
 
-def step_flops(target_params_tapped: int, drafter_params: int, lm_head_params: int, b: DFlashBatch,
-               heads: int, head_dim: int, num_layers: int, block_size: int, *, window: int = 0) -> float:
-    """Model FLOPs of one micro-batch (docs/definitions.md "Drafter step cost"): target forward
-    ``2 P_t T``; drafter ``6 P_d N B`` plus attention ``3 * 4 Hq D B (min(a_j, W) + B)`` per block
-    and layer (``a_j`` when the window W is 0); LM head ``4 n H V`` (forward + input gradient; the head is frozen) over the ``n``
-    rows with a loss."""
-    B = block_size
-    n_rows = int((b.weights > 0).sum())
-    seen = b.anchors.double() if window == 0 else b.anchors.double().clamp(max=float(window))
-    attn = 3.0 * 4.0 * heads * head_dim * B * float((seen + B).sum()) * num_layers
-    return 2.0 * target_params_tapped * b.real_tokens + 6.0 * drafter_params * b.n_anchors * B + attn \
-        + 4.0 * n_rows * lm_head_params
+def flops_coefficients(c, target_layers: int, loss: str) -> np.ndarray:
+    """The cost model's coefficients (:meth:`DrafterCostModel.coefficient_array`) for drafter config
+    ``c``: the target forward runs to the last tap (``ce``) or through all ``target_layers``
+    (``kl``: the target's distribution needs its final norm)."""
+    run = target_layers if loss == "kl" else max(c.target_layer_ids) + 1
+    cm = drafter_cost.DrafterCostModel(hidden=c.hidden, layers=run, intermediate=c.intermediate, heads=c.heads,
+                                       kv_heads=c.kv_heads, head_dim=c.head_dim, vocab=c.vocab_size,
+                                       draft_layers=c.num_layers, sliding_window=c.sliding_window)
+    return cm.coefficient_array(c.block_size)
+
+
+def step_flops(coef: np.ndarray, b: DFlashBatch) -> float:
+    """Model FLOPs of one micro-batch: :func:`dflash_prep.objectives.drafter_cost.flops` (the count
+    pack balances ranks on) over what ``b`` holds: its tokens and documents, its anchors, the
+    context keys its blocks see (``min(a_j, W)``) and its rows with a loss weight."""
+    docs = torch.diff(b.cu_seqlens.long()).double()
+    seen = b.anchors.double() if coef[5] == 0 else b.anchors.double().clamp(max=float(coef[5]))
+    return float(drafter_cost.flops(coef, float(b.real_tokens), float((docs * docs).sum()), float(b.n_anchors),
+                                    float(seen.sum()), float(int((b.weights > 0).sum()))))
 
 
 # ----------------------------------------------------------------------------- the trainer objective
@@ -299,11 +307,8 @@ class DFlashObjective:
         # D-PACE weights come out of the forward: the loop all-reduces sum w after it (train_step)
         self.deferred_denominator = cfg.slot_weights == "dpace"
         self.stats_width = stats_width(self.block_size)
-        P = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-        last = max(drafter.config.target_layer_ids)
-        self._p_target = sum(P(target.layers[i]) for i in range(last + 1))
-        self._p_drafter = P(drafter)
-        self._p_head = target.lm_head.weight.numel()
+        self._p_drafter = sum(p.numel() for p in drafter.parameters())
+        self._coef = flops_coefficients(drafter.config, target.num_layers, cfg.loss)
         self._taus: list[float] = []
         self._anchors = 0
 
@@ -338,9 +343,7 @@ class DFlashObjective:
         return summarize_stats(stats, denom, self.block_size)
 
     def flops(self, b) -> float:
-        c = self.model.config
-        return step_flops(self._p_target, self._p_drafter, self._p_head, b, c.heads, c.head_dim, c.num_layers,
-                          self.block_size, window=c.sliding_window)
+        return step_flops(self._coef, b)
 
     def contract(self) -> dict:
         c = self.model.config
@@ -432,25 +435,26 @@ def anchor_spec(cfg: TrainConfig, manifest=None):
     """``(AnchorSpec, where the seed came from)``: a ``pack --objective dflash`` manifest's anchor
     options (its header's ``dflash``) win; a flag that contradicts them is refused, since the
     manifest's anchor budgets and digest assume them. Otherwise the flags, with the defaults of
-    :mod:`dflash_prep.objectives.anchors` (B = 16, 512 anchors), ``cap``, and ``--anchor-seed``
+    :class:`dflash_prep.objectives.dflash.DrafterOptions` (pack's), and ``--anchor-seed``
     or else ``--seed``."""
     header = getattr(manifest, "header", None) if manifest is not None else None
     d = header.get("dflash") if isinstance(header, dict) else None
     if d is None:
         seed = cfg.anchor_seed if cfg.anchor_seed >= 0 else cfg.seed
         where = "--anchor-seed" if cfg.anchor_seed >= 0 else "--seed (the manifests are not pack --objective dflash)"
-        return AnchorSpec(seed=seed, max_anchors=cfg.max_anchors or DEFAULT_MAX_ANCHORS,
-                          policy=cfg.anchor_policy or "cap", block_size=cfg.block_size or DEFAULT_BLOCK_SIZE), where
+        o = DrafterOptions()                    # the pack defaults: one source
+        return AnchorSpec(seed=seed, max_anchors=cfg.max_anchors or o.max_anchors,
+                          policy=cfg.anchor_policy or o.anchor_policy, block_size=cfg.block_size or o.block_size), where
     if int(d.get("sampler_version", -1)) != SAMPLER_VERSION:
         raise ConfigError(f"manifest epoch {manifest.epoch} was packed with anchor sampler v{d.get('sampler_version')}, "
                           f"this trainer draws with v{SAMPLER_VERSION}; re-pack it (`dflash-prep pack ... --overwrite`)")
-    for flag, mine, theirs in (("--block-size", cfg.block_size, int(d["block_size"])),
-                               ("--max-anchors", cfg.max_anchors, int(d["max_anchors"])),
-                               ("--anchor-policy", cfg.anchor_policy, d["anchor_policy"]),
-                               ("--anchor-seed", cfg.anchor_seed if cfg.anchor_seed >= 0 else None,
-                                int(d["anchor_seed"]))):
+    o = opt_decl.from_header(DrafterOptions, d)
+    for flag, mine, theirs in (("--block-size", cfg.block_size, o.block_size),
+                               ("--max-anchors", cfg.max_anchors, o.max_anchors),
+                               ("--anchor-policy", cfg.anchor_policy, o.anchor_policy),
+                               ("--anchor-seed", cfg.anchor_seed if cfg.anchor_seed >= 0 else None, o.anchor_seed)):
         if mine and mine != theirs:
             raise ConfigError(f"{flag} {mine} contradicts the manifest, packed with {theirs} (pack --objective "
                               f"dflash); drop {flag} or re-pack with it")
-    return AnchorSpec(seed=int(d["anchor_seed"]), max_anchors=int(d["max_anchors"]), policy=d["anchor_policy"],
-                      block_size=int(d["block_size"])), "the manifest"
+    return AnchorSpec(seed=int(o.anchor_seed), max_anchors=o.max_anchors, policy=o.anchor_policy,
+                      block_size=o.block_size), "the manifest"

@@ -382,11 +382,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--block-size", type=int, default=EvalConfig.block_size, help="0 = the drafter's")
     ap.add_argument("--no-lossless-check", action="store_true", help="skip the target-only greedy decode")
     a = ap.parse_args(argv)
-    torch.set_grad_enabled(False)
     try:
         cfg = EvalConfig(max_new_tokens=a.max_new_tokens, max_prompts=a.max_prompts, block_size=a.block_size,
                          check_lossless=not a.no_lossless_check)
-        res = evaluate(a.target, a.drafter, a.prompts, cfg)
+        with torch.no_grad():           # scoped: a caller in the same process keeps its grad mode
+            res = evaluate(a.target, a.drafter, a.prompts, cfg)
     except DflashError as e:
         raise SystemExit(f"error: {e}") from None
     atomic_write_json(a.out, res, format=EVAL_FORMAT, version=EVAL_VERSION)

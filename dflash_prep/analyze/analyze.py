@@ -9,8 +9,8 @@ PNG rendered by :mod:`dflash_prep.analyze.report`.
 What is predicted and what is simulated; none of it grows with N beyond the O(N) histogram:
 
 - "pred" figures (window 0, any boundaries) come from the renewal chain
-  (:mod:`dflash_prep.analyze.renewal`), within 0.05 pp of simulated efficiency in
-  ``bench/analyze_accuracy.py``.
+  (:mod:`dflash_prep.analyze.renewal`), exact for an i.i.d. stream; its error against
+  simulated packing (``bench/analyze_accuracy.py``): docs/benchmarks.md#analyze-model-accuracy.
 - Strategy rows, the window table and the joint (K, window) choice are *simulated*:
   ``pack``'s own packer over a fixed-size subsample of the histogram (at most 2^19
   samples), ``sim_epochs`` epochs, with the repeat-pair rate rescaled to the full bucket

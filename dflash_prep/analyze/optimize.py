@@ -16,18 +16,18 @@ Two models of one bucket's packing, both from the histogram alone (cost independ
   (S_j(a) + g_j)`` and is tabulated once on a log-linear grid of ``a = n / N_b``; a bucket
   starting at i subtracts ``exp(-a (Q_j - Q_i)) S_i(a)``. Good for narrow buckets holding
   many samples per micro-batch; it misjudges wide buckets and micro-batches of a few
-  samples (``bench/analyze_accuracy.py``: 0.5-3.6 pp at T = 65536 for K <= 2, several pp
-  at T = 8192).
+  samples, so it only ranks candidates (its error, ``bench/analyze_accuracy.py``:
+  docs/benchmarks.md#analyze-model-accuracy).
 - The renewal chain (:func:`dflash_prep.analyze.renewal.renewal`, :meth:`Model.bucket`): greedy packing of an i.i.d.
   stream solved exactly over (samples so far, max so far) states, O(values x n_max) per
-  bucket. Measured against simulated ``pack_padded_epoch`` (3 epochs, K = 1..32, seedlike /
-  bimodal / heavytail, T = 65536 / 16384 / 8192): within 0.05 pp of efficiency. Every
-  prediction (``plan.predicted``, the tables) comes from it.
+  bucket; its error against simulated ``pack_padded_epoch``:
+  docs/benchmarks.md#analyze-model-accuracy. Every prediction (``plan.predicted``, the
+  tables) comes from it.
 
 Search. Candidates are all D distinct lengths (no grid). ``best[k][j] = min_i best[k-1][i-1]
 + cost(i, j)`` over buckets ``[v_i, v_j]`` under the O(1) model; each layer is solved by
-divide and conquer on the monotone argmin (O(K D log D) evaluations; 7,476 distinct
-seedlike lengths: K = 6 in ~0.1 s of CPU). ``exhaustive=True`` runs the O(K D^2) DP; where
+divide and conquer on the monotone argmin (O(K D log D) evaluations; its time:
+docs/benchmarks.md#analyze-speed). ``exhaustive=True`` runs the O(K D^2) DP; where
 near-ties break monotonicity the two differ by < 1e-6 of padded tokens (tests bound it).
 :meth:`Model.refine` then polishes the boundaries against the renewal chain wherever the
 two models disagree by more than 0.1 pp (pattern search per boundary, down to one
@@ -45,7 +45,7 @@ import numpy as np
 
 from dflash_prep.analyze.renewal import polish, renewal
 from dflash_prep.errors import ConfigError, InputError
-from dflash_prep.pack.bucketing import count_lengths
+from dflash_prep.pack.batch_stats import count_lengths
 
 _E_MAX = 6           # a = n / N_b >= 2**6 leaves every term below exp(-64): S(a) == 0
 

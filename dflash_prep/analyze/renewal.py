@@ -5,9 +5,8 @@ histogram. Greedy packing of that stream is a Markov chain over the open micro-b
 state (samples so far, longest so far); a micro-batch closes when the next sample does not
 fit, and that sample opens the next one. The chain gives the expected padded tokens per
 sample and samples per micro-batch exactly for the stream. Against simulated
-``pack_padded_epoch`` it is within 0.05 pp of efficiency on seedlike / bimodal / heavytail
-at T = 65536, 16384 and 8192 (``bench/analyze_accuracy.py``); the residue is the shuffled
-bucket's finiteness and its last, partial micro-batch.
+``pack_padded_epoch`` the residue is the shuffled bucket's finiteness and its last, partial
+micro-batch (``bench/analyze_accuracy.py``: docs/benchmarks.md#analyze-model-accuracy).
 
 Cost: O(values x n_max) per power iteration (n_max = budget // cost(shortest)), ~5
 iterations; milliseconds for a bucket, which is why the boundary search in

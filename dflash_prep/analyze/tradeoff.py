@@ -11,8 +11,9 @@ of a bucket puts the same neighbours together every epoch. The rule:
     repeat-pair rate wins (then the smaller K, then the smaller window).
 
 So the plan sits at the knee of the trade-off: near-sorted efficiency without spending
-the repeat-pair budget on the last 0.1 pp. Seedlike (902K, T = 65536): K = 2, window
-8192, efficiency 0.995, repeat-pair 0.009, where the limit alone would allow 0.998 / 0.034.
+the repeat-pair budget on the last 0.1 pp. The plans it picks at 1M, 10M and 100M samples:
+docs/benchmarks.md#analyze-predictions-at-1m-10m-and-100m-samples; a worked example:
+docs/planning.md#worked-example-seedlike.
 
 Windows are 0 and powers of two from 64 up to the first that covers the largest bucket
 (:func:`window_grid`), so the grid grows with N. For each K both efficiency and the

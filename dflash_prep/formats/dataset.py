@@ -17,8 +17,8 @@ shard file's content hash (``dflash-prep verify DATA`` re-hashes them; v1 folder
 none); ``batches`` holds one digest per Arrow record batch (:func:`batch_digest`: its
 token ids, loss mask and lengths), which :meth:`Dataset.sample` checks the first time it
 touches a batch, so a flipped token byte is refused before anything trains on it. That
-costs one SHA-256 pass over the token data per process and epoch (~1.5 GB/s), against
-hours of training on the same bytes.
+costs one SHA-256 pass over the token data per process and epoch, against hours of
+training on the same bytes (its rate: docs/reliability.md#integrity-on-read).
 
 Reading::
 

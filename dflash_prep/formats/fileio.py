@@ -7,9 +7,9 @@ half-written file under the final name. Readers call :func:`read_json` /
 message that names the file and the fix.
 
 Fingerprints are hex SHA-256 digests (first 16 bytes) of canonical bytes: JSON dumped
-with sorted keys, or raw array bytes plus dtype and shape. SHA-256 runs at ~1.5 GB/s on
-this machine (SHA-NI); its cost when a manifest is opened is measured by
-``bench/hash_cost.py`` (README "Reliability").
+with sorted keys, or raw array bytes plus dtype and shape. SHA-256 is a small share of a
+pack; its rate and its cost when a manifest is opened (``bench/hash_cost.py``):
+docs/reliability.md#integrity-on-read.
 
 Every JSON file is strict: NaN and Infinity are refused on write (:class:`FormatError`),
 never written as the non-standard ``NaN`` token, and refused on read.
@@ -95,7 +95,7 @@ def fingerprint_file(path: str | os.PathLike, chunk: int = 16 << 20) -> str:
 
 
 def fingerprint_array(a: np.ndarray) -> str:
-    """Digest of dtype, shape and raw bytes; hashes a memoryview, so no copy (1.2 GB at 100M)."""
+    """Digest of dtype, shape and raw bytes; hashes a memoryview, so no copy of the array."""
     a = np.ascontiguousarray(a)
     return fingerprint_bytes(str(a.dtype), repr(a.shape), memoryview(a).cast("B"))
 

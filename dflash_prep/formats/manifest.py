@@ -17,7 +17,7 @@ One folder per epoch, ``<root>/epoch-000N/`` (:func:`epoch_dir`), written atomic
     (sum of L^2: the attention cost).
 ``sample_ids.npy``  int64 ``(N_used,)``: dataset row ids. The rows' segments tile it
     exactly, in packing order rather than row order (writing it in row order would cost
-    an N-sized gather: 5 s and 1.2 GB at 100M samples).
+    an N-sized gather, seconds and an N-sized temporary at 100M samples).
 ``sample_lens.npy`` int32 ``(N_used,)``: their lengths, so a trainer needs no shard to
     build masks or positions.
 ``cu_seqlens.npy``  int64 ``(N_used + 1,)``, varlen only: prefix sums of ``sample_lens``;
@@ -42,8 +42,8 @@ the epoch folder and resolved against it (:func:`data_path`), so a tree can move
 :func:`open` memory-maps the arrays and checks, before any batch is read: format and
 version; the epoch fingerprint against the header (every field but ``summary``: an edited
 ``world_size`` or step count is refused); the folder name against ``epoch``; the root's
-run; every array's dtype, shape and SHA-256 (``check_hashes``; ~0.9 s per GB, see README
-"Reliability"); and the header against the arrays (``num_microbatches = num_steps * W *
+run; every array's dtype, shape and SHA-256 (``check_hashes``; its cost:
+docs/reliability.md#integrity-on-read); and the header against the arrays (``num_microbatches = num_steps * W *
 A``, segment and sample counts). :func:`dflash_prep.verify.verify_epoch` (``dflash-prep
 verify``) also recomputes everything from the lengths with :mod:`dflash_prep.pack.metrics`,
 the summary included, and names the summary fields it cannot recompute (analyze's

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from dflash_prep.errors import ConfigError
+from dflash_prep.objectives import options as option_decl
 from dflash_prep.pack import bucketing, metrics
 
 _REGISTRY: dict[str, "DataObjective"] = {}
@@ -28,7 +29,8 @@ class DataObjective:
     name = "lm"
     #: layouts it packs; the first is the default
     layouts: tuple[str, ...] = ("padded", "varlen")
-    #: its options (a frozen dataclass with ``from_json``), or None: it has none
+    #: its options (a frozen dataclass with ``from_json``, fields declared with
+    #: :func:`dflash_prep.objectives.options.option`), or None: it has none
     options_type: type | None = None
     #: extra summary rows of ``analyze``'s prediction table (empty: no prediction)
     summary_keys: tuple[str, ...] = ()
@@ -49,16 +51,17 @@ class DataObjective:
         """``options`` with what the plan decides filled in (``PackConfig.resolve``)."""
         return options
 
-    def options_from_cli(self, **flags):
-        """Its options from the ``pack`` / ``analyze`` command-line values (None: it has none)."""
-        return None
+    def options_from_flags(self, command: str, values: dict):
+        """Its options from ``command``'s flag values (None: it has none); the flags are the
+        ones :attr:`options_type` declares (:func:`dflash_prep.objectives.options.flags`)."""
+        return None if self.options_type is None else option_decl.from_flags(self.options_type, command, values)
 
     def options_from_json(self, d: dict | None):
         return None if d is None or self.options_type is None else self.options_type.from_json(d)
 
     def cli_flags(self, options) -> str:
         """The ``pack`` flags that reproduce ``options`` (after ``--objective NAME``)."""
-        return ""
+        return "" if options is None else option_decl.to_flags(options, option_decl.PACK)
 
     #: trainer options (``TrainConfig`` fields) this objective's recipe fills in when left empty
     train_defaults: dict = {"optimizer": "adamw", "slot_weights": "decay", "sliding_window": 0}
@@ -145,6 +148,11 @@ def get(name: str) -> DataObjective:
 
 def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
+
+
+def registered() -> tuple["DataObjective", ...]:
+    """Every registered objective, in registration order."""
+    return tuple(_REGISTRY.values())
 
 
 def of_header(header: dict) -> DataObjective:

@@ -5,7 +5,7 @@ packs on three resources at once. Every sample ``i`` brings ``L_i`` tokens (targ
 memory), ``k_i`` anchors (:func:`anchors.anchor_counts`: drafter compute and memory) and a
 drafter step cost ``c_i`` (FLOPs). Algorithm, per epoch:
 
-1. order: a :func:`bucketing.keyed_permutation` of the samples, keyed by
+1. order: a :func:`dflash_prep.pack.keyed.keyed_permutation` of the samples, keyed by
    ``(seed, epoch, PURPOSE_DFLASH)`` (no bucketing: varlen has no padding to avoid);
 2. first-fit into ``open_bins`` open micro-batches (:func:`bucketing.pack_varlen`, the
    anchors and FLOPs as :class:`bucketing.SideLoads`): a sample joins the first open one
@@ -19,20 +19,17 @@ drafter step cost ``c_i`` (FLOPs). Algorithm, per epoch:
 The cost budget defaults to ``cost_fill`` x T x (the epoch's mean cost per token): the cost
 binds first, so micro-batches carry nearly equal FLOPs and ranks stay balanced even at
 ``A = 1``, while T stays a hard memory cap. Layout is varlen: every target token and
-every anchor slot computed is a real one (useful fractions 1.0 by construction).
-Measured on seedlike (902,087 samples, synthetic prompt/response masks, T = 65536, W = 8,
-A = 1, Qwen3-8B-sized cost model, LPT over each step's micro-batches before step
-completion): ``cost_fill`` 0 (no cost budget) gives rank imbalance 0.091 at token fill
-0.9975; 0.95 (default) 0.010 at 0.94; 0.9 0.0046 at 0.895. The full epoch through
-:func:`pack.build_epoch` at the default (``bench/drafter_data.py``): imbalance 0.0105.
-Per epoch at 902K (``bench/drafter_data.py``, idle 2-core VM): 0.29 s wall, 0.57 s CPU, the
-anchor digest (:class:`anchors.DigestJob`) on the second core while the first packs; at 100M:
-49.6 s wall, 5.7 GiB peak, and 10.7 s more to hash and write the manifest.
+every anchor slot computed is a real one (useful fractions 1.0 by construction). The
+trade-off is ``cost_fill``: a lower share balances ranks better and fills fewer tokens per
+micro-batch (0 drops the cost budget: the best token fill, ranks balanced by LPT alone).
+The anchor digest (:class:`anchor_digest.DigestJob`) runs on the second core while the
+first packs. Rank balance, speed and memory at 902K and 100M samples
+(``bench/drafter_data.py``): docs/benchmarks.md#drafter-data-paths.
 
 Anchor positions are not stored: the trainer regenerates them per micro-batch with
 :func:`anchors.sample_anchors_batch`, keyed by ``(anchor_seed, epoch, sample id)``.
 ``anchor_counts.npy`` (int32 per ``sample_ids`` entry) and the epoch's anchor digest
-(:class:`anchors.AnchorDigest`, over every sample of the dataset) are in the manifest;
+(:class:`anchor_digest.AnchorDigest`, over every sample of the dataset) are in the manifest;
 ``store_anchors`` also writes ``anchors.npy`` (int32 positions, concatenated in
 ``sample_ids`` order). verify and ``store_anchors`` read the masks once, shard by shard
 (:class:`EpochAnchors`).
@@ -41,6 +38,8 @@ Anchor positions are not stored: the trainer regenerates them per micro-batch wi
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Optional
 
 import numba as nb
 import numpy as np
@@ -49,47 +48,80 @@ from dflash_prep.errors import ConfigError
 from dflash_prep.formats.dataset import open_dataset
 from dflash_prep.formats.lengths import read_mask_counts
 from dflash_prep.formats.plan import Budget, check_seed
-from dflash_prep.objectives import anchors
+from dflash_prep.objectives import anchor_digest, anchors
+from dflash_prep.objectives import options as opt_decl
 from dflash_prep.objectives.anchors import anchor_count
 from dflash_prep.objectives.base import DataObjective
 from dflash_prep.objectives.dflash_anchors import EpochAnchors, differing_rows, store_anchors
 from dflash_prep.objectives.drafter_cost import DrafterCostModel, cost_shares, sample_cost, step_flops
+from dflash_prep.objectives.options import PACK, Flag, option
 from dflash_prep.pack import metrics, steps
-from dflash_prep.pack.bucketing import SideLoads, pack_varlen, row_sums, segment_sums
+from dflash_prep.pack.batch_stats import row_sums, segment_sums
+from dflash_prep.pack.bucketing import SideLoads, pack_varlen
 
 #: Key tag of the drafter packing order ("dflash").
 PURPOSE_DFLASH = 0x64666C617368
-#: Default share of the mean-cost micro-batch the cost budget allows (see module docstring).
-DEFAULT_COST_FILL = 0.95
 #: The default anchor budget's room over a micro-batch of T tokens of mean composition.
 ANCHOR_HEADROOM = 1.25
+#: The public recipe's drafter (speculators RFC #979): the cost model's and the trainer's defaults.
+RECIPE_DRAFT_LAYERS = 5
+RECIPE_SLIDING_WINDOW = 2048
+
+
+def cost_model_from_flags(target_config: Path | None, target_dims: str | None, draft_layers: int,
+                          sliding_window: int) -> DrafterCostModel:
+    """The cost model from exactly one of a transformers config (``--target-config``) or explicit
+    ``--target-dims``, with the drafter's ``--draft-layers`` and ``--sliding-window`` (0 = full)."""
+    if (target_config is None) == (target_dims is None):
+        raise ConfigError("--objective dflash needs the cost model's sizes from exactly one of --target-config DIR "
+                          "(a transformers config.json) or --target-dims hidden=...,layers=...")
+    return (DrafterCostModel.from_config(target_config, draft_layers, sliding_window) if target_config is not None
+            else DrafterCostModel.from_dims(target_dims, draft_layers, sliding_window))
+
+
+def _spell_cost_model(cm: DrafterCostModel | None) -> dict:
+    if cm is None:
+        return {}
+    sizes = {k: v for k, v in asdict(cm).items() if k not in ("draft_layers", "sliding_window")}
+    return {"target_dims": ",".join(f"{k}={v}" for k, v in sizes.items()), "draft_layers": cm.draft_layers,
+            "sliding_window": cm.sliding_window}
+
+
+_COST_MODEL_FLAGS = (
+    Flag("target_config", Optional[Path], None, "cost model: the target's folder or config.json"),
+    Flag("target_dims", Optional[str], None, "cost model, the target's sizes as name=value pairs joined by commas: "
+         "hidden, layers, intermediate, heads, kv_heads, head_dim, vocab", metavar="SIZES"),
+    Flag("draft_layers", int, RECIPE_DRAFT_LAYERS, "cost model: drafter decoder layers (the recipe's)"),
+    Flag("sliding_window", int, RECIPE_SLIDING_WINDOW,
+         "cost model: the drafter's sliding-window attention W (0 = full; the recipe's)"))
 
 
 @dataclass(frozen=True)
 class DrafterOptions:
-    """The drafter part of a pack config (CLI flags of ``pack --objective dflash``).
+    """The drafter part of a pack config: the flags of ``pack`` / ``analyze --objective dflash``,
+    their defaults and help, declared once (:mod:`dflash_prep.objectives.options`).
 
-    Attributes:
-        cost_model: model sizes of the step cost (``--target-config`` + ``--draft-layers``,
-            or ``--target-dims``); required.
-        block_size: B, tokens per draft block (anchor + B - 1 masked slots).
-        max_anchors: anchors per sample at most (the public recipe: 512).
-        anchor_policy: ``cap`` or ``density`` (:mod:`dflash_prep.objectives.anchors`).
-        anchor_budget: anchors per micro-batch at most; None: :data:`ANCHOR_HEADROOM` x T x the
-            data's anchors per token (at least ``max_anchors``), fixed per epoch by :func:`prepare`.
-        cost_fill: cost budget as a share of T x mean cost per token (0 disables it).
-        anchor_seed: key of the anchor sampler; None resolves to the plan's seed.
-        store_anchors: also write ``anchors.npy`` (reads every loss mask).
+    ``cost_model`` is required by ``pack``; ``anchor_budget`` None is :data:`ANCHOR_HEADROOM` x
+    T x the data's anchors per token (at least ``max_anchors``), fixed per epoch by
+    :func:`prepare`; ``anchor_seed`` None resolves to the plan's seed.
     """
 
-    cost_model: DrafterCostModel | None = None
-    block_size: int = anchors.DEFAULT_BLOCK_SIZE
-    max_anchors: int = anchors.DEFAULT_MAX_ANCHORS
-    anchor_policy: str = "cap"
-    anchor_budget: int | None = None
-    cost_fill: float = DEFAULT_COST_FILL
-    anchor_seed: int | None = None
-    store_anchors: bool = False
+    cost_model: DrafterCostModel | None = option(
+        None, help="model sizes of the step cost", flags=_COST_MODEL_FLAGS, build=cost_model_from_flags,
+        spell=_spell_cost_model)
+    block_size: int = option(anchors.DEFAULT_BLOCK_SIZE, header=True, help="B, tokens per draft block (an anchor "
+                             "and B - 1 masked slots)")
+    max_anchors: int = option(anchors.DEFAULT_MAX_ANCHORS, header=True, help="anchors per sample at most")
+    anchor_policy: str = option(anchors.DEFAULT_POLICY, header=True, help="cap (min(max_anchors, candidates)) or "
+                                "density (one per B supervised tokens, capped)")
+    anchor_budget: int | None = option(None, commands=(PACK,), help="anchors per micro-batch at most (default: "
+                                       f"{ANCHOR_HEADROOM:g} x T x anchors per token)")
+    cost_fill: float = option(0.95, commands=(PACK,), help="cost budget as a share of T x mean drafter cost per "
+                              "token (0: none)")
+    anchor_seed: int | None = option(None, commands=(PACK,), header=True, help="anchor sampler seed (pack: the plan's "
+                                     "by default)")
+    store_anchors: bool = option(False, commands=(PACK,), help="also write anchors.npy (every position; reads all "
+                                 "masks)")
 
     def __post_init__(self):
         anchors.check_options(self.max_anchors, self.anchor_policy, self.block_size)
@@ -115,6 +147,15 @@ class DrafterOptions:
         if cm is not None:
             d["cost_model"] = DrafterCostModel(**cm)
         return cls(**d)
+
+
+def drafter_options(**flags) -> DrafterOptions:
+    """:class:`DrafterOptions` from ``pack``'s flag values by name (``target_dims=...``,
+    ``block_size=...``); a flag left out takes its declared default."""
+    known = {fl.name for fl in opt_decl.flags(DrafterOptions, PACK)}
+    if set(flags) - known:
+        raise ConfigError(f"unknown drafter option(s) {sorted(set(flags) - known)}; known: {', '.join(sorted(known))}")
+    return opt_decl.from_flags(DrafterOptions, PACK, flags)
 
 
 def pack_drafter(lengths: np.ndarray, counts: np.ndarray, cost: np.ndarray, *, seed: int, epoch: int,
@@ -150,7 +191,7 @@ class DrafterEpoch:
     cost: np.ndarray            # float64 drafter FLOPs per sample
     cost_budget: float | None
     anchor_budget: int
-    digest: "anchors.DigestJob | None" = None    # the epoch's anchor digest, being computed
+    digest: "anchor_digest.DigestJob | None" = None    # the epoch's anchor digest, being computed
 
 
 def prepare(lens: np.ndarray, supervised: np.ndarray, candidates: np.ndarray, opts: DrafterOptions,
@@ -179,9 +220,8 @@ def epoch_extras(de: DrafterEpoch, opts: DrafterOptions, kc: np.ndarray, mb_anch
                  mb_tokens: np.ndarray, token_budget: float) -> tuple[dict, dict]:
     """The manifest's drafter header and summary entries; ``kc`` is ``anchor_counts.npy``
     (the anchors of each ``sample_ids`` entry) and ``de.digest`` the epoch's running
-    :class:`anchors.DigestJob`."""
-    header = {"block_size": opts.block_size, "max_anchors": opts.max_anchors, "anchor_policy": opts.anchor_policy,
-              "anchor_seed": opts.anchor_seed, "anchor_budget": de.anchor_budget, "cost_budget": de.cost_budget,
+    :class:`anchor_digest.DigestJob`."""
+    header = {**opt_decl.header(opts), "anchor_budget": de.anchor_budget, "cost_budget": de.cost_budget,
               "sampler_version": anchors.SAMPLER_VERSION,
               "cost_model": opts.cost_model.describe(opts.block_size),
               "anchor_digest": de.digest.result()}
@@ -190,19 +230,6 @@ def epoch_extras(de: DrafterEpoch, opts: DrafterOptions, kc: np.ndarray, mb_anch
                "anchor_fill": float(mb_anchors.sum()) / (n_mb * de.anchor_budget),
                "token_fill": float(mb_tokens.sum()) / (n_mb * float(token_budget))}
     return header, summary
-
-
-def drafter_options(*, target_config=None, target_dims: str | None = None, draft_layers: int = 1,
-                    sliding_window: int = 0, **options) -> DrafterOptions:
-    """:class:`DrafterOptions` from the CLI's flags: the cost model from exactly one of a
-    transformers config (``--target-config``) or explicit ``--target-dims``, with the drafter's
-    ``--draft-layers`` and ``--sliding-window`` (0 = full attention)."""
-    if (target_config is None) == (target_dims is None):
-        raise ConfigError("--objective dflash needs the cost model's sizes from exactly one of --target-config DIR "
-                          "(a transformers config.json) or --target-dims hidden=...,layers=...")
-    cm = (DrafterCostModel.from_config(target_config, draft_layers, sliding_window) if target_config is not None
-          else DrafterCostModel.from_dims(target_dims, draft_layers, sliding_window))
-    return DrafterOptions(cost_model=cm, **options)
 
 
 # ----------------------------------------------------------------------------- verify
@@ -226,21 +253,20 @@ def verify_epoch(header: dict, arrays: dict, lens: np.ndarray, order: np.ndarray
     and checks: the masks' counts against ``supervised.npy``/``anchor_candidates.npy``;
     ``anchor_counts.npy`` against the sampler's counts; every anchor sorted, distinct and
     eligible; the recorded digest against the digest of the regenerated positions
-    (:func:`anchors.position_hashes`) and against the one the counts give
-    (:func:`anchors.selection_digest`, pack's way); ``anchors.npy`` (when present) equal to
+    (:func:`anchor_digest.position_hashes`) and against the one the counts give
+    (:func:`anchor_digest.selection_digest`, pack's way); ``anchors.npy`` (when present) equal to
     the regenerated positions; the anchor and cost budgets.
     """
     d = header["dflash"]
-    opts = DrafterOptions(block_size=int(d["block_size"]), max_anchors=int(d["max_anchors"]),
-                          anchor_policy=d["anchor_policy"], anchor_seed=int(d["anchor_seed"]))
+    opts = opt_decl.from_header(DrafterOptions, d)
     ids = np.asarray(arrays["sample_ids"])
     problems = []
     if int(d.get("sampler_version", -1)) != anchors.SAMPLER_VERSION:
         problems.append(f"packed with anchor sampler v{d.get('sampler_version')}, this dflash-prep has "
                         f"v{anchors.SAMPLER_VERSION}: the trainer would draw other anchors; re-pack the epoch")
     recorded = str(d.get("anchor_digest"))
-    if not recorded.startswith(anchors.DIGEST_PREFIX):
-        problems.append(f"anchor digest {recorded!r} is not of this dflash-prep's kind ({anchors.DIGEST_PREFIX}...: "
+    if not recorded.startswith(anchor_digest.DIGEST_PREFIX):
+        problems.append(f"anchor digest {recorded!r} is not of this dflash-prep's kind ({anchor_digest.DIGEST_PREFIX}...: "
                         "packed by another version); re-pack the epoch to verify its anchors")
     sup_all, cand_all = mask_counts.supervised, mask_counts.anchor_candidates
     k = anchors.anchor_counts(cand_all, sup_all, opts.max_anchors, opts.anchor_policy, opts.block_size)
@@ -248,13 +274,13 @@ def verify_epoch(header: dict, arrays: dict, lens: np.ndarray, order: np.ndarray
     if not np.array_equal(stored, k[ids]):
         problems.append(f"anchor_counts.npy disagrees with the sampler in {int((stored != k[ids]).sum())} samples")
         return problems, {}
-    job = anchors.DigestJob(cand_all, k, seed=opts.anchor_seed, epoch=epoch)      # pack's way, beside the pass
+    job = anchor_digest.DigestJob(cand_all, k, seed=opts.anchor_seed, epoch=epoch)      # pack's way, beside the pass
     ea = EpochAnchors(ds, opts, epoch, ids, stored)
     kept = arrays.get("anchors")
     if kept is not None and len(kept) != ea.offsets[-1]:
         problems.append(f"anchors.npy holds {len(kept)} positions, the counts say {int(ea.offsets[-1])}")
         kept = None
-    from_positions = anchors.AnchorDigest(len(ds))
+    from_positions = anchor_digest.AnchorDigest(len(ds))
     bad_counts, bad_anchors, differ = [], [], 0
     try:
         for first, mask, cu, pos, poff, s, c in ea:
@@ -264,7 +290,7 @@ def verify_epoch(header: dict, arrays: dict, lens: np.ndarray, order: np.ndarray
             bad = anchors.ineligible(mask, cu, pos, poff)
             if len(bad):
                 bad_anchors.append(first + int(bad[0]))
-            from_positions.update(anchors.position_hashes(mask, cu, np.arange(first, first + n), pos, poff))
+            from_positions.update(anchor_digest.position_hashes(mask, cu, np.arange(first, first + n), pos, poff))
             if kept is not None:
                 differ += differing_rows(pos, poff, ea.rows[first:first + n], ea.offsets, kept)
         from_counts = job.result()
@@ -280,23 +306,32 @@ def verify_epoch(header: dict, arrays: dict, lens: np.ndarray, order: np.ndarray
     if regenerated != from_counts:
         problems.append(f"the anchors regenerated from the masks digest to {regenerated}, the counts' draw to "
                         f"{from_counts}: the sampler is not reproducing itself; report this with the dataset")
-    if recorded != from_counts and recorded.startswith(anchors.DIGEST_PREFIX):
+    if recorded != from_counts and recorded.startswith(anchor_digest.DIGEST_PREFIX):
         problems.append(f"anchor digest {recorded} recorded, {from_counts} regenerated from the seed")
     if differ:
         problems.append(f"anchors.npy differs from the anchors the sampler regenerates from the seed in {differ} "
                         "samples")
     ko = np.asarray(k, np.int64)[order]
-    mb_k = np.add.reduceat(ko, offsets[:-1]) if len(order) else np.zeros(0, np.int64)
+    problems += budget_problems(header, ko, np.asarray(lens)[order], sup_all[order], offsets)
+    return problems, {"anchors": int(ko.sum())}
+
+
+def budget_problems(header: dict, ko: np.ndarray, lens: np.ndarray, supervised: np.ndarray,
+                    offsets: np.ndarray) -> list[str]:
+    """Micro-batches over the recorded anchor or cost budget (a lone sample may exceed the cost
+    budget); the per-sample arrays are in micro-batch order (``offsets`` cut them)."""
+    d, problems = header["dflash"], []
+    mb_k = np.add.reduceat(ko, offsets[:-1]) if len(ko) else np.zeros(0, np.int64)
     if len(mb_k) and mb_k.max() > int(d["anchor_budget"]):
         problems.append(f"{int((mb_k > int(d['anchor_budget'])).sum())} micro-batches exceed the anchor budget "
                         f"{d['anchor_budget']}")
-    cost = microbatch_cost(header, np.asarray(lens)[order], sup_all[order], ko, offsets)
+    cost = microbatch_cost(header, lens, supervised, ko, offsets)
     cb = d.get("cost_budget")
     if cb and len(cost) and cost.max() > max(float(cb), 0.0) * (1 + 1e-9):
-        one = np.add.reduceat(np.ones(len(order), np.int64), offsets[:-1])
-        if (cost[one > 1] > float(cb) * (1 + 1e-9)).any():      # a lone sample may exceed it
+        one = np.add.reduceat(np.ones(len(ko), np.int64), offsets[:-1])
+        if (cost[one > 1] > float(cb) * (1 + 1e-9)).any():
             problems.append(f"micro-batches exceed the cost budget {cb:.4g}")
-    return problems, {"anchors": int(ko.sum())}
+    return problems
 
 
 # ----------------------------------------------------------------------------- analyze
@@ -367,7 +402,7 @@ class DFlashObjective(DataObjective):
         return options.resolve(seed=plan.seed, token_budget=budget.value)
 
     #: the recipe the field converged on (speculators RFC #979): D-PACE slot weights, Muon
-    train_defaults = {"optimizer": "muon", "slot_weights": "dpace", "sliding_window": 2048}
+    train_defaults = {"optimizer": "muon", "slot_weights": "dpace", "sliding_window": RECIPE_SLIDING_WINDOW}
 
     def check_train(self, cfg) -> None:
         if not cfg.target:
@@ -376,27 +411,11 @@ class DFlashObjective(DataObjective):
             raise ConfigError("--init-from is for --objective lm; a DFlash run reads its frozen model from --target")
         if cfg.draft_layers < 1:
             raise ConfigError(f"--draft-layers must be at least 1, got {cfg.draft_layers}")
-        anchors.check_options(cfg.max_anchors or 1, cfg.anchor_policy or "cap", cfg.block_size or 2)
+        anchors.check_options(cfg.max_anchors or 1, cfg.anchor_policy or anchors.DEFAULT_POLICY, cfg.block_size or 2)
         if cfg.gamma < 0:
             raise ConfigError(f"--gamma must be > 0 (0 = the default rule), got {cfg.gamma}")
         if cfg.sliding_window < 0:
             raise ConfigError(f"--sliding-window must be >= 0 (0 = full attention), got {cfg.sliding_window}")
-
-    def options_from_cli(self, **flags) -> DrafterOptions:
-        return drafter_options(**flags)
-
-    def cli_flags(self, d: DrafterOptions) -> str:
-        f = (f" --block-size {d.block_size} --max-anchors {d.max_anchors} "
-             f"--anchor-policy {d.anchor_policy} --cost-fill {d.cost_fill:g}")
-        f += f" --anchor-budget {d.anchor_budget}" if d.anchor_budget is not None else ""
-        f += f" --anchor-seed {d.anchor_seed}" if d.anchor_seed is not None else ""
-        f += " --store-anchors" if d.store_anchors else ""
-        if d.cost_model is not None:
-            cm = asdict(d.cost_model)
-            layers, window = cm.pop("draft_layers"), cm.pop("sliding_window")
-            f += " --target-dims " + ",".join(f"{k}={v}" for k, v in cm.items()) + f" --draft-layers {layers}"
-            f += f" --sliding-window {window}"
-        return f
 
     def inputs(self, cfg, src):
         if src.kind != "dataset":
@@ -411,7 +430,7 @@ class DFlashObjective(DataObjective):
                               "(supervised.npy, anchor_candidates.npy); pack a dataset folder, not a lengths file")
         de = prepare(lens, mask_counts.supervised, mask_counts.anchor_candidates, cfg.options, cfg.budget.value)
         # the anchor digest needs only the counts: it runs on the other core while this one packs
-        de.digest = anchors.DigestJob(de.candidates, de.counts, seed=cfg.options.anchor_seed, epoch=epoch)
+        de.digest = anchor_digest.DigestJob(de.candidates, de.counts, seed=cfg.options.anchor_seed, epoch=epoch)
         return de
 
     def end_epoch(self, de) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 
 from dflash_prep.errors import ConfigError
 from dflash_prep.objectives import anchors
-from dflash_prep.pack.bucketing import prefix_sum
+from dflash_prep.pack.batch_stats import prefix_sum
 
 
 @nb.njit(cache=True)

@@ -1,27 +1,29 @@
 """What one DFlash drafter training step costs, per sample and per micro-batch (FLOPs).
 
-docs/definitions.md "Drafter step cost", made exact. Per sample of ``L`` tokens with ``k`` anchors
-(blocks of ``B`` tokens) and anchor positions ``a_j``:
+docs/definitions.md "Drafter step cost", made exact. One count, :func:`flops`, prices a sample
+or a micro-batch from five quantities; ``pack`` calls it with expectations (it reads no masks),
+the trainer's MFU (:meth:`dflash_prep.train.objective_dflash.DFlashObjective.flops`) with what
+the micro-batch holds. For ``T`` tokens in documents of lengths ``L_i``, ``k`` anchors (blocks
+of ``B`` tokens) at positions ``a_j`` and ``n`` block rows with a loss weight:
 
-- target forward (frozen, no backward): ``2 * P_t * L`` plus causal attention within the
-  document, ``2 * h * d * L^2`` per target layer (``4 h d L^2 / 2``);
-- drafter context (trained, x3 for backward): the fc over the ``n`` tapped hidden states
-  (``n * H * H`` per token) and each draft layer's k/v projection of that feature
-  (``2 * H * h_kv * d``), ``6 * (n H^2 + N * 2 H h_kv d) * L``;
-- drafter blocks: ``6 * P_d * k * B`` through the ``N`` draft layers, plus attention of each
-  block's ``B`` queries over its prefix and its own block, ``12 * h * d * B * (a_j + B)`` per
-  draft layer (``4 h d B (a_j + B)`` forward, x3 with backward); with a sliding window W the
-  prefix is cut to ``min(a_j, W)`` keys (the kernels skip the rest);
-- LM head (frozen, gradients flow through it): ``6 * k * B * H * V``.
+- target forward (frozen, no backward): ``2 * P_t * T`` plus causal attention within each
+  document, ``2 * h * d * L_i^2`` per target layer (``4 h d L^2 / 2``);
+- drafter context (trained, x3 for backward): the fc over the ``N`` tapped hidden states
+  (``N * H * H`` per token) and each draft layer's k/v projection of that feature
+  (``2 * H * h_kv * d``), ``6 * (N H^2 + N * 2 H h_kv d) * T``;
+- drafter blocks: ``6 * N * layer * k * B`` through the ``N`` draft layers (the fc runs on the
+  context only), plus attention of each block's ``B`` queries over its prefix and its own
+  block, ``12 * h * d * B * (a_j + B)`` per draft layer (``4 h d B (a_j + B)`` forward, x3 with
+  backward); with a sliding window W the prefix is cut to ``min(a_j, W)`` keys (the kernels
+  skip the rest);
+- LM head (frozen: forward and the input gradient, no weight gradient), on the rows with a
+  loss weight only (the chunked CE skips the rest): ``4 * n * H * V``.
 
-``P_t`` counts the target's decoder-layer weights (attention + SwiGLU MLP), embeddings and
-LM head aside; a draft layer has the target's layer shape, so ``P_d = N * layer + n * H^2``
-(fc, ``n = N`` tapped layers). Pack does not read masks, so ``sum_j a_j`` is taken at its
-expectation when the supervised tokens end the sample (a prompt, then the response):
-candidates are positions ``L - S .. L - 2``, mean ``L - S/2 - 1`` (clipped at 0); under a
-window, ``E[min(a, W)]`` for ``a`` uniform on that range (:func:`mean_seen`). For the
-public recipe's shape (Qwen3-8B target, 5 draft layers, B = 16, 512 anchors, L ~ 1150)
-the anchor terms are ~84% of the step, near the ~78% public benchmarks report.
+``P_t`` counts the decoder-layer weights the target forward runs (attention + SwiGLU MLP),
+embeddings and LM head aside; a draft layer has the target's layer shape. Pack does not read
+masks, so it takes ``sum_j min(a_j, W)`` and ``n`` at their expectations when the supervised
+tokens end the sample (a prompt, then the response): candidates are positions
+``L - S .. L - 2``, uniform (:func:`mean_seen`, :func:`mean_labelled`).
 """
 
 from __future__ import annotations
@@ -131,21 +133,24 @@ class DrafterCostModel:
         return self.draft_layers * self.layer_params + self.draft_layers * self.hidden * self.hidden
 
     def coefficients(self, block_size: int) -> dict:
-        """FLOPs per unit of each per-sample quantity (float64): ``tokens`` (L), ``tokens_sq``
-        (L^2), ``anchors`` (k) and ``anchor_pos`` (sum of anchor positions)."""
+        """FLOPs per unit of each quantity :func:`flops` reads (float64): ``tokens`` (T),
+        ``tokens_sq`` (sum of squared document lengths), ``anchors`` (k), ``anchor_pos``
+        (context keys the blocks see, sum of ``min(a_j, W)``) and ``head_rows`` (n)."""
         B, H, hd, N = float(block_size), float(self.hidden), float(self.head_dim), float(self.draft_layers)
         ctx = 6.0 * (N * H * H + N * 2.0 * H * self.kv_heads * hd)
         attn_d = 12.0 * self.heads * hd * B * N
         return {"tokens": 2.0 * self.target_params + ctx,
                 "tokens_sq": 2.0 * self.heads * hd * self.layers,
-                "anchors": 6.0 * self.draft_params * B + 6.0 * B * H * self.vocab + attn_d * B,
-                "anchor_pos": attn_d}
+                "anchors": 6.0 * N * self.layer_params * B + attn_d * B,
+                "anchor_pos": attn_d,
+                "head_rows": 4.0 * H * self.vocab}
 
     def coefficient_array(self, block_size: int) -> np.ndarray:
-        """:meth:`coefficients` as float64 ``[tokens, tokens_sq, anchors, anchor_pos, window]`` (numba's;
-        the last is the sliding window W, 0 = full)."""
+        """:meth:`coefficients` as float64 ``[tokens, tokens_sq, anchors, anchor_pos, head_rows,
+        window, block_size]`` (numba's; ``window`` is the sliding window W, 0 = full)."""
         c = self.coefficients(block_size)
-        return np.array([c["tokens"], c["tokens_sq"], c["anchors"], c["anchor_pos"], self.sliding_window], np.float64)
+        return np.array([c["tokens"], c["tokens_sq"], c["anchors"], c["anchor_pos"], c["head_rows"],
+                         self.sliding_window, block_size], np.float64)
 
     def describe(self, block_size: int) -> dict:
         """What manifest.json records: the sizes, parameter counts and coefficients."""
@@ -170,11 +175,36 @@ def mean_seen(L, S, W):
 
 
 @nb.njit(cache=True, inline="always")
+def mean_labelled(S, B):
+    """Expected block rows with a loss weight, ``E[min(B - 1, L - 1 - a)]``, for an anchor ``a``
+    uniform on the candidates ``[L - S, L - 2]`` of a sample whose last ``S`` tokens are
+    supervised: slot r of the block is labelled while ``a + r`` stays in the sample (exact over
+    the ``S - 1`` integer candidates; floats in, float out)."""
+    m, c = S - 1.0, B - 1.0
+    if m < 1.0:
+        return 0.0
+    if m <= c:
+        return (m + 1.0) / 2.0
+    return (c * (c + 1.0) / 2.0 + (m - c) * c) / m
+
+
+@nb.njit(cache=True, inline="always")
+def flops(coef, tokens, tokens_sq, anchors, seen, head_rows):
+    """The drafter step FLOPs (module docstring) from :meth:`DrafterCostModel.coefficient_array`:
+    ``tokens`` T, ``tokens_sq`` sum of squared document lengths, ``anchors`` k, ``seen`` the
+    context keys the blocks attend to (sum of ``min(a_j, W)``), ``head_rows`` the rows with a
+    loss weight. The one count pack and the trainer share (numba; callable from Python)."""
+    return coef[0] * tokens + coef[1] * tokens_sq + coef[2] * anchors + coef[3] * seen + coef[4] * head_rows
+
+
+@nb.njit(cache=True, inline="always")
 def step_flops(coef, L, S, k):
-    """One sample's drafter step FLOPs from :meth:`DrafterCostModel.coefficient_array` (numba)."""
+    """One sample's :func:`flops` as pack prices it: ``L`` tokens, ``S`` supervised, ``k`` anchors,
+    the anchor positions and labelled rows at their expectations (numba)."""
     L = np.float64(L)
     k = np.float64(k)
-    return coef[0] * L + coef[1] * L * L + coef[2] * k + coef[3] * (k * mean_seen(L, np.float64(S), coef[4]))
+    S = np.float64(S)
+    return flops(coef, L, L * L, k, k * mean_seen(L, S, coef[5]), k * mean_labelled(S, coef[6]))
 
 
 @nb.njit(cache=True, parallel=True)

@@ -3,7 +3,7 @@
 Padded layout, one epoch, the seed's bucketed shuffle made exact:
 
 1. Bucket ``k`` holds lengths in ``[b_{k-1}, b_k)`` (half-open, ``b_0 = 0``).
-2. Each bucket's sample ids are shuffled by :func:`keyed_permutation`, an RNG keyed by
+2. Each bucket's sample ids are shuffled by :func:`dflash_prep.pack.keyed.keyed_permutation`, an RNG keyed by
    ``(seed, epoch, bucket)`` alone: SplitMix64 over a counter, Fisher-Yates. It is ours,
    so a manifest is byte-identical on any machine and any NumPy version.
 3. Optionally, the shuffled bucket is cut into consecutive windows of ``S`` samples and
@@ -28,57 +28,7 @@ import numpy as np
 
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.plan import Budget
-
-_MASK64 = (1 << 64) - 1
-
-
-def mix_key(*parts: int) -> int:
-    """Fold integers into one 64-bit key with SplitMix64 (pure Python, for keys only)."""
-    h = 0x9E3779B97F4A7C15
-    for p in parts:
-        h = (h ^ (int(p) & _MASK64)) & _MASK64
-        h = (h + 0x9E3779B97F4A7C15) & _MASK64
-        z = h
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        h = z ^ (z >> 31)
-    return h
-
-
-@nb.njit(cache=True, inline="always")
-def _splitmix(state: np.uint64):
-    state = state + np.uint64(0x9E3779B97F4A7C15)
-    z = state
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return state, z ^ (z >> np.uint64(31))
-
-
-@nb.njit(cache=True)
-def _shuffle_inplace(a, key):
-    # Fisher-Yates. r % (i + 1) has a bias below n / 2**64 (< 1e-10 at n = 1e9): negligible.
-    state = np.uint64(key)
-    for i in range(a.shape[0] - 1, 0, -1):
-        state, r = _splitmix(state)
-        j = np.int64(r % np.uint64(i + 1))
-        t = a[i]
-        a[i] = a[j]
-        a[j] = t
-
-
-def keyed_permutation(n: int, seed: int, epoch: int, bucket: int) -> np.ndarray:
-    """A permutation of ``range(n)`` that depends only on ``(n, seed, epoch, bucket)``."""
-    a = np.arange(n, dtype=np.int64)
-    _shuffle_inplace(a, np.uint64(mix_key(seed, epoch, bucket)))
-    return a
-
-
-def shuffle_keyed(ids: np.ndarray, seed: int, epoch: int, bucket: int) -> np.ndarray:
-    """Shuffle a copy of ``ids`` with the RNG keyed by ``(seed, epoch, bucket)``."""
-    out = np.array(ids, dtype=np.int64, copy=True)
-    _shuffle_inplace(out, np.uint64(mix_key(seed, epoch, bucket)))
-    return out
-
+from dflash_prep.pack.keyed import _shuffle_inplace, mix_key
 
 def bucket_index(lengths: np.ndarray, boundaries) -> np.ndarray:
     """Bucket of every sample: ``searchsorted(boundaries, L, 'right')`` (half-open buckets)."""
@@ -391,14 +341,14 @@ def pack_varlen(lengths: np.ndarray, *, seed: int, epoch: int, budget: Budget, o
     Sequences are concatenated (``cu_seqlens``), so a micro-batch holds samples whose
     ``sum(L + alpha * L^2) <= budget`` (``alpha = 0``: ``sum(L) <= T``), at most
     ``max_batch_size`` of them, and, with ``side``, whose side loads stay within theirs. No
-    bucketing: the order is a :func:`keyed_permutation` keyed by ``(seed, epoch, purpose)``.
+    bucketing: the order is a :func:`dflash_prep.pack.keyed.keyed_permutation` keyed by ``(seed, epoch, purpose)``.
     Each sample goes to the first open bin (in slot order) it fits; when none fits, the
     fullest bin (the highest fill fraction of any of its loads) is closed and its slot
     reopened. Bins are numbered in closing order; members keep their arrival order.
 
-    Measured on seedlike (902,087 samples, T=65536): 1 open bin (plain next-fit) fills
-    0.985 of ``M * T``, 2 bins 0.994, 4 bins 0.9975, 8 bins 0.9983; ~0.025 s warm. More bins
-    add little and let a short sample wait longer behind later ones.
+    One open bin is plain next-fit; each bin more raises the fill, with diminishing returns,
+    and lets a short sample wait longer behind later ones (the default 4 bins' fill on
+    seedlike: docs/benchmarks.md#pack, the varlen rows).
 
     Returns ``(order, offsets, olens)``: like :func:`pack_padded`, without buckets.
     """
@@ -443,107 +393,3 @@ def _length_keys(lengths: np.ndarray) -> np.ndarray:
     out = np.empty(lengths.shape[0], np.int64)
     _length_keys_into(lengths, out)
     return out
-
-
-# ----------------------------------------------------------------------------- per-batch stats
-@nb.njit(cache=True)
-def _batch_stats(olens, offsets, edges, real, mx, sum_sq, class_tok):
-    for b in range(offsets.shape[0] - 1):
-        r = np.int64(0)
-        m = np.int64(0)
-        q = np.int64(0)
-        for i in range(offsets[b], offsets[b + 1]):
-            L = np.int64(olens[i])
-            r += L
-            q += L * L
-            if L > m:
-                m = L
-            class_tok[b, np.searchsorted(edges, L, side="right")] += L
-        real[b] = r
-        mx[b] = m
-        sum_sq[b] = q
-
-
-@nb.njit(cache=True)
-def _prefix_sum(values, out):
-    acc = np.int64(0)
-    out[0] = 0
-    for i in range(values.shape[0]):
-        acc += np.int64(values[i])
-        out[i + 1] = acc
-
-
-def prefix_sum(values: np.ndarray) -> np.ndarray:
-    """int64 ``(n + 1,)``: 0, then the running sum of ``values`` (``cu_seqlens`` from lengths)."""
-    v = np.ascontiguousarray(values)
-    out = np.empty(v.shape[0] + 1, np.int64)
-    _prefix_sum(v, out)
-    return out
-
-
-@nb.njit(cache=True)
-def _segment_sums(values, order, offsets, out):
-    for b in range(offsets.shape[0] - 1):
-        acc = out[b]                 # zero, in the output's dtype
-        for i in range(offsets[b], offsets[b + 1]):
-            acc += values[order[i]]
-        out[b] = acc
-
-
-def segment_sums(values: np.ndarray, order: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Per micro-batch sum of ``values`` (indexed by sample id) over its members
-    ``order[offsets[b]:offsets[b + 1]]``, left to right; ``np.add.reduceat(values[order],
-    offsets[:-1])`` without the N-sized gather (0.8 GB at 100M float64)."""
-    v = np.ascontiguousarray(values)
-    out = np.zeros(max(len(offsets) - 1, 0), np.float64 if v.dtype.kind == "f" else np.int64)
-    if len(order):
-        _segment_sums(v, np.ascontiguousarray(order, np.int64), np.ascontiguousarray(offsets, np.int64), out)
-    return out
-
-
-@nb.njit(cache=True)
-def row_sums(values, start, count):
-    """Per manifest row ``r``: the int64 sum of ``values[start[r] : start[r] + count[r]]``."""
-    out = np.zeros(start.shape[0], np.int64)
-    for r in range(start.shape[0]):
-        for i in range(start[r], start[r] + count[r]):
-            out[r] += values[i]
-    return out
-
-
-@nb.njit(cache=True)
-def count_lengths(lens, top):
-    """Counts of every length 0..top in one pass in the array's own dtype (int64 counts);
-    np.bincount would first copy 100M int32 lengths to int64 (0.8 GB, 2.8 s of CPU vs 0.1 s)."""
-    h = np.zeros(top + 1, np.int64)
-    for i in range(lens.shape[0]):
-        h[lens[i]] += 1
-    return h
-
-
-def class_edges(lengths: np.ndarray, n_classes: int = 8) -> np.ndarray:
-    """:func:`dflash_prep.pack.metrics.class_edges` from a length histogram: O(N), no sort and no
-    N-sized temporary (np.unique over 100M lengths takes ~4 s and 1.3 GB). Same result."""
-    lengths = np.asarray(lengths)
-    h = count_lengths(lengths, int(lengths.max()))
-    vals = np.flatnonzero(h).astype(np.int64)
-    cum = np.cumsum(vals * h[vals])
-    qs = [cum[-1] * q / n_classes for q in range(1, n_classes)]
-    return vals[np.searchsorted(cum, qs, side="left")].astype(np.int64)
-
-
-def microbatch_stats(olens: np.ndarray, offsets: np.ndarray, edges: np.ndarray):
-    """Per micro-batch, in one sequential O(N) pass over ``olens = lengths[order]``: real
-    tokens, max length, sum of L^2 (int64) and the real tokens in each length class
-    ``[edges[c-1], edges[c])`` (int64, ``(M, C)``).
-
-    The same quantities as :func:`dflash_prep.pack.metrics.batch_stats` and the step-mix class
-    shares, fused so that 100M samples need no N-sized temporaries; ``verify`` recomputes
-    every reported metric with :mod:`dflash_prep.pack.metrics` and compares.
-    """
-    m = len(offsets) - 1
-    edges = np.asarray(edges, np.int64)
-    real, mx, sq = (np.zeros(m, np.int64) for _ in range(3))
-    class_tok = np.zeros((m, len(edges) + 1), np.int64)
-    _batch_stats(olens, np.asarray(offsets, np.int64), edges, real, mx, sq, class_tok)
-    return real, mx, sq, class_tok

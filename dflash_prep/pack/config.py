@@ -47,7 +47,8 @@ class PackConfig:
         window: local sort window (padded); None uses the plan's.
         drop_last: drop the last ``M mod (W*A)`` scheduled micro-batches (their samples are
             listed in ``dropped_ids.npy`` and counted) instead of splitting micro-batches.
-        open_bins: open bins of the varlen first-fit (4 fills 0.9975 on seedlike).
+        open_bins: open bins of the varlen first-fit (more bins fill better, with diminishing
+            returns; the default's fill: docs/benchmarks.md#pack).
         budget: replaces the plan's budget (unit, value, model_dim, max_batch_size); None
             keeps it. Analyze's efficiency prediction then no longer applies.
         objective: a registered objective (:mod:`dflash_prep.objectives`): ``lm`` (token

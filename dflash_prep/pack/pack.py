@@ -14,10 +14,11 @@ For each epoch (a pure function of data, plan, options and the epoch number):
    steps, step mix, rank imbalance, dropped samples, sum L^2, and the repeat-pair rate
    against the previous epoch (packed in the same call, or read from disk beside it).
 
-Measured (``bench/pack_speed.py``, README ``bench-pack``): 902,087 seedlike samples pack,
-hash and write in 0.36 s wall (0.15 s CPU) per warm epoch; 100M samples in 58 s (22 s CPU)
-with peak RSS 1.9x the 1.3 GB manifest. The summary metrics come from fused per-batch
-aggregates (O(M) after one O(N) pass); ``verify`` recomputes them with :mod:`metrics`.
+Every pass is O(N) numba and the summary metrics come from fused per-batch aggregates (O(M)
+after one O(N) pass), so an epoch costs about what hashing and writing its manifest costs,
+with peak memory a small multiple of the manifest; ``verify`` recomputes the metrics with
+:mod:`metrics`. Speed and memory at 902K and 100M samples (``bench/pack_speed.py``):
+docs/benchmarks.md#pack.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dflash_prep.formats import manifest, outputs
 from dflash_prep.formats.fileio import fingerprint_json, holds_marker
 from dflash_prep.formats.plan import MAX_REPEAT_PAIR, Budget, Plan, check_seed
 from dflash_prep.formats.plan import load as load_plan
-from dflash_prep.pack import bucketing
+from dflash_prep.pack import batch_stats, bucketing
 from dflash_prep.pack import config as pack_config
 from dflash_prep.pack import metrics, steps
 from dflash_prep.pack.config import PackConfig
@@ -150,7 +151,7 @@ class Rows:
 def _build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edges: np.ndarray | None,
                  obj, state, dataset) -> EpochResult:
     order, offsets, bucket, olens = obj.pack(lens, plan, cfg, epoch, state)
-    edges = bucketing.class_edges(lens) if edges is None else edges
+    edges = batch_stats.class_edges(lens) if edges is None else edges
     se = steps.schedule_epoch(offsets, bucket, olens, edges, schedule=cfg.schedule, step_size=cfg.step_size,
                               drop_last=cfg.drop_last, n_buckets=plan.num_buckets, seed=plan.seed, epoch=epoch,
                               where=f"epoch {epoch}")
@@ -174,7 +175,7 @@ def _build_epoch(lens: np.ndarray, plan: Plan, cfg: PackConfig, epoch: int, edge
     arrays = {"microbatches": np.ascontiguousarray(table, np.int64), "sample_ids": order[:n_used],
               "sample_lens": olens[:n_used], "dropped_ids": dropped.astype(np.int64)}
     if cfg.layout == "varlen":
-        arrays["cu_seqlens"] = bucketing.prefix_sum(olens[:n_used])
+        arrays["cu_seqlens"] = batch_stats.prefix_sum(olens[:n_used])
     summary = _summary(plan, cfg, obj, se, mb, cost, padded, step, rank, n_used, len(dropped), edges)
     header = _header(lens, plan, cfg, epoch, n_used, summary)
     obj.finish_epoch(state, cfg, epoch, arrays, header, summary, Rows(start, se.count[mb], se.real[mb]), dataset)
@@ -328,7 +329,7 @@ def _pack_into(out: Path, run_fp: str, plan: Plan, cfg: PackConfig, src, lens, e
 
 def _pack_loop(out, run_fp, plan, cfg, src, lens, epochs, overwrite, bar) -> list[Path]:
     committed = False
-    edges = bucketing.class_edges(lens)
+    edges = batch_stats.class_edges(lens)
     counts, dataset = objectives.get(cfg.objective).inputs(cfg, src)
     written, prev = [], None
     for e in sorted(set(epochs)):

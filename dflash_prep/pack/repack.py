@@ -54,7 +54,7 @@ from dflash_prep.formats.fileio import fingerprint_json
 from dflash_prep.formats.plan import Plan
 from dflash_prep.formats.plan import load as load_plan
 from dflash_prep import objectives
-from dflash_prep.pack import bucketing, metrics, steps
+from dflash_prep.pack import batch_stats, metrics, steps
 from dflash_prep.pack.pack import PackConfig, Rows, resolve_lengths
 
 RESUME_DIR = "resume"
@@ -114,7 +114,7 @@ def _build_rest(lens: np.ndarray, plan: Plan, parent: manifest.Manifest, from_st
     done = from_step * parent.world_size * parent.grad_accum
     rest = np.asarray(parent.table)[done:]
     order, offsets = manifest.rows_to_batches(rest, parent.sample_ids)          # (n_rest,), (M_rest + 1,)
-    edges = np.asarray(parent.summary.get("class_edges") or bucketing.class_edges(lens), np.int64)
+    edges = np.asarray(parent.summary.get("class_edges") or batch_stats.class_edges(lens), np.int64)
     se = steps.schedule_epoch(offsets, rest[:, manifest.COL["bucket"]].copy(), lens[order].astype(np.int32), edges,
                               schedule=cfg.schedule, step_size=cfg.step_size, drop_last=cfg.drop_last,
                               n_buckets=plan.num_buckets, seed=plan.seed, epoch=parent.epoch,
@@ -135,7 +135,7 @@ def _build_rest(lens: np.ndarray, plan: Plan, parent: manifest.Manifest, from_st
     arrays = {"microbatches": np.ascontiguousarray(table, np.int64), "sample_ids": new_ids.astype(np.int64),
               "sample_lens": sample_lens, "dropped_ids": np.sort(dropped).astype(np.int64)}
     if parent.layout == "varlen":
-        arrays["cu_seqlens"] = bucketing.prefix_sum(sample_lens)
+        arrays["cu_seqlens"] = batch_stats.prefix_sum(sample_lens)
     summary = _summary(parent, cfg, se, mb, cost, padded, step, rank, edges, len(new_ids),
                        len(arrays["dropped_ids"]))
     header = _header(parent, cfg, from_step, done, summary)

@@ -25,7 +25,7 @@ micro-batches, this module
    rank is as cheap as LPT makes it.
 
 All randomness is keyed by ``(seed, epoch, purpose, group)`` through
-:func:`dflash_prep.pack.bucketing.mix_key`; the interleave keys are float64 quotients, which
+:func:`dflash_prep.pack.keyed.mix_key`; the interleave keys are float64 quotients, which
 IEEE 754 rounds identically on every machine.
 """
 
@@ -37,7 +37,8 @@ import numba as nb
 import numpy as np
 
 from dflash_prep.errors import ConfigError
-from dflash_prep.pack.bucketing import _shuffle_inplace, microbatch_stats, mix_key
+from dflash_prep.pack.batch_stats import microbatch_stats
+from dflash_prep.pack.keyed import _shuffle_inplace, mix_key
 
 SCHEDULES = ("class-aware", "stratified", "random")
 PURPOSE_SCHEDULE = 0x7363686564      # "sched"

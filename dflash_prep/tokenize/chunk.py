@@ -43,21 +43,68 @@ def process_records(tok, cfg, records: list[dict], *, schema: str, fields: tuple
     conversation yields several rows with the same ``records`` entry.
     """
     chat = schema != "text"
-    role_map = rec.parse_role_map(cfg.role_map)
-    stats = {"truncated": 0, "dropped": 0, "skipped": 0, "no_loss": 0, "cut_tokens": 0, "dropped_tokens": 0,
-             "expanded": 0, "expanded_rows": 0, "escaped": 0}
-    examples: list[tuple[int, str]] = []
-    skipped: set[int] = set()
+    bad = _Skips(cfg.on_error)
+    owner, rows, texts = _render(tok, cfg, records, schema, fields, bad)
+    try:
+        encoded = (tok.encode_rows(rows) if chat else tok.encode_plain(texts)) if owner else []
+    except ValueError:  # some record's content cannot be kept as text: find it, row by row
+        encoded = []
+        for k, row in zip(owner, rows):
+            try:
+                encoded.append(tok.encode_rows([row])[0])
+            except ValueError as e:
+                bad(k, str(e))
+                encoded.append(None)
+    ids_l, mask_l, lens, rec_l, sid_l = [], [], [], [], []
+    for k, enc in zip(owner, encoded):
+        if enc is None or k in bad.skipped:
+            continue
+        kept = _cut(enc, cfg, bad.stats)
+        if kept is None:
+            continue
+        if kept[0].shape[0] == 0:
+            bad(k, "the record produced no tokens")
+            continue
+        ids_l.append(kept[0])
+        mask_l.append(kept[1])
+        lens.append(kept[0].shape[0])
+        rec_l.append(first_record + k)
+        sid_l.append(rec.record_id(records[k]))
+    return {
+        "ids": np.concatenate(ids_l) if ids_l else np.zeros(0, np.int32),   # (sum L,) int32
+        "mask": np.concatenate(mask_l) if mask_l else np.zeros(0, np.uint8),  # (sum L,) uint8
+        "lengths": np.asarray(lens, np.int32),                              # (n,)
+        "records": np.asarray(rec_l, np.int64),                             # (n,)
+        "source_ids": sid_l,                                                # (n,) str | None
+        "rows": len(records), "stats": bad.stats, "examples": bad.examples,
+    }
 
-    def bad(k: int, reason: str) -> None:
-        if cfg.on_error == "fail":
+
+class _Skips:
+    """The chunk's bad records: raise under ``--on-error fail``, else count each record once
+    (an expanded one too) and keep the first :data:`MAX_EXAMPLES` reasons. Holds the stats."""
+
+    def __init__(self, on_error: str):
+        self.on_error = on_error
+        self.stats = {"truncated": 0, "dropped": 0, "skipped": 0, "no_loss": 0, "cut_tokens": 0, "dropped_tokens": 0,
+                      "expanded": 0, "expanded_rows": 0, "escaped": 0}
+        self.examples: list[tuple[int, str]] = []
+        self.skipped: set[int] = set()
+
+    def __call__(self, k: int, reason: str) -> None:
+        if self.on_error == "fail":
             raise BadRecord(k, reason)
-        if k not in skipped:  # an expanded record counts once
-            skipped.add(k)
-            stats["skipped"] += 1
-            if len(examples) < MAX_EXAMPLES:
-                examples.append((k, reason))
+        if k not in self.skipped:
+            self.skipped.add(k)
+            self.stats["skipped"] += 1
+            if len(self.examples) < MAX_EXAMPLES:
+                self.examples.append((k, reason))
 
+
+def _render(tok, cfg, records: list[dict], schema: str, fields: tuple[str, ...], bad: _Skips):
+    """``(owner, rows, texts)``: the chat rows (or plain texts) of the records, and the record
+    index each came from; a record that does not validate goes to ``bad``."""
+    chat, role_map, stats = schema != "text", rec.parse_role_map(cfg.role_map), bad.stats
     owner, rows, texts = [], [], []
     for k, r in enumerate(records):
         try:
@@ -75,45 +122,24 @@ def process_records(tok, cfg, records: list[dict], *, schema: str, fields: tuple
                 owner.append(k)
         except (ValueError, InputError) as e:
             bad(k, str(e))
-    try:
-        encoded = (tok.encode_rows(rows) if chat else tok.encode_plain(texts)) if owner else []
-    except ValueError:  # some record's content cannot be kept as text: find it, row by row
-        encoded = []
-        for k, row in zip(owner, rows):
-            try:
-                encoded.append(tok.encode_rows([row])[0])
-            except ValueError as e:
-                bad(k, str(e))
-                encoded.append(None)
-    ids_l, mask_l, lens, rec_l, sid_l = [], [], [], [], []
-    for k, enc in zip(owner, encoded):
-        if enc is None or k in skipped:
-            continue
-        ids, mask = enc
-        n = ids.shape[0]
-        if n == 0:
-            bad(k, "the record produced no tokens")
-            continue
-        if n > cfg.max_len:
-            if cfg.on_overflow == "drop":
-                stats["dropped"] += 1
-                stats["dropped_tokens"] += n
-                continue
-            stats["truncated"] += 1
-            stats["cut_tokens"] += n - cfg.max_len
-            ids, mask = ids[: cfg.max_len], mask[: cfg.max_len]
-        if not mask.any():
-            stats["no_loss"] += 1
-        ids_l.append(ids)
-        mask_l.append(mask)
-        lens.append(ids.shape[0])
-        rec_l.append(first_record + k)
-        sid_l.append(rec.record_id(records[k]))
-    return {
-        "ids": np.concatenate(ids_l) if ids_l else np.zeros(0, np.int32),   # (sum L,) int32
-        "mask": np.concatenate(mask_l) if mask_l else np.zeros(0, np.uint8),  # (sum L,) uint8
-        "lengths": np.asarray(lens, np.int32),                              # (n,)
-        "records": np.asarray(rec_l, np.int64),                             # (n,)
-        "source_ids": sid_l,                                                # (n,) str | None
-        "rows": len(records), "stats": stats, "examples": examples,
-    }
+    return owner, rows, texts
+
+
+def _cut(enc, cfg, stats: dict):
+    """One encoded row ``(ids, mask)`` under ``--max-len`` / ``--on-overflow`` (None: dropped),
+    counted in ``stats``; an empty row is returned as is (the caller reports it)."""
+    ids, mask = enc
+    n = ids.shape[0]
+    if n == 0:
+        return ids, mask
+    if n > cfg.max_len:
+        if cfg.on_overflow == "drop":
+            stats["dropped"] += 1
+            stats["dropped_tokens"] += n
+            return None
+        stats["truncated"] += 1
+        stats["cut_tokens"] += n - cfg.max_len
+        ids, mask = ids[: cfg.max_len], mask[: cfg.max_len]
+    if not mask.any():
+        stats["no_loss"] += 1
+    return ids, mask

@@ -8,8 +8,8 @@ generation_spans)`` for :mod:`dflash_prep.tokenize.chat`, ``encode_rows(rows)`` 
   bytes, then ``<|endoftext|>`` (256, eos and pad), ``<|im_start|>`` (257), ``<|im_end|>``
   (258). Its chat layout is :data:`dflash_prep.tokenize.chat.CHATML_TEMPLATE`, rendered natively
   (:func:`dflash_prep.tokenize.chat.chatml_render`; the tests check it against transformers). The
-  encoding is NumPy over ``str.encode``, about 3x faster than ``tokenizers``
-  (README bench-tokenize); ``to_tokenizers()`` builds the equivalent ``tokenizers`` object.
+  encoding is NumPy over ``str.encode``, faster than the equivalent ``tokenizers`` object
+  (docs/benchmarks.md#tokenize-throughput); ``to_tokenizers()`` builds the equivalent ``tokenizers`` object.
 - :class:`HFTokenizer`: a local folder loaded with ``transformers.AutoTokenizer.
   from_pretrained(path, local_files_only=True)``, so every ``tokenizer_config.json``
   setting applies (``legacy``, ``add_bos_token``, added and special tokens), or a bare

@@ -8,11 +8,10 @@ Results come back in chunk order (``imap``), so the output is byte-identical for
 ``num_proc``. The parent only appends them to shards; ``--engine ray`` runs the same
 chunks as Ray tasks, results in the same order (:mod:`dflash_prep.tokenize.ray_engine`).
 ``num_proc=1`` runs in-process on two threads so that Python work overlaps Rust encoding
-(:func:`_overlapped`). Measured against a bare ``tokenizers.encode_batch`` on the same
-rendered texts (``bench/tokenize_speed.py``, README bench-tokenize, 20k conversations, one
-run): the byte-level path is ~3x faster, and with a BPE loaded through transformers the
-stage measured 0.81x (``--num-proc 1``) and 1.03x (``--num-proc 2``) the bare call on a
-heavily loaded 2-core machine.
+(:func:`_overlapped`). The whole stage against a bare ``tokenizers.encode_batch`` on the same
+rendered texts (``bench/tokenize_speed.py``): the built-in byte path is faster than the bare
+call, a BPE through transformers about on par with it; the figures are in
+docs/benchmarks.md#tokenize-throughput.
 
 Semantics:
 
@@ -231,8 +230,8 @@ def _overlapped(fn, tasks, threads: int = 2, window: int = 4):
     """``map(fn, tasks)`` in order on two threads, at most ``window`` chunks in flight.
 
     ``encode_batch`` releases the GIL, so one chunk's Python work (validation, rendering,
-    masks) overlaps the next chunk's Rust encoding. On the 20k-sample BPE benchmark this
-    took ``--num-proc 1`` from 0.58x to the figure in the README's bench-tokenize table.
+    masks) overlaps the next chunk's Rust encoding: what lets ``--num-proc 1`` keep up with
+    a bare ``encode_batch`` (docs/benchmarks.md#tokenize-throughput).
     """
     with ThreadPoolExecutor(threads) as ex:
         inflight: deque = deque()

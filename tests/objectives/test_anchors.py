@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from dflash_prep.errors import ConfigError
-from dflash_prep.objectives import anchors
-from dflash_prep.pack.bucketing import mix_key
+from dflash_prep.objectives import anchor_digest, anchors
+from dflash_prep.pack.keyed import mix_key
 
 
 def _masks(n, seed=0, top=300):
@@ -90,20 +90,20 @@ def test_selection_digest_tracks_the_draw():
     flat = np.concatenate(masks)
     sup, cand = anchors.mask_counts(flat, cu)
     k = anchors.anchor_counts(cand, sup, 9)
-    d = anchors.selection_digest(cand, k, seed=0, epoch=0)
-    assert d.startswith(anchors.DIGEST_PREFIX)
-    assert d == anchors.selection_digest(cand, k, seed=0, epoch=0)
-    assert d != anchors.selection_digest(cand, k, seed=0, epoch=1)
-    assert d != anchors.selection_digest(cand, k, seed=1, epoch=0)
+    d = anchor_digest.selection_digest(cand, k, seed=0, epoch=0)
+    assert d.startswith(anchor_digest.DIGEST_PREFIX)
+    assert d == anchor_digest.selection_digest(cand, k, seed=0, epoch=0)
+    assert d != anchor_digest.selection_digest(cand, k, seed=0, epoch=1)
+    assert d != anchor_digest.selection_digest(cand, k, seed=1, epoch=0)
     k2 = k.copy()
     k2[np.argmax(k)] -= 1
-    assert d != anchors.selection_digest(cand, k2, seed=0, epoch=0)
+    assert d != anchor_digest.selection_digest(cand, k2, seed=0, epoch=0)
     # the digest of the positions regenerated from the masks is the digest of the counts' draw
     ids = np.arange(80)
     pos, off = anchors.sample_anchors_batch(flat, cu, ids, seed=0, epoch=0, max_anchors=9)
-    dg = anchors.AnchorDigest(80)
-    dg.update(anchors.position_hashes(flat[:cu[30]], cu[:31], ids[:30], pos[:off[30]], off[:31]))    # in chunks
-    dg.update(anchors.position_hashes(flat[cu[30]:], cu[30:] - cu[30], ids[30:], pos[off[30]:], off[30:] - off[30]))
+    dg = anchor_digest.AnchorDigest(80)
+    dg.update(anchor_digest.position_hashes(flat[:cu[30]], cu[:31], ids[:30], pos[:off[30]], off[:31]))    # in chunks
+    dg.update(anchor_digest.position_hashes(flat[cu[30]:], cu[30:] - cu[30], ids[30:], pos[off[30]:], off[30:] - off[30]))
     assert dg.hexdigest() == d
     # ... and a single position moved (still eligible) changes it
     i = next(i for i in range(80) if 0 < off[i + 1] - off[i] < cand[i])
@@ -111,7 +111,7 @@ def test_selection_digest_tracks_the_draw():
     moved = pos.copy()
     moved[off[i]] = next(int(a) for a in e if a not in pos[off[i]:off[i + 1]])
     moved[off[i]:off[i + 1]].sort()
-    assert anchors.position_hashes(flat, cu, ids, moved, off)[i] != anchors.position_hashes(flat, cu, ids, pos, off)[i]
+    assert anchor_digest.position_hashes(flat, cu, ids, moved, off)[i] != anchor_digest.position_hashes(flat, cu, ids, pos, off)[i]
 
 
 def test_digest_job_threads_and_chunks_agree():
@@ -119,15 +119,15 @@ def test_digest_job_threads_and_chunks_agree():
     cand = rng.integers(0, 3000, 50_000).astype(np.int32)
     sup = (cand + rng.integers(0, 3, len(cand))).astype(np.int32)
     k = anchors.anchor_counts(cand, sup, 512)
-    one = anchors.DigestJob(cand, k, seed=4, epoch=2, background=False).result()
+    one = anchor_digest.DigestJob(cand, k, seed=4, epoch=2, background=False).result()
     for chunk in (1000, 4096, 1 << 22):
-        assert anchors.DigestJob(cand, k, seed=4, epoch=2, chunk=chunk).result() == one
-    job = anchors.DigestJob(cand, k, seed=4, epoch=2, chunk=100)
+        assert anchor_digest.DigestJob(cand, k, seed=4, epoch=2, chunk=chunk).result() == one
+    job = anchor_digest.DigestJob(cand, k, seed=4, epoch=2, chunk=100)
     job.cancel()                                   # stops, and a later result() refuses a partial digest
     with pytest.raises(ConfigError, match="fed"):
         job.result()
     with pytest.raises(ConfigError, match="0..candidates"):
-        anchors.DigestJob(cand, cand + 1, seed=0, epoch=0)
+        anchor_digest.DigestJob(cand, cand + 1, seed=0, epoch=0)
 
 
 def test_bad_options():

@@ -12,7 +12,7 @@ import pytest
 from dflash_prep.errors import FormatError
 from dflash_prep.formats.dataset import open_dataset
 from dflash_prep.formats.lengths import read_mask_counts
-from dflash_prep.objectives import anchors
+from dflash_prep.objectives import anchor_digest, anchors
 from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 
 from tests.assets.fixtures import CHATS, write_jsonl
@@ -150,7 +150,7 @@ def test_verify_catches_wrong_anchors(dataset, planned, tmp_path):
     with pytest.raises(FormatError, match="anchors"):
         verify_epoch(tmp_path / "bad" / "epoch-0000")
     arrays = {name: np.array(a) for name, a in m.arrays.items()}
-    for name, digest, says in (("dig", anchors.DIGEST_PREFIX + "0" * 32, "regenerated from the seed"),
+    for name, digest, says in (("dig", anchor_digest.DIGEST_PREFIX + "0" * 32, "regenerated from the seed"),
                                ("old", "v1:" + "0" * 32, "another version")):
         header["dflash"] = dict(header["dflash"], anchor_digest=digest)
         manifest.write(tmp_path / name / "epoch-0000", header, arrays)
@@ -189,7 +189,7 @@ def test_cli_pack_dflash_then_verify(dataset, planned, tmp_path):
                               "vocab=1000", "--draft-layers", "3"])
     assert res.exit_code == 0, res.output
     h = manifest.open(tmp_path / "m" / "epoch-0001").header["dflash"]
-    assert h["max_anchors"] == 32 and h["cost_model"]["draft_layers"] == 3 and h["anchor_digest"].startswith(anchors.DIGEST_PREFIX)
+    assert h["max_anchors"] == 32 and h["cost_model"]["draft_layers"] == 3 and h["anchor_digest"].startswith(anchor_digest.DIGEST_PREFIX)
     assert "anchor_fill" in res.output
     res = runner.invoke(app, ["verify", str(tmp_path / "m")])
     assert res.exit_code == 0 and "2 epoch(s) verified" in res.output, res.output
@@ -252,8 +252,8 @@ def test_drafter_cost_model_by_hand(tmp_path):
     L, S, k = 300, 200, 7                       # expected anchor position L - S/2 - 1 = 199
     want = (2 * Lt * layer * L + 2 * h * d * Lt * L * L            # target forward + attention
             + 6 * (N * H * H + N * 2 * H * kv * d) * L               # fc + draft k/v over the context
-            + 6 * cm.draft_params * k * B + 12 * h * d * B * N * (k * 199 + k * B)   # blocks + prefix attention
-            + 6 * k * B * H * V)                                      # LM head
+            + 6 * N * layer * k * B + 12 * h * d * B * N * (k * 199 + k * B)   # blocks + prefix attention
+            + 4 * k * (15 * 16 / 2 + 184 * 15) / 199 * H * V)   # frozen head, E[labelled rows] per block
     assert sample_cost(cm, B, [L], [S], [k])[0] == pytest.approx(want, rel=1e-12)
     with pytest.raises(ConfigError, match="num_hidden_layers"):
         (tmp_path / "config.json").write_text(json.dumps({k2: v for k2, v in QWEN_LIKE.items()

@@ -79,3 +79,24 @@ def test_toy_trains_two_steps(packed):
     recs = [json.loads(x) for x in (root / "run" / "log.jsonl").read_text().splitlines()[1:]]
     assert [r["toy_weight"] for r in recs] == [2.0, 2.0]
     assert all(r["loss"] > 0 for r in recs)
+
+
+def test_toy_option_is_a_pack_flag_with_no_core_edit(packed):
+    """The toy's one declared option shows in ``pack --help`` (its own panel) and the CLI builds
+    its options from it; the flags ``cli_flags`` derives pack the same config again."""
+    from typer.testing import CliRunner
+
+    from dflash_prep.cli import app
+    from dflash_prep.pack.config import load as load_pack_config
+
+    root, _ = packed
+    help_text = CliRunner().invoke(app, ["pack", "--help"], env={"COLUMNS": "200"}).output
+    assert "--toy-weight" in help_text and "Objective toy" in help_text
+    assert "--toy-weight" not in CliRunner().invoke(app, ["analyze", "--help"], env={"COLUMNS": "200"}).output
+    want = PackConfig(objective="toy", options=ToyOptions(weight=3.0), grad_accum=2)
+    args = ["pack", str(root / "data"), "--plan", str(root / "plan" / "plan.json"), "--out", str(root / "cli"),
+            "--epoch", "0", *want.cli_flags().split()]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert load_pack_config(root / "cli").options == want.options
+    assert manifest.open(root / "cli" / "epoch-0000").header["toy"]["weight"] == 3.0

@@ -1,6 +1,7 @@
 """A toy objective, registered from the test folder only: the seam core modules never name.
 
-Data side: varlen only, one option (``weight``), a ``toy`` header section with the weight
+Data side: varlen only, one option (``weight``: ``pack --toy-weight``, declared with
+:func:`dflash_prep.objectives.options.option`), a ``toy`` header section with the weight
 and the rows' token total, a summary entry, and a verify check of that section. Trainer
 side: the LM objective on the small decoder, its per-token loss scaled by ``weight``, and a
 log field of its own.
@@ -8,18 +9,22 @@ log field of its own.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
 from dflash_prep.errors import ConfigError
-from dflash_prep.objectives import DataObjective, register
+from dflash_prep.objectives import DataObjective, options, register
+from dflash_prep.objectives.options import PACK, option
 
 
 @dataclass(frozen=True)
 class ToyOptions:
-    weight: float = 1.0
-    """Scales the loss (and is written to the manifest header)."""
+    """Its one option, declared as the built-in objectives declare theirs: ``pack --toy-weight``,
+    recorded in the manifest header's ``toy`` section."""
+
+    weight: float = option(1.0, commands=(PACK,), flag="toy_weight", header=True,
+                           help="scales the toy loss (recorded in the manifest header)")
 
     def __post_init__(self):
         if not self.weight > 0:
@@ -35,11 +40,8 @@ class ToyObjective(DataObjective):
     layouts = ("varlen",)
     options_type = ToyOptions
 
-    def cli_flags(self, options) -> str:
-        return f" --toy-weight {options.weight:g}"
-
     def finish_epoch(self, state, cfg, epoch, arrays, header, summary, rows, dataset) -> None:
-        header[self.name] = {**asdict(cfg.options), "tokens": int(np.sum(rows.real))}
+        header[self.name] = {**options.header(cfg.options), "tokens": int(np.sum(rows.real))}
         summary["toy_rows"] = int(len(rows.start))
 
     def verify(self, m, lens, ids, offsets, src):

@@ -1,11 +1,11 @@
-"""bucketing.py: the padded bucketed shuffle, the varlen first-fit, the fused per-batch stats."""
+"""bucketing.py: the padded bucketed shuffle, the varlen first-fit; batch_stats.py: the fused per-batch stats."""
 
 import numpy as np
 import pytest
 
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.plan import Budget
-from dflash_prep.pack import bucketing, metrics
+from dflash_prep.pack import batch_stats, bucketing, keyed, metrics
 from dflash_prep.synth import profiles
 
 K6 = [832, 1248, 1760, 2464, 3760]
@@ -77,7 +77,7 @@ def test_padded_epoch_budget_buckets_and_determinism(seedlike):
 def test_microbatch_stats_match_metrics(seedlike):
     order, offsets, _ = bucketing.pack_padded_epoch(seedlike, K6, seed=0, epoch=0, budget=TB, window=256)
     edges = metrics.class_edges(seedlike)
-    real, mx, sq, class_tok = bucketing.microbatch_stats(seedlike[order], offsets, edges)
+    real, mx, sq, class_tok = batch_stats.microbatch_stats(seedlike[order], offsets, edges)
     counts, real_ref, mx_ref = metrics.batch_stats(seedlike, order, offsets)
     lens = seedlike[order].astype(np.int64)
     assert np.array_equal(real, real_ref) and np.array_equal(mx, mx_ref)
@@ -108,7 +108,7 @@ def test_padded_epoch_matches_plain_reference(window, alpha, mbs):
     bk = bucketing.bucket_index(lens, (300, 450, 2500))
     ref_order, ref_off, ref_bucket = [], [0], []
     for k in range(4):
-        ids = bucketing.shuffle_keyed(np.flatnonzero(bk == k), 5, 7, k)
+        ids = keyed.shuffle_keyed(np.flatnonzero(bk == k), 5, 7, k)
         if window > 1:
             ids = np.concatenate([c[np.argsort(-lens[c], kind="stable")] for c in np.array_split(ids, range(window, len(ids), window))])
         off = bucketing.greedy_offsets(ids, lens, b)
@@ -122,5 +122,5 @@ def test_padded_epoch_matches_plain_reference(window, alpha, mbs):
 @pytest.mark.parametrize("profile", ["seedlike", "bimodal", "heavytail", "uniform"])
 def test_class_edges_histogram_equals_metrics(profile):
     lens = profiles.make_lengths(profile, n=20_000, seed=2)
-    assert np.array_equal(bucketing.class_edges(lens), metrics.class_edges(lens))
-    assert np.array_equal(bucketing.class_edges(lens[:7]), metrics.class_edges(lens[:7]))
+    assert np.array_equal(batch_stats.class_edges(lens), metrics.class_edges(lens))
+    assert np.array_equal(batch_stats.class_edges(lens[:7]), metrics.class_edges(lens[:7]))

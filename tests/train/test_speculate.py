@@ -105,6 +105,7 @@ def test_eval_entry_point_writes_a_versioned_report(tiny, tmp_path):
         f.write(json.dumps({"prompt": "def f(x):"}) + "\n")
     res = main(["--target", str(path), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
                 "--out", str(tmp_path / "eval.json"), "--max-new-tokens", "12"])
+    assert torch.is_grad_enabled(), "main() left grad mode off for the rest of the process"
     on_disk = json.loads((tmp_path / "eval.json").read_text())
     assert on_disk["format"] == "dflash-prep/speculate-eval" and on_disk["version"] == 1
     assert on_disk["lossless"] is True and on_disk["prompts"]["n"] == 2 and on_disk["block_size"] == B
