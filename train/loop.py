@@ -201,7 +201,7 @@ def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = 
             place = split.join(cfg, job)
             split.prepare(cfg, place, source)
             if place.is_target:
-                return serve_target(cfg, place, job)
+                return serve_target(cfg, place, job, source)
             d = place.dist
         out = Path(cfg.out)
         if not d.is_main:

@@ -51,7 +51,7 @@ _SERVERS: dict = {}
 def register_trainer(name: str, builder, serve=None) -> None:
     """Make ``--objective NAME`` build its trainer objective with ``builder`` (after seeding torch).
 
-    ``serve(cfg, place, dist) -> summary`` runs a split job's target rank (:mod:`.split`); an
+    ``serve(cfg, place, dist, source) -> summary`` runs a split job's target rank (:mod:`.split`); an
     objective with one also takes ``builder(..., place=place)`` on the drafter ranks."""
     _TRAINERS[name] = builder
     if serve is not None:
@@ -76,10 +76,11 @@ def build_objective(cfg: TrainConfig, ds, device: torch.device, manifest=None, p
     return _TRAINERS[cfg.objective](cfg, ds, device, manifest, place=place)
 
 
-def serve_target(cfg: TrainConfig, place, d) -> dict:
-    """Run a split job's target rank for ``cfg.objective`` (:mod:`.split`); returns its summary."""
+def serve_target(cfg: TrainConfig, place, d, source=None) -> dict:
+    """Run a split job's target rank for ``cfg.objective`` (:mod:`.split`) over ``source`` (None:
+    the files ``cfg`` names); returns its summary."""
     _check_split(cfg)
-    return _SERVERS[cfg.objective](cfg, place, d)
+    return _SERVERS[cfg.objective](cfg, place, d, source)
 
 
 def _flat(b):

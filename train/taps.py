@@ -25,7 +25,7 @@ import torch
 
 from dflash_prep.errors import ConfigError, FormatError
 
-from .target_link import TapsReceiver, Tag
+from .target_link import TapsReceiver, Tag, link_device
 
 
 class LocalTaps:
@@ -211,13 +211,13 @@ def _heads(path: Path, keys: dict, tied: bool, device: torch.device, dtype: torc
 
 def remote_taps(place, target: str | Path, *, timeout: float, device: torch.device) -> RemoteTaps:
     """The :class:`RemoteTaps` of a drafter rank's :class:`~.roles.Place`: taps from its target
-    rank (over NCCL on CUDA, so the link's tensors live on ``device``; else CPU), heads from ``target``."""
+    rank (over NCCL on CUDA, so the link's tensors live on ``device``; else through the CPU,
+    :func:`~.target_link.link_device`), heads from ``target``."""
     if place.is_target:
         raise ValueError(f"global rank {place.rank} is a target rank; only drafter ranks receive taps")
-    link_device = device if device.type == "cuda" else torch.device("cpu")
     i = place.dist.rank
     recv = TapsReceiver(place.target, timeout=timeout, me=f"drafter rank {i}", peer=f"target rank {place.target}",
-                        device=link_device)
+                        device=link_device(device))
     embed, head = load_heads(target, device=device)
     from transformers import AutoConfig
 

@@ -33,7 +33,7 @@ from dflash_prep.errors import ConfigError
 
 from .data import Prefetcher, iter_steps
 from .roles import Roles
-from .target_link import KIND_DATA, Tag, TapsSender
+from .target_link import KIND_DATA, Tag, TapsSender, link_device
 from .taps import step_tag
 
 
@@ -165,14 +165,15 @@ def sender_for(place, *, prefetch: int, timeout: float, device: torch.device) ->
     return TapsSender(peers, prefetch=prefetch, timeout=timeout, device=device, me=f"target rank {place.rank}")
 
 
-def serve(cfg, place, d) -> dict:
+def serve(cfg, place, d, source=None) -> dict:
     """A split job's target rank under ``cfg`` (:mod:`.split`): wait for the drafters' cursor, load
     the frozen target, serve every step they will train, and return this rank's summary.
 
     The micro-batches are built exactly as the drafters' objective builds them
     (:func:`~.objective_dflash.build_dflash_batch` under the same anchor options, mask id and
     weights), the target runs under the autocast and attention backend the colocated loss runs
-    it under, and ``--loss kl`` sends the final hidden states too.
+    it under, and ``--loss kl`` sends the final hidden states too. ``source``: what the drafters
+    train on (default: :class:`~.source.FileSource` of ``cfg``; every epoch exists, :mod:`.split`).
     """
     from dflash_prep import kernels
 
@@ -186,12 +187,13 @@ def serve(cfg, place, d) -> dict:
     _set_determinism(d.device)
     start = split.await_start(place)
     single = type(d)(0, 1, d.local_rank, d.device)   # the continuation exists already: nothing to pack
-    source = rescale.source_for(FileSource(cfg.data, cfg.plan, cfg.manifests, pack_missing=False),
-                                start["continuation"], single)
+    if source is None:
+        source = FileSource(cfg.data, cfg.plan, cfg.manifests, pack_missing=False)
+    source = rescale.source_for(source, start["continuation"], single)
     dcfg, spec, _, _ = drafter_config(cfg, source.manifest(int(start["epoch"])))
     gamma = None if cfg.slot_weights == "dpace" else (cfg.gamma or default_gamma(spec.block_size))
     provider = LocalTaps(FrozenTarget(cfg.target, dcfg.target_layer_ids, device=d.device))
-    sender = sender_for(place, prefetch=cfg.target_prefetch, timeout=cfg.target_timeout, device=d.device)
+    sender = sender_for(place, prefetch=cfg.target_prefetch, timeout=cfg.target_timeout, device=link_device(d.device))
     autocast = _autocast_for(d.device, cfg.bf16)
 
     @contextlib.contextmanager
