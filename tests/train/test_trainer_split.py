@@ -140,3 +140,25 @@ def test_sigkill_of_a_drafter_rank_makes_the_target_rank_exit(runs):
     assert job[0]["t_end"] - job["killed_at"] < timeout + 5.0
     assert "drafter rank" in job[0]["error"], job[0]["error"]
     assert np.isfinite(job["elapsed"])
+
+
+def test_rescale_resume_onto_fewer_drafter_ranks_with_a_target_rank(runs):
+    """W = 2 (split) for 2 steps of epoch 0, then --rescale onto W' = 1 drafter + 1 target rank:
+    the rest of the epoch comes from its continuation, re-packed for W' on the fly, and the
+    target rank serves exactly it: the resumed steps hold the tokens and anchors of the straight
+    run's rest of epoch 0, each sample once."""
+    root, paths = runs["root"], runs["paths"]
+    out = root / "rescale"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(root / "pipe" / "man" / "resume", ignore_errors=True)
+    job = run_job(root / "rs1", base_cfg(paths, out, target_ranks=1, max_steps=2, epochs=1), 3)
+    _ok(job, 3)
+    job = run_job(root / "rs2", base_cfg(paths, out, target_ranks=1, epochs=1, rescale=True), 2)
+    _ok(job, 2)
+    got, want = log_records(out), log_records(runs["colo"])[:3]       # epoch 0: 3 steps
+    rest = got[2:]
+    assert [r["global_step"] for r in got] == list(range(1, len(got) + 1)) and rest
+    assert [r["loss"] for r in got[:2]] == [r["loss"] for r in want[:2]]
+    assert sum(r["real_tokens"] for r in rest) == want[2]["real_tokens"]
+    assert sum(r["anchors"] for r in rest) == want[2]["anchors"]
+    assert job[0]["summary"]["steps"] == len(rest) and job[0]["summary"]["served"] == [0]
