@@ -263,7 +263,7 @@ def run(cfg: GpuBenchConfig) -> dict:
     from dflash_prep.train.data import StepBatches
     from dflash_prep.train.distributed import peak_flops
     from dflash_prep.train.drafter import Drafter, DrafterConfig, build_target_layer_ids
-    from dflash_prep.train.loop import build_optimizer
+    from dflash_prep.train.optim import build_optimizer
     from dflash_prep.train.objective_dflash import AnchorSpec, DFlashObjective, default_gamma
 
     dev = torch.device(cfg.device)

@@ -52,7 +52,8 @@ from dflash_prep.synth import profiles
 from . import distributed
 from .config import TrainConfig, preset
 from .data import Prefetcher, iter_steps
-from .loop import _autocast_for, build_optimizer, train_step
+from .loop import _autocast_for, train_step
+from .optim import build_optimizer
 from .model import Decoder
 
 BENCH_FORMAT = "dflash-prep/bench-train"

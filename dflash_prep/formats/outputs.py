@@ -13,7 +13,7 @@ for the whole write. A second writer waits up to ``DFLASH_PREP_LOCK_WAIT`` secon
 lock when its holder dies, so a killed run never blocks the next one.
 
 Symbolic links. An ``--out`` that is a link to a folder is written through
-(:func:`dflash_prep.fileio.follow_link`): the folder it points to is replaced or filled, its
+(:func:`dflash_prep.formats.fileio.follow_link`): the folder it points to is replaced or filled, its
 lock and temps live beside that folder, and the link stays as it was.
 
 Debris. Temp names carry the writer's pid (``.NAME.PID.XXXXXXXX.tmp``, ``.NAME.old-PID``,

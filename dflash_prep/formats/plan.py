@@ -33,7 +33,7 @@ PLAN_FILE = "plan.json"
 #: pairs that share a micro-batch in one epoch share none in the next. ``pack`` warns above
 #: the limit its plan records in ``predicted["max_repeat_pair"]``.
 MAX_REPEAT_PAIR = 0.05
-#: Largest seed: the keyed RNG (:func:`dflash_prep.bucketing.mix_key`) folds 64-bit words.
+#: Largest seed: the keyed RNG (:func:`dflash_prep.pack.bucketing.mix_key`) folds 64-bit words.
 SEED_MAX = 2 ** 64 - 1
 
 

@@ -71,7 +71,7 @@ def dflash_grads_setup(target, world: int, accum: int, rank: int, **kw):
     import torch
 
     from dflash_prep.train.data import iter_steps
-    from dflash_prep.train.loop import build_optimizer
+    from dflash_prep.train.optim import build_optimizer
     from dflash_prep.train.objectives import build_objective
 
     from tests.train.train_fakes import FakeSource

@@ -166,7 +166,7 @@ def grads_setup(world: int, accum: int, rank: int):
 
     from dflash_prep.train.config import ModelConfig, TrainConfig
     from dflash_prep.train.data import iter_steps
-    from dflash_prep.train.loop import build_optimizer
+    from dflash_prep.train.optim import build_optimizer
     from dflash_prep.train.model import Decoder
 
     torch.manual_seed(0)
