@@ -23,6 +23,24 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 STEPS = 6   # 2 epochs x 3 steps
 
 
+def test_split_options_are_checked_and_lm_has_no_target_to_split():
+    from dflash_prep.errors import ConfigError
+    from dflash_prep.train.config import TrainConfig, field_help
+    from dflash_prep.train.objectives import build_objective, serve_target
+
+    for kw, msg in ((dict(target_ranks=-1), "--target-ranks must be >= 0"),
+                    (dict(target_prefetch=0), "--target-prefetch >= 1"),
+                    (dict(target_timeout=0.0), "--target-timeout must be a finite number > 0")):
+        with pytest.raises(ConfigError, match=msg):
+            TrainConfig(**kw)
+    assert {"target_ranks", "target_prefetch", "target_timeout"} <= set(field_help(TrainConfig))
+    cfg = TrainConfig(target_ranks=1)
+    with pytest.raises(ConfigError, match="--objective lm has no frozen target to put on its own ranks"):
+        build_objective(cfg, None, torch.device("cpu"), place=object())
+    with pytest.raises(ConfigError, match="--objective lm has no frozen target"):
+        serve_target(cfg, object(), None)
+
+
 def _ok(job: dict, world: int) -> None:
     errs = {r: job[r].get("trace") or job[r].get("error") for r in range(world) if r in job and "error" in job[r]}
     assert job["exit"] == [0] * world and not errs, f"exit codes {job['exit']}: {errs}"
