@@ -27,7 +27,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -85,10 +85,10 @@ def _objective(cfg, dev, hc, taps, provider):
     spec = AnchorSpec(seed=cfg.seed, max_anchors=g.MAX_ANCHORS, policy="cap", block_size=g.B)
     tc = TrainConfig(device=cfg.device)
     obj = DFlashObjective(Drafter(dcfg).to(dev), provider, tc, anchor_spec=spec, gamma=default_gamma(g.B), identity={})
-    return obj, build_optimizer(obj.model, tc), tc
+    return obj, build_optimizer(obj.model, tc)
 
 
-def _train(cfg, dev, obj, opt, mbs, ds) -> list[float]:
+def _train(dev, obj, opt, mbs, ds) -> list[float]:
     """Step times (s) of the drafter steps over ``mbs``, each ended by a device sync."""
     import torch
 
@@ -110,8 +110,8 @@ def _train(cfg, dev, obj, opt, mbs, ds) -> list[float]:
 
 def colocated(cfg) -> dict:
     dev, target, hc, taps, mbs, ds = _setup(cfg)
-    obj, opt, _ = _objective(cfg, dev, hc, taps, target)
-    t = _train(cfg, dev, obj, opt, mbs, ds)[cfg.warmup:]
+    obj, opt = _objective(cfg, dev, hc, taps, target)
+    t = _train(dev, obj, opt, mbs, ds)[cfg.warmup:]
     return {"step_s": statistics.median(t), "steps": len(t)}
 
 
@@ -138,8 +138,8 @@ def _rank(rank: int, init: str, cfg_d: dict, out: str) -> None:
             remote = RemoteTaps(TapsReceiver(0, timeout=120.0, device=link_device(dev)), target.embed_tokens,
                                 target.lm_head, device=dev, target_config=hc, roles=place.roles)
             del target   # the drafter rank keeps the embedding and the head only
-            obj, opt, _ = _objective(cfg, dev, hc, taps, remote)
-            t = _train(cfg, dev, obj, opt, mbs, ds)
+            obj, opt = _objective(cfg, dev, hc, taps, remote)
+            t = _train(dev, obj, opt, mbs, ds)
             rec = {"step_s": statistics.median(t[cfg.warmup:]), "steps": len(t) - cfg.warmup,
                    "wait_s": remote.receiver.wait_s, "time_s": sum(t)}
         dist.barrier()
@@ -202,7 +202,7 @@ def run(out: Path, *, smoke: bool = False, timeout_s: float = 45.0) -> dict:
     t0 = time.perf_counter()
     rep = {"format": FORMAT, "version": 1, "smoke": smoke, "config": asdict(cfg),
            "link": "gloo, CPU staging (NCCL refuses two ranks on one GPU)", "colocated": colocated(cfg)}
-    rep["split"] = split(replace(cfg), max(10.0, timeout_s - (time.perf_counter() - t0)))
+    rep["split"] = split(cfg, max(10.0, timeout_s - (time.perf_counter() - t0)))
     rep["split_over_colocated"] = rep["split"]["step_s"] / rep["colocated"]["step_s"]
     rep["wall_s"] = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)

@@ -177,7 +177,7 @@ def serve(cfg, place, d, source=None) -> dict:
     """
     from dflash_prep import kernels
 
-    from . import rescale, split
+    from . import distributed, rescale, split
     from .loop import _autocast_for, _set_determinism
     from .objective_dflash import build_dflash_batch, default_gamma, drafter_config
     from .source import FileSource
@@ -186,7 +186,7 @@ def serve(cfg, place, d, source=None) -> dict:
 
     _set_determinism(d.device)
     start = split.await_start(place)
-    single = type(d)(0, 1, d.local_rank, d.device)   # the continuation exists already: nothing to pack
+    single = distributed.Dist(0, 1, d.local_rank, d.device)   # the continuation exists already: nothing to pack
     if source is None:
         source = FileSource(cfg.data, cfg.plan, cfg.manifests, pack_missing=False)
     source = rescale.source_for(source, start["continuation"], single)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -156,8 +155,7 @@ def test_sigkill_of_a_drafter_rank_makes_the_target_rank_exit(runs):
     assert job["killed_at"] is not None, "the run ended before the kill"
     assert job["exit"][2] == -9 and job["exit"][0] == 1 and job["exit"][1] != 0, job["exit"]
     assert job[0]["t_end"] - job["killed_at"] < timeout + 5.0
-    assert "drafter rank" in job[0]["error"], job[0]["error"]
-    assert np.isfinite(job["elapsed"])
+    assert "drafter rank" in job[0]["error"] and "\n" not in job[0]["error"], job[0]["error"]
 
 
 def test_rescale_resume_onto_fewer_drafter_ranks_with_a_target_rank(runs):
