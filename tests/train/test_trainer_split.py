@@ -178,3 +178,18 @@ def test_rescale_resume_onto_fewer_drafter_ranks_with_a_target_rank(runs):
     assert sum(r["real_tokens"] for r in rest) == want[2]["real_tokens"]
     assert sum(r["anchors"] for r in rest) == want[2]["anchors"]
     assert job[0]["summary"]["steps"] == len(rest) and job[0]["summary"]["served"] == [0]
+
+
+def test_kl_dpace_muon_split_equals_colocated(runs):
+    """--loss kl: the target rank also sends its final hidden states; with D-PACE (the normaliser
+    after the forward) and Muon, 2 steps split equal 2 steps colocated, bit for bit."""
+    root, paths = runs["root"], runs["paths"]
+    recipe = dict(loss="kl", kl_temperature=2.0, slot_weights="dpace", optimizer="muon", max_steps=2)
+    outs = {}
+    for K in (0, 1):
+        outs[K] = root / f"kl-{K}"
+        shutil.rmtree(outs[K], ignore_errors=True)
+        _ok(run_job(root / f"kl-job-{K}", base_cfg(paths, outs[K], target_ranks=K, **recipe), 2 + K), 2 + K)
+    a, b = log_records(outs[0]), log_records(outs[1])
+    assert len(a) == 2 and [r["loss"] for r in a] == [r["loss"] for r in b]
+    _same_weights(outs[0], outs[1])
