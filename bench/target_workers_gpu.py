@@ -94,9 +94,9 @@ def _train(dev, obj, opt, mbs, ds) -> list[float]:
 
     from dflash_prep.train import distributed
     from dflash_prep.train.data import StepBatches
-    from dflash_prep.train.loop import _autocast_for, train_step
+    from dflash_prep.train.loop import train_step
 
-    d, autocast, times = distributed.Dist(0, 1, 0, dev), _autocast_for(dev, True), []
+    d, autocast, times = distributed.Dist(0, 1, 0, dev), distributed.autocast_for(dev, True), []
     for s, mb in enumerate(_Manifest(mbs).microbatches(0)):
         t0 = time.perf_counter()
         b = obj.build(ds, mb, 0, "varlen", dev.type == "cuda")
@@ -155,7 +155,7 @@ def _serve(cfg, place, dev, target, hc, taps, mbs, ds) -> dict:
     from dflash_prep.train.target_link import link_device
     from dflash_prep.train.target_worker import TargetWorker, sender_for
     from dflash_prep.train.taps import LocalTaps
-    from dflash_prep.train.loop import _autocast_for
+    from dflash_prep.train import distributed
 
     spec = AnchorSpec(seed=cfg.seed, max_anchors=g.MAX_ANCHORS, policy="cap", block_size=g.B)
     build = (lambda mb, epoch: build_dflash_batch(ds, mb, epoch=epoch, spec=spec, gamma=default_gamma(g.B),
@@ -163,7 +163,7 @@ def _serve(cfg, place, dev, target, hc, taps, mbs, ds) -> dict:
     sender = sender_for(place, prefetch=2, timeout=120.0, device=link_device(dev))
     source = SimpleNamespace(dataset=ds, manifest=lambda e: _Manifest(mbs))
     w = TargetWorker(source, LocalTaps(target), sender, roles=place.roles, target_rank=0, build=build, device=dev,
-                     autocast=_autocast_for(dev, True))
+                     autocast=distributed.autocast_for(dev, True))
     t = w.run([0])
     wall = sum(x.wall_s for x in t)
     return {"busy_frac": sum(x.busy_s for x in t) / wall if wall else 0.0, "bytes_sent": sender.bytes_sent,

@@ -46,6 +46,7 @@ from . import checkpoint as ckpt
 from . import distributed, rescale, split
 from .config import TrainConfig
 from .data import StepBatches
+from .distributed import autocast_for as _autocast_for, set_determinism as _set_determinism  # noqa: F401 (bench imports)
 from .loader import ManifestLoader
 from .lr import Schedule
 from .objectives import build_objective, serve_target
@@ -105,20 +106,6 @@ def train_step(model, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float,
     out = objective.metrics(stats, denom_sum)
     return {**out, "grad_norm": gnorm, "targets": objective.targets(denom_sum), "real_tokens": int(real), "padded_tokens": int(padded),
             "flops": flops, "skipped": denom_sum == 0}
-
-
-def _autocast_for(device: torch.device, bf16: bool):
-    if device.type == "cuda" and bf16:
-        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext
-
-
-def _set_determinism(device: torch.device) -> None:
-    if device.type == "cpu":
-        torch.use_deterministic_algorithms(True)
-    else:  # cuBLAS needs a fixed workspace for determinism; warn rather than fail on other ops
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 class PeerStopped(DflashError):

@@ -178,13 +178,12 @@ def serve(cfg, place, d, source=None) -> dict:
     from dflash_prep import kernels
 
     from . import distributed, rescale, split
-    from .loop import _autocast_for, _set_determinism
     from .objective_dflash import build_dflash_batch, default_gamma, drafter_config
     from .source import FileSource
     from .target import FrozenTarget
     from .taps import LocalTaps
 
-    _set_determinism(d.device)
+    distributed.set_determinism(d.device)
     start = split.await_start(place)
     single = distributed.Dist(0, 1, d.local_rank, d.device)   # the continuation exists already: nothing to pack
     if source is None:
@@ -194,7 +193,7 @@ def serve(cfg, place, d, source=None) -> dict:
     gamma = None if cfg.slot_weights == "dpace" else (cfg.gamma or default_gamma(spec.block_size))
     provider = LocalTaps(FrozenTarget(cfg.target, dcfg.target_layer_ids, device=d.device))
     sender = sender_for(place, prefetch=cfg.target_prefetch, timeout=cfg.target_timeout, device=link_device(d.device))
-    autocast = _autocast_for(d.device, cfg.bf16)
+    autocast = distributed.autocast_for(d.device, cfg.bf16)
 
     @contextlib.contextmanager
     def forward_ctx():
