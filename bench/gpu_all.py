@@ -16,7 +16,9 @@ a run cut short keeps everything it measured. Steps, correctness first:
 2. ``attention-causal`` (:mod:`bench.attention`): causal kernels vs SDPA flash/cuDNN and Flex;
 3. ``attention-dflash`` (:mod:`bench.attention_dflash`): DFlash kernels vs Flex and SDPA, and
    windowed vs full attention at 32K context, 512 anchors, B = 16, W = 2048;
-4. ``drafter-training`` (:mod:`bench.drafter_gpu`): drafter-training throughput, packed vs padded.
+4. ``drafter-training`` (:mod:`bench.drafter_gpu`): drafter-training throughput, packed vs padded;
+5. ``target-workers`` (:mod:`bench.target_workers_gpu`): one target rank + one drafter rank sharing
+   the GPU (gloo link, CPU staging) vs the colocated drafter (``--target-ranks``).
 
 The limits (seconds) add up to :data:`TOTAL_S`; a step gets at most what is left of it. A
 step's exit status, time, whether it was cut, and the files it wrote are recorded; the
@@ -52,10 +54,11 @@ class Step:
 
 STEPS = (
     Step("checks", "bench.gpu_checks", (), 75),
-    Step("attention-causal", "bench.attention", ("--budget-s", "45"), 70),
-    Step("attention-dflash", "bench.attention_dflash", ("--budget-s", "25", "--cases", "3072:512,8192:512,1024:64"),
-         80),
+    Step("attention-causal", "bench.attention", ("--budget-s", "25"), 50),
+    Step("attention-dflash", "bench.attention_dflash", ("--budget-s", "12", "--cases", "3072:512,8192:512,1024:64"),
+         60),
     Step("drafter-training", "bench.drafter_gpu", ("--steps", "10", "--warmup", "2", "--n", "2000"), 70),
+    Step("target-workers", "bench.target_workers_gpu", ("--timeout-s", "32"), 40),
 )
 SMOKE_LIMIT_S = 900.0
 

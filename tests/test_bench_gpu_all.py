@@ -28,7 +28,7 @@ sys.meta_path.insert(0, _NoDatasets())
 
 
 def test_gpu_entry_point_runs_every_step_on_cpu_without_datasets(tmp_path):
-    """About 35 s on an idle 2-core machine: every step through the interpreter at tiny shapes."""
+    """About 75 s on an idle 2-core machine (the target-workers step spawns two processes): every step through the interpreter at tiny shapes."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(BLOCKER)
@@ -44,7 +44,7 @@ def test_gpu_entry_point_runs_every_step_on_cpu_without_datasets(tmp_path):
     summary = check_header(json.loads((out / "gpu_all.json").read_text()), path=out / "gpu_all.json",
                            format="dflash-prep/gpu-all", versions=(1,))
     assert [s["name"] for s in summary["steps"]] == ["checks", "attention-causal", "attention-dflash",
-                                                     "drafter-training"]
+                                                     "drafter-training", "target-workers"]
     assert summary["smoke"] is True and summary["passed"] is True
     for s in summary["steps"]:
         assert s["returncode"] == 0 and not s["timed_out"] and s["files"], s
@@ -56,3 +56,6 @@ def test_gpu_entry_point_runs_every_step_on_cpu_without_datasets(tmp_path):
     assert [r["W"] for r in dflash["window_rows"]] == [0, 8]
     drafter = json.loads((out / "drafter-training" / "drafter_gpu.json").read_text())
     assert drafter["target_met"] is None  # smoke: no verdict from CPU figures
+    split = json.loads((out / "target-workers" / "target_workers_gpu.json").read_text())
+    assert split["smoke"] is True and split["split"]["steps"] == split["colocated"]["steps"] >= 1
+    assert split["split"]["bytes_sent"] > 0 and 0.0 <= split["split"]["drafter_wait_frac"] <= 1.0

@@ -90,7 +90,10 @@ def main(**options):
         typer.secho(f"error (rank {rank}): {e.filename + ': ' if e.filename else ''}{e.strerror or e}",
                     fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
-    if rank == 0:
+    if s.get("role") == "target":   # a split job's target rank (--target-ranks)
+        typer.echo(f"target rank {s['rank']}: served drafter rank(s) {s['served']} for {s['steps']} steps, busy "
+                   f"{100 * s['busy_share']:.1f}% of {s['time_s']:.1f} s, {s['bytes_sent'] / 2**20:,.1f} MiB sent")
+    elif rank == cfg.target_ranks:   # drafter rank 0
         tau = f", tau {s['tau_first']:.3f} -> {s['tau_last']:.3f}, {s['anchors_per_s']:,.0f} anchors/s" \
             if s.get("tau_last") is not None else ""
         typer.echo(f"done: {s['steps']} steps (global {s['global_step']}), loss {s['loss_first']:.4f} -> "

@@ -230,6 +230,18 @@ class TrainConfig:
     mask_token_id: int = opt(-1, panel=OBJECTIVE)
     """DFlash: mask token id; -1 = the tokenizer's mask token, ``<|mask|>``, or the first row past the tokenizer."""
 
+    target_ranks: int = opt(0, panel=RUN)
+    """Run the frozen target on its own ranks (:mod:`dflash_prep.train.split`): the job's first K
+    ranks only compute taps, the other W (the manifests' world size) train the drafter; 0 = every
+    drafter rank holds its own target copy. A performance setting: checkpoints resume under any K."""
+    target_prefetch: int = opt(2, panel=RUN)
+    """Target ranks: taps messages in flight per drafter rank (how far a target rank runs ahead)."""
+    target_timeout: float = opt(600.0, panel=RUN)
+    """Target ranks: seconds either side waits for the other before stopping with a one-line
+    error naming the peer rank and the step. It must cover the slowest gap between two messages:
+    a real target's step (seconds) and a drafter checkpoint save (up to minutes), not the target's
+    load (done before the first message)."""
+
     def __post_init__(self):
         _positive_finite("--lr", self.lr)
         for name in ("min_lr_ratio", "weight_decay", "grad_clip"):
@@ -241,6 +253,10 @@ class TrainConfig:
         for name in ("max_steps", "warmup_steps", "ckpt_every", "prefetch"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.target_ranks < 0 or self.target_prefetch < 1:
+            raise ConfigError(f"--target-ranks must be >= 0 and --target-prefetch >= 1, got {self.target_ranks} "
+                              f"and {self.target_prefetch}")
+        _positive_finite("--target-timeout", self.target_timeout)
         if self.prefetch < 1:
             raise ConfigError(f"--prefetch must be at least 1 step, got {self.prefetch}")
         if self.log_every < 1:

@@ -9,6 +9,7 @@ stats all-reduce), even a rank whose share of a step is empty, so ranks never de
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -56,6 +57,23 @@ def setup(device: str = "auto") -> Dist:
         dist.init_process_group(backend="nccl" if use_cuda else "gloo",
                                 device_id=dev if use_cuda else None)
     return Dist(rank, world, local, dev)
+
+
+def autocast_for(device: torch.device, bf16: bool):
+    """The context the trainer's forwards run under: bf16 autocast on CUDA when ``bf16``, else none."""
+    if device.type == "cuda" and bf16:
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def set_determinism(device: torch.device) -> None:
+    """Deterministic kernels: strict on CPU; on CUDA a fixed cuBLAS workspace and a warning for
+    ops without a deterministic version (rather than a failure)."""
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True)
+    else:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def teardown(d: Dist) -> None:

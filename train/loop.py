@@ -43,12 +43,13 @@ from dflash_prep.formats.fileio import atomic_write_json
 from dflash_prep.formats.outputs import lock
 
 from . import checkpoint as ckpt
-from . import distributed, rescale
+from . import distributed, rescale, split
 from .config import TrainConfig
 from .data import StepBatches
+from .distributed import autocast_for as _autocast_for, set_determinism as _set_determinism  # noqa: F401 (bench imports)
 from .loader import ManifestLoader
 from .lr import Schedule
-from .objectives import build_objective
+from .objectives import build_objective, serve_target
 from .optim import build_optimizer
 from .runlog import FORMAT_VERSION, SUMMARY_FORMAT, RunLog, check_run_folder, finite
 from .source import tokenizer_field
@@ -105,20 +106,6 @@ def train_step(model, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float,
     out = objective.metrics(stats, denom_sum)
     return {**out, "grad_norm": gnorm, "targets": objective.targets(denom_sum), "real_tokens": int(real), "padded_tokens": int(padded),
             "flops": flops, "skipped": denom_sum == 0}
-
-
-def _autocast_for(device: torch.device, bf16: bool):
-    if device.type == "cuda" and bf16:
-        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext
-
-
-def _set_determinism(device: torch.device) -> None:
-    if device.type == "cpu":
-        torch.use_deterministic_algorithms(True)
-    else:  # cuBLAS needs a fixed workspace for determinism; warn rather than fail on other ops
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 class PeerStopped(DflashError):
@@ -191,20 +178,28 @@ def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = 
     """Run (or resume) training as ``cfg`` says; returns the final summary (rank 0's view).
 
     ``source`` defaults to :class:`dflash_prep.train.source.FileSource` over ``cfg.data``/``plan``/
-    ``manifests``; tests pass any object with the same members.
+    ``manifests``; tests pass any object with the same members. With ``cfg.target_ranks`` the
+    job is split (:mod:`dflash_prep.train.split`): a target rank returns its own summary.
     """
-    d = dist_ctx or distributed.setup(cfg.device)
+    job = dist_ctx or distributed.setup(cfg.device)
+    d, place = job, None
     try:
+        if cfg.target_ranks:
+            place = split.join(cfg, job)
+            split.prepare(cfg, place, source)
+            if place.is_target:
+                return serve_target(cfg, place, job, source)
+            d = place.dist
         out = Path(cfg.out)
         if not d.is_main:
-            return _train(cfg, source, d)
+            return _train(cfg, source, d, place)
         check_run_folder(out)
 
         with lock(out, inside=True):  # a second trainer on the same --out fails clearly
-            return _train(cfg, source, d)
+            return _train(cfg, source, d, place)
     finally:
         if dist_ctx is None:
-            distributed.teardown(d)
+            distributed.teardown(job)
 
 
 @dataclass
@@ -243,7 +238,7 @@ class _Run:
         distributed.barrier(self.d)
 
 
-def _setup(cfg: TrainConfig, source, d: distributed.Dist) -> _Run:
+def _setup(cfg: TrainConfig, source, d: distributed.Dist, place=None) -> _Run:
     """Data, objective, optimizer and schedule; the checkpoint's state when resuming."""
     if cfg.attn == "triton" and d.device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels first imports triton
@@ -263,7 +258,7 @@ def _setup(cfg: TrainConfig, source, d: distributed.Dist) -> _Run:
     _check_manifest_shape(first, d)
     run_key = {**source.run_identity(), **_manifest_key(first), **({"continuation": cont} if cont else {})}
 
-    obj = build_objective(cfg, ds, d.device, manifest=first)  # seeds torch with cfg.seed first
+    obj = build_objective(cfg, ds, d.device, manifest=first, place=place)  # seeds torch with cfg.seed first
     run_key["contract"] = {**obj.contract(), "optimizer": cfg.optimizer}
     about = obj.describe()
     if d.is_main and about:
@@ -300,8 +295,11 @@ def _resume(run: _Run, state: dict) -> None:
         print(f"resuming {path} at epoch {run.epoch} step {run.step} (global step {run.gstep})", flush=True)
 
 
-def _train(cfg: TrainConfig, source, d: distributed.Dist) -> dict:
-    run = _setup(cfg, source, d)
+def _train(cfg: TrainConfig, source, d: distributed.Dist, place=None) -> dict:
+    run = _setup(cfg, source, d, place)
+    if place is not None:   # the target ranks serve the same steps from the same cursor
+        split.announce(place, epoch=run.epoch, step=run.step, global_step=run.gstep, max_steps=cfg.max_steps or None,
+                       continuation=run.run_key.get("continuation"))
     out, obj = Path(cfg.out), run.obj
     header = {"config": asdict(cfg), "model": run.mcfg, "params": obj.num_parameters(),
               "run_key": run.run_key, "world_size": d.world_size, "device": str(d.device),
@@ -392,7 +390,7 @@ def _run_epoch(run: _Run, pf, limit: int | None, totals: dict, losses: list, log
                "tokens_per_s": st["real_tokens"] / dt, "step_time_s": dt, "data_wait_s": wait,
                "data_wait_share": wait / dt if dt > 0 else 0.0,
                "mfu": st["flops"] / (dt * peak * d.world_size) if peak else None}
-        rec.update(obj.log_fields(st, dt))
+        rec.update(obj.log_fields({**st, "epoch": run.epoch, "step": sb.step}, dt))
         if run.gstep % cfg.log_every == 0:
             log.write(rec)
             if wb is not None:

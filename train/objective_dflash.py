@@ -135,6 +135,8 @@ class DFlashBatch(TensorBatch):
     real_tokens: int
     padded_tokens: int
     n_anchors: int
+    epoch: int = 0
+    """The manifest epoch (the taps message's tag, :mod:`.taps`)."""
 
 
 def build_dflash_batch(ds, mb, *, epoch: int, spec: AnchorSpec, gamma: float | None, mask_token_id: int,
@@ -181,7 +183,8 @@ def build_dflash_batch(ds, mb, *, epoch: int, spec: AnchorSpec, gamma: float | N
     if pin:
         t = {k: v.pin_memory() for k, v in t.items()}
     return DFlashBatch(step=int(mb.step), accum=int(mb.accum), sample_ids=sids, max_seqlen=int(lens.max()),
-                       weight_sum=float(w.astype(np.float64).sum()), real_tokens=T, padded_tokens=T, n_anchors=N, **t)
+                       weight_sum=float(w.astype(np.float64).sum()), real_tokens=T, padded_tokens=T, n_anchors=N,
+                       epoch=int(epoch), **t)
 
 
 def stats_width(block_size: int) -> int:
@@ -219,14 +222,19 @@ def dflash_loss(drafter, target, b: DFlashBatch, *, block_size: int, ce_chunk: i
     weights; ``dpace`` or ``kl`` run :func:`~dflash_prep.train.chunked_kl.row_losses` and weight
     the rows afterwards (D-PACE from the rows' CE). ``kl`` runs the target to its end
     (``FrozenTarget.features(final=True)``); its head is applied to the labelled rows only.
+    ``target`` is a taps provider (:mod:`.taps`: the local target, or the target rank serving
+    this drafter) or a :class:`~.target.FrozenTarget`.
     """
     from .chunked_kl import row_losses
+    from .taps import provider_of
+
+    target = provider_of(target)
 
     B = block_size
     N = b.n_anchors
     kl = spec.loss == "kl"
     with autocast():
-        got = target.features(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, final=kl)  # no grad
+        got = target.taps(b, epoch=b.epoch, final=kl)                                      # no grad
         feats, last = got if kl else (got, None)                                            # (T, k*H), (T, H)
         with torch.no_grad():
             noise = target.embed_tokens(b.noise_ids)                                        # (Q, H)
@@ -296,10 +304,13 @@ class DFlashObjective:
 
     def __init__(self, drafter, target, cfg: TrainConfig, *, anchor_spec: AnchorSpec, gamma: float, identity: dict,
                  anchor_source: str = "the options"):
+        from .taps import provider_of
+
         if drafter.config.block_size != anchor_spec.block_size:
             raise ConfigError(f"the drafter is built for B = {drafter.config.block_size}, the anchors are drawn for "
                               f"B = {anchor_spec.block_size}")
-        self.model, self.target, self.cfg = drafter, target, cfg
+        # target: a FrozenTarget or a taps provider (:mod:`.taps`; RemoteTaps on a split job's drafter rank)
+        self.model, self.target, self.cfg = drafter, provider_of(target), cfg
         self.spec, self.gamma, self.identity = anchor_spec, float(gamma), identity
         self.anchor_source = anchor_source
         self.loss_spec = LossSpec(slot_weights=cfg.slot_weights, dpace_alpha=float(cfg.dpace_alpha), loss=cfg.loss,
@@ -308,7 +319,7 @@ class DFlashObjective:
         self.deferred_denominator = cfg.slot_weights == "dpace"
         self.stats_width = stats_width(self.block_size)
         self._p_drafter = sum(p.numel() for p in drafter.parameters())
-        self._coef = flops_coefficients(drafter.config, target.num_layers, cfg.loss)
+        self._coef = flops_coefficients(drafter.config, self.target.num_layers, cfg.loss)
         self._taus: list[float] = []
         self._anchors = 0
 
@@ -385,6 +396,8 @@ class DFlashObjective:
     def log_fields(self, st: dict, dt: float) -> dict:
         """tau, accuracies and anchors of a step for its log record; kept for :meth:`run_summary`."""
         rec = {k: st[k] for k in ("tau", "acc", "slot_acc", "anchors") if k in st}
+        if self.target.remote:   # where the step's time went between the target rank and this one
+            rec.update(self.target.log_fields(st["epoch"], st["step"], dt))
         if not st["skipped"] and "tau" in st:
             self._taus.append(st["tau"])
         if "anchors" in st:
@@ -397,7 +410,8 @@ class DFlashObjective:
         if not taus:
             return {}
         k = max(1, min(5, len(taus) // 2))
-        return {"tau_first": sum(taus[:k]) / k, "tau_last": sum(taus[-k:]) / k, "anchors": self._anchors,
+        split = self.target.summary() if self.target.remote else {}
+        return split | {"tau_first": sum(taus[:k]) / k, "tau_last": sum(taus[-k:]) / k, "anchors": self._anchors,
                 "anchors_per_s": self._anchors / max(time_s, 1e-9)}
 
     def model_config(self) -> dict:
@@ -410,12 +424,13 @@ class DFlashObjective:
         pass  # `export RUN --out DIR` writes the public format from the checkpoint
 
 
-def build(cfg: TrainConfig, ds, device: torch.device, manifest=None) -> DFlashObjective:
-    """The drafter for ``cfg.target`` (a transformers folder), with the anchors of ``manifest``."""
+def drafter_config(cfg: TrainConfig, manifest=None):
+    """``(DrafterConfig, AnchorSpec, where the anchor seed came from, tokenizer)`` of a run: what a
+    drafter rank builds and a target rank (:mod:`.target_worker`) needs to build the same batches."""
     from transformers import AutoConfig
 
-    from .drafter import Drafter, DrafterConfig
-    from .target import FrozenTarget, load_tokenizer, pick_mask_token, target_identity
+    from .drafter import DrafterConfig
+    from .target import load_tokenizer, pick_mask_token
 
     spec, source = anchor_spec(cfg, manifest)
     hc = AutoConfig.from_pretrained(cfg.target)
@@ -424,7 +439,22 @@ def build(cfg: TrainConfig, ds, device: torch.device, manifest=None) -> DFlashOb
     ids = list(cfg.target_layer_ids) or None
     dcfg = DrafterConfig.from_target_config(hc, cfg.draft_layers, spec.block_size, mask_id, target_layer_ids=ids,
                                             sliding_window=cfg.sliding_window)
-    target = FrozenTarget(cfg.target, dcfg.target_layer_ids, device=device)
+    return dcfg, spec, source, tok
+
+
+def build(cfg: TrainConfig, ds, device: torch.device, manifest=None, place=None) -> DFlashObjective:
+    """The drafter for ``cfg.target`` (a transformers folder), with the anchors of ``manifest``;
+    on a split job's drafter rank (``place``, :mod:`.split`) its taps come from the target rank."""
+    from .drafter import Drafter
+    from .target import FrozenTarget, target_identity
+
+    dcfg, spec, source, tok = drafter_config(cfg, manifest)
+    if place is None:
+        target = FrozenTarget(cfg.target, dcfg.target_layer_ids, device=device)
+    else:
+        from .taps import remote_taps
+
+        target = remote_taps(place, cfg.target, timeout=cfg.target_timeout, device=device)
     drafter = Drafter(dcfg).to(device)
     gamma = cfg.gamma or default_gamma(spec.block_size)
     return DFlashObjective(drafter, target, cfg, anchor_spec=spec, gamma=gamma,

@@ -36,7 +36,7 @@ import torch
 
 from dflash_prep.errors import ConfigError
 
-from . import objective_dflash
+from . import objective_dflash, target_worker
 from .chunked_ce import weighted_ce
 from .config import TrainConfig
 from .data import IGNORE, build_batch
@@ -44,19 +44,43 @@ from .source import tokenizer_field
 
 #: trainer-side builders by objective name: ``builder(cfg, ds, device, manifest) -> objective``
 _TRAINERS: dict = {}
+#: target-rank entry points of the objectives that train on a frozen target (``--target-ranks``)
+_SERVERS: dict = {}
 
 
-def register_trainer(name: str, builder) -> None:
-    """Make ``--objective NAME`` build its trainer objective with ``builder`` (after seeding torch)."""
+def register_trainer(name: str, builder, serve=None) -> None:
+    """Make ``--objective NAME`` build its trainer objective with ``builder`` (after seeding torch).
+
+    ``serve(cfg, place, dist, source) -> summary`` runs a split job's target rank (:mod:`.split`); an
+    objective with one also takes ``builder(..., place=place)`` on the drafter ranks."""
     _TRAINERS[name] = builder
+    if serve is not None:
+        _SERVERS[name] = serve
 
 
-def build_objective(cfg: TrainConfig, ds, device: torch.device, manifest=None):
-    """The objective ``cfg`` asks for, its module on ``device`` (seeded with ``cfg.seed``)."""
+def _check_split(cfg: TrainConfig) -> None:
+    if cfg.objective not in _SERVERS:
+        raise ConfigError(f"--target-ranks {cfg.target_ranks}: --objective {cfg.objective} has no frozen target to "
+                          f"put on its own ranks; drop --target-ranks or use --objective {' / '.join(_SERVERS)}")
+
+
+def build_objective(cfg: TrainConfig, ds, device: torch.device, manifest=None, place=None):
+    """The objective ``cfg`` asks for, its module on ``device`` (seeded with ``cfg.seed``); ``place``:
+    a split job's drafter rank (:mod:`.split`), whose objective gets its target's output from a target rank."""
     if cfg.objective not in _TRAINERS:
         raise ConfigError(f"--objective must be one of {', '.join(_TRAINERS)}, got {cfg.objective!r}")
     torch.manual_seed(cfg.seed)
-    return _TRAINERS[cfg.objective](cfg, ds, device, manifest)
+    if place is None:
+        return _TRAINERS[cfg.objective](cfg, ds, device, manifest)
+    _check_split(cfg)
+    return _TRAINERS[cfg.objective](cfg, ds, device, manifest, place=place)
+
+
+def serve_target(cfg: TrainConfig, place, d, source=None) -> dict:
+    """Run a split job's target rank for ``cfg.objective`` (:mod:`.split`) over ``source`` (None:
+    the files ``cfg`` names); returns its summary."""
+    _check_split(cfg)
+    return _SERVERS[cfg.objective](cfg, place, d, source)
 
 
 def _flat(b):
@@ -171,4 +195,4 @@ def build_lm(cfg: TrainConfig, ds, device: torch.device, manifest=None) -> LMObj
 
 
 register_trainer("lm", build_lm)
-register_trainer("dflash", objective_dflash.build)
+register_trainer("dflash", objective_dflash.build, serve=target_worker.serve)

@@ -136,6 +136,12 @@ def wait_work(work, timeout: float) -> str | None:
     return None
 
 
+def link_device(device: torch.device) -> torch.device:
+    """Where a link's tensors live: ``device`` under NCCL, else the CPU (gloo stages GPU tensors
+    through host memory; two ranks sharing one GPU must use gloo, NCCL refuses them)."""
+    return device if device.type == "cuda" and dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def _check_timeout(timeout: float) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
         raise ConfigError(f"--target-timeout must be a finite number of seconds > 0, got {timeout!r}")
@@ -177,7 +183,7 @@ class TapsSender:
         q = self._q[dst]
         while len(q) >= self.prefetch:
             self._retire(dst, q.popleft())
-        tensors = [t.contiguous() for t in tensors]
+        tensors = [t.to(self.device).contiguous() for t in tensors]   # to the host under gloo
         header = encode_header(kind, tag, tensors)
         try:
             if self._stream is not None:  # the send stream waits for the forward that made the payload

@@ -9,6 +9,11 @@ Nothing reorders: the builder runs ahead on one FIFO thread (:class:`~.data.Pref
 the only other queue is the sender's bounded in-flight window per drafter rank. There is no
 buffer to pick from and no readiness threshold.
 
+With ``step_stats`` (the trainer's split jobs) each step ends with one more message per served
+drafter: the step's :class:`StepTiming` (tag micro-batch -1, :func:`~.taps.step_tag`), which
+the drafter logs. With ``final`` (``--loss kl``) a message carries the taps and the target's
+final-normed last hidden states.
+
 The loop stops after the last step of the last epoch, or after ``max_steps`` steps (the
 drafters' ``--max-steps`` counted from the cursor), waits until every message is taken,
 and returns one :class:`StepTiming` per step. On an error it tells its drafter ranks why
@@ -28,7 +33,8 @@ from dflash_prep.errors import ConfigError
 
 from .data import Prefetcher, iter_steps
 from .roles import Roles
-from .target_link import KIND_DATA, Tag, TapsSender
+from .target_link import KIND_DATA, Tag, TapsSender, link_device
+from .taps import step_tag
 
 
 @dataclass
@@ -64,7 +70,8 @@ class TargetWorker:
     """
 
     def __init__(self, source, provider, sender: TapsSender, *, roles: Roles, target_rank: int,
-                 build: Callable, device: torch.device, autocast=contextlib.nullcontext, build_ahead: int = 2):
+                 build: Callable, device: torch.device, autocast=contextlib.nullcontext, build_ahead: int = 2,
+                 final: bool = False, step_stats: bool = False):
         self.source, self.provider, self.sender, self.roles = source, provider, sender, roles
         self.served = roles.served(target_rank)
         self.dst = {i: roles.drafter_global(i) for i in self.served}
@@ -73,6 +80,7 @@ class TargetWorker:
             raise ValueError(f"the sender has no peer for global ranks {missing}")
         self.build, self.device, self.autocast, self.build_ahead = build, device, autocast, int(build_ahead)
         self.target_rank = int(target_rank)
+        self.final, self.step_stats = bool(final), bool(step_stats)
         self.timings: list[StepTiming] = []
 
     def run(self, epochs: Sequence[int], *, start: tuple[int, int] = (0, 0),
@@ -126,20 +134,26 @@ class TargetWorker:
                     events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
                     events[-1][0].record()
                 with self.autocast():
-                    taps = self.provider.taps(b.to(self.device), epoch=epoch)   # (T, k*H)
+                    got = self.provider.taps(b.to(self.device), epoch=epoch, final=self.final)  # (T, k*H) [, (T, H)]
                 if events:
                     events[-1][1].record()
                 busy += time.perf_counter() - t0
-                s.send(self.dst[r], Tag.of(epoch, b.step, b.accum, b.sample_ids), [taps], kind=KIND_DATA)
+                s.send(self.dst[r], Tag.of(epoch, b.step, b.accum, b.sample_ids), list(got) if self.final else [got],
+                       kind=KIND_DATA)
                 in_flight = max(in_flight, s.in_flight())
         if events:  # GPU time of the forwards (waits for the step's last one; its sends keep flowing)
             events[-1][1].synchronize()
             busy = sum(a.elapsed_time(z) for a, z in events) / 1e3
         now = time.perf_counter()
-        self.timings.append(StepTiming(
-            epoch=epoch, step=step, wall_s=now - t_prev, busy_s=busy, send_s=s.send_s - send0,
-            build_wait_s=build_wait,
-            bytes_sent=s.bytes_sent - b0, messages=s.messages - m0, in_flight_max=in_flight))
+        t = StepTiming(epoch=epoch, step=step, wall_s=now - t_prev, busy_s=busy, send_s=s.send_s - send0,
+                       build_wait_s=build_wait, bytes_sent=s.bytes_sent - b0, messages=s.messages - m0,
+                       in_flight_max=in_flight)
+        self.timings.append(t)
+        if self.step_stats:   # the drafters log it (RemoteTaps.log_fields), in taps.STEP_STATS order
+            row = torch.tensor([t.busy_s, t.wall_s, t.send_s, t.in_flight_max, t.bytes_sent, t.messages],
+                               dtype=torch.float64, device=self.device)
+            for r in self.served:
+                s.send(self.dst[r], step_tag(epoch, step), [row], kind=KIND_DATA)
 
 
 def sender_for(place, *, prefetch: int, timeout: float, device: torch.device) -> TapsSender:
@@ -149,3 +163,52 @@ def sender_for(place, *, prefetch: int, timeout: float, device: torch.device) ->
         raise ValueError(f"global rank {place.rank} is a drafter rank; only target ranks send taps")
     peers = {roles.drafter_global(i): f"drafter rank {i}" for i in place.served}
     return TapsSender(peers, prefetch=prefetch, timeout=timeout, device=device, me=f"target rank {place.rank}")
+
+
+def serve(cfg, place, d, source=None) -> dict:
+    """A split job's target rank under ``cfg`` (:mod:`.split`): wait for the drafters' cursor, load
+    the frozen target, serve every step they will train, and return this rank's summary.
+
+    The micro-batches are built exactly as the drafters' objective builds them
+    (:func:`~.objective_dflash.build_dflash_batch` under the same anchor options, mask id and
+    weights), the target runs under the autocast and attention backend the colocated loss runs
+    it under, and ``--loss kl`` sends the final hidden states too. ``source``: what the drafters
+    train on (default: :class:`~.source.FileSource` of ``cfg``; every epoch exists, :mod:`.split`).
+    """
+    from dflash_prep import kernels
+
+    from . import distributed, rescale, split
+    from .objective_dflash import build_dflash_batch, default_gamma, drafter_config
+    from .source import FileSource
+    from .target import FrozenTarget
+    from .taps import LocalTaps
+
+    distributed.set_determinism(d.device)
+    start = split.await_start(place)
+    single = distributed.Dist(0, 1, d.local_rank, d.device)   # the continuation exists already: nothing to pack
+    if source is None:
+        source = FileSource(cfg.data, cfg.plan, cfg.manifests, pack_missing=False)
+    source = rescale.source_for(source, start["continuation"], single)
+    dcfg, spec, _, _ = drafter_config(cfg, source.manifest(int(start["epoch"])))
+    gamma = None if cfg.slot_weights == "dpace" else (cfg.gamma or default_gamma(spec.block_size))
+    provider = LocalTaps(FrozenTarget(cfg.target, dcfg.target_layer_ids, device=d.device))
+    sender = sender_for(place, prefetch=cfg.target_prefetch, timeout=cfg.target_timeout, device=link_device(d.device))
+    autocast = distributed.autocast_for(d.device, cfg.bf16)
+
+    @contextlib.contextmanager
+    def forward_ctx():
+        with autocast(), (kernels.force_backend(cfg.attn) if cfg.attn != "auto" else contextlib.nullcontext()):
+            yield
+
+    build = (lambda mb, epoch: build_dflash_batch(source.dataset, mb, epoch=epoch, spec=spec, gamma=gamma,
+                                                  mask_token_id=dcfg.mask_token_id, vocab_size=dcfg.vocab_size))
+    worker = TargetWorker(source, provider, sender, roles=place.roles, target_rank=place.rank, build=build,
+                          device=d.device, autocast=forward_ctx, final=cfg.loss == "kl", step_stats=True)
+    split.ready()
+    limit = start["max_steps"]
+    timings = worker.run(range(cfg.epochs), start=(int(start["epoch"]), int(start["step"])),
+                         max_steps=None if limit is None else max(0, limit - int(start["global_step"])))
+    wall = sum(t.wall_s for t in timings)
+    return {"role": "target", "rank": place.rank, "served": place.served, "steps": len(timings),
+            "busy_share": sum(t.busy_s for t in timings) / wall if wall > 0 else 0.0,
+            "bytes_sent": sender.bytes_sent, "messages": sender.messages, "time_s": wall}

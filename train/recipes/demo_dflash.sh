@@ -13,7 +13,9 @@
 # (held-out prompts), B (block size), LM_STEPS, DRAFT_STEPS, DRAFT_LAYERS, MAX_ANCHORS (anchors per
 # sample), MAX_NEW (tokens per prompt), REGEN_TOKENS (tokens per regenerated answer),
 # LM_EPOCHS / DRAFT_EPOCHS (epochs packed for each run), SLOT_WEIGHTS (decay|dpace), LOSS (ce|kl),
-# OPTIMIZER (adamw|muon).
+# OPTIMIZER (adamw|muon), TARGET_RANKS (0: the drafter holds the target; K: the drafter stage is
+# a torchrun job of K target processes + DRAFTER_RANKS drafter processes, docs/target-ranks.md),
+# DRAFTER_RANKS (drafter processes; default 1, or 2 with TARGET_RANKS; the manifests are packed for it).
 set -euo pipefail
 
 OUT=${DEMO_DFLASH:-demo-dflash}
@@ -34,6 +36,8 @@ SLOT_WEIGHTS=${SLOT_WEIGHTS:-decay}
 LOSS=${LOSS:-ce}
 OPTIMIZER=${OPTIMIZER:-adamw}
 WINDOW=${WINDOW:-0}
+TARGET_RANKS=${TARGET_RANKS:-0}
+DRAFTER_RANKS=${DRAFTER_RANKS:-$([ "$TARGET_RANKS" -gt 0 ] && echo 2 || echo 1)}
 # The target's shape: small enough that one LM step on 2,048 tokens takes about a second on a
 # loaded 2-core machine (the LM head dominates: keep the vocabulary small). 4 layers: a
 # 1-layer drafter taps layer L//2 = 2.
@@ -100,7 +104,7 @@ if has_flag "$CLI pack" "--objective"; then
     $CLI analyze "$DATA" --budget "$BUDGET" --out "$OUT/plan"
     $CLI pack "$DATA" --plan "$PLAN" --epochs 0-$(( DRAFT_EPOCHS - 1 )) --objective dflash --block-size "$B" \
         --max-anchors "$MAX_ANCHORS" --target-config "$OUT/target" --draft-layers "$DRAFT_LAYERS" \
-        --sliding-window "$WINDOW" --out "$MANIFESTS"
+        --sliding-window "$WINDOW" --world-size "$DRAFTER_RANKS" --out "$MANIFESTS"
 elif [ "$DATA" = "$OUT/lm-data" ]; then
     echo "NOTE: this dflash-prep's pack has no --objective dflash yet, and the data is the LM's: the drafter"
     echo "      trains on the LM's varlen manifests (token budget, no anchor budget)"
@@ -112,10 +116,15 @@ else
     $CLI pack "$DATA" --plan "$PLAN" --epochs 0-$(( DRAFT_EPOCHS - 1 )) --layout varlen --out "$MANIFESTS"
 fi
 
-step "6. train the drafter on the frozen target ($DRAFT_LAYERS layer(s), B = $B, $DRAFT_STEPS steps)"
+step "6. train the drafter on the frozen target ($DRAFT_LAYERS layer(s), B = $B, $DRAFT_STEPS steps, $DRAFTER_RANKS drafter process(es), $TARGET_RANKS target process(es))"
 # the demo's small settings, passed explicitly: the trainer's dflash defaults are the full recipe
 # (B = 16, 5 draft layers, sliding window 2048, D-PACE, Muon), sized for a real target
-$TRAIN --objective dflash --target "$OUT/target" --draft-layers "$DRAFT_LAYERS" --block-size "$B" \
+DRAFT_TRAIN="$TRAIN"
+if [ $(( TARGET_RANKS + DRAFTER_RANKS )) -gt 1 ]; then   # one gloo job: K target + W drafter processes
+    DRAFT_TRAIN="$PY -m dflash_prep.train.launch --standalone --nproc_per_node $(( TARGET_RANKS + DRAFTER_RANKS ))
+        -m dflash_prep.train --device cpu --no-progress --target-ranks $TARGET_RANKS"
+fi
+$DRAFT_TRAIN --objective dflash --target "$OUT/target" --draft-layers "$DRAFT_LAYERS" --block-size "$B" \
     --data "$DATA" --plan "$PLAN" --manifests "$MANIFESTS" --out "$OUT/drafter-run" \
     --epochs "$DRAFT_EPOCHS" --max-steps "$DRAFT_STEPS" --lr 3e-3 --warmup-steps 5 --max-anchors "$MAX_ANCHORS" \
     --slot-weights "$SLOT_WEIGHTS" --loss "$LOSS" --optimizer "$OPTIMIZER" --sliding-window "$WINDOW"

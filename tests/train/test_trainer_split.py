@@ -1,0 +1,195 @@
+"""The trainer with target ranks (issue 22, phase 2): ``train()`` on K = 1 target + W = 2 drafter
+gloo processes against the colocated W = 2 run on the same `pack --objective dflash` manifests
+(2 epochs x 3 steps, A = 2): the same losses and weights, the manifest's length mix step by
+step, resume across K, and SIGKILL of either side. Every job has a hard deadline (CPU, fp32,
+one thread per process: bit-identical across process layouts).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dflash_prep.train import checkpoint as ckpt
+from tests.train.split_fixtures import build_pipeline, open_source
+from tests.train.trainer_split_fixtures import base_cfg, log_records, run_job
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+STEPS = 6   # 2 epochs x 3 steps
+
+
+def test_split_options_are_checked_and_lm_has_no_target_to_split():
+    from dflash_prep.errors import ConfigError
+    from dflash_prep.train.config import TrainConfig, field_help
+    from dflash_prep.train.objectives import build_objective, serve_target
+
+    for kw, msg in ((dict(target_ranks=-1), "--target-ranks must be >= 0"),
+                    (dict(target_prefetch=0), "--target-prefetch >= 1"),
+                    (dict(target_timeout=0.0), "--target-timeout must be a finite number > 0")):
+        with pytest.raises(ConfigError, match=msg):
+            TrainConfig(**kw)
+    assert {"target_ranks", "target_prefetch", "target_timeout"} <= set(field_help(TrainConfig))
+    cfg = TrainConfig(target_ranks=1)
+    with pytest.raises(ConfigError, match="--objective lm has no frozen target to put on its own ranks"):
+        build_objective(cfg, None, torch.device("cpu"), place=object())
+    with pytest.raises(ConfigError, match="--objective lm has no frozen target"):
+        serve_target(cfg, object(), None)
+
+
+def _ok(job: dict, world: int) -> None:
+    errs = {r: job[r].get("trace") or job[r].get("error") for r in range(world) if r in job and "error" in job[r]}
+    assert job["exit"] == [0] * world and not errs, f"exit codes {job['exit']}: {errs}"
+
+
+def _weights(out) -> dict:
+    return ckpt.load(out / ckpt.CKPT_FILE)["model"]
+
+
+def _same_weights(a, b) -> None:
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    diff = {k: float((wa[k] - wb[k]).abs().max()) for k in wa if not torch.equal(wa[k], wb[k])}
+    assert not diff, f"drafter weights differ (max abs diff per tensor): {diff}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The pipeline, a straight colocated run and a straight split run (K = 1, W = 2)."""
+    root = tmp_path_factory.mktemp("trainer-split")
+    paths = build_pipeline(root / "pipe")
+    colo = run_job(root / "colo-job", base_cfg(paths, root / "colo"), 2)
+    _ok(colo, 2)
+    split = run_job(root / "split-job", base_cfg(paths, root / "split", target_ranks=1), 3)
+    _ok(split, 3)
+    return {"root": root, "paths": paths, "colo": root / "colo", "split": root / "split", "split_job": split}
+
+
+def test_one_target_rank_two_drafters_equal_the_colocated_run(runs):
+    a, b = log_records(runs["colo"]), log_records(runs["split"])
+    assert [r["global_step"] for r in a] == [r["global_step"] for r in b] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["tau"] for r in a] == [r["tau"] for r in b]
+    _same_weights(runs["colo"], runs["split"])
+    # the split run logs where the time went, and the target rank served every step
+    for r in b:
+        assert 0.0 <= r["target_busy_frac"] <= 1.0 and 0.0 <= r["drafter_wait_frac"] <= 1.0
+        assert r["bytes_sent"] > 0 and 1 <= r["messages_in_flight"] <= 2 * 2 + 2
+    target = runs["split_job"][0]["summary"]
+    assert target["role"] == "target" and target["steps"] == STEPS and target["served"] == [0, 1]
+    import json
+
+    s = json.loads((runs["split"] / "summary.json").read_text())
+    assert s["bottleneck"] in ("target", "drafter") and 1 <= s["suggested_target_ranks"] <= 2
+    assert (s["target_ranks"], s["drafter_ranks"], s["world_size"]) == (1, 2, 2)
+
+
+def test_the_drafters_train_on_the_manifests_length_mix_step_by_step(runs):
+    """A ready/depth buffer in front of the drafters (the seeds' design) hands out whichever
+    micro-batches its target workers finished and its depth rule releases first; on this corpus
+    the steps alternate between many short conversations and a few near ``max_len`` ones (the
+    per-step token counts below differ), and a target finishes a long micro-batch's forward no
+    sooner but fills a token-depth threshold with fewer messages, so such a buffer drifts toward
+    the long ones. Here the drafters take the target's messages in manifest order: every step's
+    real tokens and anchors are those of the manifest's rows of that step, over both ranks."""
+    src = open_source(runs["paths"])
+    want = []
+    for epoch in (0, 1):
+        m = src.manifest(epoch)
+        for s in range(m.num_steps):
+            want.append(sum(int(mb.real_tokens) for r in range(2) for mb in m.microbatches(r, s) if mb.step == s))
+    assert len(set(want)) > 2, f"the corpus must vary the per-step token count, got {want}"
+    got = log_records(runs["split"])
+    assert [r["real_tokens"] for r in got] == want
+    assert [r["anchors"] for r in got] == [r["anchors"] for r in log_records(runs["colo"])]
+
+
+@pytest.mark.parametrize("first,then", [(0, 1), (1, 0)], ids=["colocated-then-split", "split-then-colocated"])
+def test_resume_across_target_ranks_exactly_once(runs, first, then):
+    """3 steps under one K, the rest resumed under the other: steps 1..6 logged once each, the
+    losses of the resumed steps and the final weights those of the straight run."""
+    root, paths = runs["root"], runs["paths"]
+    out = root / f"resume-{first}-{then}"
+    shutil.rmtree(out, ignore_errors=True)
+    job = run_job(root / f"r1-{first}", base_cfg(paths, out, target_ranks=first, max_steps=3), 2 + first)
+    _ok(job, 2 + first)
+    job = run_job(root / f"r2-{then}", base_cfg(paths, out, target_ranks=then), 2 + then)
+    _ok(job, 2 + then)
+    got, want = log_records(out), log_records(runs["colo"])
+    assert [r["global_step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    assert [r["real_tokens"] for r in got] == [r["real_tokens"] for r in want]
+    _same_weights(out, runs["colo"])
+
+
+def test_sigkill_of_the_target_rank_stops_the_drafters_within_the_timeout(runs):
+    root, paths = runs["root"], runs["paths"]
+    out, timeout = root / "kill-target", 8.0
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = base_cfg(paths, out, target_ranks=1, ckpt_every=1, target_timeout=timeout)
+    job = run_job(root / "kt-job", cfg, 3, kill=(0, 2), deadline=90.0)
+    assert job["killed_at"] is not None, "the run ended before the kill"
+    assert job["exit"][0] == -9 and job["exit"][1:] == [1, 1], job["exit"]
+    for r in (1, 2):
+        line = job[r]["error"]
+        assert "\n" not in line and "target rank 0" in line and " step " in line, line
+        assert job[r]["t_end"] - job["killed_at"] < timeout + 5.0
+    state = ckpt.load(out / ckpt.CKPT_FILE)   # intact: the last checkpoint of a whole step
+    done = int(state["cursor"]["global_step"])
+    assert done >= 2
+    job = run_job(root / "kt-resume", base_cfg(paths, out), 2)   # and resumable, here colocated
+    _ok(job, 2)
+    assert [r["loss"] for r in log_records(out)] == [r["loss"] for r in log_records(runs["colo"])]
+    _same_weights(out, runs["colo"])
+
+
+def test_sigkill_of_a_drafter_rank_makes_the_target_rank_exit(runs):
+    root, paths = runs["root"], runs["paths"]
+    out, timeout = root / "kill-drafter", 8.0
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = base_cfg(paths, out, target_ranks=1, target_timeout=timeout)
+    job = run_job(root / "kd-job", cfg, 3, kill=(2, 1), deadline=90.0)
+    assert job["killed_at"] is not None, "the run ended before the kill"
+    assert job["exit"][2] == -9 and job["exit"][0] == 1 and job["exit"][1] != 0, job["exit"]
+    assert job[0]["t_end"] - job["killed_at"] < timeout + 5.0
+    assert "drafter rank" in job[0]["error"] and "\n" not in job[0]["error"], job[0]["error"]
+
+
+def test_rescale_resume_onto_fewer_drafter_ranks_with_a_target_rank(runs):
+    """W = 2 (split) for 2 steps of epoch 0, then --rescale onto W' = 1 drafter + 1 target rank:
+    the rest of the epoch comes from its continuation, re-packed for W' on the fly, and the
+    target rank serves exactly it: the resumed steps hold the tokens and anchors of the straight
+    run's rest of epoch 0, each sample once."""
+    root, paths = runs["root"], runs["paths"]
+    out = root / "rescale"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(root / "pipe" / "man" / "resume", ignore_errors=True)
+    job = run_job(root / "rs1", base_cfg(paths, out, target_ranks=1, max_steps=2, epochs=1), 3)
+    _ok(job, 3)
+    job = run_job(root / "rs2", base_cfg(paths, out, target_ranks=1, epochs=1, rescale=True), 2)
+    _ok(job, 2)
+    got, want = log_records(out), log_records(runs["colo"])[:3]       # epoch 0: 3 steps
+    rest = got[2:]
+    assert [r["global_step"] for r in got] == list(range(1, len(got) + 1)) and rest
+    assert [r["loss"] for r in got[:2]] == [r["loss"] for r in want[:2]]
+    assert sum(r["real_tokens"] for r in rest) == want[2]["real_tokens"]
+    assert sum(r["anchors"] for r in rest) == want[2]["anchors"]
+    assert job[0]["summary"]["steps"] == len(rest) and job[0]["summary"]["served"] == [0]
+
+
+def test_kl_dpace_muon_split_equals_colocated(runs):
+    """--loss kl: the target rank also sends its final hidden states; with D-PACE (the normaliser
+    after the forward) and Muon, 2 steps split equal 2 steps colocated, bit for bit."""
+    root, paths = runs["root"], runs["paths"]
+    recipe = dict(loss="kl", kl_temperature=2.0, slot_weights="dpace", optimizer="muon", max_steps=2)
+    outs = {}
+    for K in (0, 1):
+        outs[K] = root / f"kl-{K}"
+        shutil.rmtree(outs[K], ignore_errors=True)
+        _ok(run_job(root / f"kl-job-{K}", base_cfg(paths, outs[K], target_ranks=K, **recipe), 2 + K), 2 + K)
+    a, b = log_records(outs[0]), log_records(outs[1])
+    assert len(a) == 2 and [r["loss"] for r in a] == [r["loss"] for r in b]
+    _same_weights(outs[0], outs[1])

@@ -1,0 +1,69 @@
+"""The trainer's split jobs (``--target-ranks K``): the target on its own ranks, the drafters on the rest.
+
+A torchrun job of ``K + W`` processes (:mod:`.roles`): global ranks ``0..K-1`` run the
+objective's target worker (:func:`dflash_prep.train.objectives.serve_target`; for DFlash,
+:func:`.target_worker.serve`), global ranks ``K..K+W-1`` run the normal training loop on the
+drafter-only :class:`~.distributed.Dist`, with a :class:`~.taps.RemoteTaps` provider instead
+of a local target. The start, in this order on every rank:
+
+1. :func:`join`: the roles (W = the job's size - K), the drafter-only process group;
+2. :func:`prepare`: the drafter ranks open every epoch's manifest, so their rank 0 packs the
+   missing ones (``--pack-missing``), while the target ranks wait on a default-group barrier:
+   nobody packs twice, and a target rank never reads a half-written manifest;
+3. the drafters set up as a colocated run does (checkpoint, ``--rescale`` continuation, the
+   drafter and its heads), then :func:`announce` the cursor: drafter rank 0 broadcasts
+   ``{epoch, step, global_step, max_steps, continuation}`` on the default group; the target
+   ranks (:func:`await_start`) load the target after it and join a last default-group barrier,
+   so that both sides run the same epochs and steps from the same cursor, resume included, and
+   a target's load counts against the process group's timeout, not ``--target-timeout``.
+
+``K`` is not part of the run contract: a checkpoint holds only the drafter's state, the same
+for any K (the run key is the drafters'), so a run resumes colocated or split alike.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as tdist
+
+from . import distributed
+from .roles import Place, Roles
+from .roles import join as join_roles
+
+
+def join(cfg, d: distributed.Dist) -> Place:
+    """This process's :class:`~.roles.Place` in a job of ``d.world_size`` ranks, ``cfg.target_ranks`` of them targets."""
+    roles = Roles(cfg.target_ranks, d.world_size - cfg.target_ranks)
+    return join_roles(roles, rank=d.rank, world_size=d.world_size, local_rank=d.local_rank, device=d.device)
+
+
+def prepare(cfg, place: Place, source=None) -> None:
+    """Step 2 (module docstring): every epoch's manifest exists when this returns, on every rank."""
+    if not place.is_target:
+        if source is None:
+            from .source import FileSource
+
+            source = FileSource(cfg.data, cfg.plan, cfg.manifests, pack_missing=cfg.pack_missing, dist=place.dist)
+        for epoch in range(cfg.epochs):
+            source.manifest(epoch)
+    tdist.barrier()
+
+
+def announce(place: Place, *, epoch: int, step: int, global_step: int, max_steps: int | None,
+             continuation: dict | None) -> None:
+    """Drafter ranks: tell the target ranks where training starts, then wait until they are ready."""
+    start = [{"epoch": int(epoch), "step": int(step), "global_step": int(global_step),
+              "max_steps": max_steps, "continuation": continuation}]
+    tdist.broadcast_object_list(start, src=place.roles.drafter_global(0))
+    tdist.barrier()
+
+
+def await_start(place: Place) -> dict:
+    """Target ranks: the cursor :func:`announce` sends (call :func:`ready` after loading the target)."""
+    start = [None]
+    tdist.broadcast_object_list(start, src=place.roles.drafter_global(0))
+    return start[0]
+
+
+def ready() -> None:
+    """Target ranks: loaded, the drafters may start."""
+    tdist.barrier()
