@@ -1,8 +1,9 @@
 """The trainer with target ranks (issue 22, phase 2): ``train()`` on K = 1 target + W = 2 drafter
 gloo processes against the colocated W = 2 run on the same `pack --objective dflash` manifests
 (2 epochs x 3 steps, A = 2): the same losses and weights, the manifest's length mix step by
-step, resume across K, and SIGKILL of either side. Every job has a hard deadline (CPU, fp32,
-one thread per process: bit-identical across process layouts).
+step, resume across K, --rescale onto fewer and onto more drafter ranks, and SIGKILL of either
+side. Every job has a hard deadline (CPU, fp32, one thread per process: bit-identical across
+process layouts).
 """
 
 from __future__ import annotations
@@ -193,3 +194,72 @@ def test_kl_dpace_muon_split_equals_colocated(runs):
     a, b = log_records(outs[0]), log_records(outs[1])
     assert len(a) == 2 and [r["loss"] for r in a] == [r["loss"] for r in b]
     _same_weights(outs[0], outs[1])
+
+
+def test_rescale_resume_onto_more_drafter_ranks_with_a_target_rank(runs):
+    """The reverse: W = 1 drafter + 1 target rank for 2 steps of epoch 0 (manifests packed for
+    W = 1 from the same data and plan), then --rescale onto W' = 2 drafters + 1 target rank. The
+    continuation is re-packed for W' = 2 and the target rank serves both drafters; every sample
+    of the epoch is trained exactly once (the parent's first 2 steps, then the continuation), and
+    each resumed step holds the tokens and anchors of its continuation rows."""
+    import json
+
+    import numpy as np
+
+    from dflash_prep.formats import manifest
+    from dflash_prep.objectives.dflash import drafter_options
+    from dflash_prep.pack.pack import PackConfig, pack_epochs
+    from dflash_prep.verify import verify_epoch
+
+    from tests.train.split_fixtures import BLOCK, MAX_ANCHORS
+
+    root, paths, k = runs["root"], runs["paths"], 2
+    man, out = root / "man-w1", root / "rescale-up"
+    for d in (man, out):
+        shutil.rmtree(d, ignore_errors=True)
+    opts = drafter_options(target_config=paths["target"], draft_layers=1, block_size=BLOCK, max_anchors=MAX_ANCHORS)
+    [d0] = pack_epochs(plan=paths["plan"], epochs=[0], out=man, data=paths["data"],
+                       config=PackConfig(objective="dflash", options=opts, world_size=1, grad_accum=2))
+    parent = manifest.open(d0)
+    assert parent.world_size == 1 and parent.num_steps > k + 1, parent.num_steps
+    w1 = {**paths, "manifests": str(man)}
+    job = run_job(root / "ru1", base_cfg(w1, out, target_ranks=1, max_steps=k, epochs=1), 2)
+    _ok(job, 2)
+    assert job[0]["summary"]["served"] == [0] and job[0]["summary"]["steps"] == k
+    job = run_job(root / "ru2", base_cfg(w1, out, target_ranks=1, epochs=1, rescale=True), 3)
+    _ok(job, 3)
+    cont = manifest.open(man / "resume" / "epoch-0000")
+    assert cont.world_size == 2 and cont.header["resume"]["from_step"] == k and cont.num_steps > 0
+    verify_epoch(cont.path)                            # exactly-once coverage with the parent
+    got = log_records(out)
+    assert [r["global_step"] for r in got] == list(range(1, k + cont.num_steps + 1))
+    assert [r["step"] for r in got] == list(range(k + cont.num_steps))
+    # what each logged step read: the parent's rows of steps 0..k-1, then both ranks of the continuation
+    steps = {s: [mb for mb in parent.microbatches(0) if mb.step == s] for s in range(parent.num_steps)}
+    cont_steps = {k + s: [mb for w in range(2) for mb in cont.microbatches(w) if mb.step == s]
+                  for s in range(cont.num_steps)}
+    kc = {}
+    for m in (parent, cont):
+        kc.update(zip(m.sample_ids.tolist(), m.arrays["anchor_counts"].tolist()))
+    read = {**{s: steps[s] for s in range(k)}, **cont_steps}
+    for r in got:
+        mbs = read[r["step"]]
+        assert r["real_tokens"] == sum(int(mb.real_tokens) for mb in mbs)
+        assert r["anchors"] == sum(kc[int(i)] for mb in mbs for i in mb.sample_ids)
+    # the resumed steps hold exactly the W = 1 epoch's remaining micro-batches, in tokens and anchors
+    rest, left = got[k:], [mb for s in range(k, parent.num_steps) for mb in steps[s]]
+    assert sum(r["real_tokens"] for r in rest) == sum(int(mb.real_tokens) for mb in left)
+    assert sum(r["anchors"] for r in rest) == sum(kc[int(i)] for mb in left for i in mb.sample_ids)
+    ids = np.concatenate([mb.sample_ids for mbs in read.values() for mb in mbs] + [cont.dropped_ids])
+    n = len(open_source(paths).dataset)
+    assert np.array_equal(np.bincount(ids, minlength=n), np.ones(n, np.int64)), "not exactly once"
+    left_ids = np.concatenate([mb.sample_ids for mb in left])
+    cont_ids = np.concatenate([mb.sample_ids for mbs in cont_steps.values() for mb in mbs] + [cont.dropped_ids])
+    assert sorted(left_ids.tolist() + parent.dropped_ids.tolist()) == sorted(cont_ids.tolist())
+    target = job[0]["summary"]
+    assert target["role"] == "target" and target["served"] == [0, 1] and target["steps"] == cont.num_steps
+    s = json.loads((out / "summary.json").read_text())
+    assert (s["target_ranks"], s["drafter_ranks"], s["world_size"]) == (1, 2, 2)
+    state = ckpt.load(out / ckpt.CKPT_FILE)
+    assert state["run_key"]["world_size"] == 2 and state["run_key"]["continuation"]["from_step"] == k
+    assert state["cursor"] == {"epoch": 1, "step": 0, "global_step": k + cont.num_steps}
