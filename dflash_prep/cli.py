@@ -118,8 +118,15 @@ class _WithObjectiveOptions:
         return {p.name: p.annotation for p in self.__signature__.parameters.values()}
 
     def __call__(self, **kwargs):
-        names = {fl.name for _, fl in self._flags()}
-        flags = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        owners: dict[str, tuple[list[str], object]] = {}
+        for objective, fl in self._flags():
+            owners.setdefault(fl.name, ([], fl))[0].append(objective)
+        chosen = kwargs.get("objective")
+        for name, (objs, fl) in owners.items():   # another objective's flag, set: refused, not ignored
+            if chosen not in objs and kwargs.get(name, fl.default) != fl.default:
+                raise typer.BadParameter(f"{fl.spelling} is an option of --objective {' or '.join(objs)}, not of "
+                                         f"--objective {chosen}; pass --objective {objs[0]}, or drop {fl.spelling}")
+        flags = {k: kwargs.pop(k) for k in list(kwargs) if k in owners}
         return self._fn(**kwargs, objective_flags=flags)
 
 

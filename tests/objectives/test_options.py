@@ -101,3 +101,20 @@ def test_a_declared_panel_reaches_pack_help():
     finally:
         del _REGISTRY["panel-test"]
     assert "Knobs" in out and "--panel-knob" in out and "Objective panel-test" not in out
+
+
+@pytest.mark.parametrize("command", ["pack", "analyze"])
+def test_another_objectives_flag_is_refused_not_ignored(tmp_path, command):
+    """``pack --block-size 8`` under the default ``--objective lm`` used to pack an LM epoch and
+    drop the flag; a flag set for an objective that is not the one chosen is a usage error naming it."""
+    from typer.testing import CliRunner
+
+    from dflash_prep.cli import app
+
+    args = [command, str(tmp_path / "data"), "--out", str(tmp_path / "out")]
+    args += ["--plan", str(tmp_path / "plan.json"), "--epoch", "0"] if command == "pack" else []
+    res = CliRunner().invoke(app, args + ["--block-size", "8"])
+    assert res.exit_code == 2, res.output
+    text = " ".join(res.output.replace("│", " ").split())
+    assert "--block-size is an option of --objective dflash" in text and "--objective lm" in text, text
+    assert not (tmp_path / "out").exists()
