@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 import traceback
 from pathlib import Path
@@ -195,3 +196,28 @@ def _drafter_side(place, source, build, paths, opts, out: Path, rank: int) -> di
             "group_ranks": ranks,
             "heads_equal": bool(local is None or (torch.equal(embed.weight, local.embed_tokens.weight)
                                                   and torch.equal(head.weight, local.lm_head.weight)))}
+
+
+def supervise(procs, *, deadline: float, kill_check=None) -> tuple[float, float | None]:
+    """Wait for every process of a spawned job. ``kill_check()`` (polled every 50 ms until it
+    answers) returns the index of a process to SIGKILL once, or None; a job still running after
+    ``deadline`` seconds raises :class:`TimeoutError` naming its ranks. Every process is reaped
+    either way. Returns ``(t0, killed_at)``."""
+    t0, killed_at = time.time(), None
+    try:
+        while any(p.is_alive() for p in procs):
+            if time.time() - t0 > deadline:
+                raise TimeoutError(f"ranks {[r for r, p in enumerate(procs) if p.is_alive()]} still running after "
+                                   f"{deadline} s")
+            if kill_check is not None and killed_at is None:
+                victim = kill_check()
+                if victim is not None:
+                    os.kill(procs[victim].pid, signal.SIGKILL)
+                    killed_at = time.time()
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    return t0, killed_at

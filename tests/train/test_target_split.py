@@ -8,9 +8,7 @@ Every spawned job is bounded: a rank still alive past its deadline is killed and
 from __future__ import annotations
 
 import json
-import os
 import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +20,7 @@ import torch.multiprocessing as mp
 from dflash_prep.errors import ConfigError, FormatError
 from dflash_prep.train.roles import Roles
 from dflash_prep.train.target_link import HEADER_LEN, KIND_DATA, Tag, decode_header, encode_header, sample_digest
-from tests.train.split_fixtures import build_pipeline, open_source, split_rank
+from tests.train.split_fixtures import build_pipeline, open_source, split_rank, supervise
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -116,22 +114,11 @@ def _job(tmp: Path, paths: dict, K: int, W: int, opts: dict, *, deadline: float 
     procs = [ctx.Process(target=split_rank, args=(r, K + W, str(init), paths, opts)) for r in range(K + W)]
     for p in procs:
         p.start()
-    t0, killed_at = time.time(), None
-    try:
-        while any(p.is_alive() for p in procs):
-            if time.time() - t0 > deadline:
-                pytest.fail(f"ranks {[r for r, p in enumerate(procs) if p.is_alive()]} still running after {deadline} s")
-            if kill and killed_at is None:
-                f = tmp / f"progress{kill[1] + K}"
-                if f.exists() and f.read_text() and int(f.read_text()) >= kill[2]:
-                    os.kill(procs[kill[0]].pid, signal.SIGKILL)
-                    killed_at = time.time()
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+    def due():
+        f = tmp / f"progress{kill[1] + K}"
+        return kill[0] if f.exists() and f.read_text() and int(f.read_text()) >= kill[2] else None
+
+    _, killed_at = supervise(procs, deadline=deadline, kill_check=due if kill else None)
     recs = {}
     for r, p in enumerate(procs):
         f = tmp / f"rank{r}.json"

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 import traceback
 from pathlib import Path
+
+from tests.train.split_fixtures import supervise
 
 
 def train_rank(rank: int, world: int, init_file: str, cfg_kw: dict, out_dir: str) -> None:
@@ -56,22 +57,13 @@ def run_job(tmp: Path, cfg_kw: dict, world: int, *, deadline: float = 120.0, kil
     procs = [ctx.Process(target=train_rank, args=(r, world, str(init), cfg_kw, str(tmp))) for r in range(world)]
     for p in procs:
         p.start()
-    t0, killed_at, log = time.time(), None, Path(cfg_kw["out"]) / "log.jsonl"
-    try:
-        while any(p.is_alive() for p in procs):
-            if time.time() - t0 > deadline:
-                raise TimeoutError(f"ranks {[r for r, p in enumerate(procs) if p.is_alive()]} still running after "
-                                   f"{deadline} s")
-            if kill and killed_at is None and log.exists() and any(
-                    json.loads(x).get("global_step") == kill[1] for x in log.read_text().splitlines()[1:] if x):
-                os.kill(procs[kill[0]].pid, signal.SIGKILL)
-                killed_at = time.time()
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+    log = Path(cfg_kw["out"]) / "log.jsonl"
+
+    def due():
+        steps = [json.loads(x).get("global_step") for x in log.read_text().splitlines()[1:] if x] if log.exists() else []
+        return kill[0] if kill[1] in steps else None
+
+    t0, killed_at = supervise(procs, deadline=deadline, kill_check=due if kill else None)
     recs: dict = {r: json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)
                   if (tmp / f"rank{r}.json").exists()}
     recs["exit"] = [p.exitcode for p in procs]
