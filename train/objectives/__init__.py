@@ -36,11 +36,11 @@ import torch
 
 from dflash_prep.errors import ConfigError
 
-from . import objective_dflash, target_worker
-from .chunked_ce import weighted_ce
-from .config import TrainConfig
-from .data import IGNORE, build_batch
-from .source import tokenizer_field
+from .. import objective_dflash, target_worker
+from ..chunked_ce import weighted_ce
+from ..config import TrainConfig
+from ..data import IGNORE, build_batch
+from ..source import tokenizer_field
 
 #: trainer-side builders by objective name: ``builder(cfg, ds, device, manifest) -> objective``
 _TRAINERS: dict = {}
@@ -119,7 +119,7 @@ class LMObjective:
     def loss(self, b, autocast):
         with autocast():
             if self.hf:
-                from .target import packed_forward
+                from ..target import packed_forward
 
                 ids, labels, pos, cu, mx = _flat(b)
                 h = packed_forward(self.model, ids, pos, cu, mx).last_hidden_state[0]  # (T, H)
@@ -179,14 +179,14 @@ class LMObjective:
 def build_lm(cfg: TrainConfig, ds, device: torch.device, manifest=None) -> LMObjective:
     """The small decoder, or ``--init-from`` a transformers causal LM."""
     if cfg.init_from:
-        from .target import load_causal_lm, load_tokenizer, target_identity
+        from ..target import load_causal_lm, load_tokenizer, target_identity
 
         tok = load_tokenizer(cfg.init_from)
         model = load_causal_lm(cfg.init_from, device=device, dtype=torch.float32).train()
         ident = target_identity(cfg.init_from, tok)
         obj = LMObjective(model, cfg, hf=True, tokenizer=tok, contract={"init_from": ident["target_fingerprint"]})
     else:
-        from .model import Decoder
+        from ..model import Decoder
 
         model = Decoder(cfg.model_config(int(tokenizer_field(ds, "vocab_size", 0)))).to(device)
         obj = LMObjective(model, cfg)
