@@ -179,7 +179,7 @@ class Validator:
         from dflash_prep.train import checkpoint as ckpt
         from dflash_prep.train.config import ModelConfig
         from dflash_prep.train.data import iter_steps
-        from dflash_prep.train.model import Decoder, token_loss_sum
+        from dflash_prep.train.objectives.lm.model import Decoder, token_loss_sum
 
         state = ckpt.load(ckpt_path)
         model = Decoder(ModelConfig(**state["model_config"]))

@@ -5,7 +5,7 @@ one H200) trains a 1-layer DFlash drafter (B = 16, at most 512 anchors per sampl
 randomly initialised Qwen3-0.6B-shaped target (built in memory from a ``Qwen3Config``: 28 layers,
 hidden 1024, 16 / 8 heads, head_dim 128, MLP 3072, vocab 151936; bf16, ``eval()``, no grad), with
 the trainer's own code: :func:`dflash_prep.train.loop.train_step` with
-:class:`~dflash_prep.train.objective_dflash.DFlashObjective` (bf16 autocast; the Triton varlen and
+:class:`~dflash_prep.train.objectives.dflash.objective.DFlashObjective` (bf16 autocast; the Triton varlen and
 DFlash attention kernels on CUDA). Two data paths, in the same run, each with a fresh drafter
 (same seed) and its own AdamW:
 
@@ -143,7 +143,7 @@ def padded_batch(obj, ds, sids: np.ndarray, k: np.ndarray, step: int, rng: np.ra
     """One recipe micro-batch: the real blocks (:meth:`DFlashObjective.build`) of its rows, each row
     padded to the longest and topped up to ``min(512, max k)`` blocks with zero-weight ones.
     ``(batch, real tokens, real anchors)``; the batch's token/anchor counts are the computed ones."""
-    from dflash_prep.train.objective_dflash import DFlashBatch
+    from dflash_prep.train.objectives.dflash.objective import DFlashBatch
 
     b = obj.build(ds, SimpleNamespace(sample_ids=sids, step=step, rank=0, accum=0), 0, "varlen", False)
     lens = np.diff(b.cu_seqlens.numpy()).astype(np.int64)
@@ -262,9 +262,9 @@ def run(cfg: GpuBenchConfig) -> dict:
     from dflash_prep.train.config import TrainConfig
     from dflash_prep.train.data import StepBatches
     from dflash_prep.train.distributed import peak_flops
-    from dflash_prep.train.drafter import Drafter, DrafterConfig, build_target_layer_ids
+    from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig, build_target_layer_ids
     from dflash_prep.train.optim import build_optimizer
-    from dflash_prep.train.objective_dflash import AnchorSpec, DFlashObjective, default_gamma
+    from dflash_prep.train.objectives.dflash.objective import AnchorSpec, DFlashObjective, default_gamma
 
     dev = torch.device(cfg.device)
     torch.use_deterministic_algorithms(False)

@@ -1,8 +1,8 @@
 """What the target-rank transport costs on CPU: gloo throughput and per-message overhead.
 
 ``python -m bench.target_link`` starts two gloo processes on this machine: one sends
-messages through :class:`dflash_prep.train.target_link.TapsSender` (``--prefetch`` in
-flight), the other takes them with :class:`~dflash_prep.train.target_link.TapsReceiver`
+messages through :class:`dflash_prep.train.split.link.TapsSender` (``--prefetch`` in
+flight), the other takes them with :class:`~dflash_prep.train.split.link.TapsReceiver`
 and checks every tag, exactly as a drafter rank does. Payloads are fp32 taps ``[T, k*H]``:
 the demo target's (``make demo-dflash``: H = 64, one tapped layer, T = its 2,048-token
 budget) and a tiny one (one token) whose time is the per-message overhead (header, tag
@@ -31,7 +31,7 @@ def _rank(rank: int, init: str, messages: int, repeats: int, prefetch: int, out:
     import torch
     import torch.distributed as dist
 
-    from dflash_prep.train.target_link import Tag, TapsReceiver, TapsSender
+    from dflash_prep.train.split.link import Tag, TapsReceiver, TapsSender
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)

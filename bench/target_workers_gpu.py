@@ -8,8 +8,8 @@ objective, ``pack --objective dflash`` micro-batches of :mod:`bench.drafter_gpu`
 data, its random Qwen3 target) run two ways:
 
 - ``colocated``: one process, the frozen target beside the drafter (what ``--target-ranks 0`` runs);
-- ``split``: two processes on the same device: a target rank (:class:`~dflash_prep.train.target_worker.TargetWorker`,
-  ``--target-prefetch`` 2) feeding a drafter rank (:class:`~dflash_prep.train.taps.RemoteTaps`), what
+- ``split``: two processes on the same device: a target rank (:class:`~dflash_prep.train.split.worker.TargetWorker`,
+  ``--target-prefetch`` 2) feeding a drafter rank (:class:`~dflash_prep.train.split.taps.RemoteTaps`), what
   ``--target-ranks 1`` runs. NCCL refuses two ranks on one GPU, so the link is gloo and every
   taps tensor is staged through host memory (device -> host on the target rank, host -> device
   on the drafter rank): the figure is a lower bound of a split on two GPUs over NCCL.
@@ -57,7 +57,7 @@ def _setup(cfg):
 
     from bench import drafter_gpu as g
     from dflash_prep.objectives.drafter_cost import DrafterCostModel
-    from dflash_prep.train.drafter import build_target_layer_ids
+    from dflash_prep.train.objectives.dflash.drafter import build_target_layer_ids
 
     dev = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
     torch.use_deterministic_algorithms(False)
@@ -76,9 +76,9 @@ def _objective(cfg, dev, hc, taps, provider):
 
     from bench import drafter_gpu as g
     from dflash_prep.train.config import TrainConfig
-    from dflash_prep.train.drafter import Drafter, DrafterConfig
+    from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig
     from dflash_prep.train.loop import build_optimizer
-    from dflash_prep.train.objective_dflash import AnchorSpec, DFlashObjective, default_gamma
+    from dflash_prep.train.objectives.dflash.objective import AnchorSpec, DFlashObjective, default_gamma
 
     torch.manual_seed(cfg.seed)
     dcfg = DrafterConfig.from_target_config(hc, 1, g.B, cfg.vocab - 1, target_layer_ids=taps)
@@ -121,8 +121,8 @@ def _rank(rank: int, init: str, cfg_d: dict, out: str) -> None:
     import torch.distributed as dist
 
     from bench.drafter_gpu import GpuBenchConfig
-    from dflash_prep.train.roles import Roles, join
-    from dflash_prep.train.target_link import TapsReceiver, link_device
+    from dflash_prep.train.split.roles import Roles, join
+    from dflash_prep.train.split.link import TapsReceiver, link_device
 
     cfg = GpuBenchConfig(**cfg_d)
     rec = {}
@@ -133,7 +133,7 @@ def _rank(rank: int, init: str, cfg_d: dict, out: str) -> None:
         if place.is_target:
             rec = _serve(cfg, place, dev, target, hc, taps, mbs, ds)
         else:
-            from dflash_prep.train.taps import RemoteTaps
+            from dflash_prep.train.split.taps import RemoteTaps
 
             remote = RemoteTaps(TapsReceiver(0, timeout=120.0, device=link_device(dev)), target.embed_tokens,
                                 target.lm_head, device=dev, target_config=hc, roles=place.roles)
@@ -151,10 +151,10 @@ def _rank(rank: int, init: str, cfg_d: dict, out: str) -> None:
 
 def _serve(cfg, place, dev, target, hc, taps, mbs, ds) -> dict:
     from bench import drafter_gpu as g
-    from dflash_prep.train.objective_dflash import AnchorSpec, build_dflash_batch, default_gamma
-    from dflash_prep.train.target_link import link_device
-    from dflash_prep.train.target_worker import TargetWorker, sender_for
-    from dflash_prep.train.taps import LocalTaps
+    from dflash_prep.train.objectives.dflash.objective import AnchorSpec, build_dflash_batch, default_gamma
+    from dflash_prep.train.split.link import link_device
+    from dflash_prep.train.split.worker import TargetWorker, sender_for
+    from dflash_prep.train.split.taps import LocalTaps
     from dflash_prep.train import distributed
 
     spec = AnchorSpec(seed=cfg.seed, max_anchors=g.MAX_ANCHORS, policy="cap", block_size=g.B)

@@ -26,9 +26,9 @@ from rich.markup import escape
 from dflash_prep.errors import DflashError
 from dflash_prep.kernels.errors import AttentionError
 
-from . import config as config_mod
-from .config import TrainConfig
-from .loop import PeerStopped, train
+from dflash_prep.train import config as config_mod
+from dflash_prep.train.config import TrainConfig
+from dflash_prep.train.loop import PeerStopped, train
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 

@@ -49,12 +49,12 @@ from dflash_prep.formats.fileio import atomic_save_npy, atomic_write_json
 from dflash_prep.pack.pack import pack_epochs
 from dflash_prep.synth import profiles
 
-from . import distributed
-from .config import TrainConfig, preset
-from .data import Prefetcher, iter_steps
-from .loop import _autocast_for, train_step
-from .optim import build_optimizer
-from .model import Decoder
+from dflash_prep.train import distributed
+from dflash_prep.train.config import TrainConfig, preset
+from dflash_prep.train.data import Prefetcher, iter_steps
+from dflash_prep.train.loop import _autocast_for, train_step
+from dflash_prep.train.optim import build_optimizer
+from dflash_prep.train.objectives.lm.model import Decoder
 
 BENCH_FORMAT = "dflash-prep/bench-train"
 STRATEGIES = ("sorted-static", "bucketed-k6", "bucketed-k6-window", "varlen", "full-random")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .chunked_ce import _compute_dtype
+from dflash_prep.train.chunked_ce import _compute_dtype
 
 
 def _chunk(z, zt, tg, temperature):

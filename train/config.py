@@ -193,7 +193,7 @@ class TrainConfig:
     """Weights & Biases project name; empty = off. Needs ``pip install wandb``."""
     objective: str = opt("lm", panel=OBJECTIVE)
     """``lm``: next-token loss on the model being trained; ``dflash``: a DFlash drafter on the
-    frozen ``target`` (see :mod:`dflash_prep.train.objective_dflash`)."""
+    frozen ``target`` (see :mod:`dflash_prep.train.objectives.dflash.objective`)."""
     init_from: str = opt("", panel=MODEL)
     """LM objective: start from this local transformers causal-LM folder instead of ``model``;
     the result is saved with ``save_pretrained`` (and its tokenizer) to ``out/hf``."""

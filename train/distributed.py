@@ -29,7 +29,7 @@ class Dist:
     device: torch.device
     group: object | None = None
     """The process group the collectives run on: None is the default (whole job); a split job's
-    drafter ranks get the drafter-only group (:mod:`.roles`), with ``rank``/``world_size`` in it."""
+    drafter ranks get the drafter-only group (:mod:`dflash_prep.train.split.roles`), with ``rank``/``world_size`` in it."""
 
     @property
     def is_main(self) -> bool:

@@ -1,4 +1,4 @@
-"""The parts the LM decoder (:mod:`.model`) and the DFlash drafter (:mod:`.drafter`) share.
+"""The parts the LM decoder (:mod:`dflash_prep.train.objectives.lm.model`) and the DFlash drafter (:mod:`dflash_prep.train.objectives.dflash.drafter`) share.
 
 - :class:`RMSNorm`: ``weight * x / sqrt(mean(x^2) + eps)`` over the last dim, normalised in fp32.
 - RoPE: :func:`rope_tables` (cos/sin of ``position * theta^(-2i/D)``, i = 0..D/2-1) and

@@ -49,7 +49,7 @@ import torch
 
 from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
 
-from .data import IGNORE, Batch, Prefetcher, StepBatches, iter_steps
+from dflash_prep.train.data import IGNORE, Batch, Prefetcher, StepBatches, iter_steps
 
 STATE_FORMAT = "dflash-prep/loader-state"
 STATE_VERSION = 1
@@ -99,7 +99,7 @@ class ManifestLoader(torch.utils.data.IterableDataset):
         self.source, self.rank, self.world_size = source, int(rank), world_size
         self.collate, self.pin, self.prefetch = collate, pin, int(prefetch)
         if pad_id is None:
-            from .source import tokenizer_field
+            from dflash_prep.train.source import tokenizer_field
 
             pad_id = int(tokenizer_field(source.dataset, "pad_id", 0))
         self.pad_id = int(pad_id)
@@ -110,7 +110,7 @@ class ManifestLoader(torch.utils.data.IterableDataset):
     @classmethod
     def from_paths(cls, data: str | Path, plan: str | Path, manifests: str | Path, **kw) -> "ManifestLoader":
         """A loader over the outputs of ``tokenize``, ``analyze`` and ``pack`` (missing epochs are an error)."""
-        from .source import FileSource
+        from dflash_prep.train.source import FileSource
 
         return cls(FileSource(data, plan, manifests, pack_missing=False), **kw)
 

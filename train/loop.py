@@ -42,17 +42,19 @@ from dflash_prep.errors import ConfigError, DflashError, FormatError
 from dflash_prep.formats.fileio import atomic_write_json
 from dflash_prep.formats.outputs import lock
 
-from . import checkpoint as ckpt
-from . import distributed, rescale, split
-from .config import TrainConfig
-from .data import StepBatches
-from .distributed import autocast_for as _autocast_for, set_determinism as _set_determinism  # noqa: F401 (bench imports)
-from .loader import ManifestLoader
-from .lr import Schedule
-from .objectives import build_objective, serve_target
-from .optim import build_optimizer
-from .runlog import FORMAT_VERSION, SUMMARY_FORMAT, RunLog, check_run_folder, finite
-from .source import tokenizer_field
+from dflash_prep.train import checkpoint as ckpt
+from dflash_prep.train import distributed
+from dflash_prep.train import rescale
+from dflash_prep.train import split
+from dflash_prep.train.config import TrainConfig
+from dflash_prep.train.data import StepBatches
+from dflash_prep.train.distributed import autocast_for as _autocast_for, set_determinism as _set_determinism  # noqa: F401 (bench imports)
+from dflash_prep.train.loader import ManifestLoader
+from dflash_prep.train.lr import Schedule
+from dflash_prep.train.objectives import build_objective, serve_target
+from dflash_prep.train.optim import build_optimizer
+from dflash_prep.train.runlog import FORMAT_VERSION, SUMMARY_FORMAT, RunLog, check_run_folder, finite
+from dflash_prep.train.source import tokenizer_field
 
 
 def train_step(model, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float, grad_clip: float,
@@ -69,7 +71,7 @@ def train_step(model, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float,
     whole step, however it is split.
     """
     if objective is None:
-        from .objectives import LMObjective
+        from dflash_prep.train.objectives import LMObjective
         objective = LMObjective(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt.zero_grad(set_to_none=True)
@@ -244,7 +246,7 @@ def _setup(cfg: TrainConfig, source, d: distributed.Dist, place=None) -> _Run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels first imports triton
     _set_determinism(d.device)
     if source is None:
-        from .source import FileSource
+        from dflash_prep.train.source import FileSource
         source = FileSource(cfg.data, cfg.plan, cfg.manifests, pack_missing=cfg.pack_missing, dist=d)
     ds = source.dataset
     ckpt_path = Path(cfg.out) / ckpt.CKPT_FILE

@@ -41,8 +41,8 @@ from dflash_prep.errors import ConfigError, FormatError
 from dflash_prep.formats import manifest as man
 from dflash_prep.pack.repack import resume_dir, resume_epoch
 
-from . import checkpoint as ckpt
-from . import distributed
+from dflash_prep.train import checkpoint as ckpt
+from dflash_prep.train import distributed
 
 
 class ShiftedManifest:

@@ -14,7 +14,7 @@ from pathlib import Path
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.fileio import atomic_write_bytes, strict_dumps
 
-from . import checkpoint as ckpt
+from dflash_prep.train import checkpoint as ckpt
 
 LOG_FORMAT = "dflash-prep/train-log"
 SUMMARY_FORMAT = "dflash-prep/train-summary"

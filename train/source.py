@@ -25,7 +25,7 @@ from dflash_prep.formats.dataset import open_dataset
 from dflash_prep.pack import config as pack_config
 from dflash_prep.pack.pack import pack_epochs
 
-from . import distributed
+from dflash_prep.train import distributed
 
 
 def tokenizer_field(ds, name: str, default=None):

@@ -129,7 +129,7 @@ class Proposer(Protocol):
 
 
 class DFlashProposer:
-    """Our drafter (:class:`dflash_prep.train.drafter.Drafter`) reading the target's features.
+    """Our drafter (:class:`dflash_prep.train.objectives.dflash.drafter.Drafter`) reading the target's features.
 
     One packed drafter forward with one document and one block at anchor ``start``: the block
     sees the context ``[0, start)`` and itself, exactly as after a prefill of ``start`` tokens.
@@ -317,8 +317,8 @@ def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_file: str 
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .export import folder_fingerprint, load_export
-    from .target import target_identity
+    from dflash_prep.train.objectives.dflash.export import folder_fingerprint, load_export
+    from dflash_prep.train.target import target_identity
 
     drafter, meta = load_export(drafter_dir)
     B = cfg.block_size or meta["block_size"]

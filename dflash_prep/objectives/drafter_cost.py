@@ -2,7 +2,7 @@
 
 docs/definitions.md "Drafter step cost", made exact. One count, :func:`flops`, prices a sample
 or a micro-batch from five quantities; ``pack`` calls it with expectations (it reads no masks),
-the trainer's MFU (:meth:`dflash_prep.train.objective_dflash.DFlashObjective.flops`) with what
+the trainer's MFU (:meth:`dflash_prep.train.objectives.dflash.objective.DFlashObjective.flops`) with what
 the micro-batch holds. For ``T`` tokens in documents of lengths ``L_i``, ``k`` anchors (blocks
 of ``B`` tokens) at positions ``a_j`` and ``n`` block rows with a loss weight:
 

@@ -2,7 +2,7 @@
 
 One count (:func:`dflash_prep.objectives.drafter_cost.flops`) serves pack's rank balance (with
 the anchor positions and labelled rows at their expectations, :func:`sample_cost`) and the
-trainer's MFU (:func:`dflash_prep.train.objective_dflash.step_flops`, with what a micro-batch
+trainer's MFU (:func:`dflash_prep.train.objectives.dflash.objective.step_flops`, with what a micro-batch
 holds). The LM head is frozen: forward and input gradient, ``4 H V`` per row with a loss weight.
 """
 
@@ -59,7 +59,7 @@ def test_trainer_step_flops_by_hand():
     pytest.importorskip("torch")
     import torch
 
-    from dflash_prep.train.objective_dflash import flops_coefficients, step_flops
+    from dflash_prep.train.objectives.dflash.objective import flops_coefficients, step_flops
 
     B = 4
     cfg = SimpleNamespace(hidden=H, intermediate=I, heads=h, kv_heads=hkv, head_dim=d, vocab_size=V, num_layers=2,

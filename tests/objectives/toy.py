@@ -53,7 +53,7 @@ class ToyObjective(DataObjective):
 
 def register_toy() -> None:
     """Both sides under the name ``toy`` (idempotent; the trainer side needs torch)."""
-    from dflash_prep.train.model import Decoder
+    from dflash_prep.train.objectives.lm.model import Decoder
     from dflash_prep.train.objectives import LMObjective, register_trainer
     from dflash_prep.train.source import tokenizer_field
 

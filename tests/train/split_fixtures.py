@@ -54,8 +54,8 @@ def batch_builder(paths: dict, source):
     import torch
 
     from dflash_prep.train.config import TrainConfig
-    from dflash_prep.train.objective_dflash import build_dflash_batch, default_gamma
-    from dflash_prep.train.objective_dflash import anchor_spec
+    from dflash_prep.train.objectives.dflash.objective import build_dflash_batch, default_gamma
+    from dflash_prep.train.objectives.dflash.objective import anchor_spec
     from dflash_prep.train.target import load_tokenizer, pick_mask_token
 
     target = paths["target"]
@@ -80,7 +80,7 @@ def _join(rank: int, world: int, init_file: str, roles, timeout: float):
     import torch
     import torch.distributed as dist
 
-    from dflash_prep.train.roles import join
+    from dflash_prep.train.split.roles import join
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -99,7 +99,7 @@ def split_rank(rank: int, world: int, init_file: str, paths: dict, opts: dict) -
     rec: dict = {"rank": rank, "pid": os.getpid()}
     code = 0
     try:
-        from dflash_prep.train.roles import Roles
+        from dflash_prep.train.split.roles import Roles
 
         roles = Roles(opts["K"], world - opts["K"])
         place = _join(rank, world, init_file, roles, opts["timeout"])
@@ -122,8 +122,8 @@ def split_rank(rank: int, world: int, init_file: str, paths: dict, opts: dict) -
 def _target_side(place, source, build, paths, opts) -> dict:
     import torch
 
-    from dflash_prep.train.target_worker import TargetWorker, sender_for
-    from dflash_prep.train.taps import LocalTaps
+    from dflash_prep.train.split.worker import TargetWorker, sender_for
+    from dflash_prep.train.split.taps import LocalTaps
 
     roles = place.roles
     sender = sender_for(place, prefetch=opts["prefetch"], timeout=opts["timeout"], device=torch.device("cpu"))
@@ -144,8 +144,8 @@ def _target_side(place, source, build, paths, opts) -> dict:
 def _forge(sender, source, build, place, paths, opts) -> dict:
     """Send each served drafter its first row's honest taps under a forged tag: drafter 0 a wrong
     step, the others a wrong digest."""
-    from dflash_prep.train.target_link import Tag
-    from dflash_prep.train.taps import LocalTaps
+    from dflash_prep.train.split.link import Tag
+    from dflash_prep.train.split.taps import LocalTaps
 
     local, m, forged = LocalTaps(frozen_target(paths)), source.manifest(0), {}
     for i in place.served:
@@ -162,7 +162,7 @@ def _drafter_side(place, source, build, paths, opts, out: Path, rank: int) -> di
     import torch
 
     from dflash_prep.train.data import iter_steps
-    from dflash_prep.train.taps import LocalTaps, remote_taps
+    from dflash_prep.train.split.taps import LocalTaps, remote_taps
 
     i = place.dist.rank
     remote = remote_taps(place, paths["target"], timeout=opts["timeout"], device=torch.device("cpu"))

@@ -12,7 +12,7 @@ import torch
 from dflash_prep.errors import FormatError
 from dflash_prep.train.config import ModelConfig
 from dflash_prep.train.data import IGNORE, Prefetcher, build_batch, iter_steps, shifted_labels
-from dflash_prep.train.model import Decoder, token_loss_sum
+from dflash_prep.train.objectives.lm.model import Decoder, token_loss_sum
 
 from tests.train.train_fakes import FakeDataset, FakeManifest, packed_batches
 

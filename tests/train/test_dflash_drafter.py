@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dflash_prep.errors import ConfigError
-from dflash_prep.train.drafter import Drafter, DrafterConfig, build_target_layer_ids
+from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig, build_target_layer_ids
 
 from tests.train.dflash_oracle import public_block_forward
 

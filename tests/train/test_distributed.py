@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from dflash_prep.train.distributed import Dist
 from dflash_prep.train.loop import train_step
-from dflash_prep.train.model import token_loss_sum
+from dflash_prep.train.objectives.lm.model import token_loss_sum
 
 from tests.train.train_fakes import gloo_worker, grads_setup
 

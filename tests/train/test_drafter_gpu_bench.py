@@ -44,8 +44,8 @@ def test_smoke_run_writes_both_paths_and_their_ratio(tmp_path, keep_determinism)
 def test_padded_batch_keeps_the_real_blocks_and_pads_rows_to_the_recipe_shape():
     from dflash_prep.objectives.anchors import anchor_counts
     from dflash_prep.train.config import TrainConfig
-    from dflash_prep.train.drafter import Drafter, DrafterConfig, build_target_layer_ids
-    from dflash_prep.train.objective_dflash import AnchorSpec, DFlashObjective
+    from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig, build_target_layer_ids
+    from dflash_prep.train.objectives.dflash.objective import AnchorSpec, DFlashObjective
 
     cfg = g.GpuBenchConfig(**{**g.SMOKE, "n": 40})
     lens, mc = g.inputs(cfg)

@@ -7,8 +7,8 @@ import torch
 
 from dflash_prep.errors import FingerprintMismatch, FormatError
 from dflash_prep.train import checkpoint as ckpt
-from dflash_prep.train.drafter import Drafter, DrafterConfig, build_target_layer_ids
-from dflash_prep.train.export import export, load_export, public_config, write_export
+from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig, build_target_layer_ids
+from dflash_prep.train.objectives.dflash.export import export, load_export, public_config, write_export
 
 
 def _cfg(**kw):

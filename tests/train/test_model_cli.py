@@ -11,7 +11,7 @@ from dflash_prep.errors import ConfigError
 from dflash_prep.train import bench
 from dflash_prep.train.config import ModelConfig, TrainConfig, build, preset
 from dflash_prep.train.data import build_batch
-from dflash_prep.train.model import Decoder, token_loss_sum
+from dflash_prep.train.objectives.lm.model import Decoder, token_loss_sum
 
 from tests.train.train_fakes import FakeDataset
 

@@ -10,7 +10,7 @@ import torch
 
 from dflash_prep.errors import FormatError
 from dflash_prep.train.config import TrainConfig
-from dflash_prep.train.drafter import Drafter, DrafterConfig
+from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig
 from dflash_prep.train.lr import Schedule
 from dflash_prep.train.optim import MuonAdamW, build_optimizer, muon_split
 
@@ -34,7 +34,7 @@ def test_muon_takes_the_matrices_adamw_the_rest():
     assert mats | rest == set(names.values()) and not mats & rest
     # an LM's embedding (tied to its head) stays on AdamW
     from dflash_prep.train.config import ModelConfig
-    from dflash_prep.train.model import Decoder
+    from dflash_prep.train.objectives.lm.model import Decoder
     lm = Decoder(ModelConfig(vocab_size=40, n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, head_dim=16, ffn_dim=48))
     lm_names = {id(p): n for n, p in lm.named_parameters()}
     assert "embed.weight" in {lm_names[id(p)] for p in muon_split(lm)[1]}

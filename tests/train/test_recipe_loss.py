@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash_prep.train.chunked_kl import row_losses
-from dflash_prep.train.drafter import Drafter, DrafterConfig
-from dflash_prep.train.objective_dflash import (AnchorSpec, LossSpec, build_dflash_batch, dflash_loss,
+from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig
+from dflash_prep.train.objectives.dflash.objective import (AnchorSpec, LossSpec, build_dflash_batch, dflash_loss,
                                                 dpace_weights, slot_weights)
 from dflash_prep.train.target import FrozenTarget
 

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from dflash_prep.train.drafter import Drafter, DrafterConfig
-from dflash_prep.train.export import write_export
+from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig
+from dflash_prep.train.objectives.dflash.export import write_export
 from dflash_prep.train.speculate import DFlashProposer, Target, greedy_generate, main, speculative_generate, summarize
 from dflash_prep.train.target_init import TargetSpec, build_target, default_texts
 
@@ -145,7 +145,7 @@ def test_windowed_proposer_drafts_what_the_public_windowed_algorithm_drafts(tiny
     blocks before and past the window; the window changes the hidden states."""
     from tests.train.dflash_oracle import public_block_forward
 
-    from dflash_prep.train.drafter import Drafter, DrafterConfig
+    from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig
 
     _, model, _ = tiny
     full = _drafter(model, seed=2)

@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash_prep.errors import ConfigError, FormatError
-from dflash_prep.train.roles import Roles
-from dflash_prep.train.target_link import HEADER_LEN, KIND_DATA, Tag, decode_header, encode_header, sample_digest
+from dflash_prep.train.split.roles import Roles
+from dflash_prep.train.split.link import HEADER_LEN, KIND_DATA, Tag, decode_header, encode_header, sample_digest
 from tests.train.split_fixtures import build_pipeline, open_source, split_rank, supervise
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
@@ -58,7 +58,7 @@ def test_header_round_trip_digest_and_foreign_messages():
 
 
 def test_link_options_are_checked():
-    from dflash_prep.train.target_link import TapsReceiver, TapsSender
+    from dflash_prep.train.split.link import TapsReceiver, TapsSender
 
     with pytest.raises(ConfigError, match="--target-prefetch must be >= 1, got 0"):
         TapsSender({1: "drafter rank 0"}, prefetch=0)
@@ -70,7 +70,7 @@ def test_link_options_are_checked():
 def test_load_heads_reads_only_the_embedding_and_head_and_ties_them(tmp_path):
     from safetensors.torch import save_file
 
-    from dflash_prep.train.taps import load_heads
+    from dflash_prep.train.split.taps import load_heads
 
     emb = torch.randn(11, 4)
     (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))

@@ -167,7 +167,7 @@ def grads_setup(world: int, accum: int, rank: int):
     from dflash_prep.train.config import ModelConfig, TrainConfig
     from dflash_prep.train.data import iter_steps
     from dflash_prep.train.optim import build_optimizer
-    from dflash_prep.train.model import Decoder
+    from dflash_prep.train.objectives.lm.model import Decoder
 
     torch.manual_seed(0)
     model = Decoder(ModelConfig(vocab_size=VOCAB, n_layers=2, **SMALL_MODEL))

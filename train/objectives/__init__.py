@@ -1,7 +1,7 @@
 """What a run trains and how one micro-batch becomes a loss: the trainer side of an objective.
 
 Objectives are registered by name (:func:`register_trainer`; the data side of the same name is
-in :mod:`dflash_prep.objectives`): ``lm`` here, ``dflash`` in :mod:`.objective_dflash`.
+in :mod:`dflash_prep.objectives`): ``lm`` here, ``dflash`` in :mod:`dflash_prep.train.objectives.dflash.objective`.
 The training loop (:mod:`dflash_prep.train.loop`) is objective-agnostic: it builds the one
 ``cfg.objective`` names (:func:`build_objective`) and asks it for
 
@@ -21,10 +21,10 @@ The training loop (:mod:`dflash_prep.train.loop`) is objective-agnostic: it buil
 - ``contract()``: what besides the data plan fixes the run (resume refuses a change, naming it);
 - ``model_config()``: the module's shape (resume refuses a change); ``finish(out)``: final exports.
 
-:class:`LMObjective` trains the small :class:`~dflash_prep.train.model.Decoder`, or a local
+:class:`LMObjective` trains the small :class:`~dflash_prep.train.objectives.lm.model.Decoder`, or a local
 transformers causal LM (``--init-from DIR``; packed documents through the varlen kernel, saved
 with ``save_pretrained`` to ``OUT/hf`` with its tokenizer). Its head + CE run in chunks.
-:class:`~.objective_dflash.DFlashObjective` trains a drafter on a frozen target.
+:class:`~dflash_prep.train.objectives.dflash.objective.DFlashObjective` trains a drafter on a frozen target.
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ import torch
 
 from dflash_prep.errors import ConfigError
 
-from .. import objective_dflash, target_worker
-from ..chunked_ce import weighted_ce
-from ..config import TrainConfig
-from ..data import IGNORE, build_batch
-from ..source import tokenizer_field
+from dflash_prep.train.objectives.dflash import objective as objective_dflash
+from dflash_prep.train.split import worker as target_worker
+from dflash_prep.train.chunked_ce import weighted_ce
+from dflash_prep.train.config import TrainConfig
+from dflash_prep.train.data import IGNORE, build_batch
+from dflash_prep.train.source import tokenizer_field
 
 #: trainer-side builders by objective name: ``builder(cfg, ds, device, manifest) -> objective``
 _TRAINERS: dict = {}
@@ -51,7 +52,7 @@ _SERVERS: dict = {}
 def register_trainer(name: str, builder, serve=None) -> None:
     """Make ``--objective NAME`` build its trainer objective with ``builder`` (after seeding torch).
 
-    ``serve(cfg, place, dist, source) -> summary`` runs a split job's target rank (:mod:`.split`); an
+    ``serve(cfg, place, dist, source) -> summary`` runs a split job's target rank (:mod:`dflash_prep.train.split`); an
     objective with one also takes ``builder(..., place=place)`` on the drafter ranks."""
     _TRAINERS[name] = builder
     if serve is not None:
@@ -66,7 +67,7 @@ def _check_split(cfg: TrainConfig) -> None:
 
 def build_objective(cfg: TrainConfig, ds, device: torch.device, manifest=None, place=None):
     """The objective ``cfg`` asks for, its module on ``device`` (seeded with ``cfg.seed``); ``place``:
-    a split job's drafter rank (:mod:`.split`), whose objective gets its target's output from a target rank."""
+    a split job's drafter rank (:mod:`dflash_prep.train.split`), whose objective gets its target's output from a target rank."""
     if cfg.objective not in _TRAINERS:
         raise ConfigError(f"--objective must be one of {', '.join(_TRAINERS)}, got {cfg.objective!r}")
     torch.manual_seed(cfg.seed)
@@ -77,7 +78,7 @@ def build_objective(cfg: TrainConfig, ds, device: torch.device, manifest=None, p
 
 
 def serve_target(cfg: TrainConfig, place, d, source=None) -> dict:
-    """Run a split job's target rank for ``cfg.objective`` (:mod:`.split`) over ``source`` (None:
+    """Run a split job's target rank for ``cfg.objective`` (:mod:`dflash_prep.train.split`) over ``source`` (None:
     the files ``cfg`` names); returns its summary."""
     _check_split(cfg)
     return _SERVERS[cfg.objective](cfg, place, d, source)
@@ -119,7 +120,7 @@ class LMObjective:
     def loss(self, b, autocast):
         with autocast():
             if self.hf:
-                from ..target import packed_forward
+                from dflash_prep.train.target import packed_forward
 
                 ids, labels, pos, cu, mx = _flat(b)
                 h = packed_forward(self.model, ids, pos, cu, mx).last_hidden_state[0]  # (T, H)
@@ -179,14 +180,14 @@ class LMObjective:
 def build_lm(cfg: TrainConfig, ds, device: torch.device, manifest=None) -> LMObjective:
     """The small decoder, or ``--init-from`` a transformers causal LM."""
     if cfg.init_from:
-        from ..target import load_causal_lm, load_tokenizer, target_identity
+        from dflash_prep.train.target import load_causal_lm, load_tokenizer, target_identity
 
         tok = load_tokenizer(cfg.init_from)
         model = load_causal_lm(cfg.init_from, device=device, dtype=torch.float32).train()
         ident = target_identity(cfg.init_from, tok)
         obj = LMObjective(model, cfg, hf=True, tokenizer=tok, contract={"init_from": ident["target_fingerprint"]})
     else:
-        from ..model import Decoder
+        from dflash_prep.train.objectives.lm.model import Decoder
 
         model = Decoder(cfg.model_config(int(tokenizer_field(ds, "vocab_size", 0)))).to(device)
         obj = LMObjective(model, cfg)

@@ -1,6 +1,6 @@
 """Export a trained drafter in the public DFlash format, and load such a folder back.
 
-    python -m dflash_prep.train.export RUN --out DIR [--dtype bfloat16] [--overwrite]
+    python -m dflash_prep.train.objectives.dflash.export RUN --out DIR [--dtype bfloat16] [--overwrite]
 
 ``RUN`` is a drafter run folder (its ``checkpoint.pt``) or the checkpoint file itself. ``DIR``
 gets, through one atomic folder rename (nothing half-written is ever visible under ``DIR``):
@@ -21,7 +21,7 @@ gets, through one atomic folder rename (nothing half-written is ever visible und
 - ``model.safetensors``: the drafter's state dict under the public names
   (``layers.N.self_attn.{q,k,v,o}_proj``, ``q_norm``, ``k_norm``, ``mlp.{gate,up,down}_proj``,
   ``input_layernorm``, ``post_attention_layernorm``, ``norm``, ``fc``, ``hidden_norm``): our
-  :class:`~dflash_prep.train.drafter.Drafter` uses those names, so the keys match the public
+  :class:`~dflash_prep.train.objectives.dflash.drafter.Drafter` uses those names, so the keys match the public
   module one to one (it has no ``embed_tokens``/``lm_head``: those are the target's);
 - ``export.json`` (format ``dflash-prep/drafter-export`` v1): where it came from (checkpoint
   path, its SHA fingerprint and step, the run contract the checkpoint recorded) and the
@@ -45,7 +45,7 @@ import torch
 from dflash_prep.errors import ConfigError, DflashError, FingerprintMismatch, FormatError
 from dflash_prep.formats.fileio import atomic_dir, atomic_write_bytes, atomic_write_json, fingerprint_bytes, read_json
 
-from .drafter import Drafter, DrafterConfig
+from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig
 
 EXPORT_FORMAT = "dflash-prep/drafter-export"
 EXPORT_VERSION = 1
@@ -152,7 +152,7 @@ def config_from_public(c: dict, *, path: str | Path = CONFIG_FILE) -> DrafterCon
         heads = int(c["num_attention_heads"])
         if dfc.get("mask_token_id") is None:
             raise KeyError("dflash_config.mask_token_id")
-        from .drafter import build_target_layer_ids
+        from dflash_prep.train.objectives.dflash.drafter import build_target_layer_ids
 
         ids = dfc.get("target_layer_ids") or build_target_layer_ids(L, N)
         return DrafterConfig(
@@ -172,7 +172,7 @@ def config_from_public(c: dict, *, path: str | Path = CONFIG_FILE) -> DrafterCon
 def load_run(run: str | Path) -> tuple[Drafter, dict]:
     """The drafter of a run folder (or checkpoint file) and what the checkpoint says about it:
     ``checkpoint`` (path), ``checkpoint_fingerprint``, ``global_step``, ``run_key``."""
-    from . import checkpoint as ckpt
+    from dflash_prep.train import checkpoint as ckpt
 
     run = Path(run)
     path = run / ckpt.CKPT_FILE if run.is_dir() else run
@@ -241,7 +241,7 @@ def load_export(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tupl
     for f in (cfile, wfile):
         if not f.is_file():
             raise FormatError(f"{f}: not found; point --drafter at an exported drafter folder "
-                              "(python -m dflash_prep.train.export RUN --out DIR)")
+                              "(python -m dflash_prep.train.objectives.dflash.export RUN --out DIR)")
     cbytes, wbytes = cfile.read_bytes(), wfile.read_bytes()
     sidecar = None
     if (path / SIDECAR_FILE).is_file():
@@ -268,7 +268,7 @@ def load_export(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tupl
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m dflash_prep.train.export",
+    ap = argparse.ArgumentParser(prog="python -m dflash_prep.train.objectives.dflash.export",
                                  description="Write a drafter run in the public DFlash format "
                                              "(config.json + model.safetensors + export.json).")
     ap.add_argument("run", type=Path, help="drafter run folder (checkpoint.pt) or checkpoint file")

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from dflash_prep import kernels
 
-from .config import ModelConfig
-from .layers import RMSNorm, SwiGLU, apply_rope, rope_tables
+from dflash_prep.train.config import ModelConfig
+from dflash_prep.train.layers import RMSNorm, SwiGLU, apply_rope, rope_tables
 
 
 class Attention(nn.Module):

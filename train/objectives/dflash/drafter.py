@@ -47,7 +47,7 @@ import torch.nn as nn
 
 from dflash_prep.errors import ConfigError
 
-from .layers import RMSNorm, SwiGLU, apply_rope, rope_tables
+from dflash_prep.train.layers import RMSNorm, SwiGLU, apply_rope, rope_tables
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

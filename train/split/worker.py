@@ -3,21 +3,21 @@
 For each epoch from the cursor ``(epoch, step)``, for each step in manifest order, for each
 served drafter rank (ascending), for each of that rank's accumulation micro-batches in
 manifest order: build the micro-batch with the drafter's own builder (same function, same
-sample ids, same anchors), run the frozen target over it (:class:`~.taps.LocalTaps`, the code
-the colocated trainer runs) and send the taps with the row's tag (:mod:`.target_link`).
+sample ids, same anchors), run the frozen target over it (:class:`~dflash_prep.train.split.taps.LocalTaps`, the code
+the colocated trainer runs) and send the taps with the row's tag (:mod:`dflash_prep.train.split.link`).
 Nothing reorders: the builder runs ahead on one FIFO thread (:class:`~.data.Prefetcher`), and
 the only other queue is the sender's bounded in-flight window per drafter rank. There is no
 buffer to pick from and no readiness threshold.
 
 With ``step_stats`` (the trainer's split jobs) each step ends with one more message per served
-drafter: the step's :class:`StepTiming` (tag micro-batch -1, :func:`~.taps.step_tag`), which
+drafter: the step's :class:`StepTiming` (tag micro-batch -1, :func:`~dflash_prep.train.split.taps.step_tag`), which
 the drafter logs. With ``final`` (``--loss kl``) a message carries the taps and the target's
 final-normed last hidden states.
 
 The loop stops after the last step of the last epoch, or after ``max_steps`` steps (the
 drafters' ``--max-steps`` counted from the cursor), waits until every message is taken,
 and returns one :class:`StepTiming` per step. On an error it tells its drafter ranks why
-(:meth:`~.target_link.TapsSender.stop`) before raising.
+(:meth:`~dflash_prep.train.split.link.TapsSender.stop`) before raising.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import torch
 
 from dflash_prep.errors import ConfigError
 
-from .data import Prefetcher, iter_steps
-from .roles import Roles
-from .target_link import KIND_DATA, Tag, TapsSender, link_device
-from .taps import step_tag
+from dflash_prep.train.data import Prefetcher, iter_steps
+from dflash_prep.train.split.roles import Roles
+from dflash_prep.train.split.link import KIND_DATA, Tag, TapsSender, link_device
+from dflash_prep.train.split.taps import step_tag
 
 
 @dataclass
@@ -54,7 +54,7 @@ class StepTiming:
     bytes_sent: int
     messages: int
     in_flight_max: int
-    """Most messages posted and not yet seen taken (:meth:`~.target_link.TapsSender.in_flight`), after each post."""
+    """Most messages posted and not yet seen taken (:meth:`~dflash_prep.train.split.link.TapsSender.in_flight`), after each post."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,7 +64,7 @@ class TargetWorker:
     """One target rank's loop (module docstring).
 
     ``source``: a :class:`~.source.FileSource` (or any object with ``dataset`` and
-    ``manifest(epoch)``); ``provider``: a :class:`~.taps.LocalTaps`; ``build(mb, epoch)``: the
+    ``manifest(epoch)``); ``provider``: a :class:`~dflash_prep.train.split.taps.LocalTaps`; ``build(mb, epoch)``: the
     drafter's micro-batch builder, returning a batch with ``to(device)``, ``step``, ``accum``
     and ``sample_ids``; ``autocast``: the context the colocated loss runs the target under.
     """
@@ -157,7 +157,7 @@ class TargetWorker:
 
 
 def sender_for(place, *, prefetch: int, timeout: float, device: torch.device) -> TapsSender:
-    """The :class:`TapsSender` of a target rank's :class:`~.roles.Place`: one peer per served drafter."""
+    """The :class:`TapsSender` of a target rank's :class:`~dflash_prep.train.split.roles.Place`: one peer per served drafter."""
     roles = place.roles
     if not place.is_target:
         raise ValueError(f"global rank {place.rank} is a drafter rank; only target ranks send taps")
@@ -166,22 +166,24 @@ def sender_for(place, *, prefetch: int, timeout: float, device: torch.device) ->
 
 
 def serve(cfg, place, d, source=None) -> dict:
-    """A split job's target rank under ``cfg`` (:mod:`.split`): wait for the drafters' cursor, load
+    """A split job's target rank under ``cfg`` (:mod:`dflash_prep.train.split`): wait for the drafters' cursor, load
     the frozen target, serve every step they will train, and return this rank's summary.
 
     The micro-batches are built exactly as the drafters' objective builds them
-    (:func:`~.objective_dflash.build_dflash_batch` under the same anchor options, mask id and
+    (:func:`~dflash_prep.train.objectives.dflash.objective.build_dflash_batch` under the same anchor options, mask id and
     weights), the target runs under the autocast and attention backend the colocated loss runs
     it under, and ``--loss kl`` sends the final hidden states too. ``source``: what the drafters
-    train on (default: :class:`~.source.FileSource` of ``cfg``; every epoch exists, :mod:`.split`).
+    train on (default: :class:`~.source.FileSource` of ``cfg``; every epoch exists, :mod:`dflash_prep.train.split`).
     """
     from dflash_prep import kernels
 
-    from . import distributed, rescale, split
-    from .objective_dflash import build_dflash_batch, default_gamma, drafter_config
-    from .source import FileSource
-    from .target import FrozenTarget
-    from .taps import LocalTaps
+    from dflash_prep.train import distributed
+    from dflash_prep.train import rescale
+    from dflash_prep.train import split
+    from dflash_prep.train.objectives.dflash.objective import build_dflash_batch, default_gamma, drafter_config
+    from dflash_prep.train.source import FileSource
+    from dflash_prep.train.target import FrozenTarget
+    from dflash_prep.train.split.taps import LocalTaps
 
     distributed.set_determinism(d.device)
     start = split.await_start(place)

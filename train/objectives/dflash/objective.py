@@ -46,9 +46,9 @@ from dflash_prep.objectives import drafter_cost, options as opt_decl
 from dflash_prep.objectives.anchors import SAMPLER_VERSION, sample_anchors_batch
 from dflash_prep.objectives.dflash import DrafterOptions
 
-from .chunked_ce import weighted_ce
-from .config import TrainConfig
-from .data import TensorBatch, _read
+from dflash_prep.train.chunked_ce import weighted_ce
+from dflash_prep.train.config import TrainConfig
+from dflash_prep.train.data import TensorBatch, _read
 
 
 def default_gamma(block_size: int) -> float:
@@ -136,7 +136,7 @@ class DFlashBatch(TensorBatch):
     padded_tokens: int
     n_anchors: int
     epoch: int = 0
-    """The manifest epoch (the taps message's tag, :mod:`.taps`)."""
+    """The manifest epoch (the taps message's tag, :mod:`dflash_prep.train.split.taps`)."""
 
 
 def build_dflash_batch(ds, mb, *, epoch: int, spec: AnchorSpec, gamma: float | None, mask_token_id: int,
@@ -194,7 +194,7 @@ def stats_width(block_size: int) -> int:
 
 @dataclass(frozen=True)
 class LossSpec:
-    """What the loss of a block slot is: part of the run contract (module docstring of :mod:`.objectives`)."""
+    """What the loss of a block slot is: part of the run contract (module docstring of :mod:`dflash_prep.train.objectives`)."""
 
     slot_weights: str = "decay"
     """``decay`` (``exp(-(r-1)/gamma)``, fixed in the batch) or ``dpace`` (:func:`dpace_weights`)."""
@@ -222,11 +222,11 @@ def dflash_loss(drafter, target, b: DFlashBatch, *, block_size: int, ce_chunk: i
     weights; ``dpace`` or ``kl`` run :func:`~dflash_prep.train.chunked_kl.row_losses` and weight
     the rows afterwards (D-PACE from the rows' CE). ``kl`` runs the target to its end
     (``FrozenTarget.features(final=True)``); its head is applied to the labelled rows only.
-    ``target`` is a taps provider (:mod:`.taps`: the local target, or the target rank serving
+    ``target`` is a taps provider (:mod:`dflash_prep.train.split.taps`: the local target, or the target rank serving
     this drafter) or a :class:`~.target.FrozenTarget`.
     """
-    from .chunked_kl import row_losses
-    from .taps import provider_of
+    from dflash_prep.train.chunked_kl import row_losses
+    from dflash_prep.train.split.taps import provider_of
 
     target = provider_of(target)
 
@@ -304,12 +304,12 @@ class DFlashObjective:
 
     def __init__(self, drafter, target, cfg: TrainConfig, *, anchor_spec: AnchorSpec, gamma: float, identity: dict,
                  anchor_source: str = "the options"):
-        from .taps import provider_of
+        from dflash_prep.train.split.taps import provider_of
 
         if drafter.config.block_size != anchor_spec.block_size:
             raise ConfigError(f"the drafter is built for B = {drafter.config.block_size}, the anchors are drawn for "
                               f"B = {anchor_spec.block_size}")
-        # target: a FrozenTarget or a taps provider (:mod:`.taps`; RemoteTaps on a split job's drafter rank)
+        # target: a FrozenTarget or a taps provider (:mod:`dflash_prep.train.split.taps`; RemoteTaps on a split job's drafter rank)
         self.model, self.target, self.cfg = drafter, provider_of(target), cfg
         self.spec, self.gamma, self.identity = anchor_spec, float(gamma), identity
         self.anchor_source = anchor_source
@@ -365,7 +365,7 @@ class DFlashObjective:
 
     def describe(self) -> str:
         """The recipe the run resolved (defaults filled in), one line printed at start."""
-        from .optim import muon_lr
+        from dflash_prep.train.optim import muon_lr
 
         cfg, c, ls = self.cfg, self.model.config, self.loss_spec
         weights = f"dpace alpha={ls.dpace_alpha:g}" if ls.slot_weights == "dpace" else f"decay gamma={self.gamma:g}"
@@ -426,11 +426,11 @@ class DFlashObjective:
 
 def drafter_config(cfg: TrainConfig, manifest=None):
     """``(DrafterConfig, AnchorSpec, where the anchor seed came from, tokenizer)`` of a run: what a
-    drafter rank builds and a target rank (:mod:`.target_worker`) needs to build the same batches."""
+    drafter rank builds and a target rank (:mod:`dflash_prep.train.split.worker`) needs to build the same batches."""
     from transformers import AutoConfig
 
-    from .drafter import DrafterConfig
-    from .target import load_tokenizer, pick_mask_token
+    from dflash_prep.train.objectives.dflash.drafter import DrafterConfig
+    from dflash_prep.train.target import load_tokenizer, pick_mask_token
 
     spec, source = anchor_spec(cfg, manifest)
     hc = AutoConfig.from_pretrained(cfg.target)
@@ -444,15 +444,15 @@ def drafter_config(cfg: TrainConfig, manifest=None):
 
 def build(cfg: TrainConfig, ds, device: torch.device, manifest=None, place=None) -> DFlashObjective:
     """The drafter for ``cfg.target`` (a transformers folder), with the anchors of ``manifest``;
-    on a split job's drafter rank (``place``, :mod:`.split`) its taps come from the target rank."""
-    from .drafter import Drafter
-    from .target import FrozenTarget, target_identity
+    on a split job's drafter rank (``place``, :mod:`dflash_prep.train.split`) its taps come from the target rank."""
+    from dflash_prep.train.objectives.dflash.drafter import Drafter
+    from dflash_prep.train.target import FrozenTarget, target_identity
 
     dcfg, spec, source, tok = drafter_config(cfg, manifest)
     if place is None:
         target = FrozenTarget(cfg.target, dcfg.target_layer_ids, device=device)
     else:
-        from .taps import remote_taps
+        from dflash_prep.train.split.taps import remote_taps
 
         target = remote_taps(place, cfg.target, timeout=cfg.target_timeout, device=device)
     drafter = Drafter(dcfg).to(device)

@@ -1,9 +1,9 @@
 """The trainer's split jobs (``--target-ranks K``): the target on its own ranks, the drafters on the rest.
 
-A torchrun job of ``K + W`` processes (:mod:`.roles`): global ranks ``0..K-1`` run the
+A torchrun job of ``K + W`` processes (:mod:`dflash_prep.train.split.roles`): global ranks ``0..K-1`` run the
 objective's target worker (:func:`dflash_prep.train.objectives.serve_target`; for DFlash,
-:func:`.target_worker.serve`), global ranks ``K..K+W-1`` run the normal training loop on the
-drafter-only :class:`~.distributed.Dist`, with a :class:`~.taps.RemoteTaps` provider instead
+:func:`~dflash_prep.train.split.worker.serve`), global ranks ``K..K+W-1`` run the normal training loop on the
+drafter-only :class:`~.distributed.Dist`, with a :class:`~dflash_prep.train.split.taps.RemoteTaps` provider instead
 of a local target. The start, in this order on every rank:
 
 1. :func:`join`: the roles (W = the job's size - K), the drafter-only process group;
@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import torch.distributed as tdist
 
-from . import distributed
-from .roles import Place, Roles
-from .roles import join as join_roles
+from dflash_prep.train import distributed
+from dflash_prep.train.split.roles import Place, Roles
+from dflash_prep.train.split.roles import join as join_roles
 
 
 def join(cfg, d: distributed.Dist) -> Place:
-    """This process's :class:`~.roles.Place` in a job of ``d.world_size`` ranks, ``cfg.target_ranks`` of them targets."""
+    """This process's :class:`~dflash_prep.train.split.roles.Place` in a job of ``d.world_size`` ranks, ``cfg.target_ranks`` of them targets."""
     roles = Roles(cfg.target_ranks, d.world_size - cfg.target_ranks)
     return join_roles(roles, rank=d.rank, world_size=d.world_size, local_rank=d.local_rank, device=d.device)
 
@@ -40,7 +40,7 @@ def prepare(cfg, place: Place, source=None) -> None:
     """Step 2 (module docstring): every epoch's manifest exists when this returns, on every rank."""
     if not place.is_target:
         if source is None:
-            from .source import FileSource
+            from dflash_prep.train.source import FileSource
 
             source = FileSource(cfg.data, cfg.plan, cfg.manifests, pack_missing=cfg.pack_missing, dist=place.dist)
         for epoch in range(cfg.epochs):

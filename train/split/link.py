@@ -1,4 +1,4 @@
-"""Point-to-point transport between target ranks and drafter ranks (:mod:`.roles`).
+"""Point-to-point transport between target ranks and drafter ranks (:mod:`dflash_prep.train.split.roles`).
 
 **Message.** One fixed-size int64 header (:data:`HEADER_LEN` entries, 512 bytes), then its
 payload tensors, all on the default process group, in order, between one pair of ranks:

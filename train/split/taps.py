@@ -6,12 +6,12 @@ the blocks) and ``lm_head`` (the CE). A provider has exactly those members, so t
 does not ask where the target runs:
 
 - :class:`LocalTaps`: colocated, the rank's own :class:`~.target.FrozenTarget`;
-- :class:`RemoteTaps`: a split job (:mod:`.roles`), the taps come from the target rank serving
-  this drafter (:class:`~.target_link.TapsReceiver`), checked against the drafter's own manifest
+- :class:`RemoteTaps`: a split job (:mod:`dflash_prep.train.split.roles`), the taps come from the target rank serving
+  this drafter (:class:`~dflash_prep.train.split.link.TapsReceiver`), checked against the drafter's own manifest
   row; the rank holds only the target's embedding and LM head (:func:`load_heads`).
 
 Both are called as ``provider.taps(batch, epoch=e)`` in manifest order. The target rank runs
-:class:`LocalTaps` too (:mod:`.target_worker`), so a split job's taps are those of the same
+:class:`LocalTaps` too (:mod:`dflash_prep.train.split.worker`), so a split job's taps are those of the same
 function over the same batch: bit-identical on CPU in fp32.
 """
 
@@ -25,7 +25,7 @@ import torch
 
 from dflash_prep.errors import ConfigError, FormatError
 
-from .target_link import TapsReceiver, Tag, link_device
+from dflash_prep.train.split.link import TapsReceiver, Tag, link_device
 
 
 class LocalTaps:
@@ -39,7 +39,7 @@ class LocalTaps:
         self.num_layers = target.num_layers
 
     def taps(self, b, *, epoch: int, final: bool = False):
-        """``[T, k*H]`` taps of micro-batch ``b`` (a :class:`~.objective_dflash.DFlashBatch` on the
+        """``[T, k*H]`` taps of micro-batch ``b`` (a :class:`~dflash_prep.train.objectives.dflash.objective.DFlashBatch` on the
         target's device); with ``final`` also the final-normed last hidden states ``[T, H]`` (``--loss kl``)."""
         return self.target.features(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, final=final)
 
@@ -195,9 +195,9 @@ def _heads(path: Path, keys: dict, tied: bool, device: torch.device, dtype: torc
 
 
 def remote_taps(place, target: str | Path, *, timeout: float, device: torch.device) -> RemoteTaps:
-    """The :class:`RemoteTaps` of a drafter rank's :class:`~.roles.Place`: taps from its target
+    """The :class:`RemoteTaps` of a drafter rank's :class:`~dflash_prep.train.split.roles.Place`: taps from its target
     rank (over NCCL on CUDA, so the link's tensors live on ``device``; else through the CPU,
-    :func:`~.target_link.link_device`), heads from ``target``."""
+    :func:`~dflash_prep.train.split.link.link_device`), heads from ``target``."""
     if place.is_target:
         raise ValueError(f"global rank {place.rank} is a target rank; only drafter ranks receive taps")
     i = place.dist.rank

@@ -13,7 +13,7 @@ The manifest already balances the ranks of a step by drafter cost, so which draf
 target does not change a target's load beyond the count.
 
 **Process groups.** The default group spans all ``K + W`` ranks (point-to-point taps go
-through it, :mod:`.target_link`); :func:`join` creates the drafter-only group (``new_group``
+through it, :mod:`dflash_prep.train.split.link`); :func:`join` creates the drafter-only group (``new_group``
 is collective over the default group, so every rank calls it, target ranks included) and
 hands drafters a :class:`~.distributed.Dist` of rank ``i`` in world ``W`` whose collectives
 run on that group: the training loop's all-reduces never wait for a target rank.
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from dflash_prep.errors import ConfigError
 
-from .distributed import Dist
+from dflash_prep.train.distributed import Dist
 
 
 @dataclass(frozen=True)
