@@ -212,7 +212,7 @@ def run_one(name: str, seed: int, data: Path, validate: Validator, cfg: ConvConf
     evals = [{"step": 0, "val_loss": None}]
     ck = None
     for upto in range(cfg.eval_every, cfg.steps + 1, cfg.eval_every):
-        tc = TrainConfig(data=str(data), plan=str(plan_path), manifests=str(run / "manifests"), out=str(run / "out"),
+        tc = build_config(data=str(data), plan=str(plan_path), manifests=str(run / "manifests"), out=str(run / "out"),
                          model="tiny", epochs=1000, max_steps=upto, lr=cfg.lr, min_lr_ratio=1.0, warmup_steps=5,
                          seed=seed, device="cpu", progress=False, from_scratch=upto == cfg.eval_every)
         train(tc)

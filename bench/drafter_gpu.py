@@ -259,7 +259,7 @@ class _Path:
 
 def run(cfg: GpuBenchConfig) -> dict:
     """Both paths, round robin; returns the report (what ``drafter_gpu.json`` holds)."""
-    from dflash_prep.train.config import TrainConfig
+    from dflash_prep.train.config import build as build_config
     from dflash_prep.train.data import StepBatches
     from dflash_prep.train.distributed import peak_flops
     from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig, build_target_layer_ids
@@ -285,7 +285,7 @@ def run(cfg: GpuBenchConfig) -> dict:
     target, hc = build_target(cfg, dev, taps)        # one frozen target, shared by both paths
     paths = []
     rng = np.random.default_rng([cfg.seed, 2])
-    tc = TrainConfig(device=cfg.device)
+    tc = build_config(device=cfg.device)
     for name in ("ours: pack --objective dflash", "padded: random pairs (recipe)"):
         torch.manual_seed(cfg.seed)                  # the same drafter init for both
         dcfg = DrafterConfig.from_target_config(hc, cfg.draft_layers, B, cfg.vocab - 1, target_layer_ids=taps,

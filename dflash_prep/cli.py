@@ -83,32 +83,45 @@ class _WithObjectiveOptions:
     """Command ``name``, with one option per flag that a registered objective declares for it
     (:mod:`dflash_prep.objectives.options`), in a ``--help`` panel per objective. The flags are
     read when typer builds the command, so an objective registered after this module is
-    imported shows too. The command function gets them as ``objective_flags`` (by flag name)."""
+    imported shows too. The command function gets them as ``objective_flags`` (by flag name):
+    the flags given on the command line only, so the chosen objective's own defaults fill the
+    rest. Objectives may share a flag (a variant inherits its parent's, or two read the same
+    model sizes): it shows once, in a panel naming every objective that declares it, with the
+    first one's default and help plus any other default, e.g. ``(--objective dflash2: 8)``."""
 
     def __init__(self, fn, name: str):
         self._fn, self._name = fn, name
         self.__name__, self.__doc__, self.__module__ = fn.__name__, fn.__doc__, fn.__module__
 
-    def _flags(self) -> list[tuple[str, object]]:
+    def _flags(self) -> list[tuple[list[str], object]]:
+        """``(the objectives that declare it, the flag as shown)`` per flag name, in registration order."""
+        from dataclasses import replace
+
         from dflash_prep import objectives
         from dflash_prep.objectives import options
 
-        seen: dict[str, tuple[str, object]] = {}
+        seen: dict[str, tuple[list[str], object]] = {}
         for obj in objectives.registered():
             for fl in options.flags(obj.options_type, self._name) if obj.options_type else ():
-                if fl.name in seen and seen[fl.name][1] != fl:
-                    raise TypeError(f"objectives {seen[fl.name][0]} and {obj.name} both declare {fl.spelling}")
-                seen.setdefault(fl.name, (obj.name, fl))
+                if fl.name not in seen:
+                    seen[fl.name] = ([obj.name], fl)
+                    continue
+                owners, shown = seen[fl.name]
+                if fl.type != shown.type:
+                    raise TypeError(f"objectives {owners[0]} and {obj.name} both declare {fl.spelling}, of other types")
+                owners.append(obj.name)
+                if fl.default != shown.default:         # shown.default stays the first one's
+                    seen[fl.name] = (owners, replace(shown, help=f"{shown.help} (--objective {obj.name}: {fl.default})"))
         return list(seen.values())
 
     @property
     def __signature__(self) -> inspect.Signature:
         own = [p for p in inspect.signature(self._fn, eval_str=True).parameters.values() if p.name != "objective_flags"]
         extra = []
-        for objective, fl in self._flags():
+        for owners, fl in self._flags():
             decls = [fl.spelling] if fl.type is bool else []
             opt = typer.Option(*decls, help=fl.help, metavar=fl.metavar,
-                               rich_help_panel=fl.panel or f"Objective {objective}")
+                               rich_help_panel=fl.panel or f"Objective {', '.join(owners)}")
             extra.append(inspect.Parameter(fl.name, inspect.Parameter.KEYWORD_ONLY, default=fl.default,
                                            annotation=Annotated[fl.type, opt]))
         return inspect.Signature(own + extra)
@@ -118,15 +131,21 @@ class _WithObjectiveOptions:
         return {p.name: p.annotation for p in self.__signature__.parameters.values()}
 
     def __call__(self, **kwargs):
-        owners: dict[str, tuple[list[str], object]] = {}
-        for objective, fl in self._flags():
-            owners.setdefault(fl.name, ([], fl))[0].append(objective)
-        chosen = kwargs.get("objective")
-        for name, (objs, fl) in owners.items():   # another objective's flag, set: refused, not ignored
-            if chosen not in objs and kwargs.get(name, fl.default) != fl.default:
-                raise typer.BadParameter(f"{fl.spelling} is an option of --objective {' or '.join(objs)}, not of "
-                                         f"--objective {chosen}; pass --objective {objs[0]}, or drop {fl.spelling}")
-        flags = {k: kwargs.pop(k) for k in list(kwargs) if k in owners}
+        import click
+        from click.core import ParameterSource
+
+        ctx = click.get_current_context(silent=True)
+        chosen, flags = kwargs.get("objective"), {}
+        for owners, fl in self._flags():
+            value = kwargs.pop(fl.name, fl.default)
+            given = (ctx.get_parameter_source(fl.name) not in (None, ParameterSource.DEFAULT) if ctx is not None
+                     else value != fl.default)
+            if not given:
+                continue
+            if chosen not in owners:              # another objective's flag, set: refused, not ignored
+                raise typer.BadParameter(f"{fl.spelling} is an option of --objective {' or '.join(owners)}, not of "
+                                         f"--objective {chosen}; pass --objective {owners[0]}, or drop {fl.spelling}")
+            flags[fl.name] = value
         return self._fn(**kwargs, objective_flags=flags)
 
 

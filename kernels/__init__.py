@@ -10,6 +10,8 @@ Public API (the trainer codes against exactly this)::
     o = attention_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size, scale=None)
         # the DFlash drafter's mask: q/k_blk/v_blk [sum N_d*B, H, D], k_ctx/v_ctx [sum S_d, Hkv, D],
         # cu_ctx/cu_blk int32 [docs+1], anchors int32 [sum N_d] -> o [sum N_d*B, Hq, D]
+    o = ttt_attention(q, k, v, cu_seqlens, max_seqlen, sm_scale=None, backend="auto")
+        # EAGLE-3 training-time test: q [Sq,T,Hq,D], k/v [Sk,T,Hkv,D] (steps), see kernels.ttt
     with force_backend("reference"):  # or "triton"; default "auto"
         ...
 
@@ -37,8 +39,9 @@ from .backend import force_backend, resolve_backend
 from .dflash_reference import attention_dflash_reference
 from .inputs import check_dflash, check_padded, check_varlen
 from .reference import attention_padded_reference, attention_varlen_grouped
+from .ttt import ttt_attention
 
-__all__ = ["attention_varlen", "attention_padded", "attention_dflash", "force_backend"]
+__all__ = ["attention_varlen", "attention_padded", "attention_dflash", "ttt_attention", "force_backend"]
 
 
 def _autocast(q: torch.Tensor, *rest: torch.Tensor):

@@ -299,3 +299,56 @@ def check_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_s
         num_blocks=num_blocks, ctx_tokens=k_ctx.shape[0], scale=_scale(scale, d),
         window=check_window(window, block_size, what),
     )
+
+
+# ----------------------------------------------------------------------------- EAGLE-3 TTT
+@dataclass(frozen=True)
+class TTTProblem(Problem):
+    """Shapes of one :func:`~dflash_prep.kernels.ttt_attention` call: the per-step varlen
+    :class:`Problem` (``num_seqs`` = documents) plus the steps."""
+
+    q_steps: int = 1
+    """Sq: query steps in q, the last Sq of the Sk steps (q[iq] is step iq + Sk - Sq)."""
+    k_steps: int = 1
+    """Sk: key/value steps; step 0 holds the causal keys, steps 1..Sk-1 the diagonal keys."""
+    tokens: int = 0
+    """T: packed tokens per step."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.q_steps <= self.k_steps:
+            raise AttentionConfigError(
+                f"ttt_attention: q holds {self.q_steps} steps and k/v {self.k_steps}; need 1 <= Sq <= Sk "
+                "(q holds the last Sq steps of the Sk key/value steps)"
+            )
+
+    @property
+    def step_offset(self) -> int:
+        """Sk - Sq: the step of q[0]."""
+        return self.k_steps - self.q_steps
+
+
+def check_ttt(q, k, v, cu_seqlens, max_seqlen, scale) -> TTTProblem:
+    """Validate a TTT attention call (q [Sq,T,Hq,D], k/v [Sk,T,Hkv,D]); return its :class:`TTTProblem`.
+
+    Each step is checked as one :func:`check_varlen` call would check it (dtypes, devices, D, T,
+    and the values of ``cu_seqlens`` when it is on the CPU).
+    """
+    what = "ttt_attention"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise AttentionConfigError(f"{what}: {name} must be a [steps, T, heads, D] tensor, got {got}")
+    if k.shape != v.shape:
+        raise AttentionConfigError(f"{what}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[0] == 0:
+        raise AttentionConfigError(f"{what}: q holds no step; pass at least one")
+    try:
+        base = check_varlen(q[0], k[0], v[0], cu_seqlens, max_seqlen, scale)
+    except AttentionConfigError as e:  # the per-step check names attention_varlen: say whose call it was
+        raise AttentionConfigError(f"{what} (each step as attention_varlen): {e}") from None
+    except AttentionInputError as e:
+        raise AttentionInputError(f"{what} (each step as attention_varlen): {e}") from None
+    return TTTProblem(**{f: getattr(base, f) for f in ("num_seqs", "heads_q", "heads_kv", "head_dim", "max_seqlen",
+                                                       "scale")},
+                      q_steps=q.shape[0], k_steps=k.shape[0], tokens=q.shape[1])

@@ -18,7 +18,7 @@ import os
 import re
 from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Annotated, Optional, get_type_hints
+from typing import Annotated, Optional, Union, get_origin, get_type_hints
 
 import typer
 from rich.markup import escape
@@ -66,6 +66,14 @@ def _parameters() -> list[inspect.Parameter]:
                               rich_help_panel=f.metadata["panel"], show_default=False)
         out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
                                      annotation=Annotated[Optional[t], option]))
+    for fl, panel in config_mod.registry().flags():     # each objective's own options, in its panel
+        t = _CLI_TYPES.get(fl.type, fl.type)
+        t = t if get_origin(t) is Union else Optional[t]
+        shown = "unset" if fl.default is None else _show(fl.default)
+        option = typer.Option(fl.spelling, help=escape(f"{_plain(fl.help)} [default: {shown}]"), metavar=fl.metavar,
+                              rich_help_panel=panel, show_default=False)
+        out.append(inspect.Parameter(fl.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                     annotation=Annotated[t, option]))
     return out
 
 

@@ -50,7 +50,7 @@ from dflash_prep.pack.pack import pack_epochs
 from dflash_prep.synth import profiles
 
 from dflash_prep.train import distributed
-from dflash_prep.train.config import TrainConfig, preset
+from dflash_prep.train.config import preset, build as build_config
 from dflash_prep.train.data import Prefetcher, iter_steps
 from dflash_prep.train.loop import _autocast_for, train_step
 from dflash_prep.train.optim import build_optimizer
@@ -153,7 +153,7 @@ class _Runner:
         self.d = distributed.Dist(0, 1, 0, dev)
         torch.manual_seed(cfg.seed)
         self.model = Decoder(preset(cfg.model, vocab_size=int(ds.tokenizer_info["vocab_size"]))).to(dev)
-        self.opt = build_optimizer(self.model, TrainConfig(device=cfg.device))
+        self.opt = build_optimizer(self.model, build_config(device=cfg.device))
         self.autocast = _autocast_for(dev, True)
         self.todo = cfg.steps or m.num_steps
         if m.num_steps < max(cfg.warmup, self.todo):

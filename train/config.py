@@ -20,16 +20,11 @@ import tomllib
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
-from dflash_prep import objectives
 from dflash_prep.errors import ConfigError
-from dflash_prep.objectives.dflash import RECIPE_DRAFT_LAYERS, DrafterOptions
-from dflash_prep.objectives.options import shared_help
 
 ATTN_BACKENDS = ("auto", "reference", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("adamw", "muon")
-SLOT_WEIGHTS = ("decay", "dpace")
-LOSSES = ("ce", "kl")
 
 
 def _positive_finite(name: str, v, *, zero_ok: bool = False) -> None:
@@ -103,24 +98,22 @@ def preset(name: str, **overrides) -> ModelConfig:
 DATA, MODEL, OPTIMIZER, RUN, OBJECTIVE = "Data", "Model", "Optimizer", "Run", "Objective"
 
 
-def opt(default=MISSING, *, panel: str, flag: str | None = None, cli: bool = True, default_factory=MISSING,
-        help: str | None = None):
+def opt(default=MISSING, *, panel: str, flag: str | None = None, cli: bool = True, default_factory=MISSING):
     """A :class:`TrainConfig` field: its default, its ``--help`` panel, its flag's spelling when
     not ``--field-name`` and whether it has one at all (else config file only). The field's
-    docstring is its help (:func:`field_help`), or ``help`` for an option an objective declares
-    (:func:`dflash_prep.objectives.options.shared_help`): every option is declared once."""
+    docstring is its help (:func:`field_help`). An objective's own options are declared by the
+    objective (:mod:`dflash_prep.train.objectives.registry`), not here."""
     return field(default=default, default_factory=default_factory,
-                 metadata={"panel": panel, "flag": flag, "cli": cli, "help": help})
+                 metadata={"panel": panel, "flag": flag, "cli": cli})
 
 
 def field_help(cls) -> dict[str, str]:
-    """``{field: its help}``: the string under each field in the class's source, or its ``help``."""
+    """``{field: its help}``: the string under each field in the class's source."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body, out = tree.body[0].body, {}
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             out[node.target.id] = " ".join(str(nxt.value.value).split())
-    out.update({f.name: "DFlash: " + f.metadata["help"] for f in fields(cls) if f.metadata.get("help")})
     return out
 
 
@@ -192,43 +185,13 @@ class TrainConfig:
     wandb: str = opt("", panel=RUN)
     """Weights & Biases project name; empty = off. Needs ``pip install wandb``."""
     objective: str = opt("lm", panel=OBJECTIVE)
-    """``lm``: next-token loss on the model being trained; ``dflash``: a DFlash drafter on the
-    frozen ``target`` (see :mod:`dflash_prep.train.objectives.dflash.objective`)."""
-    init_from: str = opt("", panel=MODEL)
-    """LM objective: start from this local transformers causal-LM folder instead of ``model``;
-    the result is saved with ``save_pretrained`` (and its tokenizer) to ``out/hf``."""
+    """What to train: ``lm`` (next-token loss on the model being trained), ``dflash`` (a DFlash
+    drafter on a frozen ``--target``); each objective's own options are in its panel below."""
+    options: object = opt(None, panel=OBJECTIVE, cli=False)
+    """The objective's options (its frozen dataclass, :mod:`dflash_prep.train.objectives.registry`;
+    None = its defaults). Built from the objective's flags and config keys by :func:`build`."""
     ce_chunk: int = opt(2048, panel=RUN)
-    """Rows per chunk of LM head + cross-entropy (both objectives; memory ~ chunk x vocab)."""
-    target: str = opt("", panel=OBJECTIVE)
-    """DFlash: the frozen target, a local transformers causal-LM folder with its tokenizer."""
-    draft_layers: int = opt(RECIPE_DRAFT_LAYERS, panel=OBJECTIVE)
-    """DFlash: draft layers N (the taps are build_target_layer_ids(L, N) unless target_layer_ids);
-    the default is the recipe's (speculators RFC #979), as ``pack --draft-layers``'s."""
-    target_layer_ids: tuple[int, ...] = opt((), panel=OBJECTIVE)
-    """DFlash: tapped target layers; empty = the public rule."""
-    block_size: int = opt(0, panel=OBJECTIVE, help=shared_help(DrafterOptions, "block_size", 0))
-    slot_weights: str = opt("", panel=OBJECTIVE)
-    """DFlash: ``decay`` (exp(-(r-1)/gamma)) or ``dpace`` (D-PACE, from the drafter's confidence
-    in the forward); empty = the objective's (``dpace`` for dflash)."""
-    gamma: float = opt(0.0, panel=OBJECTIVE)
-    """DFlash: slot-weight decay exp(-(r-1)/gamma); 0 = the rule (B - 2) / 2 (7 at B = 16)."""
-    dpace_alpha: float = opt(0.5, panel=OBJECTIVE)
-    """DFlash: D-PACE smoothing alpha in (0, 1] (q~ = (1 - alpha) q + alpha)."""
-    loss: str = opt("ce", panel=OBJECTIVE)
-    """DFlash: ``ce`` on the data token, or ``kl`` from the target's next-token distribution."""
-    kl_temperature: float = opt(1.0, panel=OBJECTIVE)
-    """DFlash: temperature of both distributions under ``--loss kl``."""
-    sliding_window: int = opt(-1, panel=OBJECTIVE)
-    """DFlash: sliding-window attention W of every draft layer (0 = full, else at least B; -1 = the
-    objective's recipe, ``pack``'s default): slot r of block j sees context positions >= a_j + r - W + 1 only
-    (the public ``sliding_attention`` rule)."""
-    max_anchors: int = opt(0, panel=OBJECTIVE, help=shared_help(DrafterOptions, "max_anchors", 0))
-    anchor_policy: str = opt("", panel=OBJECTIVE, help=shared_help(DrafterOptions, "anchor_policy", ""))
-    anchor_seed: int = opt(-1, panel=OBJECTIVE, help=shared_help(
-        DrafterOptions, "anchor_seed", -1, "--seed; a value that contradicts the manifest is refused (its budgets "
-        "assume its anchors)"))
-    mask_token_id: int = opt(-1, panel=OBJECTIVE)
-    """DFlash: mask token id; -1 = the tokenizer's mask token, ``<|mask|>``, or the first row past the tokenizer."""
+    """Rows per chunk of LM head + cross-entropy (every objective; memory ~ chunk x vocab)."""
 
     target_ranks: int = opt(0, panel=RUN)
     """Run the frozen target on its own ranks (:mod:`dflash_prep.train.split`): the job's first K
@@ -274,26 +237,23 @@ class TrainConfig:
         preset(self.model, **self.model_overrides)  # validates the preset name and overrides
         if self.ce_chunk < 1:
             raise ConfigError(f"--ce-chunk must be at least 1, got {self.ce_chunk}")
-        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-        obj = objectives.get(self.objective)
-        for k, v in obj.train_defaults.items():      # what the objective's recipe fills in when left unset
-            if getattr(self, k) in ("", -1):
-                object.__setattr__(self, k, v)
-        self._check_recipe()
-        obj.check_train(self)
-
-    def _check_recipe(self) -> None:
-        """The optimizer and loss options are ones this trainer knows."""
-        for flag, v, ok in (("--optimizer", self.optimizer, OPTIMIZERS), ("--loss", self.loss, LOSSES)):
-            if v not in ok:
-                raise ConfigError(f"{flag} must be one of {', '.join(ok)}, got {v!r}")
-        if self.slot_weights and self.slot_weights not in SLOT_WEIGHTS:
-            raise ConfigError(f"--slot-weights must be one of {', '.join(SLOT_WEIGHTS)}, got {self.slot_weights!r}")
-        if isinstance(self.dpace_alpha, bool) or not isinstance(self.dpace_alpha, (int, float)) \
-                or not 0.0 < self.dpace_alpha <= 1.0:
-            raise ConfigError(f"--dpace-alpha must be in (0, 1], got {self.dpace_alpha!r}")
-        _positive_finite("--kl-temperature", self.kl_temperature)
+        spec = registry().get(self.objective)
+        if self.options is None:
+            object.__setattr__(self, "options", registry().build_options(self.objective, {}))
+        if not isinstance(self.options, spec.options):
+            raise ConfigError(f"--objective {self.objective} needs its options ({spec.options.__name__}), "
+                              f"got {type(self.options).__name__}")
+        if not self.optimizer:                      # the objective's recipe
+            object.__setattr__(self, "optimizer", spec.options.optimizer)
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         _positive_finite("--muon-lr", self.muon_lr, zero_ok=True)
+
+    def flat(self) -> dict:
+        """Every option by name, the objective's beside the generic ones (what the run's log and
+        checkpoint record, and what a config file holds)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "options"}
+        return d | {f.name: getattr(self.options, f.name) for f in fields(self.options)}
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         """The preset with overrides; the dataset's vocab unless the overrides fix one."""
@@ -303,8 +263,21 @@ class TrainConfig:
         return preset(self.model, **over)
 
 
+def registry():
+    """The trainer-side objective registry (imported on first use: it registers the objectives,
+    whose modules import this one)."""
+    from dflash_prep.train.objectives import registry as reg
+
+    return reg
+
+
+def _option_keys() -> set[str]:
+    return {f.name for s in registry().specs() for f in fields(s.options)}
+
+
 def load_file(path: str | Path) -> dict:
-    """Read a TOML config file into TrainConfig keyword arguments."""
+    """Read a TOML config file into keyword arguments of :func:`build`: TrainConfig fields and the
+    options of the objectives (top-level keys, named as their fields)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
@@ -312,7 +285,7 @@ def load_file(path: str | Path) -> dict:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
-    known = {f.name for f in fields(TrainConfig)}
+    known = {f.name for f in fields(TrainConfig) if f.name != "options"} | _option_keys()
     model = raw.pop("model", None)
     if isinstance(model, dict):  # [model] table: optional preset = "..." plus field overrides
         model = dict(model)
@@ -331,9 +304,17 @@ def load_file(path: str | Path) -> dict:
 
 
 def build(file: str | Path | None = None, **cli) -> TrainConfig:
-    """File values first, then every command-line value that is not None."""
+    """File values first, then every command-line value that is not None. Keys that are not
+    TrainConfig fields are the chosen objective's options (an option of another objective is
+    refused, naming whose it is)."""
     kwargs = load_file(file) if file else {}
     kwargs.update({k: v for k, v in cli.items() if v is not None})
+    generic = {f.name for f in fields(TrainConfig)}
+    own = {k: kwargs.pop(k) for k in list(kwargs) if k not in generic}
+    if "options" not in kwargs:
+        kwargs["options"] = registry().build_options(kwargs.get("objective", "lm"), own)
+    elif own:
+        raise ConfigError(f"pass the objective's options either as options= or by name, not both ({sorted(own)})")
     try:
         return TrainConfig(**kwargs)
     except TypeError as e:

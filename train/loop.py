@@ -144,7 +144,7 @@ def _wandb(cfg: TrainConfig, d: distributed.Dist):
         print("warning: --wandb was given but wandb is not installed (pip install wandb); logging to JSONL only",
               file=sys.stderr)
         return None
-    return wandb.init(project=cfg.wandb, config=asdict(cfg))
+    return wandb.init(project=cfg.wandb, config=cfg.flat())
 
 
 class _Lines:
@@ -236,7 +236,7 @@ class _Run:
         if self.d.is_main:
             ckpt.save(self.ckpt_path, model=self.obj.model, optimizer=self.opt, schedule=self.sched.state(),
                       rng=rng_all, cursor={"epoch": self.epoch, "step": self.step, "global_step": self.gstep},
-                      run_key=self.run_key, model_config=self.mcfg, extra={"config": asdict(self.cfg)})
+                      run_key=self.run_key, model_config=self.mcfg, extra={"config": self.cfg.flat()})
         distributed.barrier(self.d)
 
 
@@ -303,7 +303,7 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist, place=None) -> dict:
         split.announce(place, epoch=run.epoch, step=run.step, global_step=run.gstep, max_steps=cfg.max_steps or None,
                        continuation=run.run_key.get("continuation"))
     out, obj = Path(cfg.out), run.obj
-    header = {"config": asdict(cfg), "model": run.mcfg, "params": obj.num_parameters(),
+    header = {"config": cfg.flat(), "model": run.mcfg, "params": obj.num_parameters(),
               "run_key": run.run_key, "world_size": d.world_size, "device": str(d.device),
               "resumed_from": {"epoch": run.epoch, "step": run.step, "global_step": run.gstep} if run.resumed else None}
     log = RunLog(out / "log.jsonl", header, fresh=not run.resumed, enabled=d.is_main, keep_through=run.gstep)

@@ -210,10 +210,10 @@ def target_identity(path: str | Path, tokenizer=None) -> dict:
             if template else None}
 
 
-def pick_mask_token(tokenizer, vocab_size: int, requested: int = -1) -> int:
-    """The mask id: ``requested`` when >= 0, else the tokenizer's mask token, else a token named
+def pick_mask_token(tokenizer, vocab_size: int, requested: int | None = None) -> int:
+    """The mask id: ``requested`` when given, else the tokenizer's mask token, else a token named
     ``<|mask|>``, else the first embedding row past the tokenizer (an id no text maps to)."""
-    if requested >= 0:
+    if requested is not None:
         mid = int(requested)
     elif getattr(tokenizer, "mask_token_id", None) is not None:
         mid = int(tokenizer.mask_token_id)

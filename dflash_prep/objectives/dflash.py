@@ -53,7 +53,8 @@ from dflash_prep.objectives import options as opt_decl
 from dflash_prep.objectives.anchors import anchor_count
 from dflash_prep.objectives.base import DataObjective
 from dflash_prep.objectives.dflash_anchors import EpochAnchors, differing_rows, store_anchors
-from dflash_prep.objectives.drafter_cost import DrafterCostModel, cost_shares, sample_cost, step_flops
+from dflash_prep.objectives.drafter_cost import (DrafterCostModel, cost_model_of_record, cost_shares, sample_cost,
+                                                 step_flops)
 from dflash_prep.objectives.options import PACK, Flag, option
 from dflash_prep.pack import metrics, steps
 from dflash_prep.pack.batch_stats import row_sums, segment_sums
@@ -140,6 +141,11 @@ class DrafterOptions:
                               "--target-config DIR (a transformers config.json) with --draft-layers N, or --target-dims")
         return replace(self, anchor_seed=int(seed if self.anchor_seed is None else self.anchor_seed))
 
+    def step_cost_model(self) -> DrafterCostModel | None:
+        """The cost model of one training step, what pack balances ranks on and the manifest
+        records: :attr:`cost_model` here; a variant whose drafter adds work (DFlash2) extends it."""
+        return self.cost_model
+
     @classmethod
     def from_json(cls, d: dict) -> "DrafterOptions":
         d = dict(d)
@@ -204,7 +210,7 @@ def prepare(lens: np.ndarray, supervised: np.ndarray, candidates: np.ndarray, op
     n = lens.shape[0]
     counts, cost = np.empty(n, np.int32), np.empty(n, np.float64)
     _counts_and_cost(lens, sup, cand, np.int64(opts.max_anchors), opts.anchor_policy == "density",
-                     np.int64(opts.block_size), opts.cost_model.coefficient_array(opts.block_size), counts, cost)
+                     np.int64(opts.block_size), opts.step_cost_model().coefficient_array(opts.block_size), counts, cost)
     tokens = float(lens.sum(dtype=np.int64))
     per_token = float(cost.sum()) / tokens
     cb = opts.cost_fill * float(token_budget) * per_token if opts.cost_fill else None
@@ -223,7 +229,7 @@ def epoch_extras(de: DrafterEpoch, opts: DrafterOptions, kc: np.ndarray, mb_anch
     :class:`anchor_digest.DigestJob`."""
     header = {**opt_decl.header(opts), "anchor_budget": de.anchor_budget, "cost_budget": de.cost_budget,
               "sampler_version": anchors.SAMPLER_VERSION,
-              "cost_model": opts.cost_model.describe(opts.block_size),
+              "cost_model": opts.step_cost_model().describe(opts.block_size),
               "anchor_digest": de.digest.result()}
     n_mb = max(len(mb_anchors), 1)
     summary = {"anchors": int(kc.sum(dtype=np.int64)), "useful_target_tokens": 1.0, "useful_anchor_slots": 1.0,
@@ -238,8 +244,7 @@ def microbatch_cost(header: dict, lens: np.ndarray, supervised: np.ndarray, coun
     """Drafter FLOPs per micro-batch from the cost model ``manifest.json`` records; the
     per-sample arrays are in micro-batch order (``offsets`` cut them)."""
     d = header["dflash"]
-    sizes = {k: v for k, v in d["cost_model"].items() if k in DrafterCostModel.__dataclass_fields__}
-    c = sample_cost(DrafterCostModel(**sizes), int(d["block_size"]), lens, supervised, counts)
+    c = sample_cost(cost_model_of_record(d["cost_model"]), int(d["block_size"]), lens, supervised, counts)
     return np.add.reduceat(c, offsets[:-1]) if len(c) else np.zeros(0)
 
 
@@ -364,7 +369,8 @@ def predict(lens: np.ndarray, supervised: np.ndarray, candidates: np.ndarray, op
             "cost_fill": float(cost.mean()) / de.cost_budget if de.cost_budget else None,
             "anchors": int(de.counts.sum(dtype=np.int64)), "anchor_budget": de.anchor_budget,
             "rank_imbalance": imb, "world_size": world_size,
-            "anchor_cost_share": cost_shares(opts.cost_model, opts.block_size, lens, supervised, de.counts)["anchors"]}
+            "anchor_cost_share": cost_shares(opts.step_cost_model(), opts.block_size, lens, supervised,
+                                             de.counts)["anchors"]}
 
 
 def predict_source(src, opts: DrafterOptions, budget: Budget, *, seed: int) -> dict:
@@ -382,6 +388,9 @@ class DFlashObjective(DataObjective):
     ranks balanced on the drafter step cost; verify regenerates every anchor."""
 
     name = "dflash"
+    #: the manifest header section it writes and reads: one for the DFlash family, so a variant
+    #: (dflash2) keeps every reader of anchors, budgets and the cost model
+    section = "dflash"
     layouts = ("varlen",)
     options_type = DrafterOptions
     summary_keys = ("useful_target_tokens", "useful_anchor_slots", "token_fill", "anchor_fill", "cost_fill",
@@ -449,7 +458,7 @@ class DFlashObjective(DataObjective):
         ids = arrays["sample_ids"]
         arrays["anchor_counts"] = kc = de.counts[ids]               # int32, in sample_ids order
         mb_k = row_sums(kc, rows.start, rows.count)                 # anchors per manifest row
-        header[self.name], extra = epoch_extras(de, cfg.options, kc, mb_k, rows.real, cfg.budget.value)
+        header[self.section], extra = epoch_extras(de, cfg.options, kc, mb_k, rows.real, cfg.budget.value)
         summary.update(extra)
         if cfg.options.store_anchors:
             if dataset is None:
@@ -472,7 +481,7 @@ class DFlashObjective(DataObjective):
         t = np.asarray(m.table)                     # every row's anchors and tokens against its budgets
         n_mb, k = max(len(t), 1), int(np.asarray(m.arrays["anchor_counts"]).sum(dtype=np.int64))
         got |= {"useful_target_tokens": 1.0, "useful_anchor_slots": 1.0,
-                "anchor_fill": k / (n_mb * int(m.header["dflash"]["anchor_budget"])),
+                "anchor_fill": k / (n_mb * int(m.header[self.section]["anchor_budget"])),
                 "token_fill": int(np.asarray(lens, np.int64)[ids].sum()) / (n_mb * float(m.header["budget"]["value"]))}
         return problems, got, mc.supervised
 

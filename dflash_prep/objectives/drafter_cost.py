@@ -24,11 +24,15 @@ embeddings and LM head aside; a draft layer has the target's layer shape. Pack d
 masks, so it takes ``sum_j min(a_j, W)`` and ``n`` at their expectations when the supervised
 tokens end the sample (a prompt, then the response): candidates are positions
 ``L - S .. L - 2``, uniform (:func:`mean_seen`, :func:`mean_labelled`).
+
+Two more drafters price their steps here: DFlash2 (:class:`DFlash2CostModel`, DFlash plus
+per-block-token convolutions and a per-row candidate selector, so the same five quantities
+with larger coefficients) and EAGLE-3 (:class:`Eagle3CostModel`, ``a L + b L^2`` per
+document). :class:`TargetSizes` holds the seven target sizes all three read.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -36,37 +40,20 @@ import numba as nb
 import numpy as np
 
 from dflash_prep.errors import ConfigError
-
-#: The fields of a transformers config.json this model reads, and their names there.
-CONFIG_KEYS = {"hidden": "hidden_size", "layers": "num_hidden_layers", "intermediate": "intermediate_size",
-               "heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "head_dim": "head_dim",
-               "vocab": "vocab_size"}
+from dflash_prep.objectives.target_sizes import TargetSizes, config_sizes, dims_sizes
 
 
 @dataclass(frozen=True)
-class DrafterCostModel:
-    """Model sizes of the drafter step cost (module docstring).
+class DrafterCostModel(TargetSizes):
+    """Model sizes of the drafter step cost (module docstring): the target's
+    (:class:`TargetSizes`) and the drafter's two.
 
     Attributes:
-        hidden: the target's d_model ``H`` (the drafter shares it).
-        layers: target decoder layers.
-        intermediate: SwiGLU width.
-        heads: query heads ``h``.
-        kv_heads: key/value heads ``h_kv``.
-        head_dim: ``d``.
-        vocab: ``V``, the LM head's rows.
         draft_layers: ``N``, the drafter's decoder layers (it taps ``N`` target layers).
         sliding_window: ``W`` of the draft layers' attention (``--sliding-window``), 0 = full:
             a block attends to ``min(a_j, W)`` context keys.
     """
 
-    hidden: int
-    layers: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
     draft_layers: int = 1
     sliding_window: int = 0
 
@@ -78,56 +65,17 @@ class DrafterCostModel:
                 raise ConfigError(f"cost model: {f.name} must be >= 1, got {getattr(self, f.name)}")
 
     @classmethod
-    def from_config(cls, folder: str | Path, draft_layers: int = 1, sliding_window: int = 0) -> "DrafterCostModel":
+    def from_config(cls, folder: str | Path, draft_layers: int = 1, sliding_window: int = 0, **extra):
         """Sizes from a transformers ``config.json`` (a folder or the file itself)."""
-        path = Path(folder)
-        path = path / "config.json" if path.is_dir() else path
-        try:
-            cfg = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path}: cannot read a transformers config.json ({e}); pass --target-config DIR "
-                              "holding the target's config.json, or --target-dims") from None
-        cfg = cfg.get("text_config", cfg)           # multimodal configs nest the language model
-        vals = {}
-        for ours, theirs in CONFIG_KEYS.items():
-            v = cfg.get(theirs)
-            if v is None and ours == "head_dim" and cfg.get("hidden_size") and cfg.get("num_attention_heads"):
-                v = cfg["hidden_size"] // cfg["num_attention_heads"]
-            if v is None and ours == "kv_heads":
-                v = cfg.get("num_attention_heads")
-            if v is None:
-                raise ConfigError(f"{path}: no {theirs!r}; the drafter cost model needs {', '.join(CONFIG_KEYS.values())}")
-            vals[ours] = int(v)
-        return cls(**vals, draft_layers=int(draft_layers), sliding_window=int(sliding_window))
+        return cls(**config_sizes(folder), draft_layers=int(draft_layers), sliding_window=int(sliding_window),
+                   **extra)
 
     @classmethod
-    def from_dims(cls, spec: str, draft_layers: int = 1, sliding_window: int = 0) -> "DrafterCostModel":
+    def from_dims(cls, spec: str, draft_layers: int = 1, sliding_window: int = 0, **extra):
         """Sizes from ``"hidden=4096,layers=36,intermediate=12288,heads=32,kv_heads=8,head_dim=128,vocab=151936"``."""
-        vals = {}
-        for part in spec.split(","):
-            k, sep, v = part.strip().partition("=")
-            if not sep or k not in CONFIG_KEYS:
-                raise ConfigError(f"--target-dims {spec!r}: write name=value pairs with names {', '.join(CONFIG_KEYS)}")
-            try:
-                vals[k] = int(v)
-            except ValueError:
-                raise ConfigError(f"--target-dims: {k}={v!r} is not an integer") from None
-        missing = [k for k in CONFIG_KEYS if k not in vals]
-        if missing:
-            raise ConfigError(f"--target-dims {spec!r} lacks {', '.join(missing)}")
-        return cls(**vals, draft_layers=int(draft_layers), sliding_window=int(sliding_window))
+        return cls(**dims_sizes(spec), draft_layers=int(draft_layers), sliding_window=int(sliding_window), **extra)
 
     # -- parameter counts
-    @property
-    def layer_params(self) -> int:
-        """Weights of one decoder layer: q, k, v, o projections and the SwiGLU MLP."""
-        H, hd = self.hidden, self.head_dim
-        return H * self.heads * hd * 2 + H * self.kv_heads * hd * 2 + 3 * H * self.intermediate
-
-    @property
-    def target_params(self) -> int:
-        return self.layers * self.layer_params
-
     @property
     def draft_params(self) -> int:
         return self.draft_layers * self.layer_params + self.draft_layers * self.hidden * self.hidden
@@ -232,3 +180,144 @@ def cost_shares(model: DrafterCostModel, block_size: int, lengths, supervised, c
     total = float(sample_cost(model, block_size, lengths, supervised, counts).sum())
     return {"target": target / total if total else 0.0, "anchors": 1.0 - target / total if total else 0.0}
 
+
+
+# ----------------------------------------------------------------------------- DFlash2
+@dataclass(frozen=True)
+class DFlash2CostModel(DrafterCostModel):
+    """DFlash2's step cost: DFlash's (:class:`DrafterCostModel`) plus two terms, each linear in a
+    quantity :func:`flops` already reads, so pack, verify and the trainer price a DFlash2 step
+    through the same five coefficients (:meth:`coefficients` adds them in).
+
+    - Convolutions (trained: forward x3 with the backward). Each draft layer wraps its
+      attention and its MLP sublayer in a grouped dynamic depthwise convolution of
+      ``K_c = conv_kernel_size`` taps over ``G = H / conv_group_size`` channel groups (a group is
+      ``conv_group_size`` channels sharing a tap). Per block token and sublayer the projection
+      delta: ``H -> K_c * G`` (the tap weights, ``2 H K_c G`` forward) and the taps
+      themselves (``2 K_c H``). Per anchor (``B`` block tokens, ``N`` layers, 2 sublayers):
+      ``conv = 12 * K_c * H * (G + 1) * B * N``, added to ``anchors``.
+    - The candidate selector, on each row with a loss weight (the rows the LM head runs on:
+      their logits are the unary scores). The projection ``P`` (``H -> r``, ``r =
+      selector_rank``: ``2 H r`` forward, x3); the ``K x K`` edge scores between the adjacent
+      slots' top-``K`` candidates (``K = selector_top_k``), ``<A[p] * P h, B[c]>``: ``K r``
+      products, then ``K^2`` dot products of ``r`` (``K r + 2 K^2 r`` forward, x3); and the
+      top-``K`` over the ``V`` logits, counted as ``V`` comparisons, forward only (no gradient
+      flows through the indices). Per row: ``selector = 6 H r + 3 K r (2 K + 1) + V``, added to
+      ``head_rows``. The gathers of ``A``/``B`` rows move memory, not FLOPs.
+    """
+
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.hidden % self.conv_group_size:
+            raise ConfigError(f"--conv-group-size {self.conv_group_size} must divide the target's hidden size "
+                              f"{self.hidden} (it is the channels per convolution group)")
+        if self.selector_top_k > self.vocab:
+            raise ConfigError(f"--selector-top-k {self.selector_top_k} exceeds the target vocabulary {self.vocab}")
+
+    @property
+    def conv_groups(self) -> int:
+        return self.hidden // self.conv_group_size
+
+    @property
+    def draft_params(self) -> int:
+        """DFlash's, plus each layer's two delta projections and the selector's P, A and B."""
+        conv = self.draft_layers * 2 * self.hidden * self.conv_kernel_size * self.conv_groups
+        return super().draft_params + conv + self.selector_rank * (self.hidden + 2 * self.vocab)
+
+    def coefficients(self, block_size: int) -> dict:
+        """DFlash's coefficients with ``conv`` (per anchor) in ``anchors`` and ``selector`` (per
+        row with a loss weight) in ``head_rows``; both also listed on their own."""
+        c = super().coefficients(block_size)
+        H, B, N = float(self.hidden), float(block_size), float(self.draft_layers)
+        kc, r, k = float(self.conv_kernel_size), float(self.selector_rank), float(self.selector_top_k)
+        conv = 12.0 * kc * H * (self.conv_groups + 1.0) * B * N
+        selector = 6.0 * H * r + 3.0 * k * r * (2.0 * k + 1.0) + float(self.vocab)
+        return {**c, "anchors": c["anchors"] + conv, "head_rows": c["head_rows"] + selector, "conv": conv,
+                "selector": selector}
+
+
+def cost_model_of_record(rec: dict) -> DrafterCostModel:
+    """The DFlash-family cost model a manifest records (:meth:`DrafterCostModel.describe`): a
+    :class:`DFlash2CostModel` when the record holds the conv and selector sizes, else a
+    :class:`DrafterCostModel`. Parameter counts and coefficients are recomputed, never read."""
+    cls = DFlash2CostModel if all(f.name in rec for f in fields(DFlash2CostModel)) else DrafterCostModel
+    return cls(**{f.name: rec[f.name] for f in fields(cls) if f.name in rec})
+
+
+# ----------------------------------------------------------------------------- EAGLE-3
+@dataclass(frozen=True)
+class Eagle3CostModel(TargetSizes):
+    """The EAGLE-3 step cost of a document of ``L`` tokens: ``a L + b L^2`` FLOPs
+    (:meth:`coefficients`), for ``S = ttt_steps`` drafter passes over every position.
+
+    - target forward (frozen, as DFlash counts it): ``2 P_t L + 2 h d L_t L^2`` (causal
+      attention ``4 h d L^2 / 2`` per layer), plus the target's LM head at every position,
+      ``2 H V L`` (the soft labels: the target's next-token distribution, read through t2d);
+    - fc over the three tapped states, ``3H -> H``, once per position (trained, x3):
+      ``18 H^2 L``; the later passes feed the drafter its own hidden state, not the fc's;
+    - per pass (trained, x3): the decoder layer, whose q/k/v read the ``2H``-wide
+      ``[embedding, hidden]`` input (``P_e = 2H h d + 4H h_kv d + h d H + 3 H I`` weights):
+      ``6 P_e L``; the LM head over the draft vocabulary ``V_d``: ``6 H V_d L``; attention of
+      pass ``j = 0..S-1``: the query at position ``i`` sees its ``i + 1`` causal keys plus the
+      ``j`` diagonal keys of the earlier passes, ``12 h d (L (L + 1) / 2 + j L)``.
+
+    Summed: ``a = 2 P_t + 2 H V + 18 H^2 + 6 S (P_e + H V_d) + 6 h d S^2`` and
+    ``b = 2 h d L_t + 6 h d S``. Embedding lookups and norms are left out (no FLOPs to speak of).
+
+    Attributes:
+        draft_vocab: ``V_d``, the draft LM head's rows (``--draft-vocab-size``).
+        ttt_steps: ``S``, drafter passes per step (``--ttt-steps``).
+    """
+
+    draft_vocab: int = 32000
+    ttt_steps: int = 7
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.draft_vocab > self.vocab:
+            raise ConfigError(f"--draft-vocab-size {self.draft_vocab} exceeds the target vocabulary {self.vocab}; "
+                              f"pass at most {self.vocab}")
+
+    @property
+    def eagle_layer_params(self) -> int:
+        """Weights of the one draft layer: q, k, v on the 2H-wide input, o, the SwiGLU MLP."""
+        H, hd = self.hidden, self.head_dim
+        return 2 * H * self.heads * hd + 4 * H * self.kv_heads * hd + self.heads * hd * H + 3 * H * self.intermediate
+
+    @property
+    def draft_params(self) -> int:
+        return 3 * self.hidden * self.hidden + self.eagle_layer_params + self.hidden * self.draft_vocab
+
+    def terms(self) -> dict:
+        """Each term of the class docstring, FLOPs per token (``*_sq``: per squared document length)."""
+        H, hd, S = float(self.hidden), float(self.heads * self.head_dim), float(self.ttt_steps)
+        return {"target": 2.0 * self.target_params, "target_sq": 2.0 * hd * self.layers,
+                "target_head": 2.0 * H * self.vocab, "fc": 18.0 * H * H,
+                "draft_layer": 6.0 * S * self.eagle_layer_params, "draft_head": 6.0 * S * H * self.draft_vocab,
+                "draft_attention": 6.0 * hd * S * S, "draft_attention_sq": 6.0 * hd * S}
+
+    def coefficients(self) -> dict:
+        """``tokens`` (a, per token) and ``tokens_sq`` (b, per squared document length)."""
+        t = self.terms()
+        return {"tokens": t["target"] + t["target_head"] + t["fc"] + t["draft_layer"] + t["draft_head"]
+                + t["draft_attention"], "tokens_sq": t["target_sq"] + t["draft_attention_sq"]}
+
+    def batch_cost(self, tokens, tokens_sq) -> np.ndarray:
+        """FLOPs per micro-batch (float64) from its tokens and its sum of squared lengths."""
+        c = self.coefficients()
+        return c["tokens"] * np.asarray(tokens, np.float64) + c["tokens_sq"] * np.asarray(tokens_sq, np.float64)
+
+    def describe(self) -> dict:
+        """What manifest.json records: the sizes, parameter counts, coefficients and terms."""
+        return {**asdict(self), "target_params": self.target_params, "draft_params": self.draft_params,
+                "coefficients": self.coefficients(), "terms": self.terms()}
+
+    @classmethod
+    def of_record(cls, rec: dict) -> "Eagle3CostModel":
+        """The model :meth:`describe` recorded (the derived entries are recomputed, never read)."""
+        return cls(**{f.name: rec[f.name] for f in fields(cls) if f.name in rec})

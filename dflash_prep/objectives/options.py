@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from dflash_prep.errors import ConfigError
 
-PACK, ANALYZE = "pack", "analyze"
+PACK, ANALYZE, TRAIN = "pack", "analyze", "train"
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def shared_help(cls, name: str, unset, otherwise: str | None = None) -> str:
     from a manifest when left ``unset``): the field's help, what ``unset`` means, and the
     field's default (or ``otherwise``) when there is no manifest to read."""
     f = next(f for f, _ in _declared(cls) if f.name == name)
-    shown = '""' if unset == "" else unset
+    shown = "unset" if unset is None else '""' if unset == "" else unset
     return (f"{f.metadata['option']['help']}; {shown} = the manifest's (pack --objective dflash), else "
             f"{otherwise or f.default}")
 

@@ -67,11 +67,11 @@ def test_toy_verify_runs_its_check(packed):
 
 
 def test_toy_trains_two_steps(packed):
-    from dflash_prep.train.config import TrainConfig
+    from dflash_prep.train.config import build as build_config
     from dflash_prep.train.loop import train
 
     root, _ = packed
-    cfg = TrainConfig(data=str(root / "data"), plan=str(root / "plan" / "plan.json"), manifests=str(root / "man"),
+    cfg = build_config(data=str(root / "data"), plan=str(root / "plan" / "plan.json"), manifests=str(root / "man"),
                       out=str(root / "run"), model_overrides=SMALL, progress=False, device="cpu", objective="toy",
                       pack_missing=False, max_steps=2, warmup_steps=1)
     s = train(cfg)

@@ -54,10 +54,11 @@ class ToyObjective(DataObjective):
 def register_toy() -> None:
     """Both sides under the name ``toy`` (idempotent; the trainer side needs torch)."""
     from dflash_prep.train.objectives.lm.model import Decoder
-    from dflash_prep.train.objectives import LMObjective, register_trainer
+    from dflash_prep.train.objectives import LMObjective, TrainerSpec, register as register_trainer
+    from dflash_prep.train.objectives.lm import LMTrainOptions
     from dflash_prep.train.source import tokenizer_field
 
-    register(ToyObjective())
+    register(ToyObjective())       # the data side
 
     class ToyTrainer(LMObjective):
         name = "toy"
@@ -76,11 +77,11 @@ def register_toy() -> None:
         def contract(self):
             return {"objective": "toy", "weight": self.weight}
 
-    def build(cfg, ds, device, manifest=None):
+    def build(cfg, ds, device, manifest=None, place=None):
         weight = float(manifest.header["toy"]["weight"]) if manifest is not None else 1.0
         model = Decoder(cfg.model_config(int(tokenizer_field(ds, "vocab_size", 0)))).to(device)
         obj = ToyTrainer(model, cfg, weight)
         obj.pad_id = int(tokenizer_field(ds, "pad_id", 0))
         return obj
 
-    register_trainer("toy", build)
+    register_trainer(TrainerSpec("toy", LMTrainOptions, build))      # the trainer side

@@ -29,13 +29,13 @@ def tiny_target(seed: int = 0) -> Path:
 
 
 def dflash_cfg(out, target, **kw):
-    from dflash_prep.train.config import TrainConfig
+    from dflash_prep.train.config import build as build_config
 
     base = dict(out=str(out), objective="dflash", target=str(target), draft_layers=2, block_size=4,
                 max_anchors=6, mask_token_id=MASK_ID, progress=False, prefetch=2, warmup_steps=1, lr=3e-3,
                 device="cpu", ce_chunk=16, slot_weights="decay", optimizer="adamw", sliding_window=0)  # the pre-recipe defaults
     base.update(kw)
-    return TrainConfig(**base)
+    return build_config(**base)
 
 
 def gloo_dflash_worker(rank: int, world: int, init_file: str, out_dir: str, target: str, kw: dict | None = None) -> None:

@@ -53,13 +53,13 @@ def batch_builder(paths: dict, source):
     drafter's objective builds it."""
     import torch
 
-    from dflash_prep.train.config import TrainConfig
+    from dflash_prep.train.config import build as build_config
     from dflash_prep.train.objectives.dflash.objective import build_dflash_batch, default_gamma
     from dflash_prep.train.objectives.dflash.objective import anchor_spec
     from dflash_prep.train.target import load_tokenizer, pick_mask_token
 
     target = paths["target"]
-    spec, _ = anchor_spec(TrainConfig(objective="dflash", target=target), source.manifest(0))
+    spec, _ = anchor_spec(build_config(objective="dflash", target=target), source.manifest(0))
     vocab = int(json.loads((Path(target) / "config.json").read_text())["vocab_size"])
     mask_id = pick_mask_token(load_tokenizer(target), vocab)
     gamma = default_gamma(spec.block_size)

@@ -164,13 +164,13 @@ def test_anchor_options_come_from_a_dflash_manifest():
     from dflash_prep.errors import ConfigError
     from dflash_prep.objectives.anchors import SAMPLER_VERSION
     from dflash_prep.objectives.dflash_anchors import microbatch_anchors
-    from dflash_prep.train.config import TrainConfig
+    from dflash_prep.train.config import build as build_config
     from dflash_prep.train.objectives.dflash.objective import anchor_spec
 
     header = {"epoch": 2, "dflash": {"block_size": 4, "max_anchors": 3, "anchor_policy": "cap", "anchor_seed": 11,
                                      "sampler_version": SAMPLER_VERSION}}
     m = SimpleNamespace(header=header, epoch=2)
-    spec, where = anchor_spec(TrainConfig(objective="dflash", target="t"), m)
+    spec, where = anchor_spec(build_config(objective="dflash", target="t"), m)
     assert spec == AnchorSpec(seed=11, max_anchors=3, policy="cap", block_size=4) and where == "the manifest"
     ds = FakeDataset(n=12)
     sids = [1, 4, 8]
@@ -180,11 +180,11 @@ def test_anchor_options_come_from_a_dflash_manifest():
     pos, _ = microbatch_anchors(header, mask, cu, np.asarray(sids, np.int64))
     assert np.array_equal(b.anchors.numpy(), pos)
     with pytest.raises(ConfigError, match="--block-size 8 contradicts"):
-        anchor_spec(TrainConfig(objective="dflash", target="t", block_size=8), m)
+        anchor_spec(build_config(objective="dflash", target="t", block_size=8), m)
     with pytest.raises(ConfigError, match="--anchor-seed 3 contradicts"):
-        anchor_spec(TrainConfig(objective="dflash", target="t", anchor_seed=3), m)
+        anchor_spec(build_config(objective="dflash", target="t", anchor_seed=3), m)
     bad = SimpleNamespace(header={"epoch": 0, "dflash": {**header["dflash"], "sampler_version": 0}}, epoch=0)
     with pytest.raises(ConfigError, match="sampler"):
-        anchor_spec(TrainConfig(objective="dflash", target="t"), bad)
-    plain, where = anchor_spec(TrainConfig(objective="dflash", target="t", seed=4), SimpleNamespace(header={}))
+        anchor_spec(build_config(objective="dflash", target="t"), bad)
+    plain, where = anchor_spec(build_config(objective="dflash", target="t", seed=4), SimpleNamespace(header={}))
     assert plain == AnchorSpec(seed=4, max_anchors=512, policy="cap", block_size=16) and "--seed" in where

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from dflash_prep.errors import ConfigError
 from dflash_prep.train import checkpoint as ckpt
-from dflash_prep.train.config import TrainConfig
+from dflash_prep.train.config import build as build_config
 from dflash_prep.train.distributed import Dist
 from dflash_prep.train.loop import train, train_step
 
@@ -131,28 +131,34 @@ def test_dflash_defaults_follow_the_recipe(tmp_path):
     toml.write_text('objective = "dflash"\ntarget = "t"\nslot_weights = "decay"\ngamma = 3.0\nloss = "kl"\n'
                     'kl_temperature = 2.0\noptimizer = "adamw"\n')
     f = build(toml, optimizer="muon", muon_lr=0.01)  # file keys, then flags
-    assert (f.slot_weights, f.gamma, f.loss, f.kl_temperature, f.optimizer, f.muon_lr) == \
+    o = f.options
+    assert (o.slot_weights, o.gamma, o.loss, o.kl_temperature, f.optimizer, f.muon_lr) == \
         ("decay", 3.0, "kl", 2.0, "muon", 0.01)
-    c = TrainConfig(objective="dflash", target="t")
-    assert (c.slot_weights, c.dpace_alpha, c.loss, c.optimizer, c.draft_layers, c.sliding_window) == \
+    c = build_config(objective="dflash", target="t")
+    o = c.options
+    assert (o.slot_weights, o.dpace_alpha, o.loss, c.optimizer, o.draft_layers, o.sliding_window) == \
         ("dpace", 0.5, "ce", "muon", 5, 2048)
-    assert TrainConfig(objective="dflash", target="t", sliding_window=0).sliding_window == 0     # 0 = full, kept
-    lm = TrainConfig()
-    assert (lm.slot_weights, lm.loss, lm.optimizer, lm.sliding_window) == ("decay", "ce", "adamw", 0)
-    assert TrainConfig(objective="dflash", target="t", slot_weights="decay", optimizer="adamw").optimizer == "adamw"
+    assert build_config(objective="dflash", target="t", sliding_window=0).options.sliding_window == 0  # 0 = full
+    lm = build_config()
+    assert (type(lm.options).__name__, lm.optimizer) == ("LMTrainOptions", "adamw")
+    assert build_config(objective="dflash", target="t", slot_weights="decay", optimizer="adamw").optimizer == "adamw"
     for bad, match in ((dict(loss="kl"), "objective dflash"), (dict(slot_weights="dpace"), "objective dflash"),
                        (dict(optimizer="sgd"), "--optimizer"), (dict(objective="dflash", target="t", loss="mse"), "--loss"),
                        (dict(objective="dflash", target="t", dpace_alpha=0.0), "--dpace-alpha"),
-                       (dict(objective="dflash", target="t", kl_temperature=0.0), "--kl-temperature")):
+                       (dict(objective="dflash", target="t", kl_temperature=0.0), "--kl-temperature"),
+                       (dict(objective="dflash", target="t", gamma=0.0), "--gamma"),
+                       (dict(objective="dflash", target="t", mask_token_id=-2), "--mask-token-id"),
+                       (dict(objective="dflash", target="t", init_from="x"), "--init-from is an option of "
+                        "--objective lm")):
         with pytest.raises(ConfigError, match=match):
-            TrainConfig(**bad)
+            build_config(**bad)
 
 
 def test_bad_options_are_refused():
     with pytest.raises(ConfigError, match="--target"):
-        TrainConfig(objective="dflash")
+        build_config(objective="dflash")
     with pytest.raises(ConfigError, match="objective dflash"):
-        TrainConfig(target="somewhere")
+        build_config(target="somewhere")
     with pytest.raises(ConfigError, match="block-size"):
         dflash_cfg("x", "t", block_size=1)
 
@@ -161,7 +167,7 @@ def test_lm_objective_on_a_transformers_model_saves_pretrained(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = tiny_target()
-    cfg = TrainConfig(out=str(tmp_path), init_from=str(target), max_steps=4, warmup_steps=1, lr=1e-2,
+    cfg = build_config(out=str(tmp_path), init_from=str(target), max_steps=4, warmup_steps=1, lr=1e-2,
                       progress=False, prefetch=2, device="cpu", ce_chunk=32)
     s = train(cfg, source=FakeSource(n=48))  # padded manifest: packed for the transformers model
     assert s["steps"] == 4 and s["loss_first"] > 0

@@ -23,7 +23,7 @@ from dflash_prep.formats import plan as plan_mod
 from dflash_prep.formats.fileio import atomic_save_npy, fingerprint_array, fingerprint_json
 from dflash_prep.pack.pack import pack_epochs
 from dflash_prep.train import checkpoint as ckpt
-from dflash_prep.train.config import TrainConfig
+from dflash_prep.train.config import TrainConfig, build as build_config
 from dflash_prep.train.loop import train
 from dflash_prep.verify import verify_dataset
 
@@ -73,7 +73,7 @@ def _cfg(root: Path, out: Path, **kw) -> TrainConfig:
                 out=str(out), model="tiny", model_overrides=SMALL, progress=False, prefetch=2, device="cpu",
                 warmup_steps=1, lr=1e-2, pack_missing=False)
     base.update(kw)
-    return TrainConfig(**base)
+    return build_config(**base)
 
 
 def _steps(out: Path) -> list[int]:

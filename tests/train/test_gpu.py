@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dflash_prep.train.config import TrainConfig
+from dflash_prep.train.config import build as build_config
 from dflash_prep.train.loop import train
 
 from tests.train.train_fakes import FakeSource
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("layout", ["padded", "varlen"])
 def test_cuda_training_runs(tmp_path, layout):
-    cfg = TrainConfig(out=str(tmp_path), model="tiny", device="cuda", progress=False, epochs=3, lr=3e-3,
+    cfg = build_config(out=str(tmp_path), model="tiny", device="cuda", progress=False, epochs=3, lr=3e-3,
                       warmup_steps=2)
     s = train(cfg, source=FakeSource(n=96, layout=layout, budget=128))
     assert s["device"].startswith("cuda") and s["steps"] > 10

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_prep.errors import FormatError
-from dflash_prep.train.config import TrainConfig
+from dflash_prep.train.config import build as build_config
 from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig
 from dflash_prep.train.lr import Schedule
 from dflash_prep.train.optim import MuonAdamW, build_optimizer, muon_split
@@ -56,7 +56,7 @@ def _run(m, opt, sched, steps, start=0):
 
 
 def test_schedule_drives_both_and_resume_is_bitwise():
-    cfg = TrainConfig(optimizer="muon", lr=1e-3, device="cpu")
+    cfg = build_config(optimizer="muon", lr=1e-3, device="cpu")
     sched = Schedule(peak=1e-3, warmup=2, total=8)
     a = _drafter()
     opt_a = build_optimizer(a, cfg)

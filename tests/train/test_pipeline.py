@@ -11,7 +11,7 @@ from dflash_prep.formats import lengths as lengths_mod
 from dflash_prep.formats import plan as plan_mod
 from dflash_prep.synth.synth import SynthConfig, synth
 from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
-from dflash_prep.train.config import TrainConfig
+from dflash_prep.train.config import build as build_config
 from dflash_prep.train.loop import train
 from dflash_prep.train.source import FileSource
 
@@ -30,7 +30,7 @@ def pipeline(tmp_path_factory):
 
 
 def _cfg(root, **kw):
-    return TrainConfig(data=str(root / "data"), plan=str(root / "plan" / "plan.json"), manifests=str(root / "man"),
+    return build_config(data=str(root / "data"), plan=str(root / "plan" / "plan.json"), manifests=str(root / "man"),
                        out=str(root / "run"), model_overrides=SMALL, progress=False, device="cpu", **kw)
 
 

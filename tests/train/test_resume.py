@@ -9,7 +9,7 @@ import torch
 
 from dflash_prep.errors import FormatError
 from dflash_prep.train import checkpoint as ckpt
-from dflash_prep.train.config import TrainConfig
+from dflash_prep.train.config import TrainConfig, build as build_config
 from dflash_prep.train.loop import train
 
 from tests.train.train_fakes import FakeSource
@@ -21,7 +21,7 @@ def _cfg(out, **kw) -> TrainConfig:
     base = dict(out=str(out), model="tiny", model_overrides=SMALL, progress=False, prefetch=2, warmup_steps=2,
                 lr=1e-2, device="cpu")
     base.update(kw)
-    return TrainConfig(**base)
+    return build_config(**base)
 
 
 def _params(out) -> dict:

@@ -18,7 +18,7 @@ from dflash_prep.pack.pack import pack_epochs
 from dflash_prep.synth.synth import SynthConfig, synth
 from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 from dflash_prep.train import checkpoint as ckpt
-from dflash_prep.train.config import TrainConfig
+from dflash_prep.train.config import build as build_config
 from dflash_prep.train.data import build_batch
 from dflash_prep.train.loop import train
 
@@ -27,7 +27,7 @@ SMALL = dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
 
 
 def _cfg(root, **kw):
-    return TrainConfig(data=str(root / "data"), plan=str(root / "plan" / "plan.json"), manifests=str(root / "man"),
+    return build_config(data=str(root / "data"), plan=str(root / "plan" / "plan.json"), manifests=str(root / "man"),
                        out=str(root / "run"), model_overrides=SMALL, progress=False, device="cpu", prefetch=2,
                        warmup_steps=1, **kw)
 

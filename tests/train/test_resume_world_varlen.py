@@ -22,7 +22,7 @@ from dflash_prep.pack.pack import PackConfig, pack_epochs
 from dflash_prep.synth.synth import SynthConfig, synth
 from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 from dflash_prep.train import checkpoint as ckpt
-from dflash_prep.train.config import TrainConfig
+from dflash_prep.train.config import TrainConfig, build as build_config
 from dflash_prep.train.data import build_batch
 from dflash_prep.train.loop import train
 
@@ -39,7 +39,7 @@ def _cfg(root: Path, kind: str, **kw) -> TrainConfig:
                     ce_chunk=16)
     else:
         base.update(model_overrides=SMALL)
-    return TrainConfig(**{**base, **kw})
+    return build_config(**{**base, **kw})
 
 
 def _run(root: Path, kind: str, world: int, **kw) -> None:

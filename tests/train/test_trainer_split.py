@@ -25,16 +25,16 @@ STEPS = 6   # 2 epochs x 3 steps
 
 def test_split_options_are_checked_and_lm_has_no_target_to_split():
     from dflash_prep.errors import ConfigError
-    from dflash_prep.train.config import TrainConfig, field_help
+    from dflash_prep.train.config import TrainConfig, field_help, build as build_config
     from dflash_prep.train.objectives import build_objective, serve_target
 
     for kw, msg in ((dict(target_ranks=-1), "--target-ranks must be >= 0"),
                     (dict(target_prefetch=0), "--target-prefetch >= 1"),
                     (dict(target_timeout=0.0), "--target-timeout must be a finite number > 0")):
         with pytest.raises(ConfigError, match=msg):
-            TrainConfig(**kw)
+            build_config(**kw)
     assert {"target_ranks", "target_prefetch", "target_timeout"} <= set(field_help(TrainConfig))
-    cfg = TrainConfig(target_ranks=1)
+    cfg = build_config(target_ranks=1)
     with pytest.raises(ConfigError, match="--objective lm has no frozen target to put on its own ranks"):
         build_objective(cfg, None, torch.device("cpu"), place=object())
     with pytest.raises(ConfigError, match="--objective lm has no frozen target"):

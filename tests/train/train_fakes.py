@@ -128,7 +128,7 @@ def gloo_worker(rank: int, world: int, init_file: str, out_dir: str, kind: str) 
     import torch
     import torch.distributed as dist
 
-    from dflash_prep.train.config import TrainConfig
+    from dflash_prep.train.config import TrainConfig, build as build_config
     from dflash_prep.train.distributed import Dist
     from dflash_prep.train.loop import train, train_step
 
@@ -145,7 +145,7 @@ def gloo_worker(rank: int, world: int, init_file: str, out_dir: str, kind: str) 
             if rank == 0:
                 torch.save({n: p.grad.clone() for n, p in model.named_parameters()}, out / "grads.pt")
         if kind in ("train", "both"):
-            cfg = TrainConfig(out=str(out / "run"), model="tiny", model_overrides=SMALL_MODEL, progress=False,
+            cfg = build_config(out=str(out / "run"), model="tiny", model_overrides=SMALL_MODEL, progress=False,
                               max_steps=4, warmup_steps=1, lr=1e-2, device="cpu", prefetch=2)
             summary = train(cfg, source=FakeSource(n=48, world_size=world), dist_ctx=d)
             model_sum = sum(float(v.double().sum()) for v in
@@ -171,7 +171,7 @@ def grads_setup(world: int, accum: int, rank: int):
 
     torch.manual_seed(0)
     model = Decoder(ModelConfig(vocab_size=VOCAB, n_layers=2, **SMALL_MODEL))
-    opt = build_optimizer(model, TrainConfig(device="cpu"))
+    opt = build_optimizer(model, build_config(device="cpu"))
     src = FakeSource(n=48, world_size=world, grad_accum=accum)
     sb = next(iter(iter_steps(src.dataset, src.manifest(0), rank)))
     return model, opt, sb

@@ -25,13 +25,13 @@ def train_rank(rank: int, world: int, init_file: str, cfg_kw: dict, out_dir: str
         import torch
         import torch.distributed as dist
 
-        from dflash_prep.train.config import TrainConfig
+        from dflash_prep.train.config import build as build_config
         from dflash_prep.train.distributed import Dist
         from dflash_prep.train.loop import train
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        rec["summary"] = train(TrainConfig(**cfg_kw), dist_ctx=Dist(rank, world, 0, torch.device("cpu")))
+        rec["summary"] = train(build_config(**cfg_kw), dist_ctx=Dist(rank, world, 0, torch.device("cpu")))
     except BaseException as e:  # the test reads the error line
         rec["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
         rec["error_type"] = type(e).__name__
@@ -44,7 +44,7 @@ def train_rank(rank: int, world: int, init_file: str, cfg_kw: dict, out_dir: str
 
 
 def run_job(tmp: Path, cfg_kw: dict, world: int, *, deadline: float = 120.0, kill=None) -> dict:
-    """Spawn ``world`` ranks of ``train(TrainConfig(**cfg_kw))``; ``kill = (global rank, global step)``
+    """Spawn ``world`` ranks of ``train(build_config(**cfg_kw))``; ``kill = (global rank, global step)``
     SIGKILLs that rank once the run's log.jsonl holds that step. Returns ``{rank: record}`` plus
     ``exit`` (exit codes), ``killed_at`` and ``elapsed``; a job past ``deadline`` is killed and reported."""
     import torch.multiprocessing as mp

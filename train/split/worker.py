@@ -192,8 +192,8 @@ def serve(cfg, place, d, source=None) -> dict:
         source = FileSource(cfg.data, cfg.plan, cfg.manifests, pack_missing=False)
     source = rescale.source_for(source, start["continuation"], single)
     dcfg, spec, _, _ = drafter_config(cfg, source.manifest(int(start["epoch"])))
-    gamma = None if cfg.slot_weights == "dpace" else (cfg.gamma or default_gamma(spec.block_size))
-    provider = LocalTaps(FrozenTarget(cfg.target, dcfg.target_layer_ids, device=d.device))
+    gamma = None if cfg.options.slot_weights == "dpace" else (cfg.options.gamma or default_gamma(spec.block_size))
+    provider = LocalTaps(FrozenTarget(cfg.options.target, dcfg.target_layer_ids, device=d.device))
     sender = sender_for(place, prefetch=cfg.target_prefetch, timeout=cfg.target_timeout, device=link_device(d.device))
     autocast = distributed.autocast_for(d.device, cfg.bf16)
 
@@ -205,7 +205,7 @@ def serve(cfg, place, d, source=None) -> dict:
     build = (lambda mb, epoch: build_dflash_batch(source.dataset, mb, epoch=epoch, spec=spec, gamma=gamma,
                                                   mask_token_id=dcfg.mask_token_id, vocab_size=dcfg.vocab_size))
     worker = TargetWorker(source, provider, sender, roles=place.roles, target_rank=place.rank, build=build,
-                          device=d.device, autocast=forward_ctx, final=cfg.loss == "kl", step_stats=True)
+                          device=d.device, autocast=forward_ctx, final=cfg.options.loss == "kl", step_stats=True)
     split.ready()
     limit = start["max_steps"]
     timings = worker.run(range(cfg.epochs), start=(int(start["epoch"]), int(start["step"])),

@@ -313,13 +313,14 @@ class DFlashObjective:
         self.model, self.target, self.cfg = drafter, provider_of(target), cfg
         self.spec, self.gamma, self.identity = anchor_spec, float(gamma), identity
         self.anchor_source = anchor_source
-        self.loss_spec = LossSpec(slot_weights=cfg.slot_weights, dpace_alpha=float(cfg.dpace_alpha), loss=cfg.loss,
-                                  kl_temperature=float(cfg.kl_temperature))
+        o = cfg.options
+        self.loss_spec = LossSpec(slot_weights=o.slot_weights, dpace_alpha=float(o.dpace_alpha), loss=o.loss,
+                                  kl_temperature=float(o.kl_temperature))
         # D-PACE weights come out of the forward: the loop all-reduces sum w after it (train_step)
-        self.deferred_denominator = cfg.slot_weights == "dpace"
+        self.deferred_denominator = cfg.options.slot_weights == "dpace"
         self.stats_width = stats_width(self.block_size)
         self._p_drafter = sum(p.numel() for p in drafter.parameters())
-        self._coef = flops_coefficients(drafter.config, self.target.num_layers, cfg.loss)
+        self._coef = flops_coefficients(drafter.config, self.target.num_layers, cfg.options.loss)
         self._taus: list[float] = []
         self._anchors = 0
 
@@ -373,7 +374,7 @@ class DFlashObjective:
         opt = f"muon lr={muon_lr(cfg):g} + adamw lr={cfg.lr:g}" if cfg.optimizer == "muon" else f"adamw lr={cfg.lr:g}"
         window = f"window {c.sliding_window}" if c.sliding_window else "full attention"
         return (f"dflash recipe: B={self.block_size}, {c.num_layers} draft layer(s), {window}, slot weights {weights}, "
-                f"loss {loss}, optimizer {opt}; target {cfg.target} ({self.target.num_layers} layers), taps "
+                f"loss {loss}, optimizer {opt}; target {cfg.options.target} ({self.target.num_layers} layers), taps "
                 f"{list(c.target_layer_ids)}, mask id {c.mask_token_id}, anchors {self.spec.policy}<="
                 f"{self.spec.max_anchors} drawn by the library sampler with seed {self.spec.seed} "
                 f"(from {self.anchor_source})")
@@ -433,32 +434,32 @@ def drafter_config(cfg: TrainConfig, manifest=None):
     from dflash_prep.train.target import load_tokenizer, pick_mask_token
 
     spec, source = anchor_spec(cfg, manifest)
-    hc = AutoConfig.from_pretrained(cfg.target)
-    tok = load_tokenizer(cfg.target)
-    mask_id = pick_mask_token(tok, int(hc.vocab_size), cfg.mask_token_id)
-    ids = list(cfg.target_layer_ids) or None
-    dcfg = DrafterConfig.from_target_config(hc, cfg.draft_layers, spec.block_size, mask_id, target_layer_ids=ids,
-                                            sliding_window=cfg.sliding_window)
+    hc = AutoConfig.from_pretrained(cfg.options.target)
+    tok = load_tokenizer(cfg.options.target)
+    mask_id = pick_mask_token(tok, int(hc.vocab_size), cfg.options.mask_token_id)
+    ids = list(cfg.options.target_layer_ids) or None
+    dcfg = DrafterConfig.from_target_config(hc, cfg.options.draft_layers, spec.block_size, mask_id, target_layer_ids=ids,
+                                            sliding_window=cfg.options.sliding_window)
     return dcfg, spec, source, tok
 
 
 def build(cfg: TrainConfig, ds, device: torch.device, manifest=None, place=None) -> DFlashObjective:
-    """The drafter for ``cfg.target`` (a transformers folder), with the anchors of ``manifest``;
+    """The drafter for ``cfg.options.target`` (a transformers folder), with the anchors of ``manifest``;
     on a split job's drafter rank (``place``, :mod:`dflash_prep.train.split`) its taps come from the target rank."""
     from dflash_prep.train.objectives.dflash.drafter import Drafter
     from dflash_prep.train.target import FrozenTarget, target_identity
 
     dcfg, spec, source, tok = drafter_config(cfg, manifest)
     if place is None:
-        target = FrozenTarget(cfg.target, dcfg.target_layer_ids, device=device)
+        target = FrozenTarget(cfg.options.target, dcfg.target_layer_ids, device=device)
     else:
         from dflash_prep.train.split.taps import remote_taps
 
-        target = remote_taps(place, cfg.target, timeout=cfg.target_timeout, device=device)
+        target = remote_taps(place, cfg.options.target, timeout=cfg.target_timeout, device=device)
     drafter = Drafter(dcfg).to(device)
-    gamma = cfg.gamma or default_gamma(spec.block_size)
+    gamma = cfg.options.gamma or default_gamma(spec.block_size)
     return DFlashObjective(drafter, target, cfg, anchor_spec=spec, gamma=gamma,
-                           identity=target_identity(cfg.target, tok), anchor_source=source)
+                           identity=target_identity(cfg.options.target, tok), anchor_source=source)
 
 
 def anchor_spec(cfg: TrainConfig, manifest=None):
@@ -469,22 +470,23 @@ def anchor_spec(cfg: TrainConfig, manifest=None):
     or else ``--seed``."""
     header = getattr(manifest, "header", None) if manifest is not None else None
     d = header.get("dflash") if isinstance(header, dict) else None
+    mine = cfg.options
     if d is None:
-        seed = cfg.anchor_seed if cfg.anchor_seed >= 0 else cfg.seed
-        where = "--anchor-seed" if cfg.anchor_seed >= 0 else "--seed (the manifests are not pack --objective dflash)"
+        seed = cfg.seed if mine.anchor_seed is None else mine.anchor_seed
+        where = "--seed (the manifests are not pack --objective dflash)" if mine.anchor_seed is None else "--anchor-seed"
         o = DrafterOptions()                    # the pack defaults: one source
-        return AnchorSpec(seed=seed, max_anchors=cfg.max_anchors or o.max_anchors,
-                          policy=cfg.anchor_policy or o.anchor_policy, block_size=cfg.block_size or o.block_size), where
+        return AnchorSpec(seed=seed, max_anchors=mine.max_anchors or o.max_anchors,
+                          policy=mine.anchor_policy or o.anchor_policy, block_size=mine.block_size or o.block_size), where
     if int(d.get("sampler_version", -1)) != SAMPLER_VERSION:
         raise ConfigError(f"manifest epoch {manifest.epoch} was packed with anchor sampler v{d.get('sampler_version')}, "
                           f"this trainer draws with v{SAMPLER_VERSION}; re-pack it (`dflash-prep pack ... --overwrite`)")
     o = opt_decl.from_header(DrafterOptions, d)
-    for flag, mine, theirs in (("--block-size", cfg.block_size, o.block_size),
-                               ("--max-anchors", cfg.max_anchors, o.max_anchors),
-                               ("--anchor-policy", cfg.anchor_policy, o.anchor_policy),
-                               ("--anchor-seed", cfg.anchor_seed if cfg.anchor_seed >= 0 else None, o.anchor_seed)):
-        if mine and mine != theirs:
-            raise ConfigError(f"{flag} {mine} contradicts the manifest, packed with {theirs} (pack --objective "
+    for flag, want, theirs in (("--block-size", mine.block_size, o.block_size),
+                               ("--max-anchors", mine.max_anchors, o.max_anchors),
+                               ("--anchor-policy", mine.anchor_policy, o.anchor_policy),
+                               ("--anchor-seed", mine.anchor_seed, o.anchor_seed)):
+        if want is not None and want != theirs:
+            raise ConfigError(f"{flag} {want} contradicts the manifest, packed with {theirs} (pack --objective "
                               f"dflash); drop {flag} or re-pack with it")
     return AnchorSpec(seed=int(o.anchor_seed), max_anchors=o.max_anchors, policy=o.anchor_policy,
                       block_size=o.block_size), "the manifest"

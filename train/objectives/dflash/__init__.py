@@ -1,0 +1,18 @@
+"""The DFlash objective's trainer side: a drafter trained on a frozen target (docs/dflash.md).
+
+- :mod:`.options`: its trainer options (:class:`~.options.DFlashTrainOptions`);
+- :mod:`.drafter`: the drafter (the public DFlash architecture, packed);
+- :mod:`.objective`: anchors -> blocks -> drafter -> loss, behind the loop's protocol;
+- :mod:`.export`: the public DFlash folder and :func:`~.export.load_export`.
+
+Its split-job target rank is :func:`dflash_prep.train.split.worker.serve`.
+"""
+
+from dflash_prep.train.objectives.dflash.objective import DFlashObjective, build
+from dflash_prep.train.objectives.dflash.options import DFlashTrainOptions
+from dflash_prep.train.objectives.registry import TrainerSpec
+from dflash_prep.train.split.worker import serve
+
+SPEC = TrainerSpec("dflash", DFlashTrainOptions, build, serve=serve)
+
+__all__ = ["SPEC", "DFlashObjective", "DFlashTrainOptions", "build"]
