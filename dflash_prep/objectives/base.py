@@ -63,17 +63,6 @@ class DataObjective:
         """The ``pack`` flags that reproduce ``options`` (after ``--objective NAME``)."""
         return "" if options is None else option_decl.to_flags(options, option_decl.PACK)
 
-    #: trainer options (``TrainConfig`` fields) this objective's recipe fills in when left empty
-    train_defaults: dict = {"optimizer": "adamw", "slot_weights": "decay", "sliding_window": 0}
-
-    def check_train(self, cfg) -> None:
-        """Refuse trainer options (a ``TrainConfig``) this objective cannot train with."""
-        if cfg.target:
-            raise ConfigError("--target is the DFlash objective's frozen model; pass --objective dflash, or "
-                              "--init-from DIR to train a transformers model as an LM")
-        if cfg.slot_weights not in ("", "decay") or cfg.loss != "ce":
-            raise ConfigError("--slot-weights and --loss kl are DFlash options; pass --objective dflash")
-
     # --- pack ------------------------------------------------------------------------------
     def inputs(self, cfg, src):
         """What an epoch reads besides the lengths: ``(mask_counts, dataset)``, each or None."""

@@ -411,21 +411,6 @@ class DFlashObjective(DataObjective):
         return options.resolve(seed=plan.seed, token_budget=budget.value)
 
     #: the recipe the field converged on (speculators RFC #979): D-PACE slot weights, Muon
-    train_defaults = {"optimizer": "muon", "slot_weights": "dpace", "sliding_window": RECIPE_SLIDING_WINDOW}
-
-    def check_train(self, cfg) -> None:
-        if not cfg.target:
-            raise ConfigError("--objective dflash needs --target DIR (a local transformers causal-LM folder)")
-        if cfg.init_from:
-            raise ConfigError("--init-from is for --objective lm; a DFlash run reads its frozen model from --target")
-        if cfg.draft_layers < 1:
-            raise ConfigError(f"--draft-layers must be at least 1, got {cfg.draft_layers}")
-        anchors.check_options(cfg.max_anchors or 1, cfg.anchor_policy or anchors.DEFAULT_POLICY, cfg.block_size or 2)
-        if cfg.gamma < 0:
-            raise ConfigError(f"--gamma must be > 0 (0 = the default rule), got {cfg.gamma}")
-        if cfg.sliding_window < 0:
-            raise ConfigError(f"--sliding-window must be >= 0 (0 = full attention), got {cfg.sliding_window}")
-
     def inputs(self, cfg, src):
         if src.kind != "dataset":
             raise ConfigError(f"{src.path}: --objective dflash needs a tokenized dataset folder (its loss-mask "
