@@ -102,6 +102,9 @@ def ttt_fwd_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        # diagonal keys of steps 1..step at each row's own token
+        acc, l_i, m_i = _diag_fwd(acc, l_i, m_i, q, K + hk * skh + tile0 * skt, V + hk * svh + tile0 * svt,
+                                  sks, svs, skt, svt, loc, offs_d, row_ok, iq + step_offset, qk_scale)
         k_base = K + hk * skh + start * skt  # step 0
         v_base = V + hk * svh + start * svt
         # causal step-0 keys: strictly below the diagonal band with no mask, then the band
@@ -111,9 +114,6 @@ def ttt_fwd_kernel(
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skt, svt, offs_m, offs_d,
                                    start_m * BLOCK_M, tl.minimum((start_m + 1) * BLOCK_M, seq_len),
                                    seq_len, qk_scale, BLOCK_N, True, True, UPCAST, PRECISION)
-        # diagonal keys of steps 1..step at each row's own token
-        acc, l_i, m_i = _diag_fwd(acc, l_i, m_i, q, K + hk * skh + tile0 * skt, V + hk * svh + tile0 * svt,
-                                  sks, svs, skt, svt, loc, offs_d, row_ok, iq + step_offset, qk_scale)
         acc = acc / l_i[:, None]
         lse = (m_i + tl.math.log2(l_i)) * LN2  # natural-log LSE of scale * q.k
         tl.store(O + iq64 * sos + h64 * soh + tile0 * sot + loc[:, None] * sot + offs_d[None, :],

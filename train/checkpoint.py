@@ -100,6 +100,12 @@ def save(path: str | Path, *, model, optimizer, schedule: dict, rng: list[dict],
     return Path(path)
 
 
+def path_of(run: str | Path) -> Path:
+    """The checkpoint file of a run folder, or ``run`` itself when it is a file."""
+    run = Path(run)
+    return run / CKPT_FILE if run.is_dir() else run
+
+
 def load(path: str | Path) -> dict:
     """Read and check a checkpoint (format, version, required keys)."""
     path = Path(path)

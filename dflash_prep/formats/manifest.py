@@ -28,6 +28,9 @@ One folder per epoch, ``<root>/epoch-000N/`` (:func:`epoch_dir`), written atomic
     policy, the anchor seed, the budgets, the cost model and the anchor digest
     (:mod:`dflash_prep.objectives.dflash`). ``anchors.npy`` int32 (``--store-anchors``): every
     anchor position within its sample, concatenated in ``sample_ids`` order.
+``d2t.npy`` int64 ``(V_d,)`` and ``t2d.npy`` bool ``(V,)``, ``--objective eagle3`` only: the
+    draft vocabulary map (:mod:`dflash_prep.objectives.eagle3.vocab_map`), recorded in
+    ``manifest.json``'s ``eagle3`` block with its fingerprint and the token counts'.
 
 Every row of a step has the same ``world_size * grad_accum`` micro-batches, so row
 ``m`` is step ``m // (W*A)``, rank ``(m % (W*A)) // A``, accum ``m % A``.
@@ -83,7 +86,8 @@ ROOT_FILE = "root.json"
 COLUMNS = ("start", "count", "step", "rank", "accum", "bucket", "max_len", "real_tokens", "padded_tokens", "sum_sq_len")
 COL = {name: i for i, name in enumerate(COLUMNS)}
 ARRAYS = {"microbatches": np.int64, "sample_ids": np.int64, "sample_lens": np.int32,
-          "cu_seqlens": np.int64, "dropped_ids": np.int64, "anchor_counts": np.int32, "anchors": np.int32}
+          "cu_seqlens": np.int64, "dropped_ids": np.int64, "anchor_counts": np.int32, "anchors": np.int32,
+          "d2t": np.int64, "t2d": np.bool_}
 
 
 def required_arrays(header: dict) -> list[str]:

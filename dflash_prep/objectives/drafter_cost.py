@@ -187,23 +187,27 @@ def cost_shares(model: DrafterCostModel, block_size: int, lengths, supervised, c
 class DFlash2CostModel(DrafterCostModel):
     """DFlash2's step cost: DFlash's (:class:`DrafterCostModel`) plus two terms, each linear in a
     quantity :func:`flops` already reads, so pack, verify and the trainer price a DFlash2 step
-    through the same five coefficients (:meth:`coefficients` adds them in).
+    through the same five coefficients (:meth:`coefficients` adds them in). The terms follow the
+    trainer's modules (``train/objectives/dflash2``: ``conv.py``, ``selector.py``).
 
     - Convolutions (trained: forward x3 with the backward). Each draft layer wraps its
-      attention and its MLP sublayer in a grouped dynamic depthwise convolution of
-      ``K_c = conv_kernel_size`` taps over ``G = H / conv_group_size`` channel groups (a group is
-      ``conv_group_size`` channels sharing a tap). Per block token and sublayer the projection
-      delta: ``H -> K_c * G`` (the tap weights, ``2 H K_c G`` forward) and the taps
-      themselves (``2 K_c H``). Per anchor (``B`` block tokens, ``N`` layers, 2 sublayers):
-      ``conv = 12 * K_c * H * (G + 1) * B * N``, added to ``anchors``.
-    - The candidate selector, on each row with a loss weight (the rows the LM head runs on:
-      their logits are the unary scores). The projection ``P`` (``H -> r``, ``r =
-      selector_rank``: ``2 H r`` forward, x3); the ``K x K`` edge scores between the adjacent
-      slots' top-``K`` candidates (``K = selector_top_k``), ``<A[p] * P h, B[c]>``: ``K r``
-      products, then ``K^2`` dot products of ``r`` (``K r + 2 K^2 r`` forward, x3); and the
-      top-``K`` over the ``V`` logits, counted as ``V`` comparisons, forward only (no gradient
-      flows through the indices). Per row: ``selector = 6 H r + 3 K r (2 K + 1) + V``, added to
-      ``head_rows``. The gathers of ``A``/``B`` rows move memory, not FLOPs.
+      attention and its MLP sublayer in a pair of grouped dynamic depthwise convolutions over
+      the block's slots, one on the sublayer's input and one on its output, of ``K_c =
+      conv_kernel_size`` taps; one projection of the sublayer's input gives both sides' dynamic
+      taps, ``H -> 2 K_c G`` with ``G = H / conv_group_size`` groups (a group is
+      ``conv_group_size`` channels sharing a tap): ``4 H K_c G`` forward per block token; each
+      convolution's taps ``2 K_c H``. Per anchor (``B`` block tokens, ``N`` layers, 2
+      sublayers): ``conv = 24 * K_c * H * (G + 1) * B * N``, added to ``anchors``. Forming the
+      coefficients (base + delta) is elementwise and left out, as norms are.
+    - The candidate selector, on each row with a loss weight (the rows the LM head runs on,
+      whose logits are the unary scores). Training is teacher-forced: a slot's predecessor is
+      the gold token, so it scores its ``K = selector_top_k`` candidates once, ``<A[p] * P h,
+      B[c]>``: the projection ``P`` (``H -> r``, ``r = selector_rank``: ``2 H r``), ``A[p] * P h``
+      (``r``) and ``K`` dot products of ``r`` (``2 K r``), forward x3; plus the top-``K`` over
+      the ``V`` logits, counted as ``V`` comparisons, forward only (no gradient flows through
+      the indices). Per row: ``selector = 6 H r + 3 r (2 K + 1) + V``, added to ``head_rows``.
+      (Drafting scores the ``K x K`` lattice of adjacent candidates instead; training never
+      does.) Gathering ``A``/``B`` rows moves memory, not FLOPs.
     """
 
     conv_kernel_size: int = 2
@@ -225,9 +229,11 @@ class DFlash2CostModel(DrafterCostModel):
 
     @property
     def draft_params(self) -> int:
-        """DFlash's, plus each layer's two delta projections and the selector's P, A and B."""
-        conv = self.draft_layers * 2 * self.hidden * self.conv_kernel_size * self.conv_groups
-        return super().draft_params + conv + self.selector_rank * (self.hidden + 2 * self.vocab)
+        """DFlash's, plus each layer's two convolution pairs (projection and base taps) and the
+        selector's P, A and B."""
+        kc, H = self.conv_kernel_size, self.hidden
+        conv = self.draft_layers * 2 * (2 * kc * self.conv_groups * H + 2 * kc * H)
+        return super().draft_params + conv + self.selector_rank * (H + 2 * self.vocab)
 
     def coefficients(self, block_size: int) -> dict:
         """DFlash's coefficients with ``conv`` (per anchor) in ``anchors`` and ``selector`` (per
@@ -235,8 +241,8 @@ class DFlash2CostModel(DrafterCostModel):
         c = super().coefficients(block_size)
         H, B, N = float(self.hidden), float(block_size), float(self.draft_layers)
         kc, r, k = float(self.conv_kernel_size), float(self.selector_rank), float(self.selector_top_k)
-        conv = 12.0 * kc * H * (self.conv_groups + 1.0) * B * N
-        selector = 6.0 * H * r + 3.0 * k * r * (2.0 * k + 1.0) + float(self.vocab)
+        conv = 24.0 * kc * H * (self.conv_groups + 1.0) * B * N
+        selector = 6.0 * H * r + 3.0 * r * (2.0 * k + 1.0) + float(self.vocab)
         return {**c, "anchors": c["anchors"] + conv, "head_rows": c["head_rows"] + selector, "conv": conv,
                 "selector": selector}
 

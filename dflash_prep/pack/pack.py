@@ -415,6 +415,11 @@ def summary_warnings(name: str, summary: dict, limit: float = REPEAT_PAIR_WARN) 
                    f"above the plan's limit of {limit:.1%}: fewer than {1 - limit:.0%} of pairs are new this epoch. "
                    "The sort window covers much of each bucket for this dataset: lower --window, or re-run "
                    "analyze without --window (it then picks K and window within --max-repeat-pair)")
+    trained, dv = summary.get("trained_ids"), summary.get("draft_vocab_size")     # an eagle3 epoch's map
+    if trained is not None and dv is not None and trained < dv:
+        out.append(f"{name}: only {trained} token ids are ever trained on, fewer than the draft vocabulary of {dv}; "
+                   f"its other {dv - trained} ids are the lowest never-trained ones, dead rows of the draft head. "
+                   f"Pass --draft-vocab-size {trained} or less, or pack more data")
     pred, eff = summary.get("predicted_efficiency"), summary.get("efficiency")
     if pred is not None and eff is not None and abs(eff - pred) > 0.005:
         out.append(f"{name}: efficiency {eff:.4f} differs from analyze's prediction {pred:.4f} by more than 0.5 pp")

@@ -34,6 +34,10 @@ class TrainerSpec:
     serve: Callable[..., Any] | None = None
     """``serve(cfg, place, dist, source) -> summary``: a split job's target rank (None: the
     objective has no frozen target to put on ranks of its own)."""
+    export: Callable[..., Any] | None = None
+    """``export(checkpoint, path, out, *, dtype, overwrite) -> sidecar``: the folder an inference
+    engine loads, from a loaded checkpoint (:mod:`dflash_prep.train.export`; None: the objective
+    saves its model itself at the end of a run)."""
 
 
 _SPECS: dict[str, TrainerSpec] = {}

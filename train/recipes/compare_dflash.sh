@@ -47,7 +47,7 @@ for v in $VARIANTS; do
         --data "$DATA" --plan "$PLAN" --manifests "$MANIFESTS" --out "$RUN/run" --from-scratch --seed "$SEED" \
         --epochs "$EPOCHS" --max-steps "$STEPS" --lr "$LR" --warmup-steps 5 --max-anchors "$MAX_ANCHORS" \
         --slot-weights "$SW" --loss "$LOSS" --optimizer "$OPT"
-    $PY -m dflash_prep.train.objectives.dflash.export "$RUN/run" --out "$RUN/drafter" --overwrite
+    $PY -m dflash_prep.train.export "$RUN/run" --out "$RUN/drafter" --overwrite
     $PY -m dflash_prep.train.speculate --target "$DEMO/target" --drafter "$RUN/drafter" \
         --prompts "$DEMO/corpus/heldout.jsonl" --out "$RUN/eval.json" --max-new-tokens "$MAX_NEW"
 done

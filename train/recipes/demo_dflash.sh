@@ -130,7 +130,7 @@ $DRAFT_TRAIN --objective dflash --target "$OUT/target" --draft-layers "$DRAFT_LA
     --slot-weights "$SLOT_WEIGHTS" --loss "$LOSS" --optimizer "$OPTIMIZER" --sliding-window "$WINDOW"
 
 step "7. export it in the public DFlash format: $OUT/drafter"
-$PY -m dflash_prep.train.objectives.dflash.export "$OUT/drafter-run" --out "$OUT/drafter" --overwrite
+$PY -m dflash_prep.train.export "$OUT/drafter-run" --out "$OUT/drafter" --overwrite
 
 step "8. speculative decoding on the $HELD held-out prompts (temperature 0): $OUT/eval.json"
 $PY -m dflash_prep.train.speculate --target "$OUT/target" --drafter "$OUT/drafter" \

@@ -44,20 +44,21 @@ class DFlash2Options(DrafterOptions):
     """The options of ``pack`` / ``analyze --objective dflash2``: DFlash's, plus the drafter's
     convolutions and candidate selector (their step cost: :class:`DFlash2CostModel`).
 
-    Every draft layer wraps its attention and its MLP sublayer in a grouped dynamic depthwise
-    convolution over the block tokens; the candidate selector takes each slot's top-K of the
-    target head's logits and scores adjacent candidates ``score(p -> c) = unary[c] +
-    <A[p] * P h, B[c]>`` with codebooks ``A, B`` of shape ``[V, selector_rank]`` and ``P: H ->
-    selector_rank``.
+    Every draft layer wraps its attention and its MLP sublayer in grouped dynamic depthwise
+    convolutions over the block's slots (on the sublayer's input and on its output); the
+    candidate selector takes each slot's top-K of the target head's logits and scores adjacent
+    candidates ``score(p -> c) = unary[c] + <A[p] * P h, B[c]>`` with codebooks ``A, B`` of
+    shape ``[V, selector_rank]`` and ``P: H -> selector_rank``.
     """
 
     cost_model: DrafterCostModel | None = _inherited("cost_model", None, draft_layers=RELEASED_DRAFT_LAYERS,
                                                      sliding_window=RELEASED_SLIDING_WINDOW)
     block_size: int = _inherited("block_size", RELEASED_BLOCK_SIZE)
-    conv_kernel_size: int = option(2, header=True, help="taps K_c of the dynamic depthwise convolution around each "
-                                   f"attention and MLP sublayer of every draft layer ({_RELEASED})")
-    conv_group_size: int = option(16, header=True, help="channels per convolution group: the projection delta "
-                                  "(H -> K_c x H / this) gives each group its taps per token; must divide H")
+    conv_kernel_size: int = option(2, header=True, help="taps K_c (<= B) of the dynamic depthwise convolutions on the "
+                                   "input and output of each attention and MLP sublayer of every draft layer "
+                                   f"({_RELEASED})")
+    conv_group_size: int = option(16, header=True, help="channels per convolution group: one projection (H -> 2 K_c "
+                                  "x H / this) gives each group its taps per token; must divide H")
     selector_rank: int = option(256, header=True, help="rank r of the candidate selector: P (H -> r) and the "
                                 "codebooks A, B (V x r)")
     selector_top_k: int = option(16, header=True, help="candidates K per slot, the top-K of the target head's "
@@ -68,6 +69,9 @@ class DFlash2Options(DrafterOptions):
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.conv_kernel_size > self.block_size:
+            raise ConfigError(f"--conv-kernel-size {self.conv_kernel_size} exceeds --block-size {self.block_size}: "
+                              "taps past the block read nothing")
         self.step_cost_model()              # its own checks: the group size divides H, K <= V
 
     def step_cost_model(self) -> DFlash2CostModel | None:

@@ -224,6 +224,8 @@ class DraftLayer(nn.Module):
 class Drafter(nn.Module):
     """N draft layers + ``fc``/``hidden_norm`` (context fusion) + final ``norm`` (module docstring)."""
 
+    config_type = DrafterConfig
+
     def __init__(self, cfg: DrafterConfig, *, init_std: float = 0.02):
         super().__init__()
         self.config = cfg

@@ -1,6 +1,6 @@
 """Export a trained drafter in the public DFlash format, and load such a folder back.
 
-    python -m dflash_prep.train.objectives.dflash.export RUN --out DIR [--dtype bfloat16] [--overwrite]
+    python -m dflash_prep.train.export RUN --out DIR [--dtype bfloat16] [--overwrite]
 
 ``RUN`` is a drafter run folder (its ``checkpoint.pt``) or the checkpoint file itself. ``DIR``
 gets, through one atomic folder rename (nothing half-written is ever visible under ``DIR``):
@@ -35,14 +35,13 @@ sliding with one window).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 from pathlib import Path
 
 import torch
 
-from dflash_prep.errors import ConfigError, DflashError, FingerprintMismatch, FormatError
+from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
 from dflash_prep.formats.fileio import atomic_dir, atomic_write_bytes, atomic_write_json, fingerprint_bytes, read_json
 
 from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig
@@ -174,17 +173,21 @@ def load_run(run: str | Path) -> tuple[Drafter, dict]:
     ``checkpoint`` (path), ``checkpoint_fingerprint``, ``global_step``, ``run_key``."""
     from dflash_prep.train import checkpoint as ckpt
 
-    run = Path(run)
-    path = run / ckpt.CKPT_FILE if run.is_dir() else run
-    obj = ckpt.load(path)
+    path = ckpt.path_of(run)
+    return drafter_of_checkpoint(ckpt.load(path), path)
+
+
+def drafter_of_checkpoint(obj: dict, path: Path, drafter_type=Drafter) -> tuple[Drafter, dict]:
+    """:func:`load_run` of a loaded checkpoint ``obj`` (read from ``path``); ``drafter_type``: the
+    module to build (a variant's drafter class, whose config class is its ``config_type``)."""
     mc = obj["model_config"]
     mc = mc.get("drafter", mc) if isinstance(mc, dict) else mc
     try:
-        cfg = DrafterConfig.from_dict(mc)
+        cfg = drafter_type.config_type.from_dict(mc)
     except TypeError as e:
         raise FormatError(f"{path}: the checkpoint's model_config is not a drafter's ({e}); export takes a "
                           "drafter run (the dflash objective), not an LM run") from None
-    drafter = Drafter(cfg)
+    drafter = drafter_type(cfg)
     _load_strict(drafter, obj["model"], where=str(path))
     info = {"checkpoint": str(path), "checkpoint_fingerprint": file_fingerprint(path),
             "global_step": int(obj["cursor"].get("global_step", 0)), "run_key": obj["run_key"]}
@@ -209,6 +212,13 @@ def export(run: str | Path, out: str | Path, *, dtype: str = "float32", overwrit
     return write_export(drafter, out, source=info, dtype=dtype, overwrite=overwrite)
 
 
+def export_checkpoint(obj: dict, path: Path, out: str | Path, *, dtype: str = "float32",
+                      overwrite: bool = False) -> dict:
+    """:func:`export` of a loaded checkpoint (the objective's ``export`` hook, :mod:`dflash_prep.train.export`)."""
+    drafter, info = drafter_of_checkpoint(obj, path)
+    return write_export(drafter, out, source=info, dtype=dtype, overwrite=overwrite)
+
+
 def write_export(drafter: Drafter, out: str | Path, *, source: dict, dtype: str = "float32",
                  overwrite: bool = False) -> dict:
     """Write ``drafter`` as a public DFlash folder; ``source`` goes into ``export.json``."""
@@ -220,7 +230,9 @@ def write_export(drafter: Drafter, out: str | Path, *, source: dict, dtype: str 
     tensors = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in drafter.state_dict().items()}
     weights = save(tensors, metadata={"format": "pt"})
     config = (json.dumps(public_config(cfg, dtype=dtype), indent=2) + "\n").encode()
-    sidecar = {"source": source, "drafter_config": cfg.to_dict(), "dtype": dtype,
+    summary = (f"{cfg.num_layers} draft layers, B = {cfg.block_size}, taps {list(cfg.target_layer_ids)}, "
+               f"mask {cfg.mask_token_id}")
+    sidecar = {"source": source, "drafter_config": cfg.to_dict(), "summary": summary, "dtype": dtype,
                "config_fingerprint": fingerprint_bytes(config), "weights_fingerprint": fingerprint_bytes(weights),
                "parameters": int(sum(t.numel() for t in tensors.values()))}
     with atomic_dir(out, overwrite=overwrite) as tmp:
@@ -241,7 +253,7 @@ def load_export(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tupl
     for f in (cfile, wfile):
         if not f.is_file():
             raise FormatError(f"{f}: not found; point --drafter at an exported drafter folder "
-                              "(python -m dflash_prep.train.objectives.dflash.export RUN --out DIR)")
+                              "(python -m dflash_prep.train.export RUN --out DIR)")
     cbytes, wbytes = cfile.read_bytes(), wfile.read_bytes()
     sidecar = None
     if (path / SIDECAR_FILE).is_file():
@@ -265,26 +277,3 @@ def load_export(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tupl
             "target_layer_ids": list(cfg.target_layer_ids), "hidden_size": cfg.hidden, "vocab_size": cfg.vocab_size,
             "export": sidecar}
     return drafter.eval(), meta
-
-
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m dflash_prep.train.objectives.dflash.export",
-                                 description="Write a drafter run in the public DFlash format "
-                                             "(config.json + model.safetensors + export.json).")
-    ap.add_argument("run", type=Path, help="drafter run folder (checkpoint.pt) or checkpoint file")
-    ap.add_argument("--out", required=True, type=Path, help="folder to write")
-    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weight dtype in model.safetensors")
-    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
-    a = ap.parse_args(argv)
-    try:
-        side = export(a.run, a.out, dtype=a.dtype, overwrite=a.overwrite)
-    except DflashError as e:
-        raise SystemExit(f"error: {e}") from None
-    cfg = side["drafter_config"]
-    print(f"exported {a.out}: {cfg['num_layers']} draft layers, B = {cfg['block_size']}, taps "
-          f"{cfg['target_layer_ids']}, mask {cfg['mask_token_id']}, {side['parameters']:,} parameters ({a.dtype})")
-    return side
-
-
-if __name__ == "__main__":
-    main()
