@@ -124,22 +124,20 @@ class _WithObjectiveOptions:
                                rich_help_panel=fl.panel or f"Objective {', '.join(owners)}")
             extra.append(inspect.Parameter(fl.name, inspect.Parameter.KEYWORD_ONLY, default=fl.default,
                                            annotation=Annotated[fl.type, opt]))
-        return inspect.Signature(own + extra)
+        ctx = inspect.Parameter("objective_ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
+        return inspect.Signature(own + extra + [ctx])      # typer passes the context: which flags were given
 
     @property
     def __annotations__(self) -> dict:
         return {p.name: p.annotation for p in self.__signature__.parameters.values()}
 
     def __call__(self, **kwargs):
-        import click
-        from click.core import ParameterSource
-
-        ctx = click.get_current_context(silent=True)
+        ctx = kwargs.pop("objective_ctx", None)
         chosen, flags = kwargs.get("objective"), {}
         for owners, fl in self._flags():
             value = kwargs.pop(fl.name, fl.default)
-            given = (ctx.get_parameter_source(fl.name) not in (None, ParameterSource.DEFAULT) if ctx is not None
-                     else value != fl.default)
+            src = ctx.get_parameter_source(fl.name) if ctx is not None else None
+            given = src is not None and src.name != "DEFAULT" if ctx is not None else value != fl.default
             if not given:
                 continue
             if chosen not in owners:              # another objective's flag, set: refused, not ignored

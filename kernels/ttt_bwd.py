@@ -6,9 +6,9 @@ rowsum(O * dO)`` and ``dS = P * (dO V^T - delta)``, four launches:
 1. the causal kernels' preprocess (:func:`~dflash_prep.kernels.flash_bwd.attn_bwd_preprocess_kernel`,
    reused) computes ``delta`` ``[Sq, Hq, T]``, the Sq steps run as Sq sequences of T tokens;
 2. :func:`ttt_bwd_dq_kernel`: one program per (query tile, document, query head, query step)
-   accumulates ``dQ = scale * dS K`` over the causal step-0 keys (the causal kernel's loop,
-   :func:`~dflash_prep.kernels.flash_bwd._dq_inner`, reused) and then over its ``step`` diagonal
-   keys, elementwise;
+   accumulates ``dQ = scale * dS K`` over its ``step`` diagonal keys (elementwise; first, as in
+   the forward) and then over the causal step-0 keys (the causal kernel's loop,
+   :func:`~dflash_prep.kernels.flash_bwd._dq_inner`, reused);
 3. :func:`ttt_bwd_dkdv_kernel`: one program per (step-0 key tile, document, key/value head)
    accumulates ``dK_0``/``dV_0`` over every query step and every query head of its GQA group (the
    causal kernel's :func:`~dflash_prep.kernels.flash_bwd._dkdv_inner`, reused: the query tiles
@@ -39,15 +39,15 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _diag_dq(dq, q, do, lse2, delta, k_rows, v_rows, sks, svs, row_ok, n_diag, qk_scale):
+def _diag_dq(dq, q, do, lse2, delta, k_tile, v_tile, sks, svs, skt, svt, loc, offs_d, row_ok, n_diag, qk_scale):
     """dQ (unscaled) from the diagonal keys of steps ``1..n_diag`` (pointers as in ``ttt_fwd._diag_fwd``)."""
     qf = q.to(tl.float32)
     dof = do.to(tl.float32)
     for _ in range(0, n_diag):
-        k_rows += sks
-        v_rows += svs
-        kj = tl.load(k_rows, mask=row_ok[:, None], other=0.0).to(tl.float32)  # (BLOCK_M, D)
-        vj = tl.load(v_rows, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        k_tile += sks
+        v_tile += svs
+        kj = tl.load(k_tile + loc[:, None] * skt + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        vj = tl.load(v_tile + loc[:, None] * svt + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         p = tl.math.exp2(tl.sum(qf * kj, 1) * qk_scale - lse2)  # (BLOCK_M,)
         ds = p * (tl.sum(dof * vj, 1) - delta)
         dq += ds[:, None] * kj
@@ -75,31 +75,34 @@ def ttt_bwd_dq_kernel(
         iq64 = iq.to(tl.int64)
         h64 = h.to(tl.int64)
         hk = (h // group).to(tl.int64)
-        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        loc = tl.arange(0, BLOCK_M)  # rows within the tile: int32 offsets from the tile's base
+        offs_m = start_m * BLOCK_M + loc
         offs_d = tl.arange(0, HEAD_DIM)
         row_ok = offs_m < seq_len
-        rows = offs_m[:, None].to(tl.int64)
-        q = tl.load(Q + iq64 * sqs + h64 * sqh + (start + rows) * sqt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + iq64 * sds + h64 * sdh + (start + rows) * sdt + offs_d[None, :], mask=row_ok[:, None],
-                     other=0.0)
-        lse_base = iq64 * sls + h64 * slh + start + offs_m.to(tl.int64)
-        lse2 = tl.load(LSE + lse_base, mask=row_ok, other=float("inf")) * LOG2E
-        delta = tl.load(DELTA + lse_base, mask=row_ok, other=0.0)
+        tile0 = start + start_m * BLOCK_M  # the tile's first token (int64)
+        q = tl.load(Q + iq64 * sqs + h64 * sqh + tile0 * sqt + loc[:, None] * sqt + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + iq64 * sds + h64 * sdh + tile0 * sdt + loc[:, None] * sdt + offs_d[None, :],
+                     mask=row_ok[:, None], other=0.0)
+        lse_tile = iq64 * sls + h64 * slh + tile0
+        lse2 = tl.load(LSE + lse_tile + loc, mask=row_ok, other=float("inf")) * LOG2E
+        delta = tl.load(DELTA + lse_tile + loc, mask=row_ok, other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        # the diagonal keys first (as in the forward: fewer registers than after the causal loop)
+        dq = _diag_dq(dq, q, do, lse2, delta, K + hk * skh + tile0 * skt, V + hk * svh + tile0 * svt,
+                      sks, svs, skt, svt, loc, offs_d, row_ok, iq + step_offset, qk_scale)
         k_base = K + hk * skh + start * skt  # step 0
         v_base = V + hk * svh + start * svt
-        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skt, svt, offs_m, offs_d,
                        0, start_m * BLOCK_M, seq_len, qk_scale, BLOCK_N, False, True, UPCAST, PRECISION)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skt, svt, offs_m, offs_d,
                        start_m * BLOCK_M, tl.minimum((start_m + 1) * BLOCK_M, seq_len), seq_len, qk_scale,
                        BLOCK_N, True, True, UPCAST, PRECISION)
-        dq = _diag_dq(dq, q, do, lse2, delta, k_base + rows * skt + offs_d[None, :],
-                      v_base + rows * svt + offs_d[None, :], sks, svs, row_ok, iq + step_offset, qk_scale)
         dq = dq * sm_scale
-        tl.store(DQ + iq64 * sdqs + h64 * sdqh + (start + rows) * sdqt + offs_d[None, :],
+        tl.store(DQ + iq64 * sdqs + h64 * sdqh + tile0 * sdqt + loc[:, None] * sdqt + offs_d[None, :],
                  rounded(dq, DQ.dtype.element_ty, UPCAST).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -120,12 +123,13 @@ def ttt_bwd_dkdv_kernel(
     seq_len = tl.load(LENS + b)
     if start_n * BLOCK_N < seq_len:
         start = tl.load(STARTS + b).to(tl.int64)
-        offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        loc = tl.arange(0, BLOCK_N)  # keys within the tile: int32 offsets from the tile's base
+        offs_n = start_n * BLOCK_N + loc
         offs_d = tl.arange(0, HEAD_DIM)
         col_ok = offs_n < seq_len
-        cols = offs_n[:, None].to(tl.int64)
-        k = tl.load(K + hk * skh + (start + cols) * skt + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        v = tl.load(V + hk * svh + (start + cols) * svt + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        tile0 = start + start_n * BLOCK_N  # the tile's first token (int64)
+        k = tl.load(K + hk * skh + tile0 * skt + loc[:, None] * skt + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        v = tl.load(V + hk * svh + tile0 * svt + loc[:, None] * svt + offs_d[None, :], mask=col_ok[:, None], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -154,9 +158,9 @@ def ttt_bwd_dkdv_kernel(
             lse_step += sls
             delta_step += sls
         dk = dk * sm_scale
-        tl.store(DK + hk * sdkh + (start + cols) * sdkt + offs_d[None, :],
+        tl.store(DK + hk * sdkh + tile0 * sdkt + loc[:, None] * sdkt + offs_d[None, :],
                  rounded(dk, DK.dtype.element_ty, UPCAST).to(DK.dtype.element_ty), mask=col_ok[:, None])
-        tl.store(DV + hk * sdvh + (start + cols) * sdvt + offs_d[None, :],
+        tl.store(DV + hk * sdvh + tile0 * sdvt + loc[:, None] * sdvt + offs_d[None, :],
                  rounded(dv, DV.dtype.element_ty, UPCAST).to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
@@ -168,30 +172,32 @@ def ttt_bwd_dkdv_diag_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    tile0 = (tl.program_id(0) * BLOCK_M).to(tl.int64)  # the tile's first token (global)
     hk = tl.program_id(1).to(tl.int64)
     j = (tl.program_id(2) + 1).to(tl.int64)  # the diagonal step these keys belong to (>= 1)
-    offs_t = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # global tokens
+    loc = tl.arange(0, BLOCK_M)  # int32 offsets from the tile's first token
     offs_d = tl.arange(0, HEAD_DIM)
-    tok_ok = offs_t < tokens
-    toks = offs_t[:, None].to(tl.int64)
-    kj = tl.load(K + j * sks + hk * skh + toks * skt + offs_d[None, :], mask=tok_ok[:, None], other=0.0).to(tl.float32)
-    vj = tl.load(V + j * svs + hk * svh + toks * svt + offs_d[None, :], mask=tok_ok[:, None], other=0.0).to(tl.float32)
+    tok_ok = loc < tokens - tile0
+    kj = tl.load(K + j * sks + hk * skh + tile0 * skt + loc[:, None] * skt + offs_d[None, :],
+                 mask=tok_ok[:, None], other=0.0).to(tl.float32)  # (BLOCK_M, D)
+    vj = tl.load(V + j * svs + hk * svh + tile0 * svt + loc[:, None] * svt + offs_d[None, :],
+                 mask=tok_ok[:, None], other=0.0).to(tl.float32)
     dk = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     i0 = tl.maximum(tl.program_id(2) + 1 - step_offset, 0)  # the first query step that sees step j (true step >= j)
     i64 = i0.to(tl.int64)
-    q_step = Q + i64 * sqs + toks * sqt + offs_d[None, :]  # advanced one query step at a time
-    do_step = DO + i64 * sds + toks * sdt + offs_d[None, :]
-    lse_step = LSE + i64 * sls + offs_t.to(tl.int64)
-    delta_step = DELTA + i64 * sls + offs_t.to(tl.int64)
+    q_step = Q + i64 * sqs + tile0 * sqt  # scalar bases, advanced one query step at a time
+    do_step = DO + i64 * sds + tile0 * sdt
+    lse_step = i64 * sls + tile0
     for _ in range(i0, q_steps):
         for g in range(0, group):
             h = hk * group + g
-            q = tl.load(q_step + h * sqh, mask=tok_ok[:, None], other=0.0).to(tl.float32)  # (BLOCK_M, D)
-            do = tl.load(do_step + h * sdh, mask=tok_ok[:, None], other=0.0).to(tl.float32)
-            lse2 = tl.load(lse_step + h * slh, mask=tok_ok, other=float("inf")) * LOG2E
-            delta = tl.load(delta_step + h * slh, mask=tok_ok, other=0.0)
+            q = tl.load(q_step + h * sqh + loc[:, None] * sqt + offs_d[None, :], mask=tok_ok[:, None],
+                        other=0.0).to(tl.float32)  # (BLOCK_M, D)
+            do = tl.load(do_step + h * sdh + loc[:, None] * sdt + offs_d[None, :], mask=tok_ok[:, None],
+                         other=0.0).to(tl.float32)
+            lse2 = tl.load(LSE + lse_step + h * slh + loc, mask=tok_ok, other=float("inf")) * LOG2E
+            delta = tl.load(DELTA + lse_step + h * slh + loc, mask=tok_ok, other=0.0)
             p = tl.math.exp2(tl.sum(q * kj, 1) * qk_scale - lse2)  # (BLOCK_M,)
             dv += p[:, None] * do
             ds = p * (tl.sum(do * vj, 1) - delta)
@@ -199,11 +205,10 @@ def ttt_bwd_dkdv_diag_kernel(
         q_step += sqs
         do_step += sds
         lse_step += sls
-        delta_step += sls
     dk = dk * sm_scale
-    tl.store(DK + j * sdks + hk * sdkh + toks * sdkt + offs_d[None, :],
+    tl.store(DK + j * sdks + hk * sdkh + tile0 * sdkt + loc[:, None] * sdkt + offs_d[None, :],
              rounded(dk, DK.dtype.element_ty, UPCAST).to(DK.dtype.element_ty), mask=tok_ok[:, None])
-    tl.store(DV + j * sdvs + hk * sdvh + toks * sdvt + offs_d[None, :],
+    tl.store(DV + j * sdvs + hk * sdvh + tile0 * sdvt + loc[:, None] * sdvt + offs_d[None, :],
              rounded(dv, DV.dtype.element_ty, UPCAST).to(DV.dtype.element_ty), mask=tok_ok[:, None])
 
 

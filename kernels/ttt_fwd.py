@@ -7,17 +7,20 @@ is step ``iq + Sk - Sq`` (``step_offset`` = Sk - Sq). The LSE buffer is fp32 ``[
 One program computes one ``BLOCK_M`` tile of query rows of one (document, query head, query
 step), with fp32 online softmax:
 
-1. the causal step-0 keys of its document: exactly the causal varlen kernel's loop
+1. the ``step`` diagonal keys first: for ``j = 1..step``, each row's own token's ``k[j]``/``v[j]``
+   give one score per row (an elementwise fp32 ``q . k_j``, no ``tl.dot``), folded into the running
+   max, sum and accumulator. That adds ``step`` row loads of K and V per tile: small against the
+   causal part's ``~t/BLOCK_N`` key tiles for any document longer than a few tiles. (Folding them
+   in after the causal loop instead spilled registers at D = 128: the sm_90 cubin's stack was
+   48 B, against 0 B this way round.)
+2. then the causal step-0 keys of its document: exactly the causal varlen kernel's loop
    (:func:`~dflash_prep.kernels.flash_fwd._fwd_inner`, reused): key tiles strictly below the
    diagonal band run unmasked, only the ``BLOCK_M`` band is element-masked, tiles above it are
-   never loaded; programs run the heaviest (last) tiles first;
-2. then the ``step`` diagonal keys: for ``j = 1..step``, each row's own token's ``k[j]``/``v[j]``
-   give one score per row (an elementwise fp32 ``q . k_j``, no ``tl.dot``), folded into the same
-   running max, sum and accumulator. That adds ``step`` row loads of K and V per tile: against the
-   causal part's ``~t/BLOCK_N`` key tiles it is small for any document longer than a few tiles.
+   never loaded; programs run the heaviest (last) tiles first.
 
 Then the natural-log LSE of the scaled scores is saved per (step, head, row). For ``Sq = Sk = 1``
-the program is the causal varlen kernel's, bitwise (tested). ``UPCAST``/``rounded`` handle the
+the program is the causal varlen kernel's: with the same tiles the results are bitwise equal
+(tested under the interpreter, where both use the same tiles). ``UPCAST``/``rounded`` handle the
 interpreter's bf16 ``tl.dot`` as in :mod:`dflash_prep.kernels.flash_fwd`.
 
 Tiles are fixed per kernel, as for the DFlash kernels (no autotuning: no GPU has timed them yet), so
@@ -127,11 +130,13 @@ def ttt_fwd_kernel(
 # The interpreter uses the causal kernels' tiles, so Sq = Sk = 1 runs exactly their programs.
 INTERPRET_BLOCKS = {**{name: (*FLASH_INTERPRET_BLOCKS[name], 4, 1) for name in ("fwd", "dq", "dkdv")},
                     "diag": (32, 32, 4, 1)}
-# GPU tiles: the causal kernels' fixed tiles, picked by the spills of the sm_90 cubins (see
-# docs/kernels.md); not yet timed on a GPU.
+# GPU tiles, picked without a GPU the way the DFlash tiles were: among a few candidates per kernel,
+# those whose sm_90 cubin (bf16, compiled ahead of time with 16-divisible pointers and strides, as a
+# launch specializes them) spills least. Stack bytes with Triton 3.9: none at D = 64; at D = 128
+# only dkdv, 24 B. Not yet timed on a GPU.
 FIXED_BLOCKS = {
-    64: {"fwd": (128, 64, 8, 3), "dq": (128, 64, 8, 3), "dkdv": (64, 128, 8, 3), "diag": (64, 64, 4, 2)},
-    128: {"fwd": (128, 64, 8, 3), "dq": (128, 64, 8, 3), "dkdv": (64, 128, 8, 3), "diag": (64, 64, 4, 2)},
+    64: {"fwd": (128, 64, 8, 3), "dq": (128, 64, 8, 3), "dkdv": (32, 128, 8, 3), "diag": (64, 64, 8, 2)},
+    128: {"fwd": (128, 64, 8, 3), "dq": (64, 64, 8, 3), "dkdv": (16, 128, 8, 3), "diag": (64, 64, 8, 2)},
 }
 
 

@@ -30,9 +30,13 @@ the difference is only in work: the reference keeps a drafter KV cache of the co
 loop recomputes the drafter's context keys/values from F[0, start) every block (the same values:
 they depend only on the features and positions), which is O(start) per block, fine at demo scale.
 
-The proposer is pluggable (:class:`Proposer`): :class:`DFlashProposer` wraps our drafter; the
-tests also drive the loop with an oracle and an always-wrong proposer to check that acceptance
-lengths are counted right (B per block and 1 per block).
+The proposer is pluggable (:class:`Proposer`): the export's ``config.json`` ``architectures``
+names the objective whose ``decode`` hook loads it (:func:`drafter_of`; DFlash:
+:class:`dflash_prep.train.objectives.dflash.decode.DFlashProposer`). An export may offer more than
+one proposer (a variant's own decoding beside its base's): the first is the result, the others
+are reported under ``variants`` on the same prompts. The tests also drive the loop with an oracle
+and an always-wrong proposer to check that acceptance lengths are counted right (B per block
+and 1 per block).
 
     python -m dflash_prep.train.speculate --target DIR --drafter DIR --prompts FILE --out FILE
 
@@ -73,15 +77,19 @@ class Target:
 
     def __init__(self, model, layer_ids: list[int] | tuple[int, ...] = ()):
         self.model = model.eval()
-        self.layer_ids = [int(x) for x in layer_ids]
-        n = int(model.config.num_hidden_layers)
-        bad = [x for x in self.layer_ids if not 0 <= x < n]
-        if bad:
-            raise ConfigError(f"target layer ids {bad} are outside the target's {n} layers")
+        self.set_layers(layer_ids)
         self.cache = None
 
         # transformers >= 5.2x names the argument `cache` (`past_key_values` is deprecated there)
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def set_layers(self, layer_ids) -> None:
+        """Tap these decoder layers' outputs (0-based)."""
+        self.layer_ids = [int(x) for x in layer_ids]
+        n = int(self.model.config.num_hidden_layers)
+        bad = [x for x in self.layer_ids if not 0 <= x < n]
+        if bad:
+            raise ConfigError(f"target layer ids {bad} are outside the target's {n} layers")
 
     @property
     def device(self) -> torch.device:
@@ -126,43 +134,6 @@ class Proposer(Protocol):
     def propose(self, block: torch.Tensor, ctx_feats: torch.Tensor, start: int) -> torch.Tensor:
         """Tokens for slots 1..B-1 ``(B-1,)`` of ``block`` ``(B,)`` (bonus then masks) at
         positions ``start..start+B-1``, given the context features ``(start, k*H)``."""
-
-
-class DFlashProposer:
-    """Our drafter (:class:`dflash_prep.train.objectives.dflash.drafter.Drafter`) reading the target's features.
-
-    One packed drafter forward with one document and one block at anchor ``start``: the block
-    sees the context ``[0, start)`` and itself, exactly as after a prefill of ``start`` tokens.
-    The packed contract wants ``anchor < S_d`` (training anchors sit inside their document), so
-    the context gets one zero row at position ``start`` that the mask hides (only ``[0, a)`` is
-    visible); the target's ``lm_head`` on the drafter's outputs for slots 1..B-1, argmax.
-    A drafter with a sliding window W (its config's ``sliding_window``) gets only the context
-    its widest row sees, ``[start - W + 1, start)``, at its absolute positions (the mask works
-    on position differences, so the cut document gives the same output): O(W) per block.
-    """
-
-    def __init__(self, drafter, target: Target, *, block_size: int, mask_token_id: int):
-        self.drafter = drafter.eval()
-        self.target = target
-        self.block_size = int(block_size)
-        self.mask_token_id = int(mask_token_id)
-
-    @torch.no_grad()
-    def propose(self, block: torch.Tensor, ctx_feats: torch.Tensor, start: int) -> torch.Tensor:
-        dev = self.target.device
-        B = self.block_size
-        noise = self.target.embed(block.to(dev))  # (B, H)
-        window = int(getattr(self.drafter.config, "sliding_window", 0))
-        lo = max(0, start - (window - 1)) if window else 0  # slot 0's window start: the widest view
-        feats = ctx_feats[lo:start].to(dev)
-        feats = torch.cat([feats, feats.new_zeros(1, feats.shape[1])])  # (start - lo + 1, k*H)
-        ctx_pos = torch.arange(lo, start + 1, device=dev)  # (S,) absolute positions, for RoPE
-        blk_pos = torch.arange(start, start + B, device=dev)  # (B,)
-        cu_ctx = torch.tensor([0, start - lo + 1], dtype=torch.int32, device=dev)
-        cu_blk = torch.tensor([0, B], dtype=torch.int32, device=dev)
-        anchors = torch.tensor([start - lo], dtype=torch.int32, device=dev)  # within the cut document
-        h = self.drafter(noise, feats, ctx_pos, blk_pos, cu_ctx, cu_blk, anchors, B)  # (B, H)
-        return self.target.lm_head(h[1:]).argmax(-1)  # (B-1,)
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -317,15 +288,16 @@ def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_file: str 
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_prep.train.objectives.dflash.export import folder_fingerprint, load_export
+    from dflash_prep.train.objectives.dflash.export import folder_fingerprint
     from dflash_prep.train.target import target_identity
 
-    drafter, meta = load_export(drafter_dir)
-    B = cfg.block_size or meta["block_size"]
-    if B < 1:
-        raise ConfigError(f"block size must be >= 1, got {B}")
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+    target = Target(model)
+    proposers, meta = drafter_of(drafter_dir, target, block_size=cfg.block_size)
+    B = meta["block_size"]
+    if B < 1:
+        raise ConfigError(f"block size must be >= 1, got {B}")
     if int(model.config.hidden_size) != meta["hidden_size"] or int(model.config.vocab_size) != meta["vocab_size"]:
         raise ConfigError(f"{drafter_dir}: the drafter was built for hidden {meta['hidden_size']} / vocab "
                           f"{meta['vocab_size']}, the target {target_dir} has {model.config.hidden_size} / "
@@ -337,36 +309,70 @@ def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_file: str 
         raise ConfigError(f"{drafter_dir} was trained on target {want}, but {target_dir} is "
                           f"{ident['target_fingerprint']}: a drafter reads its own target's hidden states; "
                           "pass the target folder the drafter was trained on")
-    target = Target(model, meta["target_layer_ids"])
-    proposer = DFlashProposer(drafter, target, block_size=B, mask_token_id=meta["mask_token_id"])
+    target.set_layers(meta["target_layer_ids"])
     stop = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
     prompts = load_prompts(prompts_file, tok, limit=cfg.max_prompts)
-    rows, t_spec, t_greedy = [], 0.0, 0.0
-    for p in prompts:
-        d = speculative_generate(target, proposer, p, max_new_tokens=cfg.max_new_tokens, stop_ids=stop,
-                                 mask_token_id=meta["mask_token_id"])
-        t_spec += d.seconds
-        row = {"prompt_tokens": len(p), "new_tokens": len(d.tokens), "acceptance_lengths": d.acceptance_lengths,
-               "tau": sum(d.acceptance_lengths) / max(len(d.acceptance_lengths), 1),
-               "lossless": None, "first_mismatch": None}
-        if cfg.check_lossless:
-            g = greedy_generate(target, p, max_new_tokens=cfg.max_new_tokens, stop_ids=stop)
-            t_greedy += g.seconds
-            row["lossless"] = g.tokens == d.tokens
-            if not row["lossless"]:
-                row["first_mismatch"] = next((i for i, (x, y) in enumerate(zip(g.tokens, d.tokens)) if x != y),
-                                             min(len(g.tokens), len(d.tokens)))
-        rows.append(row)
+    greedy: list[Decoded | None] = [None] * len(prompts)
+    results = {}
+    for name, proposer in proposers:
+        rows, t_spec, t_greedy = [], 0.0, 0.0
+        for i, p in enumerate(prompts):
+            d = speculative_generate(target, proposer, p, max_new_tokens=cfg.max_new_tokens, stop_ids=stop,
+                                     mask_token_id=meta["mask_token_id"])
+            t_spec += d.seconds
+            row = {"prompt_tokens": len(p), "new_tokens": len(d.tokens), "acceptance_lengths": d.acceptance_lengths,
+                   "tau": sum(d.acceptance_lengths) / max(len(d.acceptance_lengths), 1),
+                   "lossless": None, "first_mismatch": None}
+            if cfg.check_lossless:
+                if greedy[i] is None:   # the target's own decode does not depend on the proposer
+                    greedy[i] = greedy_generate(target, p, max_new_tokens=cfg.max_new_tokens, stop_ids=stop)
+                    t_greedy += greedy[i].seconds
+                g = greedy[i]
+                row["lossless"] = g.tokens == d.tokens
+                if not row["lossless"]:
+                    row["first_mismatch"] = next((i for i, (x, y) in enumerate(zip(g.tokens, d.tokens)) if x != y),
+                                                 min(len(g.tokens), len(d.tokens)))
+            rows.append(row)
+        results[name] = {**summarize(rows, B),
+                         "lossless": all(r["lossless"] for r in rows) if cfg.check_lossless else None,
+                         "new_tokens": sum(r["new_tokens"] for r in rows),
+                         "seconds_spec": round(t_spec, 3), "seconds_greedy": round(t_greedy, 3), "per_prompt": rows}
+    main_name = proposers[0][0]
+    head = results[main_name]
+    per_prompt = head.pop("per_prompt")
+    variants = {name: {k: v for k, v in r.items() if k != "per_prompt"} for name, r in results.items()
+                if name != main_name}
     return {"format": EVAL_FORMAT, "version": EVAL_VERSION,
             "target": {"path": str(target_dir), **ident},
-            "drafter": {"path": str(drafter_dir), "fingerprint": folder_fingerprint(drafter_dir)},
+            "drafter": {"path": str(drafter_dir), "fingerprint": folder_fingerprint(drafter_dir),
+                        "architecture": meta["architecture"], "proposer": main_name},
             "prompts": {"path": str(prompts_file), "n": len(prompts)},
             "block_size": B, "temperature": 0.0, "max_new_tokens": cfg.max_new_tokens,
-            **summarize(rows, B),
-            "lossless": all(r["lossless"] for r in rows) if cfg.check_lossless else None,
-            "new_tokens": sum(r["new_tokens"] for r in rows),
-            "seconds_spec": round(t_spec, 3), "seconds_greedy": round(t_greedy, 3),
-            "config": asdict(cfg), "per_prompt": rows}
+            **head, "variants": variants, "config": asdict(cfg), "per_prompt": per_prompt}
+
+
+def drafter_of(drafter_dir: str | Path, target: Target, *, block_size: int = 0) -> tuple[list, dict]:
+    """The proposers of the export at ``drafter_dir`` (``[(name, proposer), ...]``, the first one
+    the main result, the others reported as ``variants``) and its meta: the objective whose export
+    writes the folder's ``config.json`` ``architectures`` loads it
+    (:attr:`~dflash_prep.train.objectives.registry.TrainerSpec.decode`)."""
+    from dflash_prep.train.objectives import registry
+
+    cfile = Path(drafter_dir) / "config.json"
+    if not cfile.is_file():
+        raise FormatError(f"{cfile}: not found; point --drafter at an exported drafter folder "
+                          "(python -m dflash_prep.train.export RUN --out DIR)")
+    try:
+        archs = json.loads(cfile.read_text()).get("architectures") or []
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise FormatError(f"{cfile}: not a JSON object ({e})") from None
+    for spec in registry.specs():
+        hit = next((a for a in archs if a in spec.architectures), None)
+        if hit is not None and spec.decode is not None:
+            proposers, meta = spec.decode(drafter_dir, target, block_size=block_size)
+            return proposers, {**meta, "architecture": hit}
+    known = sorted(a for s in registry.specs() for a in s.architectures)
+    raise FormatError(f"{cfile}: architectures {archs} is none this tool decodes ({', '.join(known)})")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -7,7 +7,8 @@ import torch
 
 from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig
 from dflash_prep.train.objectives.dflash.export import write_export
-from dflash_prep.train.speculate import DFlashProposer, Target, greedy_generate, main, speculative_generate, summarize
+from dflash_prep.train.objectives.dflash.decode import DFlashProposer
+from dflash_prep.train.speculate import Target, greedy_generate, main, speculative_generate, summarize
 from dflash_prep.train.target_init import TargetSpec, build_target, default_texts
 
 B = 4

@@ -38,6 +38,12 @@ class TrainerSpec:
     """``export(checkpoint, path, out, *, dtype, overwrite) -> sidecar``: the folder an inference
     engine loads, from a loaded checkpoint (:mod:`dflash_prep.train.export`; None: the objective
     saves its model itself at the end of a run)."""
+    architectures: tuple[str, ...] = ()
+    """The ``architectures`` its exports declare in ``config.json`` (what
+    :mod:`dflash_prep.train.speculate` dispatches on)."""
+    decode: Callable[..., Any] | None = None
+    """``decode(drafter_dir, target, *, block_size) -> ([(name, proposer), ...], meta)``: the
+    drafting half of speculative decoding for such an export (:mod:`dflash_prep.train.speculate`)."""
 
 
 _SPECS: dict[str, TrainerSpec] = {}
@@ -69,15 +75,15 @@ def owners(key: str) -> list[str]:
 
 
 def flags() -> list[tuple[option_decl.Flag, str]]:
-    """Every objective option's flag once, with its ``--help`` panel (``Objective NAME`` of the
-    first objective that declares it, in registration order: a variant that extends another's
-    options adds its own fields to a panel of its own)."""
+    """Every objective option's flag once, with its ``--help`` panel: ``Objective NAME, ...``
+    naming every objective that has it (a variant that extends another's options shares the
+    parent's panel and adds its own fields to a panel of its own), in registration order."""
     seen, out = set(), []
     for s in _SPECS.values():
         for fl in option_decl.flags(s.options, option_decl.TRAIN):
             if fl.name not in seen:
                 seen.add(fl.name)
-                out.append((fl, fl.panel or f"Objective {s.name}"))
+                out.append((fl, fl.panel or f"Objective {', '.join(owners(fl.name))}"))
     return out
 
 

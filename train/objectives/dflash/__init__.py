@@ -8,12 +8,14 @@
 Its split-job target rank is :func:`dflash_prep.train.split.worker.serve`.
 """
 
-from dflash_prep.train.objectives.dflash.export import export_checkpoint
+from dflash_prep.train.objectives.dflash import decode
+from dflash_prep.train.objectives.dflash.export import ARCHITECTURE, export_checkpoint
 from dflash_prep.train.objectives.dflash.objective import DFlashObjective, build
 from dflash_prep.train.objectives.dflash.options import DFlashTrainOptions
 from dflash_prep.train.objectives.registry import TrainerSpec
 from dflash_prep.train.split.worker import serve
 
-SPEC = TrainerSpec("dflash", DFlashTrainOptions, build, serve=serve, export=export_checkpoint)
+SPEC = TrainerSpec("dflash", DFlashTrainOptions, build, serve=serve, export=export_checkpoint,
+                   architectures=(ARCHITECTURE,), decode=decode.load)
 
 __all__ = ["SPEC", "DFlashObjective", "DFlashTrainOptions", "build"]

@@ -220,16 +220,21 @@ class DraftLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_ctx, rope_blk, cu_ctx, cu_blk, anchors, block_size)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def init_extra(self) -> None:
+        """Initialise what a variant's layer adds (after the drafter's normal init); none here."""
+
 
 class Drafter(nn.Module):
     """N draft layers + ``fc``/``hidden_norm`` (context fusion) + final ``norm`` (module docstring)."""
 
+    #: the config class a checkpoint's ``model_config`` is read with, and the layer class
     config_type = DrafterConfig
+    layer_type = DraftLayer
 
     def __init__(self, cfg: DrafterConfig, *, init_std: float = 0.02):
         super().__init__()
         self.config = cfg
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_type(cfg) for _ in range(cfg.num_layers))
         self.norm = _norm(cfg, cfg.hidden)
         self.fc = nn.Linear(cfg.num_taps * cfg.hidden, cfg.hidden, bias=False)
         self.hidden_norm = _norm(cfg, cfg.hidden)
@@ -238,6 +243,8 @@ class Drafter(nn.Module):
                 nn.init.normal_(m.weight, mean=0.0, std=init_std)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
+        for layer in self.layers:
+            layer.init_extra()
 
     @property
     def block_size(self) -> int:

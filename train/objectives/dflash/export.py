@@ -135,12 +135,18 @@ def public_window(c: dict, *, path: str | Path = CONFIG_FILE) -> int:
     return windows.pop() if windows else 0
 
 
-def config_from_public(c: dict, *, path: str | Path = CONFIG_FILE) -> DrafterConfig:
+def config_from_public(c: dict, *, path: str | Path = CONFIG_FILE, architecture: str = ARCHITECTURE,
+                       config_type: type = DrafterConfig, extra: dict | None = None) -> DrafterConfig:
     """A :class:`DrafterConfig` from a public DFlash ``config.json`` dict; refuses what our
-    drafter cannot represent (layers of mixed attention types, RoPE scaling, another architecture)."""
-    if ARCHITECTURE not in (c.get("architectures") or []):
-        raise FormatError(f"{path}: architectures {c.get('architectures')!r} lacks {ARCHITECTURE!r}; "
-                          "not a DFlash drafter folder")
+    drafter cannot represent (layers of mixed attention types, RoPE scaling, another architecture).
+
+    A variant reuses it: ``architecture`` is the one ``architectures`` must name,
+    ``config_type`` the config class built, with its own fields ``extra`` (read by the caller).
+    ``block_size`` is read the way the public model reads it: ``dflash_config``'s, else the
+    top-level field."""
+    if architecture not in (c.get("architectures") or []):
+        raise FormatError(f"{path}: architectures {c.get('architectures')!r} lacks {architecture!r}; "
+                          f"not a {architecture} drafter folder")
     window = public_window(c, path=path)
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
@@ -154,15 +160,16 @@ def config_from_public(c: dict, *, path: str | Path = CONFIG_FILE) -> DrafterCon
         from dflash_prep.train.objectives.dflash.drafter import build_target_layer_ids
 
         ids = dfc.get("target_layer_ids") or build_target_layer_ids(L, N)
-        return DrafterConfig(
+        return config_type(
             hidden=int(c["hidden_size"]), heads=heads, kv_heads=int(c.get("num_key_value_heads") or heads),
             head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
             intermediate=int(c["intermediate_size"]), num_layers=N, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-            max_position=int(c.get("max_position_embeddings", 4096)), block_size=int(c["block_size"]),
+            max_position=int(c.get("max_position_embeddings", 4096)),
+            block_size=int(dfc["block_size"] if dfc.get("block_size") is not None else c["block_size"]),
             num_target_layers=L, target_layer_ids=tuple(ids), mask_token_id=int(dfc["mask_token_id"]),
             vocab_size=int(c["vocab_size"]), attention_bias=bool(c.get("attention_bias", False)),
-            sliding_window=window)
+            sliding_window=window, **(extra or {}))
     except KeyError as e:
         raise FormatError(f"{path}: missing field {e} of the DFlash config") from None
 
@@ -220,8 +227,12 @@ def export_checkpoint(obj: dict, path: Path, out: str | Path, *, dtype: str = "f
 
 
 def write_export(drafter: Drafter, out: str | Path, *, source: dict, dtype: str = "float32",
-                 overwrite: bool = False) -> dict:
-    """Write ``drafter`` as a public DFlash folder; ``source`` goes into ``export.json``."""
+                 overwrite: bool = False, public=None, sidecar_extra: dict | None = None) -> dict:
+    """Write ``drafter`` as a public DFlash folder; ``source`` goes into ``export.json``.
+
+    A variant reuses it: ``public(cfg, dtype=...)`` builds its ``config.json`` dict (default
+    :func:`public_config`), ``sidecar_extra`` is merged into the sidecar (its ``kind``, its
+    ``summary``)."""
     from safetensors.torch import save
 
     if dtype not in DTYPES:
@@ -229,12 +240,12 @@ def write_export(drafter: Drafter, out: str | Path, *, source: dict, dtype: str 
     cfg = drafter.config
     tensors = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in drafter.state_dict().items()}
     weights = save(tensors, metadata={"format": "pt"})
-    config = (json.dumps(public_config(cfg, dtype=dtype), indent=2) + "\n").encode()
+    config = (json.dumps((public or public_config)(cfg, dtype=dtype), indent=2) + "\n").encode()
     summary = (f"{cfg.num_layers} draft layers, B = {cfg.block_size}, taps {list(cfg.target_layer_ids)}, "
                f"mask {cfg.mask_token_id}")
     sidecar = {"source": source, "drafter_config": cfg.to_dict(), "summary": summary, "dtype": dtype,
                "config_fingerprint": fingerprint_bytes(config), "weights_fingerprint": fingerprint_bytes(weights),
-               "parameters": int(sum(t.numel() for t in tensors.values()))}
+               "parameters": int(sum(t.numel() for t in tensors.values())), **(sidecar_extra or {})}
     with atomic_dir(out, overwrite=overwrite) as tmp:
         atomic_write_bytes(tmp / CONFIG_FILE, config)
         atomic_write_bytes(tmp / WEIGHTS_FILE, weights)
@@ -242,10 +253,15 @@ def write_export(drafter: Drafter, out: str | Path, *, source: dict, dtype: str 
     return sidecar
 
 
-def load_export(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[Drafter, dict]:
+def load_export(path: str | Path, *, dtype: torch.dtype = torch.float32, drafter_type: type = Drafter,
+                read_config=None) -> tuple[Drafter, dict]:
     """Our :class:`Drafter` from a public DFlash folder, strict key/shape match; and a dict of
     ``block_size``, ``mask_token_id``, ``target_layer_ids``, ``hidden_size``, ``vocab_size``,
-    ``export`` (the sidecar, or None for a folder this tool did not write)."""
+    ``export`` (the sidecar, or None for a folder this tool did not write).
+
+    A variant reuses it: ``drafter_type`` is the module built and
+    ``read_config(config_dict, path=..., sidecar=...)`` its config (default :func:`config_from_public`);
+    the sidecar's fingerprints are checked before either runs."""
     from safetensors.torch import load
 
     path = Path(path)
@@ -266,12 +282,12 @@ def load_export(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tupl
         c = json.loads(cbytes)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise FormatError(f"{cfile}: not valid JSON ({e})") from None
-    cfg = config_from_public(c, path=cfile)
+    cfg = config_from_public(c, path=cfile) if read_config is None else read_config(c, path=cfile, sidecar=sidecar)
     try:
         state = load(wbytes)
     except Exception as e:  # safetensors raises its own error type for a bad header
         raise FormatError(f"{wfile}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-    drafter = Drafter(cfg).to(dtype)
+    drafter = drafter_type(cfg).to(dtype)
     _load_strict(drafter, state, where=str(wfile))
     meta = {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
             "target_layer_ids": list(cfg.target_layer_ids), "hidden_size": cfg.hidden, "vocab_size": cfg.vocab_size,

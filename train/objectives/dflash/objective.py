@@ -214,16 +214,32 @@ def _teacher_rows(b: "DFlashBatch", block_size: int) -> torch.Tensor:
     return (b.cu_seqlens.to(torch.int64)[doc] + b.blk_pos - 1).clamp_min(0)
 
 
-def dflash_loss(drafter, target, b: DFlashBatch, *, block_size: int, ce_chunk: int, autocast,
-                spec: LossSpec = LossSpec()) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum w * loss, stats)`` for one micro-batch: stats float64 ``[stats_width(B)]`` (no grad).
+@dataclass
+class BlockForward:
+    """What one micro-batch's DFlash forward gives (:func:`dflash_forward`): the drafter's hidden
+    states ``hid [N * B, H]``, the rows with a loss ``sel`` (int64 indices into ``N * B``) and
+    their targets ``tg``, weights ``w`` (D-PACE's from this forward, else the batch's) and
+    argmax predictions ``pred``, the weighted slot-loss sum ``loss``, and the target's head."""
+
+    hid: torch.Tensor
+    sel: torch.Tensor
+    tg: torch.Tensor
+    w: torch.Tensor
+    pred: torch.Tensor
+    loss: torch.Tensor
+    head: torch.Tensor
+
+
+def dflash_forward(drafter, target, b: DFlashBatch, *, block_size: int, ce_chunk: int,
+                   spec: LossSpec = LossSpec()) -> BlockForward:
+    """The forward and weighted slot loss of one micro-batch (under the caller's autocast).
 
     ``decay`` + ``ce`` runs :func:`~dflash_prep.train.chunked_ce.weighted_ce` with the batch's
     weights; ``dpace`` or ``kl`` run :func:`~dflash_prep.train.chunked_kl.row_losses` and weight
     the rows afterwards (D-PACE from the rows' CE). ``kl`` runs the target to its end
     (``FrozenTarget.features(final=True)``); its head is applied to the labelled rows only.
     ``target`` is a taps provider (:mod:`dflash_prep.train.split.taps`: the local target, or the target rank serving
-    this drafter) or a :class:`~.target.FrozenTarget`.
+    this drafter) or a :class:`~dflash_prep.train.target.FrozenTarget`.
     """
     from dflash_prep.train.chunked_kl import row_losses
     from dflash_prep.train.split.taps import provider_of
@@ -233,33 +249,56 @@ def dflash_loss(drafter, target, b: DFlashBatch, *, block_size: int, ce_chunk: i
     B = block_size
     N = b.n_anchors
     kl = spec.loss == "kl"
-    with autocast():
-        got = target.taps(b, epoch=b.epoch, final=kl)                                      # no grad
-        feats, last = got if kl else (got, None)                                            # (T, k*H), (T, H)
-        with torch.no_grad():
-            noise = target.embed_tokens(b.noise_ids)                                        # (Q, H)
-        hid = drafter(noise, feats, b.position_ids, b.blk_pos, b.cu_seqlens, b.cu_blk, b.anchors, B)  # (Q, H)
-        sel = torch.nonzero(b.weights > 0).squeeze(1)                                       # rows with a loss
-        h, tg, w = hid.index_select(0, sel), b.targets.index_select(0, sel), b.weights.index_select(0, sel)
-        head = target.lm_head.weight
-        if spec.slot_weights == "decay" and not kl:
-            loss, pred = weighted_ce(h, head, tg, w, chunk=ce_chunk)
-        else:
-            teacher = last.index_select(0, _teacher_rows(b, B).index_select(0, sel)) if kl else None
-            rl, ce, pred = row_losses(h, head, tg, teacher=teacher, temperature=spec.kl_temperature, chunk=ce_chunk)
-            if spec.slot_weights == "dpace":
-                full = torch.zeros(N * B, dtype=torch.float32, device=hid.device)
-                full[sel] = ce.float()
-                w = dpace_weights(full.view(N, B), b.weights.view(N, B), spec.dpace_alpha).view(-1).index_select(0, sel)
-            loss = (w.to(rl.dtype) * rl).sum()
-    correct = torch.zeros(N * B, dtype=torch.float64, device=hid.device)
-    correct[sel] = (pred == tg).double()
+    got = target.taps(b, epoch=b.epoch, final=kl)                                          # no grad
+    feats, last = got if kl else (got, None)                                                # (T, k*H), (T, H)
+    with torch.no_grad():
+        noise = target.embed_tokens(b.noise_ids)                                            # (Q, H)
+    hid = drafter(noise, feats, b.position_ids, b.blk_pos, b.cu_seqlens, b.cu_blk, b.anchors, B)  # (Q, H)
+    sel = torch.nonzero(b.weights > 0).squeeze(1)                                           # rows with a loss
+    h, tg, w = hid.index_select(0, sel), b.targets.index_select(0, sel), b.weights.index_select(0, sel)
+    head = target.lm_head.weight
+    if spec.slot_weights == "decay" and not kl:
+        loss, pred = weighted_ce(h, head, tg, w, chunk=ce_chunk)
+    else:
+        teacher = last.index_select(0, _teacher_rows(b, B).index_select(0, sel)) if kl else None
+        rl, ce, pred = row_losses(h, head, tg, teacher=teacher, temperature=spec.kl_temperature, chunk=ce_chunk)
+        if spec.slot_weights == "dpace":
+            full = torch.zeros(N * B, dtype=torch.float32, device=hid.device)
+            full[sel] = ce.float()
+            w = dpace_weights(full.view(N, B), b.weights.view(N, B), spec.dpace_alpha).view(-1).index_select(0, sel)
+        loss = (w.to(rl.dtype) * rl).sum()
+    return BlockForward(hid=hid, sel=sel, tg=tg, w=w, pred=pred, loss=loss, head=head)
+
+
+def block_tau(correct: torch.Tensor) -> torch.Tensor:
+    """``sum`` over blocks of ``1 + sum_r prod_{i <= r} correct_i`` for ``correct [N, B-1]`` (0/1,
+    float64): the expected acceptance length's numerator."""
+    if correct.shape[0] == 0:
+        return correct.new_zeros(())
+    return (1.0 + torch.cumprod(correct, dim=1).sum(dim=1)).sum()
+
+
+def block_stats(f: BlockForward, b: DFlashBatch, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(head, wsum)`` of the stats vector (:func:`stats_width`): ``head`` = loss, blocks, tau
+    sum, correct and valid per slot; ``wsum`` = the step normaliser's share, last."""
+    B, N = block_size, b.n_anchors
+    correct = torch.zeros(N * B, dtype=torch.float64, device=f.hid.device)
+    correct[f.sel] = (f.pred == f.tg).double()
     valid = (b.weights > 0).double().view(N, B)[:, 1:]                                      # (N, B-1)
     correct = correct.view(N, B)[:, 1:]                                                     # (N, B-1)
-    tau = (1.0 + torch.cumprod(correct, dim=1).sum(dim=1)).sum() if N else correct.new_zeros(())
-    stats = torch.cat([torch.stack([loss.detach().double(), correct.new_tensor(float(N)), tau]),
-                       correct.sum(0), valid.sum(0), w.detach().double().sum().reshape(1)])
-    return loss, stats
+    head = torch.cat([torch.stack([f.loss.detach().double(), correct.new_tensor(float(N)), block_tau(correct)]),
+                      correct.sum(0), valid.sum(0)])
+    return head, f.w.detach().double().sum().reshape(1)
+
+
+def dflash_loss(drafter, target, b: DFlashBatch, *, block_size: int, ce_chunk: int, autocast,
+                spec: LossSpec = LossSpec()) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum w * loss, stats)`` for one micro-batch: stats float64 ``[stats_width(B)]`` (no grad);
+    :func:`dflash_forward` under ``autocast``, then :func:`block_stats`."""
+    with autocast():
+        f = dflash_forward(drafter, target, b, block_size=block_size, ce_chunk=ce_chunk, spec=spec)
+    head, wsum = block_stats(f, b, block_size)
+    return f.loss, torch.cat([head, wsum])
 
 
 def summarize_stats(stats: torch.Tensor, denom: float, block_size: int) -> dict:
@@ -273,14 +312,16 @@ def summarize_stats(stats: torch.Tensor, denom: float, block_size: int) -> dict:
             "acc": sum(corr) / sum(valid) if sum(valid) else float("nan")}
 
 
-def flops_coefficients(c, target_layers: int, loss: str) -> np.ndarray:
+def flops_coefficients(c, target_layers: int, loss: str, cost_type=drafter_cost.DrafterCostModel,
+                       **extra) -> np.ndarray:
     """The cost model's coefficients (:meth:`DrafterCostModel.coefficient_array`) for drafter config
     ``c``: the target forward runs to the last tap (``ce``) or through all ``target_layers``
-    (``kl``: the target's distribution needs its final norm)."""
+    (``kl``: the target's distribution needs its final norm). ``cost_type``/``extra``: a variant's
+    cost model and its own sizes."""
     run = target_layers if loss == "kl" else max(c.target_layer_ids) + 1
-    cm = drafter_cost.DrafterCostModel(hidden=c.hidden, layers=run, intermediate=c.intermediate, heads=c.heads,
-                                       kv_heads=c.kv_heads, head_dim=c.head_dim, vocab=c.vocab_size,
-                                       draft_layers=c.num_layers, sliding_window=c.sliding_window)
+    cm = cost_type(hidden=c.hidden, layers=run, intermediate=c.intermediate, heads=c.heads, kv_heads=c.kv_heads,
+                   head_dim=c.head_dim, vocab=c.vocab_size, draft_layers=c.num_layers,
+                   sliding_window=c.sliding_window, **extra)
     return cm.coefficient_array(c.block_size)
 
 
@@ -320,13 +361,17 @@ class DFlashObjective:
         self.deferred_denominator = cfg.options.slot_weights == "dpace"
         self.stats_width = stats_width(self.block_size)
         self._p_drafter = sum(p.numel() for p in drafter.parameters())
-        self._coef = flops_coefficients(drafter.config, self.target.num_layers, cfg.options.loss)
+        self._coef = self.cost_coefficients()
         self._taus: list[float] = []
         self._anchors = 0
 
     @property
     def block_size(self) -> int:
         return self.spec.block_size
+
+    def cost_coefficients(self) -> np.ndarray:
+        """The step cost's coefficients (:func:`flops_coefficients`), for MFU."""
+        return flops_coefficients(self.model.config, self.target.num_layers, self.cfg.options.loss)
 
     def build(self, ds, mb, epoch: int, layout: str, pin: bool):
         c = self.model.config
@@ -359,7 +404,7 @@ class DFlashObjective:
 
     def contract(self) -> dict:
         c = self.model.config
-        return {"objective": "dflash", **self.identity, "target_layer_ids": list(c.target_layer_ids),
+        return {"objective": self.name, **self.identity, "target_layer_ids": list(c.target_layer_ids),
                 "mask_token_id": c.mask_token_id, "block_size": self.block_size,
                 "sliding_window": c.sliding_window, **self.recipe_fields(),
                 "anchors": self.spec.to_dict()}
@@ -373,7 +418,7 @@ class DFlashObjective:
         loss = f"kl T={ls.kl_temperature:g}" if ls.loss == "kl" else "ce"
         opt = f"muon lr={muon_lr(cfg):g} + adamw lr={cfg.lr:g}" if cfg.optimizer == "muon" else f"adamw lr={cfg.lr:g}"
         window = f"window {c.sliding_window}" if c.sliding_window else "full attention"
-        return (f"dflash recipe: B={self.block_size}, {c.num_layers} draft layer(s), {window}, slot weights {weights}, "
+        return (f"{self.name} recipe: B={self.block_size}, {c.num_layers} draft layer(s), {window}, slot weights {weights}, "
                 f"loss {loss}, optimizer {opt}; target {cfg.options.target} ({self.target.num_layers} layers), taps "
                 f"{list(c.target_layer_ids)}, mask id {c.mask_token_id}, anchors {self.spec.policy}<="
                 f"{self.spec.max_anchors} drawn by the library sampler with seed {self.spec.seed} "
@@ -443,9 +488,12 @@ def drafter_config(cfg: TrainConfig, manifest=None):
     return dcfg, spec, source, tok
 
 
-def build(cfg: TrainConfig, ds, device: torch.device, manifest=None, place=None) -> DFlashObjective:
+def build(cfg: TrainConfig, ds, device: torch.device, manifest=None, place=None, *, objective_type=None,
+          make_drafter=None) -> DFlashObjective:
     """The drafter for ``cfg.options.target`` (a transformers folder), with the anchors of ``manifest``;
-    on a split job's drafter rank (``place``, :mod:`dflash_prep.train.split`) its taps come from the target rank."""
+    on a split job's drafter rank (``place``, :mod:`dflash_prep.train.split`) its taps come from
+    the target rank. A variant passes its objective class and ``make_drafter(dcfg) -> module``
+    (on the CPU; built after the target, with torch seeded by the caller)."""
     from dflash_prep.train.objectives.dflash.drafter import Drafter
     from dflash_prep.train.target import FrozenTarget, target_identity
 
@@ -456,10 +504,11 @@ def build(cfg: TrainConfig, ds, device: torch.device, manifest=None, place=None)
         from dflash_prep.train.split.taps import remote_taps
 
         target = remote_taps(place, cfg.options.target, timeout=cfg.target_timeout, device=device)
-    drafter = Drafter(dcfg).to(device)
+    drafter = (make_drafter or Drafter)(dcfg).to(device)
     gamma = cfg.options.gamma or default_gamma(spec.block_size)
-    return DFlashObjective(drafter, target, cfg, anchor_spec=spec, gamma=gamma,
-                           identity=target_identity(cfg.options.target, tok), anchor_source=source)
+    return (objective_type or DFlashObjective)(drafter, target, cfg, anchor_spec=spec, gamma=gamma,
+                                               identity=target_identity(cfg.options.target, tok),
+                                               anchor_source=source)
 
 
 def anchor_spec(cfg: TrainConfig, manifest=None):
@@ -476,7 +525,8 @@ def anchor_spec(cfg: TrainConfig, manifest=None):
         where = "--seed (the manifests are not pack --objective dflash)" if mine.anchor_seed is None else "--anchor-seed"
         o = DrafterOptions()                    # the pack defaults: one source
         return AnchorSpec(seed=seed, max_anchors=mine.max_anchors or o.max_anchors,
-                          policy=mine.anchor_policy or o.anchor_policy, block_size=mine.block_size or o.block_size), where
+                          policy=mine.anchor_policy or o.anchor_policy,
+                          block_size=mine.block_size or mine.default_block_size), where
     if int(d.get("sampler_version", -1)) != SAMPLER_VERSION:
         raise ConfigError(f"manifest epoch {manifest.epoch} was packed with anchor sampler v{d.get('sampler_version')}, "
                           f"this trainer draws with v{SAMPLER_VERSION}; re-pack it (`dflash-prep pack ... --overwrite`)")

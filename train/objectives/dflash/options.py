@@ -39,7 +39,8 @@ class DFlashTrainOptions:
                                "unless --target-layer-ids); the recipe's (speculators RFC #979), as pack "
                                "--draft-layers's")
     target_layer_ids: tuple[int, ...] = _train((), help="tapped target layers; empty = the public rule")
-    block_size: int | None = _train(None, help=shared_help(DrafterOptions, "block_size", None))
+    block_size: int | None = _train(None, help=shared_help(DrafterOptions, "block_size", None,
+                                                           "16 (dflash) or 8 (dflash2)"))
     slot_weights: str = _train("dpace", help="decay (exp(-(r-1)/gamma)) or dpace (D-PACE, from the drafter's "
                                "confidence in the forward)")
     gamma: float | None = _train(None, help="slot-weight decay exp(-(r-1)/gamma); unset = the rule (B - 2) / 2 "
@@ -60,6 +61,8 @@ class DFlashTrainOptions:
 
     #: the optimizer of the recipe when ``--optimizer`` is left empty
     optimizer = "muon"
+    #: block size when neither the flag nor a manifest sets it (pack's default)
+    default_block_size = anchors.DEFAULT_BLOCK_SIZE
 
     def __post_init__(self):
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))

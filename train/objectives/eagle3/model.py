@@ -108,7 +108,7 @@ class Eagle3Config:
         ids, L = self.target_layer_ids, self.num_target_layers
         if len(ids) != 3 or len(set(ids)) != 3 or min(ids) < 0:
             raise ConfigError(f"eagle3.target_layer_ids must be three distinct layer ids >= 0, got {list(ids)}; "
-                              "taps that collide feed fc the same state twice")
+                              "taps that collide feed fc one state twice: pass three distinct ids")
         if L is not None and max(ids) > L - 2:
             raise ConfigError(f"eagle3.target_layer_ids {list(ids)}: the target has {L} layers and vLLM/SGLang tap a "
                               f"layer's input, so the output of layers up to {L - 2} only can be tapped")
@@ -152,7 +152,8 @@ class Eagle3Config:
 def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> None:
     """Refuse a vocabulary map that is not ``d2t`` int64 ``[Vd]``, ``t2d`` bool ``[V]`` with
     ``nonzero(t2d) == arange(Vd) + d2t`` (ascending target ids) (ConfigError naming the problem)."""
-    if (d2t.dtype, tuple(d2t.shape), t2d.dtype, tuple(t2d.shape)) != (torch.int64, (draft_vocab_size,), torch.bool, (vocab_size,)):
+    want = (torch.int64, (draft_vocab_size,), torch.bool, (vocab_size,))
+    if (d2t.dtype, tuple(d2t.shape), t2d.dtype, tuple(t2d.shape)) != want:
         raise ConfigError(f"d2t must be int64 [{draft_vocab_size}] and t2d bool [{vocab_size}], got {d2t.dtype} "
                           f"{list(d2t.shape)} and {t2d.dtype} {list(t2d.shape)}")
     ids = torch.arange(draft_vocab_size, device=d2t.device) + d2t
@@ -170,27 +171,27 @@ def doc_bounds(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Te
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Every query sees every key: q ``[Nq, Hq, D]``, k/v ``[Nk, Hkv, D]`` -> ``[Nq, Hq, D]`` (fp32 inside)."""
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, dim=1).float(), v.repeat_interleave(g, dim=1).float()  # (Nk, Hq, D)
-    p = torch.softmax(torch.einsum("qhd,khd->hqk", q.float(), k) * scale, dim=-1)  # (Hq, Nq, Nk)
+    """Every query sees every key: q ``[Nq, Hq, D]``, k/v ``[Nk, Hkv, D]`` -> ``[Nq, Hq, D]`` (fp32 or wider inside)."""
+    g, f = q.shape[1] // k.shape[1], torch.promote_types(q.dtype, torch.float32)
+    k, v = k.repeat_interleave(g, dim=1).to(f), v.repeat_interleave(g, dim=1).to(f)  # (Nk, Hq, D)
+    p = torch.softmax(torch.einsum("qhd,khd->hqk", q.to(f), k) * scale, dim=-1)  # (Hq, Nq, Nk)
     return torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
 
 
 def ttt_attention_reference(q, k, v, cu_seqlens, max_seqlen: int, *, sm_scale: float | None = None):
-    """TTT attention with an explicit mask, in fp32: q ``[Sq, T, Hq, D]``, k/v ``[Sk, T, Hkv, D]`` ->
+    """TTT attention with an explicit mask, in fp32 (or wider): q ``[Sq, T, Hq, D]``, k/v ``[Sk, T, Hkv, D]`` ->
     ``[Sq, T, Hq, D]``. ``q`` holds the last ``Sq`` of the ``Sk`` steps (query a is step ``Sk - Sq + a``);
     step i at row t sees ``k[0]`` at rows ``s <= t`` of its document and ``k[1..i]`` at row t."""
     Sq, T, Hq, D = q.shape
-    Sk, g = k.shape[0], Hq // k.shape[2]
+    Sk, g, f = k.shape[0], Hq // k.shape[2], torch.promote_types(q.dtype, torch.float32)
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     doc, _ = doc_bounds(cu_seqlens, T)
     rows = torch.arange(T, device=q.device)
     visible = (doc[:, None] == doc[None, :]) & (rows[None, :] <= rows[:, None])  # (T query, T key)
-    kr, vr = k.repeat_interleave(g, dim=2).float(), v.repeat_interleave(g, dim=2).float()  # (Sk, T, Hq, D)
+    kr, vr = k.repeat_interleave(g, dim=2).to(f), v.repeat_interleave(g, dim=2).to(f)  # (Sk, T, Hq, D)
     out = []
     for a in range(Sq):
-        i, qa = Sk - Sq + a, q[a].float()  # (T, Hq, D)
+        i, qa = Sk - Sq + a, q[a].to(f)  # (T, Hq, D)
         s0 = torch.einsum("thd,shd->hts", qa, kr[0]).masked_fill(~visible, float("-inf"))  # (Hq, T, T)
         diag = [(qa * kr[j]).sum(-1).T[..., None] for j in range(1, i + 1)]  # each (Hq, T, 1)
         p = torch.softmax(torch.cat([s0, *diag], dim=-1) * scale, dim=-1)  # (Hq, T, T + i)
@@ -217,8 +218,7 @@ def shifted_ids(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, k: int, pad_i
 def ttt_valid(cu_seqlens: torch.Tensor, T: int, steps: int) -> torch.Tensor:
     """bool ``[S, T]``: row t reads a real token at step i (``t + 1 + i`` inside its document)."""
     _, end = doc_bounds(cu_seqlens, T)
-    rows = torch.arange(T, device=end.device)
-    return torch.stack([rows + 1 + i < end for i in range(steps)])
+    return torch.stack([torch.arange(T, device=end.device) + 1 + i < end for i in range(steps)])
 
 
 # ----------------------------------------------------------------------------- model
@@ -265,8 +265,7 @@ class Eagle3Drafter(nn.Module):
         self.midlayer = MidLayer(c)
         self.norm = RMSNorm(c.hidden, c.rms_eps, cast_before_gain=True)
         self.lm_head = nn.Linear(c.hidden, c.draft_vocab_size, bias=False)
-        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
-        t2d[: c.draft_vocab_size] = True  # identity map until set_vocab_map
+        t2d = torch.arange(c.vocab_size) < c.draft_vocab_size  # the identity map until set_vocab_map
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", t2d)
         for m in self.modules():
@@ -289,9 +288,9 @@ class Eagle3Drafter(nn.Module):
         return d
 
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor | None = None) -> None:
-        c = self.config
-        d2t = d2t.to(torch.int64).cpu()
-        if t2d is None:  # the ids must lie in 0..V-1 (check_vocab_map then checks the order)
+        """Install the vocabulary map (``t2d`` derived from ``d2t`` if None); ConfigError when inconsistent."""
+        c, d2t = self.config, d2t.to(torch.int64).cpu()
+        if t2d is None:  # ids outside 0..V-1 are dropped here, so check_vocab_map refuses them
             ids = (torch.arange(c.draft_vocab_size) + d2t).clamp(-1, c.vocab_size)
             t2d = torch.zeros(c.vocab_size + 2, dtype=torch.bool).index_fill_(0, ids + 1, True)[1:-1]
         check_vocab_map(d2t, t2d.cpu(), c.vocab_size, c.draft_vocab_size)
@@ -310,7 +309,8 @@ class Eagle3Drafter(nn.Module):
         if c.rope_type == "linear":
             inv = inv / c.rope_factor
         elif c.rope_type == "llama3":  # HF/SpecForge: keep short wavelengths, divide long ones, blend between
-            n, lo, hi, wl = c.rope_original_max_position, c.rope_low_freq_factor, c.rope_high_freq_factor, 2 * math.pi / inv
+            n, lo, hi = c.rope_original_max_position, c.rope_low_freq_factor, c.rope_high_freq_factor
+            wl = 2 * math.pi / inv  # wavelengths
             smooth = (n / wl - lo) / (hi - lo) if hi != lo else torch.zeros_like(wl)
             mid = (1 - smooth) * inv / c.rope_factor + smooth * inv
             inv = torch.where(wl < n / hi, inv, torch.where(wl > n / lo, inv / c.rope_factor, mid))
