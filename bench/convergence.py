@@ -198,7 +198,7 @@ class Validator:
 def run_one(name: str, seed: int, data: Path, validate: Validator, cfg: ConvConfig) -> dict:
     """Train one strategy with one seed; evaluate every ``eval_every`` steps."""
     from dflash_prep.pack.pack import pack_epochs
-    from dflash_prep.train.config import TrainConfig
+    from dflash_prep.train.config import build as build_config
     from dflash_prep.train.loop import train
 
     run = Path(cfg.work) / "runs" / f"{name}-s{seed}"

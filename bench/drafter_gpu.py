@@ -143,7 +143,7 @@ def padded_batch(obj, ds, sids: np.ndarray, k: np.ndarray, step: int, rng: np.ra
     """One recipe micro-batch: the real blocks (:meth:`DFlashObjective.build`) of its rows, each row
     padded to the longest and topped up to ``min(512, max k)`` blocks with zero-weight ones.
     ``(batch, real tokens, real anchors)``; the batch's token/anchor counts are the computed ones."""
-    from dflash_prep.train.objectives.dflash.objective import DFlashBatch
+    from dflash_prep.train.objectives.dflash.batch import DFlashBatch
 
     b = obj.build(ds, SimpleNamespace(sample_ids=sids, step=step, rank=0, accum=0), 0, "varlen", False)
     lens = np.diff(b.cu_seqlens.numpy()).astype(np.int64)
@@ -264,7 +264,8 @@ def run(cfg: GpuBenchConfig) -> dict:
     from dflash_prep.train.distributed import peak_flops
     from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig, build_target_layer_ids
     from dflash_prep.train.optim import build_optimizer
-    from dflash_prep.train.objectives.dflash.objective import AnchorSpec, DFlashObjective, default_gamma
+    from dflash_prep.train.objectives.dflash.objective import DFlashObjective
+    from dflash_prep.train.objectives.dflash.batch import AnchorSpec, default_gamma
 
     dev = torch.device(cfg.device)
     torch.use_deterministic_algorithms(False)

@@ -124,7 +124,8 @@ def check_trainer(device, smoke: bool) -> dict:
     from dflash_prep.train.data import StepBatches
     from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig, build_target_layer_ids
     from dflash_prep.train.loop import _autocast_for, train_step
-    from dflash_prep.train.objectives.dflash.objective import AnchorSpec, DFlashObjective, default_gamma
+    from dflash_prep.train.objectives.dflash.objective import DFlashObjective
+    from dflash_prep.train.objectives.dflash.batch import AnchorSpec, default_gamma
     from dflash_prep.train.optim import build_optimizer
 
     dims = dict(g.SMOKE, head_dim=32, n=200, scale=64, budget=256) if smoke else dict(g.SMOKE, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,

@@ -78,7 +78,8 @@ def _objective(cfg, dev, hc, taps, provider):
     from dflash_prep.train.config import build as build_config
     from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig
     from dflash_prep.train.loop import build_optimizer
-    from dflash_prep.train.objectives.dflash.objective import AnchorSpec, DFlashObjective, default_gamma
+    from dflash_prep.train.objectives.dflash.objective import DFlashObjective
+    from dflash_prep.train.objectives.dflash.batch import AnchorSpec, default_gamma
 
     torch.manual_seed(cfg.seed)
     dcfg = DrafterConfig.from_target_config(hc, 1, g.B, cfg.vocab - 1, target_layer_ids=taps)
@@ -151,7 +152,7 @@ def _rank(rank: int, init: str, cfg_d: dict, out: str) -> None:
 
 def _serve(cfg, place, dev, target, hc, taps, mbs, ds) -> dict:
     from bench import drafter_gpu as g
-    from dflash_prep.train.objectives.dflash.objective import AnchorSpec, build_dflash_batch, default_gamma
+    from dflash_prep.train.objectives.dflash.batch import AnchorSpec, build_dflash_batch, default_gamma
     from dflash_prep.train.split.link import link_device
     from dflash_prep.train.split.worker import TargetWorker, sender_for
     from dflash_prep.train.split.taps import LocalTaps

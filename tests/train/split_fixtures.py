@@ -54,8 +54,8 @@ def batch_builder(paths: dict, source):
     import torch
 
     from dflash_prep.train.config import build as build_config
-    from dflash_prep.train.objectives.dflash.objective import build_dflash_batch, default_gamma
-    from dflash_prep.train.objectives.dflash.objective import anchor_spec
+    from dflash_prep.train.objectives.dflash.batch import build_dflash_batch, default_gamma
+    from dflash_prep.train.objectives.dflash.batch import anchor_spec
     from dflash_prep.train.target import load_tokenizer, pick_mask_token
 
     target = paths["target"]

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from dflash_prep.objectives.anchors import sample_anchors
 from dflash_prep.train.chunked_ce import weighted_ce
 from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig
-from dflash_prep.train.objectives.dflash.objective import AnchorSpec, build_dflash_batch, default_gamma, dflash_loss, slot_weights
+from dflash_prep.train.objectives.dflash.objective import dflash_loss
+from dflash_prep.train.objectives.dflash.batch import AnchorSpec, build_dflash_batch, default_gamma, slot_weights
 from dflash_prep.train.target import FrozenTarget
 
 from tests.train.dflash_fixtures import MASK_ID, tiny_target
@@ -165,7 +166,7 @@ def test_anchor_options_come_from_a_dflash_manifest():
     from dflash_prep.objectives.anchors import SAMPLER_VERSION
     from dflash_prep.objectives.dflash_anchors import microbatch_anchors
     from dflash_prep.train.config import build as build_config
-    from dflash_prep.train.objectives.dflash.objective import anchor_spec
+    from dflash_prep.train.objectives.dflash.batch import anchor_spec
 
     header = {"epoch": 2, "dflash": {"block_size": 4, "max_anchors": 3, "anchor_policy": "cap", "anchor_seed": 11,
                                      "sampler_version": SAMPLER_VERSION}}

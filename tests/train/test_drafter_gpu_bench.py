@@ -45,7 +45,8 @@ def test_padded_batch_keeps_the_real_blocks_and_pads_rows_to_the_recipe_shape():
     from dflash_prep.objectives.anchors import anchor_counts
     from dflash_prep.train.config import build as build_config
     from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig, build_target_layer_ids
-    from dflash_prep.train.objectives.dflash.objective import AnchorSpec, DFlashObjective
+    from dflash_prep.train.objectives.dflash.objective import DFlashObjective
+    from dflash_prep.train.objectives.dflash.batch import AnchorSpec
 
     cfg = g.GpuBenchConfig(**{**g.SMOKE, "n": 40})
     lens, mc = g.inputs(cfg)

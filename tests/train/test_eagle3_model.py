@@ -312,7 +312,7 @@ def test_evaluate_an_exported_drafter_on_a_prompts_file(tmp_path):
     all), an export, a prompts file; the result has speculate's layout and is lossless."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_prep.train.objectives.eagle3.decode import Eagle3EvalConfig, evaluate
+    from dflash_prep.train.objectives.eagle3.decode import Eagle3EvalConfig, evaluate, load
     from dflash_prep.train.target import target_identity
 
     from tests.train.dflash_fixtures import tiny_target
@@ -331,3 +331,9 @@ def test_evaluate_an_exported_drafter_on_a_prompts_file(tmp_path):
                  source={"target_fingerprint": "another"})
     with pytest.raises(ConfigError, match="trained on target"):
         evaluate(path, tmp_path / "e", prompts)
+    tgt = Target(model)
+    [(name, proposer)], meta = load(tmp_path / "d", tgt, block_size=4)  # the objective's decode hook
+    assert name == "eagle3" and proposer.draft_tokens == 3 and meta["block_size"] == 4 and tgt.layer_ids == [0, 1, 2]
+    p = [5, 6, 7]
+    assert eagle3_generate(tgt, proposer, p, max_new_tokens=5, stop_ids=set()).tokens == greedy_generate(
+        tgt, p, max_new_tokens=5, stop_ids=set()).tokens

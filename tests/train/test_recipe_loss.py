@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from dflash_prep.train.chunked_kl import row_losses
 from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig
-from dflash_prep.train.objectives.dflash.objective import (AnchorSpec, LossSpec, build_dflash_batch, dflash_loss,
-                                                dpace_weights, slot_weights)
+from dflash_prep.train.objectives.dflash.objective import LossSpec, dflash_loss, dpace_weights
+from dflash_prep.train.objectives.dflash.batch import AnchorSpec, build_dflash_batch, slot_weights
 from dflash_prep.train.target import FrozenTarget
 
 from tests.train.dflash_fixtures import MASK_ID, tiny_target

@@ -128,7 +128,7 @@ def gloo_worker(rank: int, world: int, init_file: str, out_dir: str, kind: str) 
     import torch
     import torch.distributed as dist
 
-    from dflash_prep.train.config import TrainConfig, build as build_config
+    from dflash_prep.train.config import build as build_config
     from dflash_prep.train.distributed import Dist
     from dflash_prep.train.loop import train, train_step
 
@@ -164,7 +164,7 @@ def grads_setup(world: int, accum: int, rank: int):
     """Model, optimizer and step-0 batches of rank ``rank`` for W x A over the same micro-batches."""
     import torch
 
-    from dflash_prep.train.config import ModelConfig, TrainConfig
+    from dflash_prep.train.config import ModelConfig, build as build_config
     from dflash_prep.train.data import iter_steps
     from dflash_prep.train.optim import build_optimizer
     from dflash_prep.train.objectives.lm.model import Decoder

@@ -180,7 +180,8 @@ def serve(cfg, place, d, source=None) -> dict:
     from dflash_prep.train import distributed
     from dflash_prep.train import rescale
     from dflash_prep.train import split
-    from dflash_prep.train.objectives.dflash.objective import build_dflash_batch, default_gamma, drafter_config
+    from dflash_prep.train.objectives.dflash.objective import drafter_config
+    from dflash_prep.train.objectives.dflash.batch import build_dflash_batch, default_gamma
     from dflash_prep.train.source import FileSource
     from dflash_prep.train.target import FrozenTarget
     from dflash_prep.train.split.taps import LocalTaps

@@ -32,9 +32,7 @@ import torch
 
 from dflash_prep.errors import ConfigError, FormatError
 from dflash_prep.objectives import drafter_cost
-from dflash_prep.train.objectives.dflash.objective import (DFlashObjective, block_stats, block_tau, build,
-                                                           dflash_forward, flops_coefficients, stats_width,
-                                                           summarize_stats)
+from dflash_prep.train.objectives.dflash.objective import DFlashObjective, block_stats, block_tau, build, dflash_forward, flops_coefficients, stats_width, summarize_stats
 from dflash_prep.train.objectives.dflash2.drafter import DFlash2Config, DFlash2Drafter
 from dflash_prep.train.objectives.dflash2.selector import Unary, selector_loss, unary_topk_from_hidden
 

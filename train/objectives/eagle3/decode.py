@@ -30,7 +30,8 @@ draft KV cache of the same keys, which depend only on the taps, tokens and posit
 :func:`evaluate` is :func:`dflash_prep.train.speculate.evaluate`'s counterpart for an exported
 EAGLE-3 folder (:mod:`.export`): same prompts file, same result layout (format
 ``dflash-prep/speculate-eval`` v1) with ``method: eagle3`` and ``draft_tokens`` K; its ``block_size``
-is K + 1 (the longest acceptance, as the histogram counts 1..K+1).
+is K + 1 (the longest acceptance, as the histogram counts 1..K+1). :func:`load` is the drafting half
+in the shape of an objective's ``decode`` hook.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class Eagle3Proposer:
             raise ConfigError(f"--draft-tokens must be >= 1, got {draft_tokens}")
         self.drafter = drafter.eval()
         self.draft_tokens = int(draft_tokens)
+        self.block_size = self.draft_tokens + 1  # bonus + drafts: the longest acceptance
 
     @torch.no_grad()
     def propose(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
@@ -91,6 +93,22 @@ class Eagle3Proposer:
             h = mid.finish(h, dense_attention(q, torch.cat(ks), torch.cat(vs), scale))
             out.append(int(d.to_target_ids(d.logits(h).argmax(-1))[0]))
         return torch.tensor(out, dtype=torch.long)
+
+
+def load(drafter_dir, target: Target, *, block_size: int = 0) -> tuple[list, dict]:
+    """``([("eagle3", proposer)], meta)`` for the export at ``drafter_dir`` (the shape of a
+    ``TrainerSpec.decode`` hook); ``block_size`` B > 0 drafts B - 1 tokens per round, 0 the default
+    K = 7. ``meta``: :func:`~.export.load_export`'s with ``block_size`` K + 1, ``hidden_size`` the
+    target's width (what a caller checks the target against) and no mask token. The proposer drafts
+    from the committed tokens (:meth:`Eagle3Proposer.propose`): run it with :func:`eagle3_generate`,
+    not speculate's block loop, whose proposer is given features only."""
+    from .export import load_export
+
+    drafter, meta = load_export(drafter_dir)
+    proposer = Eagle3Proposer(drafter, draft_tokens=block_size - 1 if block_size else DRAFT_TOKENS)
+    target.set_layers(meta["target_layer_ids"])
+    return [("eagle3", proposer)], {**meta, "block_size": proposer.block_size, "mask_token_id": None,
+                                    "drafter_hidden_size": meta["hidden_size"], "hidden_size": meta["target_hidden_size"]}
 
 
 def _cut(tokens: list[int], stop_ids: set[int], max_new: int) -> list[int]:
