@@ -39,11 +39,13 @@ demo: venv
 
 # A DFlash drafter end to end on CPU (train/recipes/demo_dflash.sh; docs/dflash.md#demo-make-demo-dflash):
 # a tiny Qwen3 target built and trained as an LM, a drafter trained on it, exported in the public
-# DFlash format and evaluated by speculative decoding. Leaves $(DEMO_DFLASH)/target/,
+# DFlash format and evaluated by speculative decoding (OBJECTIVE=dflash2: then a DFlash2 drafter
+# warm-started from it, exported as DFlash2DraftModel, tau with and without its selector). Leaves $(DEMO_DFLASH)/target/,
 # $(DEMO_DFLASH)/drafter/ and $(DEMO_DFLASH)/eval.json. Not part of `make test`.
 DEMO_DFLASH ?= demo-dflash
+OBJECTIVE ?= dflash
 demo-dflash: venv
-	DEMO_DFLASH=$(DEMO_DFLASH) PY=$(BIN)/python bash train/recipes/demo_dflash.sh
+	DEMO_DFLASH=$(DEMO_DFLASH) OBJECTIVE=$(OBJECTIVE) PY=$(BIN)/python bash train/recipes/demo_dflash.sh
 
 test: venv
 	$(BIN)/python -m pytest -q -m "not slow and not gpu"

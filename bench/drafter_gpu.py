@@ -119,6 +119,14 @@ class SyntheticMasks:
         return self.ids[s:e], self.mask[s:e]
 
 
+
+def objective_config(device: str, **kw):
+    """The trainer options a bench's DFlash objective runs with: the pre-recipe loss (decay
+    weights, CE) and AdamW; its target is built in memory (the path only names it in logs)."""
+
+    return build_config(device=device, objective="dflash", target="(in-memory bench target)", slot_weights="decay",
+                        optimizer="adamw", **kw)
+
 def inputs(cfg: GpuBenchConfig):
     """Seedlike lengths (scaled) and their mask counts, as in :func:`bench.drafter_data.seedlike_inputs`."""
     lens = np.maximum(profiles.make_lengths("seedlike", n=cfg.n, seed=cfg.seed) // cfg.scale, 4).astype(np.int64)
@@ -259,7 +267,6 @@ class _Path:
 
 def run(cfg: GpuBenchConfig) -> dict:
     """Both paths, round robin; returns the report (what ``drafter_gpu.json`` holds)."""
-    from dflash_prep.train.config import build as build_config
     from dflash_prep.train.data import StepBatches
     from dflash_prep.train.distributed import peak_flops
     from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig, build_target_layer_ids
@@ -286,7 +293,7 @@ def run(cfg: GpuBenchConfig) -> dict:
     target, hc = build_target(cfg, dev, taps)        # one frozen target, shared by both paths
     paths = []
     rng = np.random.default_rng([cfg.seed, 2])
-    tc = build_config(device=cfg.device)
+    tc = objective_config(cfg.device)
     for name in ("ours: pack --objective dflash", "padded: random pairs (recipe)"):
         torch.manual_seed(cfg.seed)                  # the same drafter init for both
         dcfg = DrafterConfig.from_target_config(hc, cfg.draft_layers, B, cfg.vocab - 1, target_layer_ids=taps,

@@ -120,7 +120,6 @@ def check_trainer(device, smoke: bool) -> dict:
     from dflash_prep import kernels
     from dflash_prep.objectives.drafter_cost import DrafterCostModel
     from dflash_prep.train import distributed
-    from dflash_prep.train.config import build as build_config
     from dflash_prep.train.data import StepBatches
     from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig, build_target_layer_ids
     from dflash_prep.train.loop import _autocast_for, train_step
@@ -138,7 +137,7 @@ def check_trainer(device, smoke: bool) -> dict:
     ds = g.SyntheticMasks(lens, mc.supervised, cfg.vocab, cfg.seed)
     taps = build_target_layer_ids(cfg.layers, 1)
     target, hc = g.build_target(cfg, device, taps)
-    tc = build_config(device=device.type)
+    tc = g.objective_config(device.type)
     autocast = _autocast_for(device, True)
     dist = distributed.Dist(0, 1, 0, device)
     runs = {}

@@ -75,7 +75,6 @@ def _objective(cfg, dev, hc, taps, provider):
     import torch
 
     from bench import drafter_gpu as g
-    from dflash_prep.train.config import build as build_config
     from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig
     from dflash_prep.train.loop import build_optimizer
     from dflash_prep.train.objectives.dflash.objective import DFlashObjective
@@ -84,7 +83,7 @@ def _objective(cfg, dev, hc, taps, provider):
     torch.manual_seed(cfg.seed)
     dcfg = DrafterConfig.from_target_config(hc, 1, g.B, cfg.vocab - 1, target_layer_ids=taps)
     spec = AnchorSpec(seed=cfg.seed, max_anchors=g.MAX_ANCHORS, policy="cap", block_size=g.B)
-    tc = build_config(device=cfg.device)
+    tc = g.objective_config(cfg.device)
     obj = DFlashObjective(Drafter(dcfg).to(dev), provider, tc, anchor_spec=spec, gamma=default_gamma(g.B), identity={})
     return obj, build_optimizer(obj.model, tc)
 

@@ -111,7 +111,8 @@ class _WithObjectiveOptions:
                     raise TypeError(f"objectives {owners[0]} and {obj.name} both declare {fl.spelling}, of other types")
                 owners.append(obj.name)
                 if fl.default != shown.default:         # shown.default stays the first one's
-                    seen[fl.name] = (owners, replace(shown, help=f"{shown.help} (--objective {obj.name}: {fl.default})"))
+                    note = f"{shown.help} (--objective {obj.name}: {fl.default})"
+                    seen[fl.name] = (owners, replace(shown, help=note))
         return list(seen.values())
 
     @property

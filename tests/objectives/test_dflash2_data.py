@@ -58,7 +58,8 @@ def _files(root):
 def test_options_extend_dflash_with_the_released_defaults():
     o = DFlash2Options()
     assert isinstance(o, DrafterOptions) and o.cost_model is None
-    assert (o.block_size, o.conv_kernel_size, o.conv_group_size, o.selector_rank, o.selector_top_k) == (8, 2, 16, 256, 16)
+    sizes = (o.block_size, o.conv_kernel_size, o.conv_group_size, o.selector_rank, o.selector_top_k)
+    assert sizes == (8, 2, 16, 256, 16)
     flags = {fl.name: fl for fl in options.flags(DFlash2Options, options.PACK)}
     assert flags["draft_layers"].default == 5 and flags["sliding_window"].default == 2048
     assert "released DFlash2 checkpoint" in flags["block_size"].help

@@ -22,6 +22,7 @@ from dflash_prep.objectives.eagle3 import Eagle3Options, load_vocab_map
 from dflash_prep.objectives.eagle3 import counts as counts_mod
 from dflash_prep.objectives.eagle3 import vocab_map
 from dflash_prep.pack import metrics
+from dflash_prep.pack.config import load as load_pack_config
 from dflash_prep.pack.pack import PackConfig, pack_epochs
 from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 from dflash_prep.verify import verify_epoch
@@ -41,7 +42,8 @@ def _make_dataset(folder: Path, n: int = 90, seed: int = 0) -> Path:
     for _ in range(n):
         n1, n2, n3 = (int(x) for x in rng.integers(1, 30, 3))
         answer = "QJZ" * n1 + "ab" * n2 + "c" * n3 + " ok"
-        rows.append({"messages": [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": answer}]})
+        rows.append({"messages": [{"role": "user", "content": "hello there"},
+                                  {"role": "assistant", "content": answer}]})
     folder.mkdir(parents=True, exist_ok=True)
     tokenize(TokenizeConfig(tokenizer="byte", inputs=(str(write_jsonl(folder / "chat.jsonl", rows)),),
                             out=folder / "data", chunk_rows=25))
@@ -126,12 +128,14 @@ def test_fewer_trained_ids_than_the_draft_vocabulary(planned, tmp_path):
     trained = int(np.count_nonzero(c))
     vm = vocab_map.build(c, trained + 5)
     never = np.flatnonzero(c == 0)[:5]                   # the lowest never-trained ids fill the rest
-    assert vm.trained_ids == trained and np.array_equal(np.flatnonzero(vm.t2d), np.sort(np.r_[np.flatnonzero(c), never]))
+    assert vm.trained_ids == trained
+    assert np.array_equal(np.flatnonzero(vm.t2d), np.sort(np.r_[np.flatnonzero(c), never]))
     res = CliRunner().invoke(app, ["pack", str(data), "--plan", str(plan_path), "--out", str(tmp_path / "m"),
                                    "--epoch", "0", "--objective", "eagle3", "--target-dims", DIMS,
                                    "--draft-vocab-size", str(trained + 5)])
     assert res.exit_code == 0, res.output
-    assert f"only {trained} token ids are ever trained on" in res.output and f"--draft-vocab-size {trained}" in res.output
+    assert f"only {trained} token ids are ever trained on" in res.output
+    assert f"--draft-vocab-size {trained}" in res.output
     m = manifest.open(tmp_path / "m" / "epoch-0000")
     assert m.header["eagle3"]["trained_ids"] == trained and m.summary["trained_ids"] == trained
     V = len(c)
@@ -166,6 +170,7 @@ def test_pack_eagle3_deterministic_exactly_once_in_budget_and_priced_by_the_cost
     dirs = pack_epochs(plan=plan_path, epochs=[0, 1], out=tmp_path / "a", config=cfg)
     pack_epochs(plan=plan_path, epochs=[0, 1], out=tmp_path / "b", config=cfg)
     assert _files(tmp_path / "a") == _files(tmp_path / "b"), "two packs differ"
+    assert load_pack_config(tmp_path / "a") == cfg.resolve(plan_mod.load(plan_path))
     lens = np.asarray(read_dataset_lengths(data).lengths, np.int64)
     cm = _opts().step_cost_model()
     a, b = cm.coefficients()["tokens"], cm.coefficients()["tokens_sq"]

@@ -43,7 +43,6 @@ def test_smoke_run_writes_both_paths_and_their_ratio(tmp_path, keep_determinism)
 
 def test_padded_batch_keeps_the_real_blocks_and_pads_rows_to_the_recipe_shape():
     from dflash_prep.objectives.anchors import anchor_counts
-    from dflash_prep.train.config import build as build_config
     from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig, build_target_layer_ids
     from dflash_prep.train.objectives.dflash.objective import DFlashObjective
     from dflash_prep.train.objectives.dflash.batch import AnchorSpec
@@ -54,7 +53,7 @@ def test_padded_batch_keeps_the_real_blocks_and_pads_rows_to_the_recipe_shape():
     taps = build_target_layer_ids(cfg.layers, 1)
     target, hc = g.build_target(cfg, torch.device("cpu"), taps)
     d = Drafter(DrafterConfig.from_target_config(hc, 1, g.B, cfg.vocab - 1, target_layer_ids=taps))
-    obj = DFlashObjective(d, target, build_config(), anchor_spec=AnchorSpec(0, g.MAX_ANCHORS, "cap", g.B), gamma=7.0,
+    obj = DFlashObjective(d, target, g.objective_config("cpu"), anchor_spec=AnchorSpec(0, g.MAX_ANCHORS, "cap", g.B), gamma=7.0,
                           identity={})
     ds = g.SyntheticMasks(lens, mc.supervised, cfg.vocab, 0)
     sids = np.array([3, 7])

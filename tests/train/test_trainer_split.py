@@ -263,3 +263,23 @@ def test_rescale_resume_onto_more_drafter_ranks_with_a_target_rank(runs):
     state = ckpt.load(out / ckpt.CKPT_FILE)
     assert state["run_key"]["world_size"] == 2 and state["run_key"]["continuation"]["from_step"] == k
     assert state["cursor"] == {"epoch": 1, "step": 0, "global_step": k + cont.num_steps}
+
+
+def test_dflash2_split_equals_colocated(runs):
+    """--objective dflash2 with one target rank: DFlash's target worker serves the variant
+    unchanged; 2 steps split equal 2 steps colocated (losses, selector metrics, every weight of
+    the convolutions and the selector), bit for bit."""
+    root, paths = runs["root"], runs["paths"]
+    recipe = dict(objective="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4,
+                  selector_init="normal", selector_missing="inject", max_steps=2)
+    outs = {}
+    for K in (0, 1):
+        outs[K] = root / f"d2-{K}"
+        shutil.rmtree(outs[K], ignore_errors=True)
+        _ok(run_job(root / f"d2-job-{K}", base_cfg(paths, outs[K], target_ranks=K, **recipe), 2 + K), 2 + K)
+    a, b = log_records(outs[0]), log_records(outs[1])
+    assert len(a) == 2
+    for key in ("loss", "selector_loss", "topk_recall", "path_tau"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert "candidate_selector.successor_codebook" in _weights(outs[0])
+    _same_weights(outs[0], outs[1])

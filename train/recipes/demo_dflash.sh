@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # make demo-dflash: a DFlash drafter for a tiny Qwen3 target, end to end on CPU (<= 15 min, 2 cores).
+# make demo-dflash OBJECTIVE=dflash2: the same, then a DFlash2 drafter warm-started from it.
 #
 #   target/   the target: a tiny Qwen3 (random init, its own BPE tokenizer + ChatML template),
 #             then trained briefly as an LM on the demo corpus (a transformers folder)
-#   drafter/  the drafter in the public DFlash format (config.json + model.safetensors + export.json)
+#   drafter/  the drafter in the public DFlash format (config.json + model.safetensors + export.json);
+#             with OBJECTIVE=dflash2 the DFlash2 drafter (DFlash2DraftModel), the DFlash one it
+#             started from in drafter-v1/
 #   eval.json speculative decoding on held-out prompts: mean acceptance length tau at B, lossless check
 #
 # Every stage is the product's own command; the intermediate folders stay for inspection
@@ -15,7 +18,9 @@
 # LM_EPOCHS / DRAFT_EPOCHS (epochs packed for each run), SLOT_WEIGHTS (decay|dpace), LOSS (ce|kl),
 # OPTIMIZER (adamw|muon), TARGET_RANKS (0: the drafter holds the target; K: the drafter stage is
 # a torchrun job of K target processes + DRAFTER_RANKS drafter processes, docs/target-ranks.md),
-# DRAFTER_RANKS (drafter processes; default 1, or 2 with TARGET_RANKS; the manifests are packed for it).
+# DRAFTER_RANKS (drafter processes; default 1, or 2 with TARGET_RANKS; the manifests are packed for it),
+# OBJECTIVE (dflash | dflash2: DFlash2 warm-started from the DFlash drafter for DRAFT2_STEPS steps,
+# on manifests packed for dflash2, with SELECTOR_MISSING (drop|inject) and SELECTOR_ALPHA).
 set -euo pipefail
 
 OUT=${DEMO_DFLASH:-demo-dflash}
@@ -37,6 +42,11 @@ LOSS=${LOSS:-ce}
 OPTIMIZER=${OPTIMIZER:-adamw}
 WINDOW=${WINDOW:-0}
 TARGET_RANKS=${TARGET_RANKS:-0}
+OBJECTIVE=${OBJECTIVE:-dflash}
+DRAFT2_STEPS=${DRAFT2_STEPS:-300}
+SELECTOR_MISSING=${SELECTOR_MISSING:-drop}
+SELECTOR_ALPHA=${SELECTOR_ALPHA:-1.0}
+case "$OBJECTIVE" in dflash|dflash2) ;; *) echo "error: OBJECTIVE must be dflash or dflash2, got $OBJECTIVE" >&2; exit 1;; esac
 DRAFTER_RANKS=${DRAFTER_RANKS:-$([ "$TARGET_RANKS" -gt 0 ] && echo 2 || echo 1)}
 # The target's shape: small enough that one LM step on 2,048 tokens takes about a second on a
 # loaded 2-core machine (the LM head dominates: keep the vocabulary small). 4 layers: a
@@ -132,19 +142,41 @@ $DRAFT_TRAIN --objective dflash --target "$OUT/target" --draft-layers "$DRAFT_LA
 step "7. export it in the public DFlash format: $OUT/drafter"
 $PY -m dflash_prep.train.export "$OUT/drafter-run" --out "$OUT/drafter" --overwrite
 
+if [ "$OBJECTIVE" = "dflash2" ]; then
+    step "7b. DFlash2: manifests packed for its step cost, then $DRAFT2_STEPS steps warm-started from $OUT/drafter-v1"
+    rm -rf "$OUT/drafter-v1"
+    mv "$OUT/drafter" "$OUT/drafter-v1"
+    $CLI pack "$DATA" --plan "$PLAN" --epochs 0-$(( DRAFT_EPOCHS - 1 )) --objective dflash2 --block-size "$B" \
+        --max-anchors "$MAX_ANCHORS" --target-config "$OUT/target" --draft-layers "$DRAFT_LAYERS" \
+        --sliding-window "$WINDOW" --world-size "$DRAFTER_RANKS" --out "$OUT/manifests-dflash2"
+    $DRAFT_TRAIN --objective dflash2 --init-from-drafter "$OUT/drafter-v1" --target "$OUT/target" \
+        --draft-layers "$DRAFT_LAYERS" --block-size "$B" --data "$DATA" --plan "$PLAN" \
+        --manifests "$OUT/manifests-dflash2" --out "$OUT/drafter2-run" --epochs "$DRAFT_EPOCHS" \
+        --max-steps "$DRAFT2_STEPS" --lr 1e-3 --warmup-steps 5 --max-anchors "$MAX_ANCHORS" \
+        --slot-weights "$SLOT_WEIGHTS" --loss "$LOSS" --optimizer "$OPTIMIZER" --sliding-window "$WINDOW" \
+        --selector-missing "$SELECTOR_MISSING" --selector-loss-alpha "$SELECTOR_ALPHA"
+    $PY -m dflash_prep.train.export "$OUT/drafter2-run" --out "$OUT/drafter" --overwrite
+fi
+
 step "8. speculative decoding on the $HELD held-out prompts (temperature 0): $OUT/eval.json"
 $PY -m dflash_prep.train.speculate --target "$OUT/target" --drafter "$OUT/drafter" \
     --prompts "$OUT/corpus/heldout.jsonl" --out "$OUT/eval.json" --max-new-tokens "$MAX_NEW"
 
 step "9. targets: tau >= 2.0 at B = 8, lossless, drafter loss falling"
-$PY - "$OUT" <<'PYEOF'
+$PY - "$OUT" "$OBJECTIVE" <<'PYEOF'
 import json, sys
-out = sys.argv[1]
+out, objective = sys.argv[1], sys.argv[2]
 ev = json.load(open(f"{out}/eval.json"))
-run = json.load(open(f"{out}/drafter-run/summary.json"))
-ok = {"tau >= 2.0": ev["tau"] >= 2.0, "lossless": ev["lossless"] is True, "loss fell": bool(run["loss_fell"])}
-print(f"tau {ev['tau']:.3f} (pooled {ev['tau_pooled']:.3f}) at B = {ev['block_size']} on {ev['prompts']['n']} "
-      f"held-out prompts; lossless {ev['lossless']}; drafter loss {run['loss_first']:.3f} -> {run['loss_last']:.3f}")
+run = json.load(open(f"{out}/{'drafter2-run' if objective == 'dflash2' else 'drafter-run'}/summary.json"))
+ok = {"tau >= 2.0": ev["tau"] >= 2.0, "lossless": ev["lossless"] is True and
+      all(v["lossless"] is True for v in ev["variants"].values())}
+if objective == "dflash":
+    ok["loss fell"] = bool(run["loss_fell"])
+print(f"{ev['drafter']['architecture']} ({ev['drafter']['proposer']}): tau {ev['tau']:.3f} (pooled {ev['tau_pooled']:.3f}) "
+      f"at B = {ev['block_size']} on {ev['prompts']['n']} held-out prompts; lossless {ev['lossless']}; drafter loss "
+      f"{run['loss_first']:.3f} -> {run['loss_last']:.3f}")
+for name, v in ev["variants"].items():
+    print(f"  {name}: tau {v['tau']:.3f} (pooled {v['tau_pooled']:.3f}), lossless {v['lossless']}")
 print("  ".join(f"{k}: {'ok' if v else 'MISSED'}" for k, v in ok.items()))
 sys.exit(0 if all(ok.values()) else 1)
 PYEOF

@@ -124,7 +124,8 @@ class Eagle3Objective(DataObjective):
             dv = int(d["draft_vocab_size"])
             recorded = {k: d[k] for k in ("counts_fingerprint", "map_fingerprint", "trained_ids", "vocab_size")}
         except (KeyError, TypeError, ValueError):
-            return [f"{m.path / 'manifest.json'}: the eagle3 section lacks the map's fields; re-pack the epoch"], {}, None
+            return [f"{m.path / 'manifest.json'}: the eagle3 section lacks the map's fields; re-pack the epoch"], {}, \
+                None
         ds = open_dataset(src.path)
         counted = counts_mod.recount(ds)
         problems = counts_mod.file_problems(src.path, counted, ds.fingerprint)
@@ -156,8 +157,7 @@ class Eagle3Objective(DataObjective):
         """What ``pack --objective eagle3`` will give, from epoch 0 of the real packer (lengths
         only): token fill, micro-batches, the rank imbalance of LPT on the step cost over
         :data:`PREDICT_WORLD_SIZE` ranks (one micro-batch each) and the drafter's cost share."""
-        self.resolve(options, plan=None, budget=budget)
-        cm = options.resolve().step_cost_model()
+        cm = self.resolve(options, plan=None, budget=budget).step_cost_model()
         lens = np.asarray(src.lengths)
         order, offsets, _ = bucketing.pack_varlen(lens, seed=seed, epoch=0, budget=budget)
         real, sq = _batch_sums(lens, order, offsets)
