@@ -123,6 +123,7 @@ class SyntheticMasks:
 def objective_config(device: str, **kw):
     """The trainer options a bench's DFlash objective runs with: the pre-recipe loss (decay
     weights, CE) and AdamW; its target is built in memory (the path only names it in logs)."""
+    from dflash_prep.train.config import build as build_config
 
     return build_config(device=device, objective="dflash", target="(in-memory bench target)", slot_weights="decay",
                         optimizer="adamw", **kw)

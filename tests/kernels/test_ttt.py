@@ -120,7 +120,7 @@ def test_a_query_has_exactly_zero_gradient_on_every_key_it_must_not_see(backend)
         head = 1  # group 2: reads key/value head 0 only
         loss = (o[iq, t, head] * torch.randn(32, generator=g)).sum()
         dq, dk, dv = torch.autograd.grad(loss, leaves)
-        doc_start = max(s for s in starts[:-1] if s <= t and s < starts[starts.index(s) + 1])
+        doc_start = max(s for s in starts[:-1] if s <= t)  # no zero-length documents here
         seen = torch.zeros(3, q.shape[1], 2, dtype=torch.bool)  # (key step, token, kv head)
         seen[0, doc_start:t + 1, 0] = True
         seen[1:iq + 1, t, 0] = True  # Sq = Sk: query step iq is step iq
@@ -246,4 +246,4 @@ def test_ttt_kernels_compile_for_sm90(dtype, d):
     results = _compile_script(SCRIPT, dtype, str(d))
     assert {r["kernel"] for r in results} == {"fwd", "dq", "dkdv", "diag"}
     for r in results:
-        assert r["ptx"] and 0 < r["shared"] <= SM90_SMEM, r
+        assert r["ptx"] and r["shared"] <= SM90_SMEM, r  # the diagonal dK/dV kernel uses no shared memory
