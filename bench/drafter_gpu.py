@@ -128,6 +128,7 @@ def objective_config(device: str, **kw):
     return build_config(device=device, objective="dflash", target="(in-memory bench target)", slot_weights="decay",
                         optimizer="adamw", **kw)
 
+
 def inputs(cfg: GpuBenchConfig):
     """Seedlike lengths (scaled) and their mask counts, as in :func:`bench.drafter_data.seedlike_inputs`."""
     lens = np.maximum(profiles.make_lengths("seedlike", n=cfg.n, seed=cfg.seed) // cfg.scale, 4).astype(np.int64)

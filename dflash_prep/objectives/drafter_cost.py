@@ -205,7 +205,10 @@ class DFlash2CostModel(DrafterCostModel):
       B[c]>``: the projection ``P`` (``H -> r``, ``r = selector_rank``: ``2 H r``), ``A[p] * P h``
       (``r``) and ``K`` dot products of ``r`` (``2 K r``), forward x3; plus the top-``K`` over
       the ``V`` logits, counted as ``V`` comparisons, forward only (no gradient flows through
-      the indices). Per row: ``selector = 6 H r + 3 r (2 K + 1) + V``, added to ``head_rows``.
+      the indices), and the head's logits those are ranked on: the trainer computes them again
+      for the top-K (``train/objectives/dflash2/objective.py``), ``2 H V`` forward only (the
+      gradient reaches the K gathered values alone). Per row: ``selector = 6 H r + 3 r (2 K + 1)
+      + V + 2 H V``, added to ``head_rows``.
       (Drafting scores the ``K x K`` lattice of adjacent candidates instead; training never
       does.) Gathering ``A``/``B`` rows moves memory, not FLOPs.
     """
@@ -242,7 +245,7 @@ class DFlash2CostModel(DrafterCostModel):
         H, B, N = float(self.hidden), float(block_size), float(self.draft_layers)
         kc, r, k = float(self.conv_kernel_size), float(self.selector_rank), float(self.selector_top_k)
         conv = 24.0 * kc * H * (self.conv_groups + 1.0) * B * N
-        selector = 6.0 * H * r + 3.0 * r * (2.0 * k + 1.0) + float(self.vocab)
+        selector = 6.0 * H * r + 3.0 * r * (2.0 * k + 1.0) + float(self.vocab) + 2.0 * H * float(self.vocab)
         return {**c, "anchors": c["anchors"] + conv, "head_rows": c["head_rows"] + selector, "conv": conv,
                 "selector": selector}
 

@@ -61,11 +61,11 @@ def _check(doc_lens, q_steps, k_steps, hq, hkv, d, dtype, seed=0, sm_scale=None)
 
 
 @pytest.mark.parametrize("doc_lens,q_steps,k_steps,heads,d,dtype,sm_scale", [
-    ([17, 0, 1, 63, 40], 3, 3, (4, 2), 64, torch.bfloat16, None),  # S=3, all steps in one call
+    ([17, 0, 1, 40, 6], 3, 3, (4, 2), 64, torch.bfloat16, None),  # S=3, all steps in one call
     ([33, 1, 20], 1, 1, (4, 1), 32, torch.float16, None),  # S=1: the causal varlen attention
     ([40, 9], 1, 3, (2, 2), 32, torch.bfloat16, None),  # the per-step call: q of step 2 only
     ([30, 5], 2, 4, (4, 2), 32, torch.float32, None),  # q holds steps 2 and 3 of 4
-    ([24, 9], 7, 7, (2, 1), 32, torch.bfloat16, 1.0),  # the default 7 steps, logits ~6x larger
+    ([18, 5], 7, 7, (2, 1), 32, torch.bfloat16, 1.0),  # the default 7 steps, logits ~6x larger
     ([20, 13], 2, 2, (2, 1), 128, torch.float16, None),
 ], ids=["s3-bf16-d64", "s1-fp16", "per-step", "last-2-of-4-fp32", "s7-large-scale", "d128"])
 def test_kernel_matches_reference(doc_lens, q_steps, k_steps, heads, d, dtype, sm_scale):
@@ -103,7 +103,7 @@ def test_mask_rule_spelled_out():
 
 # doc borders at 12 and 13 (a 1-token document); queries: first/last tokens, steps 0..2
 LEAK_DOCS = [12, 1, 20]
-LEAK_QUERIES = [(0, 0), (1, 11), (2, 12), (2, 13), (1, 32), (0, 20)]
+LEAK_QUERIES = [(0, 0), (2, 12), (1, 13), (2, 32), (0, 20)]
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -114,12 +114,12 @@ def test_a_query_has_exactly_zero_gradient_on_every_key_it_must_not_see(backend)
     q, k, v, _, cu, max_len = make_ttt(LEAK_DOCS, 3, 3, 4, 2, 32, torch.float32, seed=7)
     starts = cu.tolist()
     g = torch.Generator().manual_seed(3)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o = ttt_attention(*leaves, cu, max_len, backend=backend)  # one forward, one backward per query
+    head = 1  # group 2: reads key/value head 0 only
     for iq, t in LEAK_QUERIES:
-        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        o = ttt_attention(*leaves, cu, max_len, backend=backend)
-        head = 1  # group 2: reads key/value head 0 only
         loss = (o[iq, t, head] * torch.randn(32, generator=g)).sum()
-        dq, dk, dv = torch.autograd.grad(loss, leaves)
+        dq, dk, dv = torch.autograd.grad(loss, leaves, retain_graph=True)
         doc_start = max(s for s in starts[:-1] if s <= t)  # no zero-length documents here
         seen = torch.zeros(3, q.shape[1], 2, dtype=torch.bool)  # (key step, token, kv head)
         seen[0, doc_start:t + 1, 0] = True
@@ -128,7 +128,8 @@ def test_a_query_has_exactly_zero_gradient_on_every_key_it_must_not_see(backend)
             per_key = grad.abs().sum(-1)  # (Sk, T, Hkv)
             assert torch.equal(per_key[~seen], torch.zeros_like(per_key[~seen])), (
                 f"{backend}: query (step {iq}, token {t}) leaks into {name} at {torch.nonzero(per_key * ~seen)[:4]}")
-            assert per_key[seen].gt(0).all(), f"{backend}: {name}: a visible key got no gradient"
+            if name == "dv" or int(seen.sum()) > 1:  # one visible key: softmax = 1, its dK is exactly 0
+                assert per_key[seen].gt(0).all(), f"{backend}: {name}: a visible key got no gradient"
         own = torch.zeros(dq.shape[:3], dtype=torch.bool)
         own[iq, t, head] = True
         assert torch.equal(dq[~own], torch.zeros_like(dq[~own])), f"{backend}: dq outside query ({iq}, {t})"
@@ -171,7 +172,7 @@ def test_lse_is_the_natural_log_sum_exp_over_what_each_row_sees():
 
 
 def test_bitwise_deterministic_across_runs():
-    q, k, v, do, cu, max_len = make_ttt([21, 3, 16], 3, 3, 4, 2, 32, torch.bfloat16, seed=3)
+    q, k, v, do, cu, max_len = make_ttt([21, 3], 3, 3, 2, 1, 32, torch.bfloat16, seed=3)
     first = run(ttt_attention, q, k, v, do, cu, max_len, backend="triton")
     second = run(ttt_attention, q, k, v, do, cu, max_len, backend="triton")
     for name, a, b in zip(NAMES, first, second):

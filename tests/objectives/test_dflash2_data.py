@@ -89,7 +89,7 @@ def test_cost_is_dflash_plus_exactly_the_conv_and_selector_terms():
                                      conv_group_size=gs, selector_rank=r, selector_top_k=K)
     G = H // gs
     conv = 24 * kc * H * (G + 1) * B * N           # (in + out conv) x (attention, MLP) x 3, per block token and layer
-    selector = 6 * H * r + 3 * r * (2 * K + 1) + V  # P, A[p] * Ph, K dots, x3; top-K over V, forward only
+    selector = 6 * H * r + 3 * r * (2 * K + 1) + V + 2 * H * V  # P, A[p] * Ph, K dots, x3; top-K over V and its logits, forward only
     c1, c2 = base.coefficients(B), two.coefficients(B)
     assert c2["conv"] == conv and c2["selector"] == selector
     assert c2["anchors"] - c1["anchors"] == conv and c2["head_rows"] - c1["head_rows"] == selector

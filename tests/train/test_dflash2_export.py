@@ -184,6 +184,8 @@ def test_strict_refusals(tmp_path):
                          (lambda c: (c.pop("is_causal"), c.update(layer_types=["sliding_attention"] * 2,
                                                                   use_sliding_window=True, sliding_window=8)),
                           "causally"),
+                         (lambda c: (c.pop("is_causal"), c.pop("layer_types"), c.update(
+                             use_sliding_window=True, sliding_window=8, max_window_layers=0)), "causally"),
                          (lambda c: c.update(architectures=["DFlashDraftModel"]), "lacks 'DFlash2DraftModel'")):
         cc = json.loads(json.dumps(c))
         edit(cc)
@@ -380,3 +382,25 @@ def test_speculative_decoding_with_both_proposers_is_lossless(tiny, tmp_path, wi
         gs = greedy_generate(target, p, max_new_tokens=25, stop_ids=stop).tokens
         assert speculative_generate(target, props["selector"], p, max_new_tokens=25, stop_ids=stop,
                                     mask_token_id=MASK_ID).tokens == gs == g[:g.index(g[6]) + 1]
+
+
+def test_speculate_entry_point_runs_a_dflash2_export_with_both_proposers(tiny, tmp_path, monkeypatch):
+    """train.speculate dispatches on config.json's architectures; with the dflash2 spec naming
+    DFlash2DraftModel and this decode (patched in here if the registry does not yet), the report's
+    result is the selector's and ``variants`` holds ``no_selector``, both lossless."""
+    from dflash_prep.train.objectives import registry
+    from dflash_prep.train.objectives.dflash2.export import ARCHITECTURE
+    from dflash_prep.train.speculate import main
+
+    spec = registry.get("dflash2")
+    if ARCHITECTURE not in spec.architectures or spec.decode is None:
+        monkeypatch.setitem(registry._SPECS, "dflash2",
+                            dataclasses.replace(spec, architectures=(ARCHITECTURE,), decode=decode.load))
+    write_export(_target_drafter(tiny, seed=7), tmp_path / "drafter", source={})
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n" + json.dumps({"prompt": "the model and"}) + "\n")
+    res = main(["--target", str(tiny_target()), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
+                "--out", str(tmp_path / "eval.json"), "--max-new-tokens", "12"])
+    assert res["drafter"]["architecture"] == ARCHITECTURE and res["drafter"]["proposer"] == "selector"
+    assert res["lossless"] is True and set(res["variants"]) == {"no_selector"}
+    assert res["variants"]["no_selector"]["lossless"] is True and res["block_size"] == B

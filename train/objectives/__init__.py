@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from dflash_prep.errors import ConfigError
-from dflash_prep.train.objectives import dflash, dflash2, lm
+from dflash_prep.train.objectives import dflash, dflash2, eagle3, lm
 from dflash_prep.train.objectives.lm import LMObjective
 from dflash_prep.train.objectives.registry import TrainerSpec, get, register, specs
 
@@ -66,5 +66,6 @@ def serve_target(cfg, place, d, source=None) -> dict:
 register(lm.SPEC)
 register(dflash.SPEC)
 register(dflash2.SPEC)
+register(eagle3.SPEC)
 
 __all__ = ["LMObjective", "TrainerSpec", "build_objective", "register", "serve_target"]

@@ -165,14 +165,29 @@ def sender_for(place, *, prefetch: int, timeout: float, device: torch.device) ->
     return TapsSender(peers, prefetch=prefetch, timeout=timeout, device=device, me=f"target rank {place.rank}")
 
 
-def serve(cfg, place, d, source=None) -> dict:
+def dflash_plan(cfg, manifest):
+    """What a DFlash (or DFlash2) target rank serves: ``(build(mb, epoch) -> batch, tapped layer ids,
+    final)``: the micro-batches exactly as the drafters' objective builds them
+    (:func:`~dflash_prep.train.objectives.dflash.batch.build_dflash_batch` under the same anchor
+    options, mask id and weights); ``final`` (``--loss kl``): the final hidden states too."""
+    from dflash_prep.train.objectives.dflash.batch import build_dflash_batch, default_gamma
+    from dflash_prep.train.objectives.dflash.objective import drafter_config
+
+    dcfg, spec, _, _ = drafter_config(cfg, manifest)
+    gamma = None if cfg.options.slot_weights == "dpace" else (cfg.options.gamma or default_gamma(spec.block_size))
+    return (lambda ds, mb, epoch: build_dflash_batch(ds, mb, epoch=epoch, spec=spec, gamma=gamma,
+                                                     mask_token_id=dcfg.mask_token_id, vocab_size=dcfg.vocab_size),
+            dcfg.target_layer_ids, cfg.options.loss == "kl")
+
+
+def serve(cfg, place, d, source=None, *, plan=dflash_plan) -> dict:
     """A split job's target rank under ``cfg`` (:mod:`dflash_prep.train.split`): wait for the drafters' cursor, load
     the frozen target, serve every step they will train, and return this rank's summary.
 
-    The micro-batches are built exactly as the drafters' objective builds them
-    (:func:`~dflash_prep.train.objectives.dflash.objective.build_dflash_batch` under the same anchor options, mask id and
-    weights), the target runs under the autocast and attention backend the colocated loss runs
-    it under, and ``--loss kl`` sends the final hidden states too. ``source``: what the drafters
+    ``plan(cfg, manifest) -> (build(dataset, mb, epoch), target_layer_ids, final)`` is the objective's
+    (:func:`dflash_plan` for DFlash): the target rank builds each micro-batch as the drafters' objective
+    does and sends its taps (and with ``final`` its final-normed hidden states); the target runs under
+    the autocast and attention backend the colocated loss runs it under. ``source``: what the drafters
     train on (default: :class:`~.source.FileSource` of ``cfg``; every epoch exists, :mod:`dflash_prep.train.split`).
     """
     from dflash_prep import kernels
@@ -180,8 +195,6 @@ def serve(cfg, place, d, source=None) -> dict:
     from dflash_prep.train import distributed
     from dflash_prep.train import rescale
     from dflash_prep.train import split
-    from dflash_prep.train.objectives.dflash.objective import drafter_config
-    from dflash_prep.train.objectives.dflash.batch import build_dflash_batch, default_gamma
     from dflash_prep.train.source import FileSource
     from dflash_prep.train.target import FrozenTarget
     from dflash_prep.train.split.taps import LocalTaps
@@ -192,9 +205,8 @@ def serve(cfg, place, d, source=None) -> dict:
     if source is None:
         source = FileSource(cfg.data, cfg.plan, cfg.manifests, pack_missing=False)
     source = rescale.source_for(source, start["continuation"], single)
-    dcfg, spec, _, _ = drafter_config(cfg, source.manifest(int(start["epoch"])))
-    gamma = None if cfg.options.slot_weights == "dpace" else (cfg.options.gamma or default_gamma(spec.block_size))
-    provider = LocalTaps(FrozenTarget(cfg.options.target, dcfg.target_layer_ids, device=d.device))
+    build_one, layer_ids, final = plan(cfg, source.manifest(int(start["epoch"])))
+    provider = LocalTaps(FrozenTarget(cfg.options.target, layer_ids, device=d.device))
     sender = sender_for(place, prefetch=cfg.target_prefetch, timeout=cfg.target_timeout, device=link_device(d.device))
     autocast = distributed.autocast_for(d.device, cfg.bf16)
 
@@ -203,10 +215,9 @@ def serve(cfg, place, d, source=None) -> dict:
         with autocast(), (kernels.force_backend(cfg.attn) if cfg.attn != "auto" else contextlib.nullcontext()):
             yield
 
-    build = (lambda mb, epoch: build_dflash_batch(source.dataset, mb, epoch=epoch, spec=spec, gamma=gamma,
-                                                  mask_token_id=dcfg.mask_token_id, vocab_size=dcfg.vocab_size))
-    worker = TargetWorker(source, provider, sender, roles=place.roles, target_rank=place.rank, build=build,
-                          device=d.device, autocast=forward_ctx, final=cfg.options.loss == "kl", step_stats=True)
+    worker = TargetWorker(source, provider, sender, roles=place.roles, target_rank=place.rank,
+                          build=lambda mb, epoch: build_one(source.dataset, mb, epoch), device=d.device,
+                          autocast=forward_ctx, final=final, step_stats=True)
     split.ready()
     limit = start["max_steps"]
     timings = worker.run(range(cfg.epochs), start=(int(start["epoch"]), int(start["step"])),

@@ -38,7 +38,9 @@ class DFlashTrainOptions:
     draft_layers: int = _train(RECIPE_DRAFT_LAYERS, help="draft layers N (the taps are build_target_layer_ids(L, N) "
                                "unless --target-layer-ids); the recipe's (speculators RFC #979), as pack "
                                "--draft-layers's")
-    target_layer_ids: tuple[int, ...] = _train((), help="tapped target layers; empty = the public rule")
+    target_layer_ids: tuple[int, ...] = _train((), help="tapped target layers (0-based, each layer's output); empty "
+                                               "= the objective's rule (dflash: build_target_layer_ids(L, N); "
+                                               "eagle3: 1, L/2 - 1, L - 4, three distinct ids)")
     block_size: int | None = _train(None, help=shared_help(DrafterOptions, "block_size", None,
                                                            "16 (dflash) or 8 (dflash2)"))
     slot_weights: str = _train("dpace", help="decay (exp(-(r-1)/gamma)) or dpace (D-PACE, from the drafter's "

@@ -105,14 +105,19 @@ def config_from_public(c: dict, *, path: str | Path = CONFIG_FILE, sidecar: dict
 
 def _causal_layers(c: dict) -> list[int]:
     """The layers the public model (and vLLM) make causal: all when ``is_causal`` is true; with
-    no ``is_causal``, the ``sliding_attention`` ones (``dflash_config.causal`` next, for vLLM)."""
+    no ``is_causal`` (nor vLLM's ``dflash_config.causal``), the ``sliding_attention`` ones, the
+    layer types read as Qwen3Config fills them in (sliding from ``max_window_layers`` on when
+    ``use_sliding_window``)."""
     n = int(c.get("num_hidden_layers", 0))
     flag = c.get("is_causal")
     if flag is None:
         flag = (c.get("dflash_config") or {}).get("causal")
     if flag is not None:
         return list(range(n)) if flag else []
-    return [i for i, t in enumerate(c.get("layer_types") or []) if t == "sliding_attention"]
+    sliding = bool(c.get("use_sliding_window")) and c.get("sliding_window") is not None
+    types = c.get("layer_types") or ["sliding_attention" if sliding and i >= int(c.get("max_window_layers", 28))
+                                     else "full_attention" for i in range(n)]
+    return [i for i, t in enumerate(types) if t == "sliding_attention"]
 
 
 def unary_fields(c: dict) -> dict:
