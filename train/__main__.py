@@ -70,8 +70,7 @@ def _parameters() -> list[inspect.Parameter]:
         t = _CLI_TYPES.get(fl.type, fl.type)
         t = t if get_origin(t) is Union else Optional[t]
         shown = "unset" if fl.default is None else _show(fl.default)
-        decl = f"{fl.spelling}/--no-{fl.spelling[2:]}" if fl.type is bool else fl.spelling
-        option = typer.Option(decl, help=escape(f"{_plain(fl.help)} [default: {shown}]"), metavar=fl.metavar,
+        option = typer.Option(fl.spelling, help=escape(f"{_plain(fl.help)} [default: {shown}]"), metavar=fl.metavar,
                               rich_help_panel=panel, show_default=False)
         out.append(inspect.Parameter(fl.name, inspect.Parameter.KEYWORD_ONLY, default=None,
                                      annotation=Annotated[t, option]))
