@@ -294,7 +294,7 @@ def _walk_oracle(h, head_weight, anchor, sel, k, m=1.0, cap=None):
 
 def test_decode_load_returns_both_proposers_and_dflashs_meta(tiny, tmp_path):
     d = _target_drafter(tiny)
-    target, props, meta = _loaded(tiny, tmp_path, d)
+    _, props, meta = _loaded(tiny, tmp_path, d)
     assert list(props) == ["selector", "no_selector"]
     assert isinstance(props["selector"], decode.SelectorProposer) and type(props["no_selector"]) is DFlashProposer
     assert set(meta) == {"block_size", "mask_token_id", "target_layer_ids", "hidden_size", "vocab_size", "export"}

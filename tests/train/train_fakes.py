@@ -65,8 +65,12 @@ class FakeManifest:
     """
 
     def __init__(self, ds: FakeDataset, batches: list[np.ndarray], *, world_size: int = 1, grad_accum: int = 1,
-                 layout: str = "padded", epoch: int = 0, plan_fingerprint: str = "plan-a"):
+                 layout: str = "padded", epoch: int = 0, plan_fingerprint: str = "plan-a",
+                 eagle3: tuple[int, int] | None = None):
         self.epoch, self.layout, self.world_size, self.grad_accum = epoch, layout, world_size, grad_accum
+        self.path, self.header, self.arrays = f"fake-manifest/epoch-{epoch:04d}", {}, {}
+        if eagle3 is not None:      # (draft vocabulary, TTT steps): what pack --objective eagle3 adds
+            self._eagle3(ds, *eagle3)
         self.plan_fingerprint, self.data_fingerprint = plan_fingerprint, ds.fingerprint
         per = world_size * grad_accum
         self.num_steps = -(-len(batches) // per)
@@ -75,6 +79,19 @@ class FakeManifest:
             lens = ds.lengths[ids].astype(np.int64)
             self._mbs.append(FakeMB(m // per, (m % per) // grad_accum, m % grad_accum, 0, np.asarray(ids, np.int64),
                                     int(lens.max()), int(lens.sum()), int(len(ids) * lens.max())))
+
+    def _eagle3(self, ds: FakeDataset, draft_vocab: int, ttt_steps: int) -> None:
+        """The ``eagle3`` header section and ``d2t``/``t2d`` arrays of the real map of the fake data."""
+        from dflash_prep.objectives.eagle3 import vocab_map
+
+        counts = np.zeros(VOCAB, np.int64)
+        for ids, m in zip(ds._ids, ds._mask):
+            np.add.at(counts, ids[1:][m[1:] > 0], 1)
+        vm = vocab_map.build(counts, draft_vocab)
+        self.arrays = {"d2t": vm.d2t, "t2d": vm.t2d}
+        self.header = {"options": {"objective": "eagle3"}, "eagle3": {
+            "draft_vocab_size": vm.draft_vocab_size, "vocab_size": vm.vocab_size, "ttt_steps": int(ttt_steps),
+            "trained_ids": vm.trained_ids, "vocab_coverage": vm.coverage, "map_fingerprint": vm.fingerprint}}
 
     def microbatches(self, rank: int, start_step: int = 0):
         for mb in self._mbs:
@@ -95,8 +112,10 @@ class FakeSource:
     """The trainer's data-source contract over fakes; ``plan`` names the plan identity."""
 
     def __init__(self, *, n: int = 48, world_size: int = 1, grad_accum: int = 1, layout: str = "padded",
-                 plan: str = "plan-a", seed: int = 0, budget: int = 96, boundaries=(12, 24)):
+                 plan: str = "plan-a", seed: int = 0, budget: int = 96, boundaries=(12, 24),
+                 eagle3: tuple[int, int] | None = None):
         self.dataset = FakeDataset(n=n)
+        self.eagle3 = eagle3
         self.world_size, self.grad_accum, self.layout = world_size, grad_accum, layout
         self.plan_fingerprint = plan
         self.seed, self.budget, self.boundaries = seed, budget, tuple(boundaries)
@@ -110,7 +129,8 @@ class FakeSource:
         self.opened.append(epoch)
         bs = packed_batches(self.dataset, epoch=epoch, seed=self.seed, budget=self.budget, boundaries=self.boundaries)
         return FakeManifest(self.dataset, bs, world_size=self.world_size, grad_accum=self.grad_accum,
-                            layout=self.layout, epoch=epoch, plan_fingerprint=self.plan_fingerprint)
+                            layout=self.layout, epoch=epoch, plan_fingerprint=self.plan_fingerprint,
+                            eagle3=self.eagle3)
 
 
 # ----------------------------------------------------------------------------- spawned workers

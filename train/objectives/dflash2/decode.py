@@ -86,7 +86,7 @@ def load(drafter_dir, target, *, block_size: int = 0) -> tuple[list, dict]:
         raise ConfigError(f"{drafter_dir}: input_embedding_scale {full['input_embedding_scale']} is not supported "
                           "here (the block embeddings are the target's, unscaled)")
     meta = {**{k: full[k] for k in META_KEYS}, "block_size": B}
-    kw = dict(block_size=B, mask_token_id=meta["mask_token_id"])
+    kw = {"block_size": B, "mask_token_id": meta["mask_token_id"]}
     return [("selector", SelectorProposer(drafter, target, output_multiplier=full["output_multiplier"],
                                           softcap=full["final_logit_softcapping"], **kw)),
             ("no_selector", DFlashProposer(drafter, target, **kw))], meta

@@ -231,6 +231,16 @@ def manifest_map(manifest) -> tuple["vocab_map.VocabMap", int]:
     return vocab_map.load(manifest), int(header["eagle3"]["ttt_steps"])
 
 
+def target_t2d(vm, vocab_size: int) -> torch.Tensor:
+    """The map's ``t2d`` over the target's ``vocab_size`` embedding rows: the dataset's tokenizer
+    may have fewer ids than the target's padded vocabulary (the rows past it are never drafted)."""
+    t2d = np.asarray(vm.t2d, bool)
+    if t2d.shape[0] > vocab_size:
+        raise ConfigError(f"the vocabulary map covers {t2d.shape[0]} ids, the target has {vocab_size}: the dataset "
+                          "was tokenized with another tokenizer; re-tokenize with the target's")
+    return torch.from_numpy(np.concatenate([t2d, np.zeros(vocab_size - t2d.shape[0], bool)]))
+
+
 def plan(cfg, manifest):
     """What an EAGLE-3 target rank serves (:func:`dflash_prep.train.split.worker.serve`): the same
     micro-batches, the three taps and the final hidden states."""
@@ -276,7 +286,7 @@ def build(cfg, ds, device: torch.device, manifest=None, place=None) -> Eagle3Obj
         target = remote_taps(place, o.target, timeout=cfg.target_timeout, device=device)
     dcfg = Eagle3Config.from_target_config(hc, vm.draft_vocab_size, target_layer_ids=ids)
     drafter = Eagle3Drafter(dcfg)
-    drafter.set_vocab_map(torch.from_numpy(np.asarray(vm.d2t, np.int64)), torch.from_numpy(np.asarray(vm.t2d, bool)))
+    drafter.set_vocab_map(torch.from_numpy(np.asarray(vm.d2t, np.int64)), target_t2d(vm, dcfg.vocab_size))
     with torch.no_grad():       # the target's embedding (frozen) and its head's rows of the draft vocabulary
         drafter.embed_tokens.weight.copy_(target.embed_tokens.weight.detach().to("cpu", torch.float32))
         head = target.lm_head.weight.detach().to("cpu", torch.float32)
