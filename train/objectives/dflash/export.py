@@ -98,6 +98,7 @@ def public_config(cfg: DrafterConfig, *, dtype: str = "float32") -> dict:
         "vocab_size": cfg.vocab_size,
         "attention_bias": cfg.attention_bias,
         "attention_dropout": 0.0,
+        "is_causal": False,
         **_window_fields(cfg),
         "tie_word_embeddings": False,
         "initializer_range": 0.02,
