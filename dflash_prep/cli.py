@@ -434,14 +434,20 @@ def clean_cmd(
     paths: Annotated[Optional[list[Path]], typer.Argument(help="folders to search (3 levels deep); default: .")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="only list what would be removed")] = False,
 ):
-    """Remove what killed runs left behind: hidden temp folders and files, unheld lock files, dataset caches in TMPDIR."""
+    """Remove what killed runs left behind: hidden temp folders and files, unheld lock files, dataset caches in TMPDIR. Each path it cannot remove is named with the reason, and the exit code is 1."""
     from dflash_prep.formats.outputs import find_stale, remove, size_of
 
     found = find_stale(paths or [Path(".")])
     for p in found:
         typer.echo(f"{'would remove' if dry_run else 'removing'} {p} ({size_of(p) / 2**20:.1f} MiB)")
-    freed = sum(size_of(p) for p in found) if dry_run else remove(found)
+    freed, failed = (sum(size_of(p) for p in found), []) if dry_run else remove(found)
     typer.echo(f"{len(found)} stale item(s), {freed / 2**20:.1f} MiB {'reclaimable' if dry_run else 'freed'}")
+    for p, why in failed:
+        typer.secho(f"error: could not remove {p}: {why}", fg=typer.colors.RED, err=True)
+    if failed:
+        typer.secho(f"{len(failed)} of {len(found)} stale item(s) could not be removed (fix the cause above, e.g. "
+                    "the permissions, and rerun `dflash-prep clean`)", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
 
 
 

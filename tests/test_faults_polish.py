@@ -1,0 +1,60 @@
+"""Fault injection, issue 29 (the data side): a ``clean`` that cannot remove something says so
+and exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _dead_pid() -> int:
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+
+
+def _pin(path: Path) -> bool:
+    """Make ``path`` undeletable by this process: ``chattr +i`` for root (who ignores modes),
+    a read-only parent folder otherwise. False when the filesystem cannot."""
+    if os.geteuid() == 0:
+        return subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+    path.parent.chmod(0o500)
+    return True
+
+
+def _unpin(path: Path) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+    else:
+        path.parent.chmod(0o700)
+
+
+def test_clean_reports_each_path_it_could_not_remove_and_exits_1(tmp_path):
+    from typer.testing import CliRunner
+
+    from dflash_prep.cli import app
+
+    dead = _dead_pid()
+    stuck, gone = tmp_path / f".data.{dead}.abcd1234.tmp", tmp_path / f".man.{dead}.efgh5678.tmp"
+    for d in (stuck, gone):
+        (d / "inner").mkdir(parents=True)
+        (d / "inner" / "big.bin").write_bytes(b"0" * 4096)
+    pinned = stuck / "inner" / "big.bin"
+    if not _pin(pinned):
+        pytest.skip("cannot make a file undeletable on this filesystem (chattr +i)")
+    try:
+        r = CliRunner().invoke(app, ["clean", str(tmp_path)])
+    finally:
+        _unpin(pinned)
+    err = r.stderr
+    assert r.exit_code == 1, (r.exit_code, r.output, err)
+    lines = [x for x in err.splitlines() if x.startswith("error: could not remove")]
+    assert len(lines) == 1 and str(stuck) in lines[0] and "big.bin" in lines[0], err
+    assert "Traceback" not in err and not gone.exists() and stuck.exists()
+    assert "1 of 2 stale item(s) could not be removed" in err, err
