@@ -1,5 +1,5 @@
 """Fault injection, issue 29 (the data side): a ``clean`` that cannot remove something says so
-and exits 1.
+and exits 1; ``make demo-dflash TARGET_RANKS=1`` keeps the plain demo's one drafter rank.
 """
 
 from __future__ import annotations
@@ -58,3 +58,22 @@ def test_clean_reports_each_path_it_could_not_remove_and_exits_1(tmp_path):
     assert len(lines) == 1 and str(stuck) in lines[0] and "big.bin" in lines[0], err
     assert "Traceback" not in err and not gone.exists() and stuck.exists()
     assert "1 of 2 stale item(s) could not be removed" in err, err
+
+
+def _demo_ranks(**env: str) -> tuple[str, str]:
+    """TARGET_RANKS and DRAFTER_RANKS as train/recipes/demo_dflash.sh resolves them (its own lines)."""
+    lines = [x for x in (REPO / "train/recipes/demo_dflash.sh").read_text().splitlines()
+             if x.startswith(("TARGET_RANKS=", "DRAFTER_RANKS="))]
+    assert len(lines) == 2, lines
+    script = "\n".join(lines) + '\necho "$TARGET_RANKS $DRAFTER_RANKS"\n'
+    base = {k: v for k, v in os.environ.items() if k not in ("TARGET_RANKS", "DRAFTER_RANKS")}
+    r = subprocess.run(["bash", "-c", script], env={**base, **env}, capture_output=True, text=True, check=True)
+    k, w = r.stdout.split()
+    return k, w
+
+
+def test_demo_dflash_with_a_target_rank_keeps_one_drafter_rank():
+    assert _demo_ranks() == ("0", "1")
+    assert _demo_ranks(TARGET_RANKS="1") == ("1", "1"), "TARGET_RANKS=1 changed the demo's data plan (W)"
+    assert _demo_ranks(TARGET_RANKS="1", DRAFTER_RANKS="2") == ("1", "2")
+    assert _demo_ranks(DRAFTER_RANKS="2") == ("0", "2")
