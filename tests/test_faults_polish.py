@@ -1,5 +1,6 @@
 """Fault injection, issue 29 (the data side): a ``clean`` that cannot remove something says so
-and exits 1; ``make demo-dflash TARGET_RANKS=1`` keeps the plain demo's one drafter rank.
+and exits 1; ``dflash-prep --help`` / ``--version`` start without numba, torch or pyarrow; and
+``make demo-dflash TARGET_RANKS=1`` keeps the plain demo's one drafter rank.
 """
 
 from __future__ import annotations
@@ -58,6 +59,19 @@ def test_clean_reports_each_path_it_could_not_remove_and_exits_1(tmp_path):
     assert len(lines) == 1 and str(stuck) in lines[0] and "big.bin" in lines[0], err
     assert "Traceback" not in err and not gone.exists() and stuck.exists()
     assert "1 of 2 stale item(s) could not be removed" in err, err
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"]])
+def test_cli_help_and_version_import_no_numba_torch_or_pyarrow(args):
+    code = ("import sys, runpy\n"
+            f"sys.argv = ['dflash-prep', *{args!r}]\n"
+            "try:\n    runpy.run_module('dflash_prep.cli', run_name='__main__')\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
+            "print(' '.join(sorted(m for m in ('numba', 'torch', 'pyarrow') if m in sys.modules)) or 'none')\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="80", TERM="dumb")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "none", f"`dflash-prep {' '.join(args)}` imported: {r.stdout}"
 
 
 def _demo_ranks(**env: str) -> tuple[str, str]:
