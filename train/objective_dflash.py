@@ -386,7 +386,9 @@ class DFlashObjective:
                 "kl_temperature": ls.kl_temperature if ls.loss == "kl" else None}
 
     def check_epoch(self, epoch: int, manifest) -> None:
-        """Every epoch after the first draws anchors as the first did (its budgets assume them)."""
+        """Every epoch after the first draws anchors as the first did (its budgets assume them),
+        and every epoch's cost model has this drafter's window (:func:`~dflash_prep.objectives.drafter_cost.check_window`)."""
+        drafter_cost.check_window(manifest, self.cfg.sliding_window)
         if epoch > 0:
             spec = anchor_spec(self.cfg, manifest)[0]
             if spec != self.spec:
@@ -448,6 +450,7 @@ def build(cfg: TrainConfig, ds, device: torch.device, manifest=None, place=None)
     from .drafter import Drafter
     from .target import FrozenTarget, target_identity
 
+    drafter_cost.check_window(manifest, cfg.sliding_window)
     dcfg, spec, source, tok = drafter_config(cfg, manifest)
     if place is None:
         target = FrozenTarget(cfg.target, dcfg.target_layer_ids, device=device)
