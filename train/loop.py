@@ -43,7 +43,7 @@ from dflash_prep.formats.fileio import atomic_write_json
 from dflash_prep.formats.outputs import lock
 
 from . import checkpoint as ckpt
-from . import distributed, rescale, split
+from . import distributed, handshake, rescale, split
 from .config import TrainConfig
 from .data import StepBatches
 from .distributed import autocast_for as _autocast_for, set_determinism as _set_determinism  # noqa: F401 (bench imports)
@@ -186,6 +186,7 @@ def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = 
     try:
         if cfg.target_ranks:
             place = split.join(cfg, job)
+            handshake.begin()
             split.prepare(cfg, place, source)
             if place.is_target:
                 return serve_target(cfg, place, job, source)
@@ -197,6 +198,10 @@ def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = 
 
         with lock(out, inside=True):  # a second trainer on the same --out fails clearly
             return _train(cfg, source, d, place)
+    except Exception as e:
+        # a split job's rank that refuses it at set-up tells every other rank (one line each)
+        handshake.refuse(place, e)
+        raise
     finally:
         if dist_ctx is None:
             distributed.teardown(job)

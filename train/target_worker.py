@@ -204,7 +204,7 @@ def serve(cfg, place, d, source=None) -> dict:
                                                   mask_token_id=dcfg.mask_token_id, vocab_size=dcfg.vocab_size))
     worker = TargetWorker(source, provider, sender, roles=place.roles, target_rank=place.rank, build=build,
                           device=d.device, autocast=forward_ctx, final=cfg.loss == "kl", step_stats=True)
-    split.ready()
+    split.ready(place)
     limit = start["max_steps"]
     timings = worker.run(range(cfg.epochs), start=(int(start["epoch"]), int(start["step"])),
                          max_steps=None if limit is None else max(0, limit - int(start["global_step"])))
