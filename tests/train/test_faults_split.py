@@ -1,11 +1,20 @@
 """Fault injection, issue 29 (the trainer side): a drafter's sliding window against the one its
 manifests were packed for; a split job refused at set-up, and the drafters left when a drafter
-rank dies, each rank ending with one line (real gloo jobs of ``train()``).
+rank dies, each rank ending with one line (real gloo jobs of ``train()``); the launcher's crash
+line naming the dead rank's role and the command that resumes.
 
 Every spawned job is bounded (``split_fixtures.supervise``), every rank runs one thread.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +23,8 @@ from dflash_prep.objectives.dflash import drafter_options
 from dflash_prep.pack.pack import PackConfig, pack_epochs
 from tests.train.split_fixtures import BLOCK, MAX_ANCHORS, build_pipeline
 from tests.train.trainer_split_fixtures import base_cfg, run_job
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +79,73 @@ def test_the_drafters_left_when_a_drafter_rank_dies_stop_with_one_line(paths, tm
     assert job["exit"][1] == 1 and "\n" not in d0["error"], d0
     assert d0["error_type"] in ("CollectiveBroke", "LinkError"), d0.get("trace")
     assert "drafter rank 1 (global rank 2)" in d0["error"] or "target rank 0" in d0["error"], d0["error"]
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (Linux /proc)."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _worker_of(launcher: int, rank: int) -> int | None:
+    """The pid of the launcher's worker with ``RANK=rank`` in its environment."""
+    for c in _children(launcher):
+        try:
+            env = (Path("/proc") / str(c) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b" ".join(env):
+            return c
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker through /proc")
+def test_the_launchers_crash_line_names_the_role_and_the_resume_command(paths, tmp_path):
+    """The real launcher (torchrun in-process) over a 1 target + 2 drafter job; SIGKILL of the
+    target rank's worker once global step 2 is logged (a checkpoint every step)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dflash_prep.train.launch", "--standalone", "--nproc_per_node", "3",
+           "-m", "dflash_prep.train", "--objective", "dflash", "--target", paths["target"], "--data", paths["data"],
+           "--plan", paths["plan"], "--manifests", paths["manifests"], "--out", str(out), "--device", "cpu",
+           "--no-progress", "--draft-layers", "1", "--slot-weights", "decay", "--optimizer", "adamw",
+           "--sliding-window", "0", "--attn", "reference", "--no-bf16", "--ce-chunk", "16", "--target-layer-ids", "1",
+           "--target-layer-ids", "2", "--no-pack-missing", "--target-ranks", "1", "--ckpt-every", "1",
+           "--target-timeout", "20", "--from-scratch"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", NUMBA_CACHE_DIR=str(REPO / ".numba_cache"))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log, victim, deadline = out / "log.jsonl", None, time.monotonic() + 150
+    try:
+        while proc.poll() is None and time.monotonic() < deadline and victim is None:
+            steps = [json.loads(x).get("global_step") for x in log.read_text().splitlines()[1:] if x.strip()] \
+                if log.exists() else []
+            if 2 in steps:
+                victim = _worker_of(proc.pid, 0)
+                if victim is not None:
+                    os.kill(victim, signal.SIGKILL)
+            time.sleep(0.05)
+        _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert victim is not None, "the run ended before the kill"
+    line = [x for x in err.splitlines() if x.startswith("error: ") and "failed with" in x]
+    assert proc.returncode == 1 and len(line) == 1, err[-3000:]
+    line = line[0]
+    assert line.startswith("error: target rank 0 failed with signal 9 (its output is above)"), line
+    assert "; resume from global step " in line and str(out / "checkpoint.pt") in line, line
+    again = line.split(" with: ", 1)[1]
+    assert again.startswith("python -m dflash_prep.train.launch --standalone") and "--from-scratch" not in again
+    assert "--target-ranks 1" in again, again
