@@ -49,7 +49,8 @@ def build(root: Path, n: int = 600) -> dict:
     src = lengths_mod.load(data=root / "data")
     plan_mod.save(plan_mod.Plan(data=src.describe(), boundaries=(), budget=plan_mod.Budget(value=BUDGET), seed=0),
                   root / "plan")
-    d = drafter_options(target_config=target, draft_layers=1, block_size=B, max_anchors=MAX_ANCHORS)
+    d = drafter_options(target_config=target, draft_layers=1, block_size=B, max_anchors=MAX_ANCHORS,
+                        sliding_window=0)   # the runs train with --sliding-window 0
     for w in (1, 2):
         pack_epochs(plan=root / "plan" / "plan.json", epochs=[0], out=root / f"man-w{w}",
                     config=PackConfig(objective="dflash", options=d, world_size=w, grad_accum=1))

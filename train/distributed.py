@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from dflash_prep.errors import ConfigError
+from dflash_prep.errors import ConfigError, DflashError
+
+
+class CollectiveBroke(DflashError):
+    """A collective of the trainer failed because another rank of its group stopped or died."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,10 @@ class Dist:
     group: object | None = None
     """The process group the collectives run on: None is the default (whole job); a split job's
     drafter ranks get the drafter-only group (:mod:`dflash_prep.train.split.roles`), with ``rank``/``world_size`` in it."""
+    role: str = "rank"
+    """What a rank of this group is called in an error line (a split job's drafters: ``"drafter rank"``)."""
+    global_offset: int = 0
+    """Global rank of this group's rank 0 (a split job's drafters: K); named in error lines when > 0."""
 
     @property
     def is_main(self) -> bool:
@@ -84,7 +93,8 @@ def teardown(d: Dist) -> None:
 def all_reduce_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
     """In-place SUM across ranks (no-op for one process)."""
     if d.active:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=d.group)
+        with _peers_alive(d, "all-reduce"):
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=d.group)
     return t
 
 
@@ -101,7 +111,8 @@ def all_reduce_grads(params: list[torch.nn.Parameter], d: Dist) -> None:
     if not d.active:
         return
     flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=d.group)
+    with _peers_alive(d, "gradient all-reduce"):
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=d.group)
     off = 0
     for p in params:
         n = p.numel()
@@ -114,13 +125,47 @@ def gather_objects(obj, d: Dist) -> list:
     if not d.active:
         return [obj]
     out = [None] * d.world_size
-    dist.all_gather_object(out, obj, group=d.group)
+    with _peers_alive(d, "all-gather"):
+        dist.all_gather_object(out, obj, group=d.group)
     return out
 
 
 def barrier(d: Dist) -> None:
     if d.active:
-        dist.barrier(group=d.group)
+        with _peers_alive(d, "barrier"):
+            dist.barrier(group=d.group)
+
+
+def backend_reason(e: BaseException) -> str:
+    """The backend's own reason in a collective's error, one line: gloo's ``[.../pair.cc:537] Read
+    error [127.0.0.1]:2960: Connection reset by peer. This is typically caused by ...`` becomes
+    ``Read error [127.0.0.1]:2960: Connection reset by peer``."""
+    line = ([x.strip() for x in str(e).splitlines() if x.strip()] or [type(e).__name__])[-1]
+    line = re.sub(r"^\[[^\]]*\]\s*", "", line)
+    return line.split(". This is typically", 1)[0].rstrip(".")
+
+
+def _name(d: Dist, rank: int) -> str:
+    return f"{d.role} {rank}" + (f" (global rank {d.global_offset + rank})" if d.global_offset else "")
+
+
+@contextlib.contextmanager
+def _peers_alive(d: Dist, what: str):
+    """A collective that breaks on a peer's exit (gloo's "Connection closed by peer", a timeout)
+    becomes :class:`CollectiveBroke`: one line naming this rank and the ranks that may have died,
+    instead of the backend's multi-line error. Other errors pass unchanged."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        if not (isinstance(e, getattr(dist, "DistBackendError", ())) or
+                any(k in text.lower() for k in ("connection", "peer", "timed out", "timeout"))):
+            raise
+        first = backend_reason(e)
+        others = [r for r in range(d.world_size) if r != d.rank]
+        who = _name(d, others[0]) if len(others) == 1 else "one of " + ", ".join(_name(d, r) for r in others)
+        raise CollectiveBroke(f"{_name(d, d.rank)}: the {what} with the other {d.role}s broke ({first}): {who} "
+                              "stopped or died (see its output)") from None
 
 
 def peak_flops(device: torch.device) -> float | None:

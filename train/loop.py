@@ -44,6 +44,7 @@ from dflash_prep.formats.outputs import lock
 
 from dflash_prep.train import checkpoint as ckpt
 from dflash_prep.train import distributed
+from dflash_prep.train.split import handshake
 from dflash_prep.train import rescale
 from dflash_prep.train import split
 from dflash_prep.train.config import TrainConfig
@@ -188,6 +189,7 @@ def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = 
     try:
         if cfg.target_ranks:
             place = split.join(cfg, job)
+            handshake.begin()
             split.prepare(cfg, place, source)
             if place.is_target:
                 return serve_target(cfg, place, job, source)
@@ -199,6 +201,10 @@ def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = 
 
         with lock(out, inside=True):  # a second trainer on the same --out fails clearly
             return _train(cfg, source, d, place)
+    except Exception as e:
+        # a split job's rank that refuses it at set-up tells every other rank (one line each)
+        handshake.refuse(place, e)
+        raise
     finally:
         if dist_ctx is None:
             distributed.teardown(job)

@@ -109,7 +109,7 @@ def lock(target: str | os.PathLike, *, wait: float | None = None, inside: bool =
             m = _OLD.match(p.name)
             if m and not (p.parent / m["name"]).exists():
                 os.replace(p, p.parent / m["name"])
-        remove(p for p in stale if p.exists())
+        remove(p for p in stale if p.exists())   # best effort: `dflash-prep clean` reports what stays
         yield
     finally:
         with contextlib.suppress(OSError):
@@ -242,21 +242,35 @@ def _held(lock_file: Path) -> bool:
         os.close(fd)
 
 
-def remove(paths: Iterable[Path]) -> int:
-    """Delete each path (folder or file); returns the bytes freed."""
-    freed = 0
+def remove(paths: Iterable[Path]) -> tuple[int, list[tuple[Path, str]]]:
+    """Delete each path (folder or file), going on past a path it cannot delete.
+
+    Returns ``(bytes freed, failures)``: the bytes that are gone (a folder removed in part
+    counts what went), and one ``(path, reason)`` per path still there afterwards, the reason
+    being the first error met under it as ``"FILE: strerror"``. A path already gone is no failure.
+    """
+    freed, failed = 0, []
     for p in paths:
-        freed += size_of(p)
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
+        before, errors = size_of(p), []
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, onerror=lambda _fn, path, exc: errors.append(f"{path}: {exc[1].strerror or exc[1]}"))
+            else:
                 p.unlink()
-    return freed
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            errors.append(f"{p}: {e.strerror or e}")
+        left = size_of(p) if os.path.lexists(p) else 0
+        freed += before - left
+        if os.path.lexists(p):
+            failed.append((p, str(errors[0]) if errors else "still present after the delete"))
+    return freed, failed
 
 
 def remove_stale_caches() -> None:
-    """Drop dataset caches in TMPDIR left by killed tokenize runs (called by tokenize)."""
+    """Drop dataset caches in TMPDIR left by killed tokenize runs (called by tokenize); best
+    effort: a cache it cannot delete stays for `dflash-prep clean` to report."""
     remove(_caches())
 
 

@@ -18,7 +18,8 @@ BLOCK, MAX_ANCHORS = 4, 6
 
 
 def build_pipeline(root: Path, *, world_size: int = 2, grad_accum: int = 2, n: int = 64) -> dict:
-    """synth -> tokenize (the target's tokenizer) -> plan -> pack --objective dflash, epochs 0-1."""
+    """synth -> tokenize (the target's tokenizer) -> plan -> pack --objective dflash, epochs 0-1, for a
+    drafter with full attention (``--sliding-window 0``, as ``trainer_split_fixtures.base_cfg`` trains)."""
     from dflash_prep.formats import lengths as lengths_mod
     from dflash_prep.formats import plan as plan_mod
     from dflash_prep.pack.pack import PackConfig, pack_epochs
@@ -35,7 +36,8 @@ def build_pipeline(root: Path, *, world_size: int = 2, grad_accum: int = 2, n: i
     src = lengths_mod.load(data=root / "data")
     plan_mod.save(plan_mod.Plan(data=src.describe(), boundaries=(), budget=plan_mod.Budget(value=256), seed=3),
                   root / "plan")
-    d = drafter_options(target_config=target, draft_layers=1, block_size=BLOCK, max_anchors=MAX_ANCHORS)
+    d = drafter_options(target_config=target, draft_layers=1, block_size=BLOCK, max_anchors=MAX_ANCHORS,
+                        sliding_window=0)   # the trainer's base_cfg window: full attention
     pack_epochs(plan=root / "plan" / "plan.json", epochs=[0, 1], out=root / "man",
                 config=PackConfig(objective="dflash", options=d, world_size=world_size, grad_accum=grad_accum))
     return {"root": str(root), "target": str(target), "data": str(root / "data"),

@@ -36,7 +36,7 @@ def _cfg(root: Path, kind: str, **kw) -> TrainConfig:
                 out=str(root / "run"), progress=False, device="cpu", prefetch=2, warmup_steps=1)
     if kind == "dflash":
         base.update(objective="dflash", target=str(root / "target"), draft_layers=2, mask_token_id=3, lr=3e-3,
-                    ce_chunk=16)
+                    ce_chunk=16, sliding_window=0)   # the window the manifests' cost model has
     else:
         base.update(model_overrides=SMALL)
     return build_config(**{**base, **kw})

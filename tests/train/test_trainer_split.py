@@ -217,7 +217,8 @@ def test_rescale_resume_onto_more_drafter_ranks_with_a_target_rank(runs):
     man, out = root / "man-w1", root / "rescale-up"
     for d in (man, out):
         shutil.rmtree(d, ignore_errors=True)
-    opts = drafter_options(target_config=paths["target"], draft_layers=1, block_size=BLOCK, max_anchors=MAX_ANCHORS)
+    opts = drafter_options(target_config=paths["target"], draft_layers=1, block_size=BLOCK, max_anchors=MAX_ANCHORS,
+                           sliding_window=0)
     [d0] = pack_epochs(plan=paths["plan"], epochs=[0], out=man, data=paths["data"],
                        config=PackConfig(objective="dflash", options=opts, world_size=1, grad_accum=2))
     parent = manifest.open(d0)

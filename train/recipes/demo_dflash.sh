@@ -18,7 +18,8 @@
 # LM_EPOCHS / DRAFT_EPOCHS (epochs packed for each run), SLOT_WEIGHTS (decay|dpace), LOSS (ce|kl),
 # OPTIMIZER (adamw|muon), TARGET_RANKS (0: the drafter holds the target; K: the drafter stage is
 # a torchrun job of K target processes + DRAFTER_RANKS drafter processes, docs/target-ranks.md),
-# DRAFTER_RANKS (drafter processes; default 1, or 2 with TARGET_RANKS; the manifests are packed for it),
+# DRAFTER_RANKS (drafter processes, default 1 with or without TARGET_RANKS, so that TARGET_RANKS
+# changes only where the target runs, not the data plan; the manifests are packed for it).
 # OBJECTIVE (dflash | dflash2: DFlash2 warm-started from the DFlash drafter for DRAFT2_STEPS steps,
 # on manifests packed for dflash2, with SELECTOR_MISSING (drop|inject) and SELECTOR_ALPHA).
 set -euo pipefail
@@ -47,7 +48,7 @@ DRAFT2_STEPS=${DRAFT2_STEPS:-300}
 SELECTOR_MISSING=${SELECTOR_MISSING:-drop}
 SELECTOR_ALPHA=${SELECTOR_ALPHA:-1.0}
 case "$OBJECTIVE" in dflash|dflash2) ;; *) echo "error: OBJECTIVE must be dflash or dflash2, got $OBJECTIVE" >&2; exit 1;; esac
-DRAFTER_RANKS=${DRAFTER_RANKS:-$([ "$TARGET_RANKS" -gt 0 ] && echo 2 || echo 1)}
+DRAFTER_RANKS=${DRAFTER_RANKS:-1}
 # The target's shape: small enough that one LM step on 2,048 tokens takes about a second on a
 # loaded 2-core machine (the LM head dominates: keep the vocabulary small). 4 layers: a
 # 1-layer drafter taps layer L//2 = 2.

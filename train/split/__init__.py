@@ -17,15 +17,18 @@ of a local target. The start, in this order on every rank:
    so that both sides run the same epochs and steps from the same cursor, resume included, and
    a target's load counts against the process group's timeout, not ``--target-timeout``.
 
+Each of these three meeting points is a :mod:`.handshake` meeting: a rank that refuses the job
+between two of them (a manifest packed for another W, a target it cannot load) brings its line
+to the next one, and every other rank stops there with one line naming it.
+
 ``K`` is not part of the run contract: a checkpoint holds only the drafter's state, the same
 for any K (the run key is the drafters'), so a run resumes colocated or split alike.
 """
 
 from __future__ import annotations
 
-import torch.distributed as tdist
-
 from dflash_prep.train import distributed
+from dflash_prep.train.split import handshake
 from dflash_prep.train.split.roles import Place, Roles
 from dflash_prep.train.split.roles import join as join_roles
 
@@ -45,7 +48,7 @@ def prepare(cfg, place: Place, source=None) -> None:
             source = FileSource(cfg.data, cfg.plan, cfg.manifests, pack_missing=cfg.pack_missing, dist=place.dist)
         for epoch in range(cfg.epochs):
             source.manifest(epoch)
-    tdist.barrier()
+    handshake.meet(place)
 
 
 def announce(place: Place, *, epoch: int, step: int, global_step: int, max_steps: int | None,
@@ -53,17 +56,15 @@ def announce(place: Place, *, epoch: int, step: int, global_step: int, max_steps
     """Drafter ranks: tell the target ranks where training starts, then wait until they are ready."""
     start = [{"epoch": int(epoch), "step": int(step), "global_step": int(global_step),
               "max_steps": max_steps, "continuation": continuation}]
-    tdist.broadcast_object_list(start, src=place.roles.drafter_global(0))
-    tdist.barrier()
+    handshake.meet(place, start[0] if place.dist.rank == 0 else None)
+    handshake.meet(place)
 
 
 def await_start(place: Place) -> dict:
     """Target ranks: the cursor :func:`announce` sends (call :func:`ready` after loading the target)."""
-    start = [None]
-    tdist.broadcast_object_list(start, src=place.roles.drafter_global(0))
-    return start[0]
+    return handshake.meet(place)[place.roles.drafter_global(0)]
 
 
-def ready() -> None:
+def ready(place: Place) -> None:
     """Target ranks: loaded, the drafters may start."""
-    tdist.barrier()
+    handshake.meet(place)

@@ -140,4 +140,5 @@ def join(roles: Roles, *, rank: int, world_size: int, local_rank: int, device: t
     if roles.is_target(rank):
         return Place(roles, rank, None)
     i = roles.drafter_index(rank)
-    return Place(roles, rank, Dist(i, roles.drafter_ranks, local_rank, device, group=group))
+    return Place(roles, rank, Dist(i, roles.drafter_ranks, local_rank, device, group=group, role="drafter rank",
+                                   global_offset=roles.target_ranks))

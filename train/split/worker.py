@@ -218,7 +218,7 @@ def serve(cfg, place, d, source=None, *, plan=dflash_plan) -> dict:
     worker = TargetWorker(source, provider, sender, roles=place.roles, target_rank=place.rank,
                           build=lambda mb, epoch: build_one(source.dataset, mb, epoch), device=d.device,
                           autocast=forward_ctx, final=final, step_stats=True)
-    split.ready()
+    split.ready(place)
     limit = start["max_steps"]
     timings = worker.run(range(cfg.epochs), start=(int(start["epoch"]), int(start["step"])),
                          max_steps=None if limit is None else max(0, limit - int(start["global_step"])))

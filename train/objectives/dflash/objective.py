@@ -321,7 +321,9 @@ class DFlashObjective:
                 "kl_temperature": ls.kl_temperature if ls.loss == "kl" else None}
 
     def check_epoch(self, epoch: int, manifest) -> None:
-        """Every epoch after the first draws anchors as the first did (its budgets assume them)."""
+        """Every epoch after the first draws anchors as the first did (its budgets assume them),
+        and every epoch's cost model has this drafter's window (:func:`~dflash_prep.objectives.drafter_cost.check_window`)."""
+        drafter_cost.check_window(manifest, self.cfg.options.sliding_window, self.name)
         if epoch > 0:
             spec = anchor_spec(self.cfg, manifest)[0]
             if spec != self.spec:
@@ -386,6 +388,7 @@ def build(cfg: TrainConfig, ds, device: torch.device, manifest=None, place=None,
     from dflash_prep.train.objectives.dflash.drafter import Drafter
     from dflash_prep.train.target import FrozenTarget, target_identity
 
+    drafter_cost.check_window(manifest, cfg.options.sliding_window, cfg.objective)
     dcfg, spec, source, tok = drafter_config(cfg, manifest)
     if place is None:
         target = FrozenTarget(cfg.options.target, dcfg.target_layer_ids, device=device)
