@@ -131,9 +131,11 @@ class Target:
 class Proposer(Protocol):
     block_size: int
 
-    def propose(self, block: torch.Tensor, ctx_feats: torch.Tensor, start: int) -> torch.Tensor:
+    def propose(self, block: torch.Tensor, ctx_feats: torch.Tensor, start: int,
+                tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens for slots 1..B-1 ``(B-1,)`` of ``block`` ``(B,)`` (bonus then masks) at
-        positions ``start..start+B-1``, given the context features ``(start, k*H)``."""
+        positions ``start..start+B-1``, given the context features ``(start, k*H)`` and the
+        committed tokens ``(start,)`` (a drafter that reads them: EAGLE-3's chain)."""
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -157,7 +159,8 @@ def _cut(tokens: list[int], stop_ids: set[int], max_new: int) -> list[int]:
 @torch.no_grad()
 def speculative_generate(target: Target, proposer: Proposer, prompt: list[int], *, max_new_tokens: int,
                          stop_ids: set[int], mask_token_id: int) -> Decoded:
-    """The DFlash loop of the module docstring for one prompt (temperature 0)."""
+    """The loop of the module docstring for one prompt (temperature 0); ``mask_token_id`` fills the
+    block's slots before the proposer drafts them (0 for a drafter without one)."""
     t0 = time.perf_counter()
     B = proposer.block_size
     target.reset()
@@ -168,17 +171,19 @@ def speculative_generate(target: Target, proposer: Proposer, prompt: list[int], 
     bonus = int(logits[-1].argmax())
     start = len(prompt)
     acc: list[int] = []
+    history = list(prompt)  # every committed token
     while len(out) < max_new_tokens:  # the reference's loop: `while start < max_length`
         block = torch.full((B,), mask_token_id, dtype=torch.long)  # (B,)
         block[0] = bonus
         if B > 1:
-            block[1:] = proposer.propose(block, ctx, start).cpu()
+            block[1:] = proposer.propose(block, ctx, start, tokens=torch.tensor(history, dtype=torch.long)).cpu()
         logits, f = target.forward(block, start)
         post = logits.argmax(-1).cpu()  # (B,) target argmax after block[:i+1]
         a = int((block[1:] == post[:-1]).to(torch.int64).cumprod(0).sum())
         acc.append(a + 1)
         committed = [int(t) for t in block[:a + 1]]
         out.extend(committed)
+        history.extend(committed)
         bonus = int(post[a])
         start += a + 1
         target.crop(start)
@@ -318,7 +323,7 @@ def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_file: str 
         rows, t_spec, t_greedy = [], 0.0, 0.0
         for i, p in enumerate(prompts):
             d = speculative_generate(target, proposer, p, max_new_tokens=cfg.max_new_tokens, stop_ids=stop,
-                                     mask_token_id=meta["mask_token_id"])
+                                     mask_token_id=meta["mask_token_id"] or 0)
             t_spec += d.seconds
             row = {"prompt_tokens": len(p), "new_tokens": len(d.tokens), "acceptance_lengths": d.acceptance_lengths,
                    "tau": sum(d.acceptance_lengths) / max(len(d.acceptance_lengths), 1),

@@ -248,3 +248,37 @@ def test_ttt_kernels_compile_for_sm90(dtype, d):
     assert {r["kernel"] for r in results} == {"fwd", "dq", "dkdv", "diag"}
     for r in results:
         assert r["ptx"] and r["shared"] <= SM90_SMEM, r  # the diagonal dK/dV kernel uses no shared memory
+
+
+GPU_SCRIPT = r"""
+import torch
+from bench.attention_ttt import TTTBenchConfig, correctness, make_case
+
+for tokens, doc_len, steps, heads, d in [(4096, 2048, 7, (32, 8), 128), (1000, 100, 3, (8, 2), 64), (520, 260, 1, (4, 4), 128)]:
+    cfg = TTTBenchConfig(tokens=(tokens,), doc_len=doc_len, steps=steps, heads_q=heads[0], heads_kv=heads[1], head_dim=d)
+    leaves, cu, max_seqlen = make_case(cfg, tokens, torch.device("cuda"))
+    res = correctness(leaves, cu, max_seqlen, torch.randn_like(leaves[0]))
+    assert res["passed"], (tokens, doc_len, steps, heads, d, res)
+    print("ok", tokens, steps, heads, d, flush=True)
+"""
+
+
+@pytest.mark.gpu
+def test_compiled_ttt_kernels_match_reference_on_gpu():
+    """Compiled kernels on a real GPU (no interpreter) at sizes the interpreter cannot reach, through
+    the GPU check's own correctness routine (bench.attention_ttt), in a subprocess."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", GPU_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    if proc.returncode:
+        pytest.fail(f"GPU check failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    assert proc.stdout.count("ok ") == 3

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
-from dflash_prep.train.objectives.eagle3.decode import Eagle3Proposer, eagle3_generate
+from dflash_prep.train.objectives.eagle3.decode import Eagle3Proposer
 from dflash_prep.train.objectives.eagle3.export import load_export, write_export
 from dflash_prep.train.objectives.eagle3.model import (PAD_ID, Eagle3Config, Eagle3Drafter, dense_attention,
                                                        eagle3_loss, ttt_valid)
-from dflash_prep.train.speculate import Target, greedy_generate
+from dflash_prep.train.speculate import Target, greedy_generate, speculative_generate
 
 TAPS = (1, 2, 4)  # outputs of layers 1, 2, 4 of a 6-layer target
 VD = 120  # draft vocabulary
@@ -241,14 +241,19 @@ class Oracle:
     """Proposes the target's own greedy continuation: every draft is accepted."""
 
     def __init__(self, model, k):
-        self.model, self.draft_tokens = model, k
+        self.model, self.draft_tokens, self.block_size = model, k, k + 1
 
     @torch.no_grad()
-    def propose(self, tokens, feats):
-        ids = tokens.tolist()
+    def propose(self, block, ctx_feats, start, tokens=None):
+        ids = tokens.tolist() + [int(block[0])]
         for _ in range(self.draft_tokens):
             ids.append(int(self.model(torch.tensor([ids])).logits[0, -1].argmax()))
-        return torch.tensor(ids[len(tokens):])
+        return torch.tensor(ids[start + 1:])
+
+
+def eagle3_generate(target, proposer, prompt, **kw):
+    """Speculate's loop with a drafter that has no mask token."""
+    return speculative_generate(target, proposer, prompt, mask_token_id=0, **kw)
 
 
 PROMPTS = [[5, 17, 240], [9, 100, 7, 250, 33, 90, 91, 2, 8], [44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56]]
@@ -276,7 +281,7 @@ def test_chain_drafting_is_the_ttt_forward_fed_its_own_drafts(target):
     prompt = PROMPTS[1]
     logits, feats = tgt.forward(torch.tensor(prompt), 0)
     bonus, m = int(logits[-1].argmax()), len(prompt)
-    drafts = Eagle3Proposer(d, draft_tokens=K).propose(torch.tensor(prompt + [bonus]), feats)
+    drafts = Eagle3Proposer(d, draft_tokens=K).chain(torch.tensor(prompt + [bonus]), feats)
     x = torch.tensor(prompt + [bonus] + drafts[:-1].tolist())  # row m-1 reads x[m + i] at step i
     taps = torch.cat([feats, torch.randn(K, feats.shape[1])])  # rows >= m are after row m-1: unseen
     with torch.no_grad():
@@ -312,7 +317,8 @@ def test_evaluate_an_exported_drafter_on_a_prompts_file(tmp_path):
     all), an export, a prompts file; the result has speculate's layout and is lossless."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_prep.train.objectives.eagle3.decode import Eagle3EvalConfig, evaluate, load
+    from dflash_prep.train.objectives.eagle3.decode import load
+    from dflash_prep.train.speculate import EvalConfig, evaluate
     from dflash_prep.train.target import target_identity
 
     from tests.train.dflash_fixtures import tiny_target
@@ -320,15 +326,17 @@ def test_evaluate_an_exported_drafter_on_a_prompts_file(tmp_path):
     path = tiny_target()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     cfg = Eagle3Config.from_target_config(model.config, 64, (0, 1, 2))
+    trained_on = {"run_key": {"contract": {"target_fingerprint": target_identity(path)["target_fingerprint"]}}}
     write_export(Eagle3Drafter.from_target(cfg, model, torch.zeros(64, dtype=torch.long)), tmp_path / "d",
-                 source={"target_fingerprint": target_identity(path)["target_fingerprint"]})
+                 source=trained_on)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hello there"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
-    res = evaluate(path, tmp_path / "d", prompts, Eagle3EvalConfig(max_new_tokens=6, draft_tokens=3))
-    assert res["method"] == "eagle3" and res["format"] == "dflash-prep/speculate-eval" and res["lossless"] is True
+    res = evaluate(path, tmp_path / "d", prompts, EvalConfig(max_new_tokens=6, block_size=4))
+    assert res["drafter"]["architecture"] == "LlamaForCausalLMEagle3" and res["drafter"]["proposer"] == "eagle3"
+    assert res["format"] == "dflash-prep/speculate-eval" and res["lossless"] is True
     assert res["prompts"]["n"] == 2 and res["block_size"] == 4 and len(res["histogram"]) == 4
     write_export(Eagle3Drafter.from_target(cfg, model, torch.zeros(64, dtype=torch.long)), tmp_path / "e",
-                 source={"target_fingerprint": "another"})
+                 source={"run_key": {"contract": {"target_fingerprint": "another"}}})
     with pytest.raises(ConfigError, match="trained on target"):
         evaluate(path, tmp_path / "e", prompts)
     tgt = Target(model)

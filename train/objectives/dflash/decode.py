@@ -30,7 +30,7 @@ class DFlashProposer:
         self.mask_token_id = int(mask_token_id)
 
     @torch.no_grad()
-    def propose(self, block: torch.Tensor, ctx_feats: torch.Tensor, start: int) -> torch.Tensor:
+    def propose(self, block: torch.Tensor, ctx_feats: torch.Tensor, start: int, tokens=None) -> torch.Tensor:
         h = self.hidden(block, ctx_feats, start)  # (B, H)
         return self.target.lm_head(h[1:]).argmax(-1)  # (B-1,)
 

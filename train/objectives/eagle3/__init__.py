@@ -13,12 +13,13 @@ final hidden states; the head runs on the drafter rank).
 
 from functools import partial
 
+from dflash_prep.train.objectives.eagle3 import decode
 from dflash_prep.train.objectives.eagle3.objective import Eagle3Objective, build, export_checkpoint, plan
 from dflash_prep.train.objectives.eagle3.options import Eagle3TrainOptions
 from dflash_prep.train.objectives.registry import TrainerSpec
 from dflash_prep.train.split.worker import serve
 
 SPEC = TrainerSpec("eagle3", Eagle3TrainOptions, build, serve=partial(serve, plan=plan), export=export_checkpoint,
-                   architectures=("LlamaForCausalLMEagle3",))
+                   architectures=("LlamaForCausalLMEagle3",), decode=decode.load)
 
 __all__ = ["SPEC", "Eagle3Objective", "Eagle3TrainOptions", "build"]
