@@ -117,8 +117,9 @@ def test_config_json_has_exactly_the_contract_fields(tmp_path):
     # the rest is DFlash's public config field for field (its top-level block_size included)
     v1 = v1_export.public_config(DrafterConfig(**{k: v for k, v in cfg.to_dict().items()
                                                   if k in DrafterConfig.__dataclass_fields__}))
+    assert v1["is_causal"] is False      # DFlash's export says it too: the public model reads it the same way
     assert {k: v for k, v in c.items() if k not in ("architectures", "dflash_config", "is_causal")} == \
-        {k: v for k, v in v1.items() if k not in ("architectures", "dflash_config", "auto_map")}
+        {k: v for k, v in v1.items() if k not in ("architectures", "dflash_config", "auto_map", "is_causal")}
     assert c["block_size"] == c["dflash_config"]["block_size"] and c["num_target_layers"] == 8
     assert c["layer_types"] == ["sliding_attention"] * 3 and c["use_sliding_window"] is True and c["sliding_window"] == 6
     hc = Qwen3Config(**{k: v for k, v in c.items() if k not in ("architectures", "model_type")})
@@ -319,7 +320,7 @@ def test_selector_proposer_is_the_greedy_walk_and_the_brute_force_optimum(tiny, 
         assert lat.shape == (1, B - 1, 3, 3)
         assert torch.equal(got, greedy_walk(lat, unary.ids)[0][0])
         assert torch.equal(got, brute_force_walk(lat, unary.ids)[0][0])  # 3^3 paths
-        h = sel.block_hidden(block, feats[:start], start)
+        h = sel.hidden(block, feats[:start], start)
         with torch.no_grad():  # the hidden states are the plain proposer's: its argmax is theirs
             assert torch.equal(plain.propose(block, feats[:start], start), target.lm_head(h[1:]).argmax(-1))
             want = _walk_oracle(h[1:], tiny.lm_head.weight, block[0], d.candidate_selector, 3)
@@ -355,7 +356,7 @@ def test_a_published_unary_transform_is_applied_in_the_z_lab_order(tiny, tmp_pat
     _, feats = target.forward(torch.tensor(list(range(50, 70))), 0)
     for start in (2, 7, 15):
         block = torch.tensor([start] + [MASK_ID] * (B - 1))
-        h = sel.block_hidden(block, feats[:start], start)
+        h = sel.hidden(block, feats[:start], start)
         with torch.no_grad():
             raw = target.lm_head(h[1:])
             _, unary = sel.lattice(block, feats[:start], start)

@@ -42,21 +42,9 @@ class SelectorProposer(DFlashProposer):
         self.top_k = int(drafter.candidate_selector.top_k)
 
     @torch.no_grad()
-    def block_hidden(self, block: torch.Tensor, ctx_feats: torch.Tensor, start: int) -> torch.Tensor:
-        """The drafter's final hidden states ``(B, H)`` of ``block``: DFlashProposer's packed
-        forward, read off the drafter's output (its head argmax is discarded)."""
-        seen = []
-        hook = self.drafter.register_forward_hook(lambda mod, args, out: seen.append(out))
-        try:
-            super().propose(block, ctx_feats, start)
-        finally:
-            hook.remove()
-        return seen[-1]
-
-    @torch.no_grad()
     def lattice(self, block: torch.Tensor, ctx_feats: torch.Tensor, start: int):
         """``(lattice [1, B-1, K, K], unary)`` of the block: the walk's input (tests)."""
-        h = self.block_hidden(block, ctx_feats, start)[1:]                       # (B-1, H)
+        h = self.hidden(block, ctx_feats, start)[1:]                       # (B-1, H)
         logits = transform_logits(self.target.lm_head(h).float(), self.output_multiplier, self.softcap)
         unary = unary_topk(logits[None], self.top_k)                             # [1, B-1, K]
         sel = self.drafter.candidate_selector
@@ -64,7 +52,7 @@ class SelectorProposer(DFlashProposer):
         return sel.lattice(h[None].to(sel.hidden_projection.weight.dtype), unary, anchor), unary
 
     @torch.no_grad()
-    def propose(self, block: torch.Tensor, ctx_feats: torch.Tensor, start: int) -> torch.Tensor:
+    def propose(self, block: torch.Tensor, ctx_feats: torch.Tensor, start: int, tokens=None) -> torch.Tensor:
         lat, unary = self.lattice(block, ctx_feats, start)
         return greedy_walk(lat, unary.ids)[0][0]                                 # (B-1,)
 
