@@ -42,7 +42,7 @@ class Oracle:
     def __init__(self, greedy, n_prompt, wrong=False, vocab=300):
         self.block_size, self.g, self.n, self.wrong, self.vocab = B, greedy, n_prompt, wrong, vocab
 
-    def propose(self, block, ctx, start):
+    def propose(self, block, ctx, start, tokens=None):
         i = start - self.n  # block[0] is greedy[i]
         t = torch.tensor(self.g[i + 1:i + B])
         return (t + 1) % self.vocab if self.wrong else t
