@@ -21,7 +21,10 @@
 # DRAFTER_RANKS (drafter processes, default 1 with or without TARGET_RANKS, so that TARGET_RANKS
 # changes only where the target runs, not the data plan; the manifests are packed for it).
 # OBJECTIVE (dflash | dflash2: DFlash2 warm-started from the DFlash drafter for DRAFT2_STEPS steps,
-# on manifests packed for dflash2, with SELECTOR_MISSING (drop|inject) and SELECTOR_ALPHA).
+# on manifests packed for dflash2, with SELECTOR_MISSING (drop|inject) and SELECTOR_ALPHA; eagle3:
+# an EAGLE-3 drafter over a DRAFT_VOCAB-id draft vocabulary (smaller than the target's 512, so the
+# map is exercised), TTT_STEPS passes, taps EAGLE3_TAPS (a 4-layer target's default taps coincide),
+# decoded by chain drafting of TTT_STEPS tokens).
 set -euo pipefail
 
 OUT=${DEMO_DFLASH:-demo-dflash}
@@ -47,7 +50,10 @@ OBJECTIVE=${OBJECTIVE:-dflash}
 DRAFT2_STEPS=${DRAFT2_STEPS:-300}
 SELECTOR_MISSING=${SELECTOR_MISSING:-drop}
 SELECTOR_ALPHA=${SELECTOR_ALPHA:-1.0}
-case "$OBJECTIVE" in dflash|dflash2) ;; *) echo "error: OBJECTIVE must be dflash or dflash2, got $OBJECTIVE" >&2; exit 1;; esac
+DRAFT_VOCAB=${DRAFT_VOCAB:-256}
+TTT_STEPS=${TTT_STEPS:-7}
+EAGLE3_TAPS=${EAGLE3_TAPS:-"0 1 2"}
+case "$OBJECTIVE" in dflash|dflash2|eagle3) ;; *) echo "error: OBJECTIVE must be dflash, dflash2 or eagle3, got $OBJECTIVE" >&2; exit 1;; esac
 DRAFTER_RANKS=${DRAFTER_RANKS:-1}
 # The target's shape: small enough that one LM step on 2,048 tokens takes about a second on a
 # loaded 2-core machine (the LM head dominates: keep the vocabulary small). 4 layers: a
@@ -127,14 +133,15 @@ else
     $CLI pack "$DATA" --plan "$PLAN" --epochs 0-$(( DRAFT_EPOCHS - 1 )) --layout varlen --out "$MANIFESTS"
 fi
 
-step "6. train the drafter on the frozen target ($DRAFT_LAYERS layer(s), B = $B, $DRAFT_STEPS steps, $DRAFTER_RANKS drafter process(es), $TARGET_RANKS target process(es))"
-# the demo's small settings, passed explicitly: the trainer's dflash defaults are the full recipe
-# (B = 16, 5 draft layers, sliding window 2048, D-PACE, Muon), sized for a real target
 DRAFT_TRAIN="$TRAIN"
 if [ $(( TARGET_RANKS + DRAFTER_RANKS )) -gt 1 ]; then   # one gloo job: K target + W drafter processes
     DRAFT_TRAIN="$PY -m dflash_prep.train.launch --standalone --nproc_per_node $(( TARGET_RANKS + DRAFTER_RANKS ))
         -m dflash_prep.train --device cpu --no-progress --target-ranks $TARGET_RANKS"
 fi
+if [ "$OBJECTIVE" != "eagle3" ]; then
+step "6. train the drafter on the frozen target ($DRAFT_LAYERS layer(s), B = $B, $DRAFT_STEPS steps, $DRAFTER_RANKS drafter process(es), $TARGET_RANKS target process(es))"
+# the demo's small settings, passed explicitly: the trainer's dflash defaults are the full recipe
+# (B = 16, 5 draft layers, sliding window 2048, D-PACE, Muon), sized for a real target
 $DRAFT_TRAIN --objective dflash --target "$OUT/target" --draft-layers "$DRAFT_LAYERS" --block-size "$B" \
     --data "$DATA" --plan "$PLAN" --manifests "$MANIFESTS" --out "$OUT/drafter-run" \
     --epochs "$DRAFT_EPOCHS" --max-steps "$DRAFT_STEPS" --lr 3e-3 --warmup-steps 5 --max-anchors "$MAX_ANCHORS" \
@@ -142,6 +149,7 @@ $DRAFT_TRAIN --objective dflash --target "$OUT/target" --draft-layers "$DRAFT_LA
 
 step "7. export it in the public DFlash format: $OUT/drafter"
 $PY -m dflash_prep.train.export "$OUT/drafter-run" --out "$OUT/drafter" --overwrite
+fi
 
 if [ "$OBJECTIVE" = "dflash2" ]; then
     step "7b. DFlash2: manifests packed for its step cost, then $DRAFT2_STEPS steps warm-started from $OUT/drafter-v1"
@@ -159,9 +167,23 @@ if [ "$OBJECTIVE" = "dflash2" ]; then
     $PY -m dflash_prep.train.export "$OUT/drafter2-run" --out "$OUT/drafter" --overwrite
 fi
 
+SPEC_ARGS=""
+if [ "$OBJECTIVE" = "eagle3" ]; then
+    step "6. EAGLE-3: the vocabulary map ($DRAFT_VOCAB of the target's ids) and manifests for its step cost, then $DRAFT_STEPS steps"
+    $CLI pack "$DATA" --plan "$PLAN" --epochs 0-$(( DRAFT_EPOCHS - 1 )) --objective eagle3 \
+        --draft-vocab-size "$DRAFT_VOCAB" --ttt-steps "$TTT_STEPS" --target-config "$OUT/target" \
+        --world-size "$DRAFTER_RANKS" --out "$OUT/manifests-eagle3"
+    $DRAFT_TRAIN --objective eagle3 --target "$OUT/target" --target-layer-ids $EAGLE3_TAPS --data "$DATA" \
+        --plan "$PLAN" --manifests "$OUT/manifests-eagle3" --out "$OUT/drafter-run" --epochs "$DRAFT_EPOCHS" \
+        --max-steps "$DRAFT_STEPS" --lr 3e-3 --warmup-steps 5 --optimizer "$OPTIMIZER"
+    step "7. export it for vLLM and SGLang (LlamaForCausalLMEagle3): $OUT/drafter"
+    $PY -m dflash_prep.train.export "$OUT/drafter-run" --out "$OUT/drafter" --overwrite
+    SPEC_ARGS="--block-size $(( TTT_STEPS + 1 ))"      # chain drafting of TTT_STEPS tokens per round
+fi
+
 step "8. speculative decoding on the $HELD held-out prompts (temperature 0): $OUT/eval.json"
 $PY -m dflash_prep.train.speculate --target "$OUT/target" --drafter "$OUT/drafter" \
-    --prompts "$OUT/corpus/heldout.jsonl" --out "$OUT/eval.json" --max-new-tokens "$MAX_NEW"
+    --prompts "$OUT/corpus/heldout.jsonl" --out "$OUT/eval.json" --max-new-tokens "$MAX_NEW" $SPEC_ARGS
 
 step "9. targets: tau >= 2.0 at B = 8, lossless, drafter loss falling"
 $PY - "$OUT" "$OBJECTIVE" <<'PYEOF'
@@ -169,9 +191,9 @@ import json, sys
 out, objective = sys.argv[1], sys.argv[2]
 ev = json.load(open(f"{out}/eval.json"))
 run = json.load(open(f"{out}/{'drafter2-run' if objective == 'dflash2' else 'drafter-run'}/summary.json"))
-ok = {"tau >= 2.0": ev["tau"] >= 2.0, "lossless": ev["lossless"] is True and
+ok = {"tau >= 2.0" if objective != "eagle3" else "tau >= 1.5": ev["tau"] >= (2.0 if objective != "eagle3" else 1.5), "lossless": ev["lossless"] is True and
       all(v["lossless"] is True for v in ev["variants"].values())}
-if objective == "dflash":
+if objective != "dflash2":      # a warm start begins near its floor
     ok["loss fell"] = bool(run["loss_fell"])
 print(f"{ev['drafter']['architecture']} ({ev['drafter']['proposer']}): tau {ev['tau']:.3f} (pooled {ev['tau_pooled']:.3f}) "
       f"at B = {ev['block_size']} on {ev['prompts']['n']} held-out prompts; lossless {ev['lossless']}; drafter loss "
