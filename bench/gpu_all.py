@@ -16,8 +16,12 @@ a run cut short keeps everything it measured. Steps, correctness first:
 2. ``attention-causal`` (:mod:`bench.attention`): causal kernels vs SDPA flash/cuDNN and Flex;
 3. ``attention-dflash`` (:mod:`bench.attention_dflash`): DFlash kernels vs Flex and SDPA, and
    windowed vs full attention at 32K context, 512 anchors, B = 16, W = 2048;
-4. ``drafter-training`` (:mod:`bench.drafter_gpu`): drafter-training throughput, packed vs padded;
-5. ``target-workers`` (:mod:`bench.target_workers_gpu`): one target rank + one drafter rank sharing
+4. ``attention-ttt`` (:mod:`bench.attention_ttt`): the EAGLE-3 TTT kernel vs SDPA with an explicit
+   mask, forward and backward;
+5. ``drafter-training`` (:mod:`bench.drafter_gpu`): drafter-training throughput, packed vs padded;
+6. ``drafter-variants`` (:mod:`bench.drafter_variants_gpu`): DFlash, DFlash2 and EAGLE-3 training
+   steps on the same micro-batches;
+7. ``target-workers`` (:mod:`bench.target_workers_gpu`): one target rank + one drafter rank sharing
    the GPU (gloo link, CPU staging) vs the colocated drafter (``--target-ranks``).
 
 The limits (seconds) add up to :data:`TOTAL_S`; a step gets at most what is left of it. A
@@ -53,12 +57,14 @@ class Step:
 
 
 STEPS = (
-    Step("checks", "bench.gpu_checks", (), 75),
-    Step("attention-causal", "bench.attention", ("--budget-s", "25"), 50),
-    Step("attention-dflash", "bench.attention_dflash", ("--budget-s", "12", "--cases", "3072:512,8192:512,1024:64"),
-         60),
-    Step("drafter-training", "bench.drafter_gpu", ("--steps", "10", "--warmup", "2", "--n", "2000"), 70),
-    Step("target-workers", "bench.target_workers_gpu", ("--timeout-s", "32"), 40),
+    Step("checks", "bench.gpu_checks", (), 60),
+    Step("attention-causal", "bench.attention", ("--budget-s", "18"), 35),
+    Step("attention-dflash", "bench.attention_dflash", ("--budget-s", "9", "--cases", "3072:512,8192:512,1024:64"),
+         45),
+    Step("attention-ttt", "bench.attention_ttt", ("--budget-s", "15", "--tokens", "4096,16384"), 30),
+    Step("drafter-training", "bench.drafter_gpu", ("--steps", "8", "--warmup", "2", "--n", "2000"), 50),
+    Step("drafter-variants", "bench.drafter_variants_gpu", ("--steps", "5", "--warmup", "2", "--n", "1500"), 40),
+    Step("target-workers", "bench.target_workers_gpu", ("--timeout-s", "28"), 35),
 )
 SMOKE_LIMIT_S = 900.0
 

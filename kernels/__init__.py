@@ -37,20 +37,12 @@ import torch
 
 from .backend import force_backend, resolve_backend
 from .dflash_reference import attention_dflash_reference
+from .inputs import autocast_inputs as _autocast
 from .inputs import check_dflash, check_padded, check_varlen
 from .reference import attention_padded_reference, attention_varlen_grouped
 from .ttt import ttt_attention
 
 __all__ = ["attention_varlen", "attention_padded", "attention_dflash", "ttt_attention", "force_backend"]
-
-
-def _autocast(q: torch.Tensor, *rest: torch.Tensor):
-    """Cast floating q, k, v (and any further tensors) to the autocast dtype when autocast is on."""
-    dev = q.device.type
-    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
-        dtype = torch.get_autocast_dtype(dev)
-        return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, *rest))
-    return (q, *rest)
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -61,6 +61,18 @@ class Problem:
         return self.heads_q // self.heads_kv
 
 
+def autocast_inputs(q: torch.Tensor, *rest: torch.Tensor):
+    """Cast floating q, k, v (and any further tensors) to the autocast dtype when autocast is on.
+
+    Every public entry point calls it first (here, not in the package ``__init__``, so that
+    ``kernels.ttt`` can use it without an import cycle)."""
+    dev = q.device.type
+    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, *rest))
+    return (q, *rest)
+
+
 def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):

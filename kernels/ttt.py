@@ -19,7 +19,7 @@ import torch
 
 from .backend import BACKENDS, force_backend, resolve_backend
 from .errors import AttentionConfigError
-from .inputs import TTTProblem, check_ttt
+from .inputs import TTTProblem, autocast_inputs, check_ttt
 from .ttt_reference import ttt_attention_reference
 
 DEFAULT_TTT_STEPS = 7  # EAGLE-3's training-time-test length (SpecForge's and speculators' default)
@@ -87,11 +87,10 @@ def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
 
     ``backend``: ``auto`` (Triton on CUDA tensors, the reference elsewhere; :func:`force_backend`
     and ``DFLASH_ATTN_BACKEND`` apply), or ``triton``/``reference`` to force one. Triton takes
-    D in {32, 64, 128} and fp16/bf16/fp32 (fp32 accumulation); the reference anything.
+    D in {32, 64, 128} and fp16/bf16/fp32 (fp32 accumulation); the reference anything. Under
+    ``torch.autocast`` the inputs are first cast to the autocast dtype, as for the other entry points.
     """
-    from . import _autocast  # lazy: the package imports this module
-
-    q, k, v = _autocast(q, k, v)
+    q, k, v = autocast_inputs(q, k, v)
     single = isinstance(q, torch.Tensor) and q.dim() == 3
     if single:
         q = q.unsqueeze(0)  # (1, T, Hq, D)

@@ -43,8 +43,8 @@ def test_gpu_entry_point_runs_every_step_on_cpu_without_datasets(tmp_path):
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:], logs)
     summary = check_header(json.loads((out / "gpu_all.json").read_text()), path=out / "gpu_all.json",
                            format="dflash-prep/gpu-all", versions=(1,))
-    assert [s["name"] for s in summary["steps"]] == ["checks", "attention-causal", "attention-dflash",
-                                                     "drafter-training", "target-workers"]
+    assert [s["name"] for s in summary["steps"]] == ["checks", "attention-causal", "attention-dflash", "attention-ttt",
+                                                     "drafter-training", "drafter-variants", "target-workers"]
     assert summary["smoke"] is True and summary["passed"] is True
     for s in summary["steps"]:
         assert s["returncode"] == 0 and not s["timed_out"] and s["files"], s
@@ -56,6 +56,8 @@ def test_gpu_entry_point_runs_every_step_on_cpu_without_datasets(tmp_path):
     assert [r["W"] for r in dflash["window_rows"]] == [0, 8]
     drafter = json.loads((out / "drafter-training" / "drafter_gpu.json").read_text())
     assert drafter["target_met"] is None  # smoke: no verdict from CPU figures
+    variants = json.loads((out / "drafter-variants" / "drafter_variants_gpu.json").read_text())
+    assert [r["drafter"] for r in variants["rows"]] == ["dflash", "dflash2", "eagle3"]
     split = json.loads((out / "target-workers" / "target_workers_gpu.json").read_text())
     assert split["smoke"] is True and split["split"]["steps"] == split["colocated"]["steps"] >= 1
     assert split["split"]["bytes_sent"] > 0 and 0.0 <= split["split"]["drafter_wait_frac"] <= 1.0

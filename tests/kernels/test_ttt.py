@@ -162,6 +162,15 @@ def test_three_dim_q_is_the_newest_step():
         assert torch.equal(a, b if name in ("dk", "dv") else b[0]), name
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_autocast_casts_the_inputs_first(backend):
+    q, k, v, _, cu, max_len = make_ttt([6, 11], 2, 2, 2, 1, 32, torch.float32, seed=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = ttt_attention(q, k, v, cu, max_len, backend=backend)
+    want = ttt_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu, max_len, backend=backend)
+    assert o.dtype == torch.bfloat16 and torch.equal(o, want)
+
+
 def test_lse_is_the_natural_log_sum_exp_over_what_each_row_sees():
     from dflash_prep.kernels import ttt
     from dflash_prep.kernels.inputs import check_ttt
@@ -187,7 +196,7 @@ def test_bitwise_deterministic_across_runs():
 def test_empty_batch():
     q, k, v, do, cu, _ = make_ttt([0, 0], 2, 2, 2, 1, 32, torch.float32)
     o, dq, dk, dv = run(ttt_attention, q, k, v, do, cu, 0, backend="triton")
-    assert o.shape == (2, 0, 2, 32) and dk.shape == (2, 0, 1, 32)
+    assert o.shape == dq.shape == (2, 0, 2, 32) and dk.shape == dv.shape == (2, 0, 1, 32)
 
 
 def test_dispatch_backend_argument_beats_force_backend():
