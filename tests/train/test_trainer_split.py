@@ -284,3 +284,32 @@ def test_dflash2_split_equals_colocated(runs):
         assert [r[key] for r in a] == [r[key] for r in b], key
     assert "candidate_selector.successor_codebook" in _weights(outs[0])
     _same_weights(outs[0], outs[1])
+
+
+def test_eagle3_split_equals_colocated(runs):
+    """--objective eagle3 with one target rank: it sends the three taps and the final hidden
+    states of the same micro-batches; 2 steps split equal 2 steps colocated, bit for bit."""
+    from dflash_prep.objectives import options as opt_decl
+    from dflash_prep.objectives.eagle3 import Eagle3Options
+    from dflash_prep.pack.pack import PackConfig, pack_epochs
+
+    root, paths = runs["root"], runs["paths"]
+    man = root / "man-eagle3"
+    if not man.exists():
+        o = opt_decl.from_flags(Eagle3Options, "pack", {"target_config": paths["target"], "draft_vocab_size": 64,
+                                                        "ttt_steps": 3})
+        pack_epochs(plan=paths["plan"], epochs=[0, 1], out=man,
+                    config=PackConfig(objective="eagle3", options=o, world_size=2, grad_accum=2, layout="varlen"))
+    outs = {}
+    for K in (0, 1):
+        outs[K] = root / f"e3-{K}"
+        shutil.rmtree(outs[K], ignore_errors=True)
+        cfg = {k: v for k, v in base_cfg(paths, outs[K], target_ranks=K, max_steps=2).items()
+               if k not in ("draft_layers", "slot_weights", "sliding_window")}
+        cfg.update(objective="eagle3", manifests=str(man), target_layer_ids=(0, 1, 2))
+        _ok(run_job(root / f"e3-job-{K}", cfg, 2 + K), 2 + K)
+    a, b = log_records(outs[0]), log_records(outs[1])
+    assert len(a) == 2 and [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["step_acc"] for r in a] == [r["step_acc"] for r in b]
+    assert "midlayer.self_attn.q_proj.weight" in _weights(outs[0])
+    _same_weights(outs[0], outs[1])

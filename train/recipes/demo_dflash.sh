@@ -22,7 +22,7 @@
 # changes only where the target runs, not the data plan; the manifests are packed for it).
 # OBJECTIVE (dflash | dflash2: DFlash2 warm-started from the DFlash drafter for DRAFT2_STEPS steps,
 # on manifests packed for dflash2, with SELECTOR_MISSING (drop|inject) and SELECTOR_ALPHA; eagle3:
-# an EAGLE-3 drafter over a DRAFT_VOCAB-id draft vocabulary (smaller than the target's 512, so the
+# an EAGLE-3 drafter over a DRAFT_VOCAB-id draft vocabulary (64: fewer than the ~90 ids its data trains on, so the
 # map is exercised), TTT_STEPS passes, taps EAGLE3_TAPS (a 4-layer target's default taps coincide),
 # decoded by chain drafting of TTT_STEPS tokens).
 set -euo pipefail
@@ -50,7 +50,7 @@ OBJECTIVE=${OBJECTIVE:-dflash}
 DRAFT2_STEPS=${DRAFT2_STEPS:-300}
 SELECTOR_MISSING=${SELECTOR_MISSING:-drop}
 SELECTOR_ALPHA=${SELECTOR_ALPHA:-1.0}
-DRAFT_VOCAB=${DRAFT_VOCAB:-256}
+DRAFT_VOCAB=${DRAFT_VOCAB:-64}
 TTT_STEPS=${TTT_STEPS:-7}
 EAGLE3_TAPS=${EAGLE3_TAPS:-"0 1 2"}
 case "$OBJECTIVE" in dflash|dflash2|eagle3) ;; *) echo "error: OBJECTIVE must be dflash, dflash2 or eagle3, got $OBJECTIVE" >&2; exit 1;; esac

@@ -178,32 +178,14 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
 
 
-def ttt_attention_reference(q, k, v, cu_seqlens, max_seqlen: int, *, sm_scale: float | None = None):
-    """TTT attention with an explicit mask, in fp32 (or wider): q ``[Sq, T, Hq, D]``, k/v ``[Sk, T, Hkv, D]`` ->
-    ``[Sq, T, Hq, D]``. ``q`` holds the last ``Sq`` of the ``Sk`` steps (query a is step ``Sk - Sq + a``);
-    step i at row t sees ``k[0]`` at rows ``s <= t`` of its document and ``k[1..i]`` at row t."""
-    Sq, T, Hq, D = q.shape
-    Sk, g, f = k.shape[0], Hq // k.shape[2], torch.promote_types(q.dtype, torch.float32)
-    scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
-    doc, _ = doc_bounds(cu_seqlens, T)
-    rows = torch.arange(T, device=q.device)
-    visible = (doc[:, None] == doc[None, :]) & (rows[None, :] <= rows[:, None])  # (T query, T key)
-    kr, vr = k.repeat_interleave(g, dim=2).to(f), v.repeat_interleave(g, dim=2).to(f)  # (Sk, T, Hq, D)
-    out = []
-    for a in range(Sq):
-        i, qa = Sk - Sq + a, q[a].to(f)  # (T, Hq, D)
-        s0 = torch.einsum("thd,shd->hts", qa, kr[0]).masked_fill(~visible, float("-inf"))  # (Hq, T, T)
-        diag = [(qa * kr[j]).sum(-1).T[..., None] for j in range(1, i + 1)]  # each (Hq, T, 1)
-        p = torch.softmax(torch.cat([s0, *diag], dim=-1) * scale, dim=-1)  # (Hq, T, T + i)
-        o = torch.einsum("hts,shd->thd", p[..., :T], vr[0])  # (T, Hq, D), then the diagonal keys' share
-        out.append(o + sum(p[..., T + j - 1].T[..., None] * vr[j] for j in range(1, i + 1)))
-    return torch.stack(out).to(q.dtype)
-
-
 def ttt_attention(q, k, v, cu_seqlens, max_seqlen: int, *, sm_scale: float | None = None):
-    """The drafter's one attention entry point (shapes and mask: :func:`ttt_attention_reference`).
-    ``dflash_prep.kernels.ttt.ttt_attention`` has the same contract; switch here."""
-    return ttt_attention_reference(q, k, v, cu_seqlens, max_seqlen, sm_scale=sm_scale)
+    """The drafter's one attention entry point: :func:`dflash_prep.kernels.ttt_attention` (the Triton
+    kernel on CUDA, its PyTorch reference elsewhere): q ``[Sq, T, Hq, D]`` holds the last ``Sq`` of the
+    ``Sk`` steps of k/v ``[Sk, T, Hkv, D]``; step i at row t sees ``k[0]`` at rows ``s <= t`` of its
+    document and ``k[1..i]`` at row t (docs/kernels.md)."""
+    from dflash_prep import kernels
+
+    return kernels.ttt_attention(q, k, v, cu_seqlens, max_seqlen, sm_scale=sm_scale)
 
 
 def shifted_ids(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, k: int, pad_id: int = PAD_ID) -> torch.Tensor:
