@@ -173,7 +173,8 @@ if [ "$OBJECTIVE" = "eagle3" ]; then
     $CLI pack "$DATA" --plan "$PLAN" --epochs 0-$(( DRAFT_EPOCHS - 1 )) --objective eagle3 \
         --draft-vocab-size "$DRAFT_VOCAB" --ttt-steps "$TTT_STEPS" --target-config "$OUT/target" \
         --world-size "$DRAFTER_RANKS" --out "$OUT/manifests-eagle3"
-    $DRAFT_TRAIN --objective eagle3 --target "$OUT/target" --target-layer-ids $EAGLE3_TAPS --data "$DATA" \
+    TAP_FLAGS=$(for t in $EAGLE3_TAPS; do printf -- '--target-layer-ids %s ' "$t"; done)   # a repeated option
+    $DRAFT_TRAIN --objective eagle3 --target "$OUT/target" $TAP_FLAGS --data "$DATA" \
         --plan "$PLAN" --manifests "$OUT/manifests-eagle3" --out "$OUT/drafter-run" --epochs "$DRAFT_EPOCHS" \
         --max-steps "$DRAFT_STEPS" --lr 3e-3 --warmup-steps 5 --optimizer "$OPTIMIZER"
     step "7. export it for vLLM and SGLang (LlamaForCausalLMEagle3): $OUT/drafter"
