@@ -19,7 +19,10 @@ import logging
 import os
 import shlex
 import sys
+import tomllib
 from pathlib import Path
+
+from dflash_prep.errors import DflashError
 
 QUIET = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
 
@@ -62,8 +65,6 @@ def _target_ranks(args: list[str]) -> int:
     """K from ``--target-ranks`` (which wins) or the ``--config`` file's ``target_ranks``; 0 when neither says."""
     k = _flag(args, "--target-ranks")
     if k is None and _flag(args, "--config"):
-        import tomllib
-
         try:
             k = tomllib.loads(Path(_flag(args, "--config")).read_text()).get("target_ranks")
         except (OSError, ValueError):
@@ -85,8 +86,6 @@ def _role(rank: int, args: list[str]) -> str:
 def _resume_hint(argv: list[str], args: list[str]) -> str:
     """``; resume from global step N of OUT/checkpoint.pt with: python -m ...`` when ``--out`` holds an
     intact checkpoint (its SHA-256 trailer checked), else nothing."""
-    from dflash_prep.errors import DflashError
-
     from dflash_prep.train import checkpoint as ckpt
 
     out = _flag(args, "--out")
