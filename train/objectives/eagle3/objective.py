@@ -286,7 +286,7 @@ def build(cfg, ds, device: torch.device, manifest=None, place=None) -> Eagle3Obj
         target = remote_taps(place, o.target, timeout=cfg.target_timeout, device=device)
     dcfg = Eagle3Config.from_target_config(hc, vm.draft_vocab_size, target_layer_ids=ids)
     drafter = Eagle3Drafter(dcfg)
-    drafter.set_vocab_map(torch.from_numpy(np.asarray(vm.d2t, np.int64)), target_t2d(vm, dcfg.vocab_size))
+    drafter.set_vocab_map(torch.from_numpy(np.array(vm.d2t, np.int64)), target_t2d(vm, dcfg.vocab_size))
     with torch.no_grad():       # the target's embedding (frozen) and its head's rows of the draft vocabulary
         drafter.embed_tokens.weight.copy_(target.embed_tokens.weight.detach().to("cpu", torch.float32))
         head = target.lm_head.weight.detach().to("cpu", torch.float32)
