@@ -112,6 +112,44 @@ def _read(ds, sid: int, expect_len: int | None, where: str, vocab: int | None = 
     return ids, mask
 
 
+@dataclass
+class Documents:
+    """A micro-batch's documents packed back to back (numpy): ``ids`` int64 / ``mask`` uint8 ``[T]``,
+    ``lens`` int64 ``[D]``, ``cu`` int64 ``[D + 1]`` (document offsets), ``pos`` int64 ``[T]``
+    (positions restarting per document), and ``where`` (the micro-batch, for error messages)."""
+
+    sids: np.ndarray
+    ids: np.ndarray
+    mask: np.ndarray
+    lens: np.ndarray
+    cu: np.ndarray
+    pos: np.ndarray
+    where: str
+
+
+def read_documents(ds, mb, *, epoch: int, vocab_size: int) -> Documents:
+    """The documents of one manifest micro-batch, packed (any layout), for an objective that trains
+    a drafter on a frozen target: every id must be a row of the target's vocabulary."""
+    sids = np.asarray(mb.sample_ids, np.int64)
+    where = f"epoch {epoch} step {mb.step} rank {mb.rank} accum {mb.accum}"
+    if sids.shape[0] == 0:
+        raise FormatError(f"{where}: empty micro-batch; the manifest is corrupt, re-run `dflash-prep pack`")
+    samples = [_read(ds, s, None, where) for s in sids]
+    lens = np.fromiter((a.shape[0] for a, _ in samples), np.int64, len(samples))
+    T = int(lens.sum())
+    if T > np.iinfo(np.int32).max:
+        raise FormatError(f"{where}: {T} tokens overflow int32 cu_seqlens; lower the pack budget")
+    ids = np.concatenate([a for a, _ in samples]).astype(np.int64)      # (T,)
+    mask = np.concatenate([m for _, m in samples]).astype(np.uint8)     # (T,)
+    if ids.size and (ids.max() >= vocab_size or ids.min() < 0):
+        raise FormatError(f"{where}: token id {int(ids.max())} is outside the target's vocabulary ({vocab_size}); "
+                          "the dataset was tokenized with another tokenizer: re-tokenize with the target's")
+    cu = np.zeros(len(samples) + 1, np.int64)
+    np.cumsum(lens, out=cu[1:])
+    pos = np.arange(T, dtype=np.int64) - np.repeat(cu[:-1], lens)      # (T,) restarts per document
+    return Documents(sids=sids, ids=ids, mask=mask, lens=lens, cu=cu, pos=pos, where=where)
+
+
 def build_batch(ds, mb, layout: str, *, pad_id: int = 0, pin: bool = False) -> Batch:
     """Tensors for one manifest micro-batch (attributes per the manifest contract)."""
     sids = np.asarray(mb.sample_ids, np.int64)

@@ -18,7 +18,7 @@ from dflash_prep.errors import ConfigError, FormatError
 from dflash_prep.objectives import options as opt_decl
 from dflash_prep.objectives.anchors import SAMPLER_VERSION, sample_anchors_batch
 from dflash_prep.objectives.dflash import DrafterOptions
-from dflash_prep.train.data import TensorBatch, _read
+from dflash_prep.train.data import TensorBatch, read_documents
 
 
 def default_gamma(block_size: int) -> float:
@@ -86,31 +86,17 @@ class DFlashBatch(TensorBatch):
 def build_dflash_batch(ds, mb, *, epoch: int, spec: AnchorSpec, gamma: float | None, mask_token_id: int,
                        vocab_size: int, pin: bool = False) -> DFlashBatch:
     """Documents, anchors and blocks of one manifest micro-batch (any layout: documents are packed)."""
-    sids = np.asarray(mb.sample_ids, np.int64)
-    where = f"epoch {epoch} step {mb.step} rank {mb.rank} accum {mb.accum}"
-    if sids.shape[0] == 0:
-        raise FormatError(f"{where}: empty micro-batch; the manifest is corrupt, re-run `dflash-prep pack`")
-    samples = [_read(ds, s, None, where) for s in sids]
-    lens = np.fromiter((a.shape[0] for a, _ in samples), np.int64, len(samples))
-    T = int(lens.sum())
-    if T > np.iinfo(np.int32).max:
-        raise FormatError(f"{where}: {T} tokens overflow int32 cu_seqlens; lower the pack budget")
-    ids = np.concatenate([a for a, _ in samples]).astype(np.int64)      # (T,)
-    mask = np.concatenate([m for _, m in samples]).astype(np.uint8)     # (T,)
-    if ids.size and (ids.max() >= vocab_size or ids.min() < 0):
-        raise FormatError(f"{where}: token id {int(ids.max())} is outside the target's vocabulary ({vocab_size}); "
-                          "the dataset was tokenized with another tokenizer: re-tokenize with the target's")
+    docs = read_documents(ds, mb, epoch=epoch, vocab_size=vocab_size)
+    sids, ids, mask, lens, cu, pos = docs.sids, docs.ids, docs.mask, docs.lens, docs.cu, docs.pos
+    T = int(ids.shape[0])
     if np.any(ids == mask_token_id):
-        raise FormatError(f"{where}: the mask token id {mask_token_id} occurs in the data; pass a "
+        raise FormatError(f"{docs.where}: the mask token id {mask_token_id} occurs in the data; pass a "
                           "--mask-token-id that never occurs (an unused embedding row)")
-    cu = np.zeros(len(samples) + 1, np.int64)
-    np.cumsum(lens, out=cu[1:])
-    pos = np.arange(T, dtype=np.int64) - np.repeat(cu[:-1], lens)      # (T,) restarts per document
     anc, off = sample_anchors_batch(mask, cu, sids, seed=spec.seed, epoch=epoch, max_anchors=spec.max_anchors,
                                     policy=spec.policy, block_size=spec.block_size)
     B = spec.block_size
     N = int(anc.shape[0])
-    doc = np.repeat(np.arange(len(samples)), np.diff(off))              # (N,) document of each block
+    doc = np.repeat(np.arange(len(lens)), np.diff(off))                 # (N,) document of each block
     r = np.arange(B, dtype=np.int64)
     bpos = anc.astype(np.int64)[:, None] + r[None, :]                   # (N, B) in-document positions
     inside = bpos < lens[doc][:, None]                                   # (N, B)

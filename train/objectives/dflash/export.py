@@ -254,18 +254,12 @@ def write_export(drafter: Drafter, out: str | Path, *, source: dict, dtype: str 
     return sidecar
 
 
-def load_export(path: str | Path, *, dtype: torch.dtype = torch.float32, drafter_type: type = Drafter,
-                read_config=None) -> tuple[Drafter, dict]:
-    """Our :class:`Drafter` from a public DFlash folder, strict key/shape match; and a dict of
-    ``block_size``, ``mask_token_id``, ``target_layer_ids``, ``hidden_size``, ``vocab_size``,
-    ``export`` (the sidecar, or None for a folder this tool did not write).
-
-    A variant reuses it: ``drafter_type`` is the module built and
-    ``read_config(config_dict, path=..., sidecar=...)`` its config (default :func:`config_from_public`);
-    the sidecar's fingerprints are checked before either runs."""
+def read_folder(path: Path, *, fmt: str, versions: tuple[int, ...]) -> tuple[dict, dict, dict | None]:
+    """``(config.json as a dict, the tensors of model.safetensors, export.json or None)`` of an exported
+    drafter folder (any objective's: ``fmt``/``versions`` name its sidecar); a sidecar's fingerprints
+    are checked against both files first. Missing, changed or unreadable files are refused by name."""
     from safetensors.torch import load
 
-    path = Path(path)
     cfile, wfile = path / CONFIG_FILE, path / WEIGHTS_FILE
     for f in (cfile, wfile):
         if not f.is_file():
@@ -274,7 +268,7 @@ def load_export(path: str | Path, *, dtype: torch.dtype = torch.float32, drafter
     cbytes, wbytes = cfile.read_bytes(), wfile.read_bytes()
     sidecar = None
     if (path / SIDECAR_FILE).is_file():
-        sidecar = read_json(path / SIDECAR_FILE, format=EXPORT_FORMAT, versions=(EXPORT_VERSION,))
+        sidecar = read_json(path / SIDECAR_FILE, format=fmt, versions=versions)
         for name, data, key in ((CONFIG_FILE, cbytes, "config_fingerprint"), (WEIGHTS_FILE, wbytes, "weights_fingerprint")):
             if fingerprint_bytes(data) != sidecar.get(key):
                 raise FingerprintMismatch(f"{path / name}: its fingerprint differs from {SIDECAR_FILE}'s; the file "
@@ -283,11 +277,26 @@ def load_export(path: str | Path, *, dtype: torch.dtype = torch.float32, drafter
         c = json.loads(cbytes)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise FormatError(f"{cfile}: not valid JSON ({e})") from None
-    cfg = config_from_public(c, path=cfile) if read_config is None else read_config(c, path=cfile, sidecar=sidecar)
     try:
         state = load(wbytes)
     except Exception as e:  # safetensors raises its own error type for a bad header
         raise FormatError(f"{wfile}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    return c, state, sidecar
+
+
+def load_export(path: str | Path, *, dtype: torch.dtype = torch.float32, drafter_type: type = Drafter,
+                read_config=None) -> tuple[Drafter, dict]:
+    """Our :class:`Drafter` from a public DFlash folder, strict key/shape match; and a dict of
+    ``block_size``, ``mask_token_id``, ``target_layer_ids``, ``hidden_size``, ``vocab_size``,
+    ``export`` (the sidecar, or None for a folder this tool did not write).
+
+    A variant reuses it: ``drafter_type`` is the module built and
+    ``read_config(config_dict, path=..., sidecar=...)`` its config (default :func:`config_from_public`);
+    the sidecar's fingerprints are checked before either runs (:func:`read_folder`)."""
+    path = Path(path)
+    c, state, sidecar = read_folder(path, fmt=EXPORT_FORMAT, versions=(EXPORT_VERSION,))
+    cfile, wfile = path / CONFIG_FILE, path / WEIGHTS_FILE
+    cfg = config_from_public(c, path=cfile) if read_config is None else read_config(c, path=cfile, sidecar=sidecar)
     drafter = drafter_type(cfg).to(dtype)
     _load_strict(drafter, state, where=str(wfile))
     meta = {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,

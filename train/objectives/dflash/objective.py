@@ -48,6 +48,7 @@ from dflash_prep.train.chunked_ce import weighted_ce
 from dflash_prep.train.config import TrainConfig
 from dflash_prep.train.objectives.dflash.batch import (AnchorSpec, DFlashBatch, anchor_spec, build_dflash_batch,
                                                        default_gamma)
+from dflash_prep.train.objectives.drafter import DrafterObjective
 
 
 def dpace_weights(ce: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -225,17 +226,19 @@ def step_flops(coef: np.ndarray, b: DFlashBatch) -> float:
 
 
 # ----------------------------------------------------------------------------- the trainer objective
-class DFlashObjective:
+class DFlashObjective(DrafterObjective):
     """Drafter training on a frozen target (module docstring), behind the loop's objective
     protocol (:mod:`dflash_prep.train.objectives`). The block size is ``anchor_spec``'s: the
     drafter is built for it, and every use reads :attr:`block_size`."""
 
     name = "dflash"
+    log_keys = ("tau", "acc", "slot_acc", "anchors")
 
     def __init__(self, drafter, target, cfg: TrainConfig, *, anchor_spec: AnchorSpec, gamma: float, identity: dict,
                  anchor_source: str = "the options"):
         from dflash_prep.train.split.taps import provider_of
 
+        super().__init__()
         if drafter.config.block_size != anchor_spec.block_size:
             raise ConfigError(f"the drafter is built for B = {drafter.config.block_size}, the anchors are drawn for "
                               f"B = {anchor_spec.block_size}")
@@ -251,7 +254,6 @@ class DFlashObjective:
         self.stats_width = stats_width(self.block_size)
         self._p_drafter = sum(p.numel() for p in drafter.parameters())
         self._coef = self.cost_coefficients()
-        self._taus: list[float] = []
         self._anchors = 0
 
     @property
@@ -272,15 +274,6 @@ class DFlashObjective:
     def denominator(b) -> float:
         return b.weight_sum
 
-    @staticmethod
-    def denominator_from(stats: torch.Tensor) -> float:
-        """The step's ``sum w`` from the all-reduced stats (its last entry): D-PACE's normaliser."""
-        return float(stats[-1])
-
-    @staticmethod
-    def targets(denom: float) -> float:
-        return denom
-
     def loss(self, b, autocast):
         return dflash_loss(self.model, self.target, b, block_size=self.block_size, ce_chunk=self.cfg.ce_chunk,
                            autocast=autocast, spec=self.loss_spec)
@@ -300,12 +293,10 @@ class DFlashObjective:
 
     def describe(self) -> str:
         """The recipe the run resolved (defaults filled in), one line printed at start."""
-        from dflash_prep.train.optim import muon_lr
-
         cfg, c, ls = self.cfg, self.model.config, self.loss_spec
         weights = f"dpace alpha={ls.dpace_alpha:g}" if ls.slot_weights == "dpace" else f"decay gamma={self.gamma:g}"
         loss = f"kl T={ls.kl_temperature:g}" if ls.loss == "kl" else "ce"
-        opt = f"muon lr={muon_lr(cfg):g} + adamw lr={cfg.lr:g}" if cfg.optimizer == "muon" else f"adamw lr={cfg.lr:g}"
+        opt = self.optimizer_text()
         window = f"window {c.sliding_window}" if c.sliding_window else "full attention"
         return (f"{self.name} recipe: B={self.block_size}, {c.num_layers} draft layer(s), {window}, slot weights {weights}, "
                 f"loss {loss}, optimizer {opt}; target {cfg.options.target} ({self.target.num_layers} layers), taps "
@@ -332,33 +323,18 @@ class DFlashObjective:
 
     def log_fields(self, st: dict, dt: float) -> dict:
         """tau, accuracies and anchors of a step for its log record; kept for :meth:`run_summary`."""
-        rec = {k: st[k] for k in ("tau", "acc", "slot_acc", "anchors") if k in st}
-        if self.target.remote:   # where the step's time went between the target rank and this one
-            rec.update(self.target.log_fields(st["epoch"], st["step"], dt))
-        if not st["skipped"] and "tau" in st:
-            self._taus.append(st["tau"])
+        rec = super().log_fields(st, dt)
         if "anchors" in st:
             rec["anchors_per_s"] = st["anchors"] / dt
             self._anchors += st["anchors"]
         return rec
 
     def run_summary(self, time_s: float) -> dict:
-        taus = self._taus
-        if not taus:
-            return {}
-        k = max(1, min(5, len(taus) // 2))
-        split = self.target.summary() if self.target.remote else {}
-        return split | {"tau_first": sum(taus[:k]) / k, "tau_last": sum(taus[-k:]) / k, "anchors": self._anchors,
-                "anchors_per_s": self._anchors / max(time_s, 1e-9)}
-
-    def model_config(self) -> dict:
-        return self.model.config.to_dict()
+        out = super().run_summary(time_s)
+        return out | {"anchors": self._anchors, "anchors_per_s": self._anchors / max(time_s, 1e-9)} if out else out
 
     def num_parameters(self) -> int:
         return self._p_drafter
-
-    def finish(self, out) -> None:
-        pass  # `export RUN --out DIR` writes the public format from the checkpoint
 
 
 def drafter_config(cfg: TrainConfig, manifest=None):

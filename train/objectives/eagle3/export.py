@@ -43,8 +43,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
-from dflash_prep.formats.fileio import atomic_dir, atomic_write_bytes, atomic_write_json, fingerprint_bytes, read_json
+from dflash_prep.errors import ConfigError, FormatError
+from dflash_prep.formats.fileio import atomic_dir, atomic_write_bytes, atomic_write_json, fingerprint_bytes
 
 from .model import Eagle3Config, Eagle3Drafter, check_vocab_map
 
@@ -174,30 +174,12 @@ def load_export(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tupl
     """Our :class:`Eagle3Drafter` (eval mode, float tensors in ``dtype``) from an exported folder, strictly;
     and a dict of ``target_layer_ids`` (ours), ``vllm_layer_ids``, ``sglang_layer_ids``, ``hidden_size``,
     ``target_hidden_size``, ``vocab_size``, ``draft_vocab_size``, ``export`` (the sidecar, or None)."""
-    from safetensors.torch import load
+    from dflash_prep.train.objectives.dflash.export import read_folder
 
     path = Path(path)
+    c, state, sidecar = read_folder(path, fmt=EXPORT_FORMAT, versions=(EXPORT_VERSION,))
     cfile, wfile = path / CONFIG_FILE, path / WEIGHTS_FILE
-    for f in (cfile, wfile):
-        if not f.is_file():
-            raise FormatError(f"{f}: not found; point at an exported EAGLE-3 drafter folder (write_export)")
-    cbytes, wbytes = cfile.read_bytes(), wfile.read_bytes()
-    sidecar = None
-    if (path / SIDECAR_FILE).is_file():
-        sidecar = read_json(path / SIDECAR_FILE, format=EXPORT_FORMAT, versions=(EXPORT_VERSION,))
-        for name, data, key in ((CONFIG_FILE, cbytes, "config_fingerprint"), (WEIGHTS_FILE, wbytes, "weights_fingerprint")):
-            if fingerprint_bytes(data) != sidecar.get(key):
-                raise FingerprintMismatch(f"{path / name}: its fingerprint differs from {SIDECAR_FILE}'s; the file was "
-                                          "changed or truncated after export; export the drafter again")
-    try:
-        c = json.loads(cbytes)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FormatError(f"{cfile}: not valid JSON ({e})") from None
     cfg = config_from_public(c, path=cfile)
-    try:
-        state = load(wbytes)
-    except Exception as e:  # safetensors raises its own error type for a bad header
-        raise FormatError(f"{wfile}: not a readable safetensors file ({type(e).__name__}: {e})") from None
     drafter = Eagle3Drafter(cfg).to(dtype)
     want = drafter.state_dict()
     _check_state(state, want, str(wfile))

@@ -31,7 +31,8 @@ import torch
 from dflash_prep.errors import ConfigError, FormatError
 from dflash_prep.objectives import drafter_cost
 from dflash_prep.objectives.eagle3 import vocab_map
-from dflash_prep.train.data import TensorBatch, _read
+from dflash_prep.train.data import TensorBatch, read_documents
+from dflash_prep.train.objectives.drafter import DrafterObjective
 from dflash_prep.train.objectives.eagle3.model import Eagle3Config, Eagle3Drafter, shifted_ids, soft_ce
 
 
@@ -56,28 +57,14 @@ class Eagle3Batch(TensorBatch):
 
 def build_eagle3_batch(ds, mb, *, epoch: int, vocab_size: int, pin: bool = False) -> Eagle3Batch:
     """The documents of one manifest micro-batch, packed (any layout)."""
-    sids = np.asarray(mb.sample_ids, np.int64)
-    where = f"epoch {epoch} step {mb.step} rank {mb.rank} accum {mb.accum}"
-    if sids.shape[0] == 0:
-        raise FormatError(f"{where}: empty micro-batch; the manifest is corrupt, re-run `dflash-prep pack`")
-    samples = [_read(ds, s, None, where) for s in sids]
-    lens = np.fromiter((a.shape[0] for a, _ in samples), np.int64, len(samples))
-    T = int(lens.sum())
-    if T > np.iinfo(np.int32).max:
-        raise FormatError(f"{where}: {T} tokens overflow int32 cu_seqlens; lower the pack budget")
-    ids = np.concatenate([a for a, _ in samples]).astype(np.int64)      # (T,)
-    mask = np.concatenate([m for _, m in samples]).astype(np.float32)   # (T,)
-    if ids.size and (ids.max() >= vocab_size or ids.min() < 0):
-        raise FormatError(f"{where}: token id {int(ids.max())} is outside the target's vocabulary ({vocab_size}); "
-                          "the dataset was tokenized with another tokenizer: re-tokenize with the target's")
-    cu = np.zeros(len(samples) + 1, np.int64)
-    np.cumsum(lens, out=cu[1:])
-    pos = np.arange(T, dtype=np.int64) - np.repeat(cu[:-1], lens)      # (T,) restarts per document
+    d = read_documents(ds, mb, epoch=epoch, vocab_size=vocab_size)
+    ids, pos, cu, mask = d.ids, d.pos, d.cu, d.mask.astype(np.float32)
+    T = int(ids.shape[0])
     t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in dict(
         input_ids=ids, position_ids=pos, loss_mask=mask, cu_seqlens=cu.astype(np.int32)).items()}
     if pin:
         t = {k: v.pin_memory() for k, v in t.items()}
-    return Eagle3Batch(step=int(mb.step), accum=int(mb.accum), sample_ids=sids, max_seqlen=int(lens.max()),
+    return Eagle3Batch(step=int(mb.step), accum=int(mb.accum), sample_ids=d.sids, max_seqlen=int(d.lens.max()),
                        real_tokens=T, padded_tokens=T, epoch=int(epoch), **t)
 
 
@@ -119,16 +106,18 @@ def eagle3_step_loss(drafter: Eagle3Drafter, target, b: Eagle3Batch, *, steps: i
     return loss, stats
 
 
-class Eagle3Objective:
+class Eagle3Objective(DrafterObjective):
     """EAGLE-3 drafter training on a frozen target, behind the loop's protocol
     (:mod:`dflash_prep.train.objectives`)."""
 
     name = "eagle3"
     deferred_denominator = True
+    log_keys = ("tau", "acc", "step_acc")
 
     def __init__(self, drafter: Eagle3Drafter, target, cfg, *, steps: int, identity: dict, vmap: dict):
         from dflash_prep.train.split.taps import provider_of
 
+        super().__init__()
         self.model, self.target, self.cfg = drafter, provider_of(target), cfg
         self.steps, self.decay = int(steps), float(cfg.options.ttt_decay)
         self.identity, self.vmap = identity, vmap
@@ -139,7 +128,6 @@ class Eagle3Objective:
                                                   head_dim=c.head_dim, vocab=c.vocab_size,
                                                   draft_vocab=c.draft_vocab_size, ttt_steps=self.steps).coefficients()
         self._p = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-        self._taus: list[float] = []
 
     def build(self, ds, mb, epoch: int, layout: str, pin: bool):
         return build_eagle3_batch(ds, mb, epoch=epoch, vocab_size=self.model.config.vocab_size, pin=pin)
@@ -147,14 +135,6 @@ class Eagle3Objective:
     @staticmethod
     def denominator(b) -> float:      # the weights come out of the forward (deferred_denominator)
         return 0.0
-
-    @staticmethod
-    def denominator_from(stats: torch.Tensor) -> float:
-        return float(stats[-1])
-
-    @staticmethod
-    def targets(denom: float) -> float:
-        return denom
 
     def loss(self, b, autocast):
         with autocast():
@@ -174,10 +154,8 @@ class Eagle3Objective:
         return float(self._cost["tokens"] * b.real_tokens + self._cost["tokens_sq"] * float((docs * docs).sum()))
 
     def describe(self) -> str:
-        from dflash_prep.train.optim import muon_lr
-
         cfg, c = self.cfg, self.model.config
-        opt = f"muon lr={muon_lr(cfg):g} + adamw lr={cfg.lr:g}" if cfg.optimizer == "muon" else f"adamw lr={cfg.lr:g}"
+        opt = self.optimizer_text()
         return (f"eagle3 recipe: {self.steps} TTT steps, decay {self.decay:g}, draft vocabulary {c.draft_vocab_size} "
                 f"of {c.vocab_size} ({self.vmap['trained_ids']} trained ids), taps {list(c.target_layer_ids)}, "
                 f"optimizer {opt}; target {cfg.options.target} ({self.target.num_layers} layers)")
@@ -190,35 +168,13 @@ class Eagle3Objective:
                 raise FormatError(f"epoch {epoch} manifest has another vocabulary map or --ttt-steps than epoch 0; "
                                   "pack every epoch with the same --draft-vocab-size and --ttt-steps")
 
-    def log_fields(self, st: dict, dt: float) -> dict:
-        rec = {k: st[k] for k in ("tau", "acc", "step_acc") if k in st}
-        if self.target.remote:
-            rec.update(self.target.log_fields(st["epoch"], st["step"], dt))
-        if not st["skipped"] and "tau" in st:
-            self._taus.append(st["tau"])
-        return rec
-
-    def run_summary(self, time_s: float) -> dict:
-        taus = self._taus
-        if not taus:
-            return {}
-        k = max(1, min(5, len(taus) // 2))
-        split = self.target.summary() if self.target.remote else {}
-        return split | {"tau_first": sum(taus[:k]) / k, "tau_last": sum(taus[-k:]) / k}
-
     def contract(self) -> dict:
         c = self.model.config
         return {"objective": self.name, **self.identity, "target_layer_ids": list(c.target_layer_ids),
                 "ttt_steps": self.steps, "ttt_decay": self.decay, **self.vmap}
 
-    def model_config(self) -> dict:
-        return self.model.config.to_dict()
-
     def num_parameters(self) -> int:
         return self._p
-
-    def finish(self, out) -> None:
-        pass  # `python -m dflash_prep.train.export RUN --out DIR` writes the engines' format from the checkpoint
 
 
 def manifest_map(manifest) -> tuple["vocab_map.VocabMap", int]:
