@@ -102,8 +102,8 @@ def main(**options):
         typer.echo(f"target rank {s['rank']}: served drafter rank(s) {s['served']} for {s['steps']} steps, busy "
                    f"{100 * s['busy_share']:.1f}% of {s['time_s']:.1f} s, {s['bytes_sent'] / 2**20:,.1f} MiB sent")
     elif rank == cfg.target_ranks:   # drafter rank 0
-        tau = f", tau {s['tau_first']:.3f} -> {s['tau_last']:.3f}, {s['anchors_per_s']:,.0f} anchors/s" \
-            if s.get("tau_last") is not None else ""
+        tau = f", tau {s['tau_first']:.3f} -> {s['tau_last']:.3f}" if s.get("tau_last") is not None else ""
+        tau += f", {s['anchors_per_s']:,.0f} anchors/s" if s.get("anchors_per_s") is not None else ""
         typer.echo(f"done: {s['steps']} steps (global {s['global_step']}), loss {s['loss_first']:.4f} -> "
                    f"{s['loss_last']:.4f} ({'fell' if s['loss_fell'] else 'did NOT fall'}){tau}, "
                    f"{s['tokens_per_s']:,.0f} real tok/s, efficiency {s['efficiency']:.3f}, "
