@@ -45,8 +45,10 @@ def test_sum_w_over_two_ranks_equals_one_rank_two_accum(tmp_path, recipe):
     want = {n: p.grad for n, p in obj.model.named_parameters()}
     for n, g in want.items():
         torch.testing.assert_close(got["grads"][n], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
+    # the update: AdamW and Muon normalise each matrix's gradient, so an entry whose gradient is at the
+    # rounding level of the sum over ranks moves by a small fraction of a step (lr 1e-3) either way
     for n, p in obj.model.named_parameters():
-        torch.testing.assert_close(got["params"][n], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(got["params"][n], p.detach(), rtol=1e-5, atol=1e-5, msg=lambda m: f"{n}: {m}")
     assert got["step"]["loss"] == pytest.approx(st["loss"], rel=1e-6)
     assert got["step"]["targets"] == pytest.approx(st["targets"], rel=1e-9)
     assert got["step"]["tau"] == pytest.approx(st["tau"]) and got["step"]["anchors"] == st["anchors"]

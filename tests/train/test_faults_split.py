@@ -42,12 +42,12 @@ def _pack_w1(paths: dict, out, **flags) -> dict:
 
 
 def test_a_drafter_window_other_than_the_manifests_is_refused_with_the_pack_flag(paths, tmp_path):
-    from dflash_prep.train.config import TrainConfig
+    from dflash_prep.train.config import build as build_config
     from dflash_prep.train.loop import train
 
     w1 = _pack_w1(paths, tmp_path / "man-w0", sliding_window=0)
     with pytest.raises(ConfigError) as ei:
-        train(TrainConfig(**base_cfg(w1, tmp_path / "run", sliding_window=8, max_steps=1)))
+        train(build_config(**base_cfg(w1, tmp_path / "run", sliding_window=8, max_steps=1)))
     msg = str(ei.value)
     assert "\n" not in msg and "--sliding-window 8" in msg and "window 0" in msg, msg
     assert "pack" in msg and "--sliding-window 8" in msg.split("pack", 1)[1], msg
