@@ -97,9 +97,11 @@ def build_options(name: str, values: dict):
         k = foreign[0]
         whose = owners(k)
         flag = "--" + k.replace("_", "-")
-        hint = f"pass --objective {' or '.join(whose)}" if whose else "it is not an option of any objective"
-        raise ConfigError(f"{flag} is an option of --objective {', '.join(whose) or '?'}, and this run is "
-                          f"--objective {name}: drop {flag} or {hint}")
+        if not whose:
+            raise ConfigError(f"unknown training option {flag} ({k}); --objective {name}'s own are "
+                              f"{', '.join(sorted(mine)) or 'none'}, and `python -m dflash_prep.train --help` lists all")
+        raise ConfigError(f"{flag} is an option of --objective {', '.join(whose)}, and this run is --objective "
+                          f"{name}: drop {flag} or pass --objective {' or '.join(whose)}")
     try:
         return spec.options(**values)
     except TypeError as e:
