@@ -53,7 +53,8 @@ def _parameters() -> list[inspect.Parameter]:
     field (its docstring, default and panel): the flags are derived, never written here."""
     hints, docs = get_type_hints(TrainConfig), config_mod.field_help(TrainConfig)
     config = Annotated[Optional[Path], typer.Option(
-        help=escape("A TOML file of TrainConfig fields, a [model] table for the model; the flags override it."),
+        help=escape("A TOML file of TrainConfig fields and the objective's options, a [model] table for the "
+                    "model; the flags override it."),
         rich_help_panel=config_mod.DATA)]
     out = [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=config)]
     for f in fields(TrainConfig):

@@ -6,8 +6,10 @@
 - :class:`TrainConfig`: where the data, plan and manifests live, the optimiser and LR
   schedule, checkpointing, logging and the device.
 
-A config file is TOML: top-level keys are :class:`TrainConfig` fields; ``model`` is a
-preset name, or a ``[model]`` table with an optional ``preset`` key plus field overrides. Command-line flags override the file.
+A config file is TOML: top-level keys are :class:`TrainConfig` fields or the chosen objective's
+options (:mod:`dflash_prep.train.objectives.registry`: each objective declares its own);
+``model`` is a preset name, or a ``[model]`` table with an optional ``preset`` key plus field
+overrides. Command-line flags override the file.
 """
 
 from __future__ import annotations
