@@ -98,6 +98,16 @@ def all_reduce_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
     return t
 
 
+def any_rank(flag: bool, d: Dist) -> bool:
+    """Whether ``flag`` holds on any rank (a collective: every rank of ``d`` calls it; one process:
+    ``flag``). A decision every rank must take alike, e.g. whether rank 0 is about to write a file
+    the others would otherwise look for before or after it exists."""
+    if not d.active:
+        return bool(flag)
+    t = torch.tensor([1.0 if flag else 0.0], device=d.device)
+    return bool(all_reduce_sum(t, d).item() > 0)
+
+
 def all_reduce_grads(params: list[torch.nn.Parameter], d: Dist) -> None:
     """SUM every gradient across ranks in one flat buffer.
 

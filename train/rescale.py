@@ -81,16 +81,17 @@ class RescaledSource:
 
         s, c = self._src, self.cont
         path = resume_dir(s.root, epoch)
-        if not (path / man.MANIFEST_FILE).is_file():
-            if self.d.is_main:
-                print(f"packing the rest of epoch {epoch} from step {c['from_step']} for world size "
-                      f"{c['world_size']} into {path}", flush=True)
-                opts = s.manifest(epoch).meta.get("options") or {}
-                resume_epoch(plan=s.plan_path, out=s.root, epoch=epoch, from_step=int(c["from_step"]),
-                             world_size=int(c["world_size"]), grad_accum=int(c["parent_grad_accum"]),
-                             schedule=opts.get("schedule", "class-aware"), drop_last=bool(opts.get("drop_last")),
-                             data=s.data_path)
-            distributed.barrier(self.d)
+        # every rank passes the barrier on every call: whether the continuation exists is rank 0's to
+        # see (another rank looking after rank 0 wrote it must still wait for the others)
+        if self.d.is_main and not (path / man.MANIFEST_FILE).is_file():
+            print(f"packing the rest of epoch {epoch} from step {c['from_step']} for world size "
+                  f"{c['world_size']} into {path}", flush=True)
+            opts = man.open(man.epoch_dir(s.root, epoch)).meta.get("options") or {}
+            resume_epoch(plan=s.plan_path, out=s.root, epoch=epoch, from_step=int(c["from_step"]),
+                         world_size=int(c["world_size"]), grad_accum=int(c["parent_grad_accum"]),
+                         schedule=opts.get("schedule", "class-aware"), drop_last=bool(opts.get("drop_last")),
+                         data=s.data_path)
+        distributed.barrier(self.d)
         m = man.open(path, plan_fingerprint=s.plan_fingerprint, data_fingerprint=str(s.dataset.fingerprint))
         r = m.header.get("resume") or {}
         if (int(r.get("from_step", -1)), int(m.world_size)) != (int(c["from_step"]), int(c["world_size"])):

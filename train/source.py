@@ -66,7 +66,10 @@ class FileSource:
 
     def manifest(self, epoch: int):
         folder = man.epoch_dir(self.root, epoch)
-        if not Path(folder).exists():
+        missing = not Path(folder).exists()
+        if self.dist is not None:   # one decision for every rank: rank 0 may write it before another looks
+            missing = distributed.any_rank(missing, self.dist)
+        if missing:
             cfg = self._pack_config()
             cmd = (f"dflash-prep pack {self.data_path} --plan {self.plan_path} --out {self.root} --epoch {epoch}"
                    f"{cfg.cli_flags()}")
