@@ -134,9 +134,13 @@ def test_sigkill_of_the_target_rank_stops_the_drafters_within_the_timeout(runs):
     job = run_job(root / "kt-job", cfg, 3, kill=(0, 2), deadline=90.0)
     assert job["killed_at"] is not None, "the run ended before the kill"
     assert job["exit"][0] == -9 and job["exit"][1:] == [1, 1], job["exit"]
+    # each drafter ends with one line; the first to notice names the target rank, the other names
+    # either it or that drafter (whose own line says why: the drafters' all-gather broke with it)
+    lines = [job[r]["error"] for r in (1, 2)]
+    assert all("\n" not in line for line in lines), lines
+    assert any("target rank 0" in line and " step " in line for line in lines), lines
+    assert all("target rank 0" in line or "stopped or died" in line for line in lines), lines
     for r in (1, 2):
-        line = job[r]["error"]
-        assert "\n" not in line and "target rank 0" in line and " step " in line, line
         assert job[r]["t_end"] - job["killed_at"] < timeout + 5.0
     state = ckpt.load(out / ckpt.CKPT_FILE)   # intact: the last checkpoint of a whole step
     done = int(state["cursor"]["global_step"])
