@@ -83,17 +83,17 @@ train: venv
 # context included) and the drafter-training throughput, each step in its own subprocess under
 # its own limit, writing its JSON under $(GPU_OUT) as it finishes. It runs with that machine's own
 # python3 and PYTHONPATH=. (no venv: there is no pip or network there). On CPU:
-#   PYTHONPATH=. python3 -m bench.gpu_all --smoke --out /tmp/gpu
+#   PYTHONPATH=. python3 -m dflash_prep.bench.gpu_all --smoke --out /tmp/gpu
 GPU_OUT ?= $(if $(OUT),$(OUT),results/gpu)
 bench-gpu:
-	PYTHONPATH=. $(PY) -m bench.gpu_all --out $(GPU_OUT)
+	PYTHONPATH=. $(PY) -m dflash_prep.bench.gpu_all --out $(GPU_OUT)
 
 # Side by side with the peers (bench/peers.py, docs/benchmarks.md#side-by-side-with-the-peers): installs the `bench`
 # extra (lhotse, trl) first; <= ~15 min on 2 CPU cores. Writes results/bench/peers.{json,png}.
 BENCH_ARGS ?=
 bench: venv
 	$(BIN)/pip install -q -e ".[bench]"
-	$(BIN)/python -m bench.peers $(BENCH_ARGS)
+	$(BIN)/python -m dflash_prep.bench.peers $(BENCH_ARGS)
 
 # Does composition change what is learned? (bench/convergence.py,
 # docs/benchmarks.md#does-batch-composition-change-what-is-learned):
@@ -101,7 +101,7 @@ bench: venv
 # Writes results/convergence/convergence.{json,png}. Not part of `make test`.
 CONVERGENCE_ARGS ?=
 bench-convergence: venv
-	$(BIN)/python -m bench.convergence $(CONVERGENCE_ARGS)
+	$(BIN)/python -m dflash_prep.bench.convergence $(CONVERGENCE_ARGS)
 
 clean:
 	rm -rf $(DEMO) $(DEMO_DFLASH) .pytest_cache .numba_cache

@@ -1,7 +1,7 @@
 """How right analyze's predictions are: models against simulated ``pack_padded_epoch``.
 
-    NUMBA_CACHE_DIR=.numba_cache python -m bench.analyze_accuracy [--n 902087] [--epochs 3]
-    NUMBA_CACHE_DIR=.numba_cache python -m bench.analyze_accuracy --scale 1000000,10000000,100000000
+    NUMBA_CACHE_DIR=.numba_cache python -m dflash_prep.bench.analyze_accuracy [--n 902087] [--epochs 3]
+    NUMBA_CACHE_DIR=.numba_cache python -m dflash_prep.bench.analyze_accuracy --scale 1000000,10000000,100000000
 
 ``--scale`` (the scale table): for each N, seedlike lengths go through ``analyze``'s
 default plan (a 2^19-sample subsample, rescaled), and the plan's K with its window, a

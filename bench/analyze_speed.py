@@ -1,6 +1,6 @@
 """How fast ``dflash-prep analyze`` is: warm (numba cache on disk, compile excluded) and cold.
 
-    NUMBA_CACHE_DIR=.numba_cache python -m bench.analyze_speed [--n-large 100000000] [--exhaustive]
+    NUMBA_CACHE_DIR=.numba_cache python -m dflash_prep.bench.analyze_speed [--n-large 100000000] [--exhaustive]
 
 Rows (seedlike lengths, T = 65536, definitions.md):
 
@@ -67,7 +67,7 @@ import sys, time, numpy as np
 from pathlib import Path
 t0 = time.perf_counter()
 sys.path.insert(0, sys.argv[3])
-from bench.analyze_speed import search_once, report_once
+from dflash_prep.bench.analyze_speed import search_once, report_once
 lengths = np.load(sys.argv[1])
 search_once(lengths, 6)
 t1 = time.perf_counter()

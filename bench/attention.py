@@ -1,7 +1,7 @@
 """Kernel benchmark: our Triton attention against torch SDPA and FlexAttention, one GPU, one run.
 
-    python -m bench.attention [--out results/]   # on a GPU, at most ~5 minutes
-    python -m bench.attention --smoke            # CPU: tiny shapes through the interpreter
+    python -m dflash_prep.bench.attention [--out results/]   # on a GPU, at most ~5 minutes
+    python -m dflash_prep.bench.attention --smoke            # CPU: tiny shapes through the interpreter
 
 What it measures (bf16, causal), each provider on the same GPU in the same process:
 
@@ -240,7 +240,7 @@ class Runner:
     def dense(self, d: int, seq: int) -> None:
         import torch
 
-        from dflash_prep.kernels import attention_padded, force_backend
+        from dflash_prep.kernels.attention import attention_padded, force_backend
 
         heads, batch = self.cfg.hidden // d, self.cfg.tokens // seq
         base = dict(case="dense", head_dim=d, heads=heads, batch=batch, seqlen=seq,
@@ -262,7 +262,7 @@ class Runner:
     def varlen(self, d: int) -> None:
         import torch
 
-        from dflash_prep.kernels import attention_padded, attention_varlen, force_backend
+        from dflash_prep.kernels.attention import attention_padded, attention_varlen, force_backend
 
         heads, docs = self.cfg.hidden // d, varlen_doc_lens(self.cfg)
         total, flops = sum(docs), causal_flops(docs, heads, d)
@@ -379,7 +379,7 @@ def run(cfg: BenchConfig) -> dict:
             runner.dense(d, seq)
     report = dict(
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        command="python -m bench.attention" + (" --smoke" if cfg.smoke else ""),
+        command="python -m dflash_prep.bench.attention" + (" --smoke" if cfg.smoke else ""),
         device=torch.cuda.get_device_name() if runner.cuda else f"CPU ({platform.processor() or platform.machine()})",
         torch=torch.__version__, triton=triton.__version__, smoke=cfg.smoke,
         elapsed_s=round(time.perf_counter() - runner.t0, 1), config=asdict(cfg),
@@ -393,7 +393,7 @@ def run(cfg: BenchConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dflash_prep.bench.attention", description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run through the Triton interpreter")
     parser.add_argument("--out", default="results", help="results folder (default: results/)")
     parser.add_argument("--budget-s", type=float, default=None, help="skip cases pending after this many seconds")

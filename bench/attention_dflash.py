@@ -1,8 +1,8 @@
 """GPU check of the DFlash attention kernels: correctness against the reference, and speed
 against FlexAttention (compiled, equivalent BlockMask) and SDPA (dense boolean mask).
 
-    PYTHONPATH=. python3 -m bench.attention_dflash --out results/   # GPU, <= 3 minutes
-    PYTHONPATH=. python3 -m bench.attention_dflash --smoke --out /tmp/x  # CPU, interpreter, seconds
+    PYTHONPATH=. python3 -m dflash_prep.bench.attention_dflash --out results/   # GPU, <= 3 minutes
+    PYTHONPATH=. python3 -m dflash_prep.bench.attention_dflash --smoke --out /tmp/x  # CPU, interpreter, seconds
 
 Runs with a bare python3 that has torch and triton (no venv, no pip): it imports only the
 standard library, torch, triton, ``dflash_prep.kernels`` and ``bench.attention``'s timer.
@@ -204,7 +204,7 @@ def correctness(leaves, meta, block_size, do, window: int = 0) -> dict:
     """Ours vs the fp32 reference, with the bf16 reference's error as the yardstick; + determinism."""
     import torch
 
-    from dflash_prep.kernels import attention_dflash, force_backend
+    from dflash_prep.kernels.attention import attention_dflash, force_backend
     from dflash_prep.kernels.dflash_reference import attention_dflash_reference
 
     with force_backend("triton"):
@@ -229,7 +229,7 @@ class Runner:
     def __init__(self, cfg: DFlashBenchConfig):
         import torch
 
-        from bench.attention import Timer
+        from dflash_prep.bench.attention import Timer
 
         self.cfg = cfg
         self.cuda = torch.cuda.is_available() and not cfg.smoke
@@ -241,7 +241,7 @@ class Runner:
         self.checks: list[dict] = []
 
     def _time(self, base: dict, provider: str, fn_maker, inputs, *, ours: bool, ref=None, note=None):
-        from bench.attention import timed_row
+        from dflash_prep.bench.attention import timed_row
 
         spent = not ours and time.perf_counter() - self.t0 > self.cfg.budget_s
         skip = f"skipped: time budget {self.cfg.budget_s:.0f}s spent" if spent else None
@@ -252,7 +252,7 @@ class Runner:
     def case(self, s: int, n: int) -> None:
         import torch
 
-        from dflash_prep.kernels import attention_dflash, force_backend
+        from dflash_prep.kernels.attention import attention_dflash, force_backend
 
         cfg, bsz = self.cfg, self.cfg.block_size
         leaves, meta = make_case(cfg, s, n, self.device)
@@ -297,8 +297,8 @@ class Runner:
         """Ours with full attention, then with sliding window ``w``, on the same inputs."""
         import torch
 
-        from bench.attention import timed_row
-        from dflash_prep.kernels import attention_dflash, force_backend
+        from dflash_prep.bench.attention import timed_row
+        from dflash_prep.kernels.attention import attention_dflash, force_backend
 
         cfg, bsz = self.cfg, self.cfg.block_size
         leaves, meta = make_case(cfg, s, n, self.device)
@@ -348,7 +348,7 @@ def evaluate_targets(rows: list[dict], cfg: DFlashBenchConfig) -> list[dict]:
 
 
 def markdown(report: dict) -> str:
-    from bench.attention import fmt
+    from dflash_prep.bench.attention import fmt
 
     lines = [f"# DFlash attention check ({report['device']}, {report['created'][:10]})", ""]
     if report["smoke"]:
@@ -406,7 +406,7 @@ def read_report(path: str | os.PathLike) -> dict:
     report = json.loads(Path(path).read_text())
     if report.get("format") != FORMAT or report.get("version") != VERSION:
         raise InputError(f"{path}: not a {FORMAT} v{VERSION} file (format={report.get('format')!r}, "
-                         f"version={report.get('version')!r}); rerun python -m bench.attention_dflash")
+                         f"version={report.get('version')!r}); rerun python -m dflash_prep.bench.attention_dflash")
     return report
 
 
@@ -427,7 +427,7 @@ def run(cfg: DFlashBenchConfig) -> dict:
     report = dict(
         format=FORMAT, version=VERSION,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        command="python3 -m bench.attention_dflash" + (" --smoke" if cfg.smoke else ""),
+        command="python3 -m dflash_prep.bench.attention_dflash" + (" --smoke" if cfg.smoke else ""),
         device=torch.cuda.get_device_name() if runner.cuda else f"CPU ({platform.processor() or platform.machine()})",
         torch=torch.__version__, triton=triton.__version__, smoke=cfg.smoke,
         elapsed_s=round(time.perf_counter() - runner.t0, 1), config=asdict(cfg),
@@ -442,7 +442,7 @@ def run(cfg: DFlashBenchConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m bench.attention_dflash", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m dflash_prep.bench.attention_dflash", description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run through the Triton interpreter")
     parser.add_argument("--out", default="results", help="results folder (default: results/)")
     parser.add_argument("--budget-s", type=float, default=None, help="skip baselines after this many seconds")

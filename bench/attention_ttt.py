@@ -1,8 +1,8 @@
 """GPU check of the EAGLE-3 TTT attention kernels: correctness against the reference, and speed
 against torch SDPA with the explicit mask and against the eager PyTorch reference.
 
-    PYTHONPATH=. python3 -m bench.attention_ttt --out results/           # GPU, about 2-4 minutes
-    PYTHONPATH=. python3 -m bench.attention_ttt --smoke --out /tmp/x     # CPU, interpreter, seconds
+    PYTHONPATH=. python3 -m dflash_prep.bench.attention_ttt --out results/           # GPU, about 2-4 minutes
+    PYTHONPATH=. python3 -m dflash_prep.bench.attention_ttt --smoke --out /tmp/x     # CPU, interpreter, seconds
 
 Runs with a bare python3 that has torch and triton (no venv, no pip): it imports only the
 standard library, torch, triton, ``dflash_prep.kernels`` and ``bench.attention``'s timer.
@@ -11,7 +11,7 @@ Cases: bf16, S = 7 steps, Hq/Hkv = 32/8, D = 128, T in {4096, 8192, 16384} packe
 into rounds of documents of 2048, 1024, 512 and 512 tokens (:func:`documents`). Per case,
 forward with autograd recording and backward alone (``triton.testing.do_bench`` mean ms):
 
-- ``ours``: :func:`~dflash_prep.kernels.ttt_attention` on all S steps in one call;
+- ``ours``: :func:`~dflash_prep.kernels.attention.ttt_attention` on all S steps in one call;
 - ``ours-per-step``: the same kernels called once per step the way a TTT loop calls them
   (q of step i, keys/values of steps 0..i), S calls; its output is checked against ``ours``;
 - ``sdpa-mask``: torch SDPA (efficient/cuDNN backends) per document over the flattened
@@ -48,7 +48,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.attention_dflash import _atomic_write
+from dflash_prep.bench.attention_dflash import _atomic_write
 
 FORMAT = "dflash-attention-ttt-bench"
 VERSION = 1
@@ -113,7 +113,7 @@ def documents(tokens: int, doc_len: int) -> list[int]:
 
 def ttt_flops(doc_lens, steps: int, heads_q: int, head_dim: int) -> int:
     """Forward FLOPs of S steps: per step the causal part (``causal_flops``) plus i diagonal keys per row."""
-    from bench.attention import causal_flops
+    from dflash_prep.bench.attention import causal_flops
 
     total = int(sum(doc_lens))
     return steps * causal_flops(doc_lens, heads_q, head_dim) + sum(4 * heads_q * head_dim * total * i
@@ -136,7 +136,7 @@ def make_case(cfg: TTTBenchConfig, tokens: int, device):
 
 
 def _ours(cu, max_seqlen, backend: str = "triton"):
-    from dflash_prep.kernels import ttt_attention
+    from dflash_prep.kernels.attention import ttt_attention
 
     def make(q, k, v):
         return lambda: ttt_attention(q, k, v, cu, max_seqlen, backend=backend)
@@ -147,7 +147,7 @@ def _ours_per_step(cu, max_seqlen):
     """S calls, the TTT loop's way: q of step i against the keys/values of steps 0..i."""
     import torch
 
-    from dflash_prep.kernels import ttt_attention
+    from dflash_prep.kernels.attention import ttt_attention
 
     def make(q, k, v):
         def fwd():
@@ -222,7 +222,7 @@ class Runner:
     def __init__(self, cfg: TTTBenchConfig):
         import torch
 
-        from bench.attention import Timer
+        from dflash_prep.bench.attention import Timer
 
         self.cfg = cfg
         self.cuda = torch.cuda.is_available() and not cfg.smoke
@@ -235,7 +235,7 @@ class Runner:
     def _time(self, base: dict, provider: str, fn_maker, inputs, *, ours: bool, ref=None):
         import torch
 
-        from bench.attention import timed_row
+        from dflash_prep.bench.attention import timed_row
 
         spent = not ours and time.perf_counter() - self.t0 > self.cfg.budget_s
         skip = f"skipped: time budget {self.cfg.budget_s:.0f}s spent" if spent else None
@@ -282,7 +282,7 @@ def speedups(rows: list[dict], cfg: TTTBenchConfig) -> list[dict]:
 
 
 def markdown(report: dict) -> str:
-    from bench.attention import fmt
+    from dflash_prep.bench.attention import fmt
 
     lines = [f"# EAGLE-3 TTT attention check ({report['device']}, {report['created'][:10]})", ""]
     if report["smoke"]:
@@ -315,7 +315,7 @@ def read_report(path: str | os.PathLike) -> dict:
     report = json.loads(Path(path).read_text())
     if report.get("format") != FORMAT or report.get("version") != VERSION:
         raise InputError(f"{path}: not a {FORMAT} v{VERSION} file (format={report.get('format')!r}, "
-                         f"version={report.get('version')!r}); rerun python -m bench.attention_ttt")
+                         f"version={report.get('version')!r}); rerun python -m dflash_prep.bench.attention_ttt")
     return report
 
 
@@ -330,7 +330,7 @@ def run(cfg: TTTBenchConfig) -> dict:
     report = dict(
         format=FORMAT, version=VERSION,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        command="python3 -m bench.attention_ttt" + (" --smoke" if cfg.smoke else ""),
+        command="python3 -m dflash_prep.bench.attention_ttt" + (" --smoke" if cfg.smoke else ""),
         device=torch.cuda.get_device_name() if runner.cuda else f"CPU ({platform.processor() or platform.machine()})",
         torch=torch.__version__, triton=triton.__version__, smoke=cfg.smoke,
         elapsed_s=round(time.perf_counter() - runner.t0, 1), config=asdict(cfg),
@@ -344,7 +344,7 @@ def run(cfg: TTTBenchConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m bench.attention_ttt", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m dflash_prep.bench.attention_ttt", description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run through the Triton interpreter")
     parser.add_argument("--out", default="results", help="results folder (default: results/)")
     parser.add_argument("--budget-s", type=float, default=None, help="skip baselines after this many seconds")

@@ -333,7 +333,7 @@ def run(cfg: ConvConfig) -> dict:
     summary = summarize(runs, cfg)
     body = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}",
-            "command": "python -m bench.convergence " + " ".join(sys.argv[1:]),
+            "command": "python -m dflash_prep.bench.convergence " + " ".join(sys.argv[1:]),
             "config": {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
                        for k, v in asdict(cfg).items()},
             "wall_s": time.perf_counter() - started, "summary": summary, "runs": runs}
@@ -346,7 +346,7 @@ def run(cfg: ConvConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     d = ConvConfig()
-    p = argparse.ArgumentParser(prog="python -m bench.convergence", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dflash_prep.bench.convergence", description=__doc__.split("\n\n")[0])
     p.add_argument("--work", type=Path, default=d.work)
     for f in ("n_train", "n_val", "vocab", "max_len", "budget", "grad_accum", "steps", "eval_every", "k", "window",
               "threads"):

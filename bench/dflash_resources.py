@@ -1,8 +1,8 @@
 """Registers and spills of the DFlash kernels' sm_90 cubins, compiled ahead of time on a CPU.
 
-    PYTHONPATH=. python -m bench.dflash_resources                      # the fixed tiles, D 64 and 128
-    PYTHONPATH=. python -m bench.dflash_resources --d 128 fwd:128:64:8:3 dq:64:64:4:2   # candidates
-    PYTHONPATH=. python -m bench.dflash_resources --windowed           # the sliding-window variant
+    PYTHONPATH=. python -m dflash_prep.bench.dflash_resources                      # the fixed tiles, D 64 and 128
+    PYTHONPATH=. python -m dflash_prep.bench.dflash_resources --d 128 fwd:128:64:8:3 dq:64:64:4:2   # candidates
+    PYTHONPATH=. python -m dflash_prep.bench.dflash_resources --windowed           # the sliding-window variant
 
 Each kernel is compiled for sm_90 (bf16, B = 16) by the installed Triton, and the bundled
 ``cuobjdump -res-usage`` reads the cubin's registers and stack bytes (spills live on the
@@ -45,7 +45,7 @@ def resources(name: str, head_dim: int, block_m: int, block_n: int, warps: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.dflash_resources", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dflash_prep.bench.dflash_resources", description=__doc__.split("\n\n")[0])
     parser.add_argument("--d", type=int, action="append", help="head dim (repeatable; default 64 and 128)")
     parser.add_argument("--windowed", action="store_true", help="the sliding-window variant (WINDOWED=True)")
     parser.add_argument("candidates", nargs="*", help="KERNEL:BLOCK_M:BLOCK_N:WARPS:STAGES (default: FIXED_BLOCKS)")

@@ -1,6 +1,6 @@
 """Data paths for DFlash drafter training, side by side (issue 14).
 
-``python -m bench.drafter_data`` compares, in one run, three ways of feeding a drafter
+``python -m dflash_prep.bench.drafter_data`` compares, in one run, three ways of feeding a drafter
 trainer, on two inputs:
 
 - *seedlike*: definitions.md's 902,087 seedlike lengths with synthetic loss masks: a prompt
@@ -266,7 +266,7 @@ def scale_runs(sizes: list[int]) -> list[dict]:
 
     out = []
     for n in sizes:
-        r = subprocess.run([sys.executable, "-m", "bench.drafter_data", "--scale-child", str(n)], check=True,
+        r = subprocess.run([sys.executable, "-m", "dflash_prep.bench.drafter_data", "--scale-child", str(n)], check=True,
                            capture_output=True, text=True)
         out.append(json.loads(r.stdout.strip().splitlines()[-1]))
     return out

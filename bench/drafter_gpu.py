@@ -1,6 +1,6 @@
 """DFlash drafter-training throughput on GPU: ours (packed, anchor-budgeted) vs the padded recipe (issue 16).
 
-``PYTHONPATH=. python3 -m bench.drafter_gpu --out DIR`` (part of ``make bench-gpu``; <= 4 min on
+``PYTHONPATH=. python3 -m dflash_prep.bench.drafter_gpu --out DIR`` (part of ``make bench-gpu``; <= 4 min on
 one H200) trains a 1-layer DFlash drafter (B = 16, at most 512 anchors per sample) on a frozen,
 randomly initialised Qwen3-0.6B-shaped target (built in memory from a ``Qwen3Config``: 28 layers,
 hidden 1024, 16 / 8 heads, head_dim 128, MLP 3072, vocab 151936; bf16, ``eval()``, no grad), with
@@ -56,7 +56,7 @@ from dflash_prep.pack.batch_stats import class_edges
 from dflash_prep.pack.config import PackConfig
 from dflash_prep.synth import profiles
 
-from bench.drafter_data import recipe_epoch
+from dflash_prep.bench.drafter_data import recipe_epoch
 
 BENCH_FORMAT = "dflash-prep/bench-drafter-gpu"
 TARGET_RATIO = 1.3
@@ -342,7 +342,7 @@ def table(rep: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.drafter_gpu", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dflash_prep.bench.drafter_gpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="the same code on CPU at tiny shapes (tests)")
     ap.add_argument("--out", type=Path, required=True, help="folder for drafter_gpu.json and drafter_gpu.md")
     for f in ("n", "scale", "budget", "steps", "warmup", "seed", "sliding_window"):

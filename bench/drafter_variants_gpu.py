@@ -1,7 +1,7 @@
 """DFlash, DFlash2 and EAGLE-3 drafter training on the same micro-batches, side by side on one GPU.
 
-    PYTHONPATH=. python3 -m bench.drafter_variants_gpu --out DIR       # part of make bench-gpu
-    PYTHONPATH=. python3 -m bench.drafter_variants_gpu --smoke --out DIR   # CPU, tiny shapes (tests)
+    PYTHONPATH=. python3 -m dflash_prep.bench.drafter_variants_gpu --out DIR       # part of make bench-gpu
+    PYTHONPATH=. python3 -m dflash_prep.bench.drafter_variants_gpu --smoke --out DIR   # CPU, tiny shapes (tests)
 
 One frozen, randomly initialised Qwen3-0.6B-shaped target in memory (:func:`bench.drafter_gpu.build_target`:
 28 layers, hidden 1024, vocab 151936, bf16), one set of ``pack --objective dflash`` micro-batches
@@ -35,7 +35,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from bench import drafter_gpu as g
+from dflash_prep.bench import drafter_gpu as g
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json
 
@@ -162,7 +162,7 @@ def table(rep: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.drafter_variants_gpu", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dflash_prep.bench.drafter_variants_gpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for drafter_variants_gpu.{json,md}")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the path runs, not the speed")
     ap.add_argument("--steps", type=int, default=6)

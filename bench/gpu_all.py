@@ -1,7 +1,7 @@
 """The one GPU entry point: every GPU check and timing, in order, in at most 5 minutes.
 
-    PYTHONPATH=. python3 -m bench.gpu_all --out "$OUT"          # the GPU machine (make bench-gpu)
-    PYTHONPATH=. python3 -m bench.gpu_all --smoke --out DIR     # CPU: the same steps, tiny shapes
+    PYTHONPATH=. python3 -m dflash_prep.bench.gpu_all --out "$OUT"          # the GPU machine (make bench-gpu)
+    PYTHONPATH=. python3 -m dflash_prep.bench.gpu_all --smoke --out DIR     # CPU: the same steps, tiny shapes
 
 Made for a machine with a bare ``python3`` (torch, triton, transformers, numba, numpy,
 pyarrow, typer, safetensors; no pip, no network, no ``datasets``, no pytest): nothing here
@@ -24,6 +24,11 @@ a run cut short keeps everything it measured. Steps, correctness first:
 7. ``target-workers`` (:mod:`bench.target_workers_gpu`): one target rank + one drafter rank sharing
    the GPU (gloo link, CPU staging) vs the colocated drafter (``--target-ranks``).
 
+Before the steps, :func:`import_check` records, in this process, where the names of the
+repository's top-level folders resolve (``kernels``, ``train``, ``bench``, ``tests``: never to the
+checkout, whose code is ``dflash_prep.*`` only) and whether ``transformers`` imports; a failure
+there fails the run at once (``--check-imports`` runs only this).
+
 The limits (seconds) add up to :data:`TOTAL_S`; a step gets at most what is left of it. A
 step's exit status, time, whether it was cut, and the files it wrote are recorded; the
 summary's ``passed`` is true when every step exited 0. ``--smoke`` passes ``--smoke`` to each
@@ -33,6 +38,8 @@ step (CPU, Triton interpreter) under generous limits: it proves the path runs, n
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -57,16 +64,54 @@ class Step:
 
 
 STEPS = (
-    Step("checks", "bench.gpu_checks", (), 60),
-    Step("attention-causal", "bench.attention", ("--budget-s", "18"), 35),
-    Step("attention-dflash", "bench.attention_dflash", ("--budget-s", "9", "--cases", "3072:512,8192:512,1024:64"),
+    Step("checks", "dflash_prep.bench.gpu_checks", (), 60),
+    Step("attention-causal", "dflash_prep.bench.attention", ("--budget-s", "18"), 35),
+    Step("attention-dflash", "dflash_prep.bench.attention_dflash", ("--budget-s", "9", "--cases", "3072:512,8192:512,1024:64"),
          45),
-    Step("attention-ttt", "bench.attention_ttt", ("--budget-s", "15", "--tokens", "4096,16384"), 30),
-    Step("drafter-training", "bench.drafter_gpu", ("--steps", "8", "--warmup", "2", "--n", "2000"), 50),
-    Step("drafter-variants", "bench.drafter_variants_gpu", ("--steps", "5", "--warmup", "2", "--n", "1500"), 40),
-    Step("target-workers", "bench.target_workers_gpu", ("--timeout-s", "28"), 35),
+    Step("attention-ttt", "dflash_prep.bench.attention_ttt", ("--budget-s", "15", "--tokens", "4096,16384"), 30),
+    Step("drafter-training", "dflash_prep.bench.drafter_gpu", ("--steps", "8", "--warmup", "2", "--n", "2000"), 50),
+    Step("drafter-variants", "dflash_prep.bench.drafter_variants_gpu", ("--steps", "5", "--warmup", "2", "--n", "1500"), 40),
+    Step("target-workers", "dflash_prep.bench.target_workers_gpu", ("--timeout-s", "28"), 35),
 )
 SMOKE_LIMIT_S = 900.0
+
+
+FOLDERS = ("kernels", "train", "bench", "tests")
+"""The repository's top-level folders that hold code, each a name that other distributions use."""
+
+
+def _origin(name: str) -> str | None:
+    """Where ``import name`` would load code from: a file, or None (not found, or only a namespace
+    portion: a folder without ``__init__.py``, which never runs code and loses to any package)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    return spec.origin if spec is not None and spec.has_location else None
+
+
+def _inside(path: str, folder: Path) -> bool:
+    return Path(path).resolve().is_relative_to(folder.resolve())
+
+
+def import_check() -> dict:
+    """In this process: the bare names of the top-level folders load nothing from the checkout
+    (an installed distribution of that name is what they load), ``dflash_prep.kernels`` and
+    ``dflash_prep.train`` load the checkout's code, and ``transformers`` imports (it imports Hugging
+    Face's ``kernels`` when that is installed). ``passed`` says all three hold."""
+    bare = {name: _origin(name) for name in FOLDERS}
+    shadowed = sorted(n for n, o in bare.items() if o is not None and _inside(o, ROOT / n))
+    ours = {name: _origin(name) for name in ("dflash_prep.kernels.attention", "dflash_prep.train.loop")}
+    transformers = "not installed"
+    if importlib.util.find_spec("transformers") is not None:
+        try:
+            importlib.import_module("transformers.activations")
+            transformers = "ok"
+        except Exception as e:  # noqa: BLE001 - recorded, not raised: the check reports what broke
+            transformers = f"{type(e).__name__}: {e}"
+    passed = (not shadowed and all(o and _inside(o, ROOT) for o in ours.values())
+              and transformers in ("ok", "not installed"))
+    return dict(bare=bare, shadowed=shadowed, ours=ours, transformers=transformers, passed=passed)
 
 
 def _write(path: Path, report: dict) -> None:
@@ -95,10 +140,18 @@ def run_step(step: Step, out: Path, *, smoke: bool, limit_s: float) -> dict:
                 seconds=round(time.perf_counter() - t0, 1), files=files, passed=rc == 0)
 
 
-def run(out: Path, *, smoke: bool = False, steps=STEPS, total_s: float = TOTAL_S) -> dict:
-    """Every step in order within ``total_s`` (GPU) or :data:`SMOKE_LIMIT_S` each (smoke); the summary."""
+def run(out: Path, *, smoke: bool = False, steps=STEPS, total_s: float = TOTAL_S,
+        check_imports_only: bool = False) -> dict:
+    """The import check, then every step in order within ``total_s`` (GPU) or :data:`SMOKE_LIMIT_S`
+    each (smoke); the summary."""
     out.mkdir(parents=True, exist_ok=True)
-    report = dict(smoke=smoke, started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), steps=[])
+    report = dict(smoke=smoke, started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), steps=[],
+                  imports=import_check())
+    report["passed"] = report["imports"]["passed"]
+    _write(out / "gpu_all.json", report)
+    print(f"gpu_all imports: {'ok' if report['passed'] else 'FAILED'} {json.dumps(report['imports'])}", flush=True)
+    if not report["passed"] or check_imports_only:
+        return report
     t0 = time.perf_counter()
     for step in steps:
         left = total_s - (time.perf_counter() - t0)
@@ -111,18 +164,20 @@ def run(out: Path, *, smoke: bool = False, steps=STEPS, total_s: float = TOTAL_S
             print(f"gpu_all {step.name}: {'ok' if rec['passed'] else 'FAILED'} (exit {rec['returncode']}, "
                   f"{rec['seconds']} s{', cut at the limit' if rec['timed_out'] else ''})", flush=True)
         report["seconds"] = round(time.perf_counter() - t0, 1)
-        report["passed"] = all(s["passed"] for s in report["steps"])
+        report["passed"] = report["imports"]["passed"] and all(s["passed"] for s in report["steps"])
         _write(out / "gpu_all.json", report)
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m bench.gpu_all", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python3 -m dflash_prep.bench.gpu_all", description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU: every step with --smoke (interpreter, tiny shapes)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "results/gpu"),
                     help="results folder (default: $OUT, else results/gpu)")
+    ap.add_argument("--check-imports", action="store_true",
+                    help="only the import check: where kernels/train/bench/tests and transformers resolve")
     a = ap.parse_args(argv)
-    report = run(a.out, smoke=a.smoke)
+    report = run(a.out, smoke=a.smoke, check_imports_only=a.check_imports)
     print(json.dumps({s["name"]: s.get("returncode", s.get("skipped")) for s in report["steps"]}))
     return 0 if report["passed"] else 1
 

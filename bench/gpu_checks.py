@@ -1,8 +1,8 @@
 """Correctness on the GPU before any timing: the kernels against their references, and a few
 trainer steps on CUDA (the first steps of :mod:`bench.gpu_all`).
 
-    PYTHONPATH=. python3 -m bench.gpu_checks --out DIR            # CUDA, about a minute
-    PYTHONPATH=. python3 -m bench.gpu_checks --smoke --out DIR    # CPU, interpreter, tiny shapes
+    PYTHONPATH=. python3 -m dflash_prep.bench.gpu_checks --out DIR            # CUDA, about a minute
+    PYTHONPATH=. python3 -m dflash_prep.bench.gpu_checks --smoke --out DIR    # CPU, interpreter, tiny shapes
 
 Needs no pytest, no venv and no ``datasets`` (the GPU machine has none): torch, triton,
 transformers, numpy and numba. Three checks, each recorded even when it fails (its error as
@@ -60,7 +60,7 @@ def check_causal(device, smoke: bool) -> list[dict]:
     """Varlen and padded causal kernels (and a non-causal padded case) vs the references."""
     import torch
 
-    from dflash_prep.kernels import attention_padded, attention_varlen, force_backend
+    from dflash_prep.kernels.attention import attention_padded, attention_varlen, force_backend
     from dflash_prep.kernels.reference import attention_padded_reference, attention_varlen_reference
 
     g = torch.Generator().manual_seed(0)
@@ -99,7 +99,7 @@ def check_dflash(device, smoke: bool) -> list[dict]:
     """The DFlash kernels vs the reference, full attention and sliding windows (bench.attention_dflash's check)."""
     import torch
 
-    from bench.attention_dflash import DFlashBenchConfig, correctness, make_case, smoke_config
+    from dflash_prep.bench.attention_dflash import DFlashBenchConfig, correctness, make_case, smoke_config
 
     cfg = smoke_config("unused") if smoke else DFlashBenchConfig()
     cases = [(40, 5, 8)] if smoke else [(1024, 64, 256), (3072, 256, 1024)]
@@ -116,8 +116,8 @@ def check_trainer(device, smoke: bool) -> dict:
     """A few DFlash ``train_step`` calls on ``device`` with full and windowed attention."""
     import torch
 
-    from bench import drafter_gpu as g
-    from dflash_prep import kernels
+    from dflash_prep.bench import drafter_gpu as g
+    from dflash_prep.kernels.attention import force_backend
     from dflash_prep.objectives.drafter_cost import DrafterCostModel
     from dflash_prep.train import distributed
     from dflash_prep.train.data import StepBatches
@@ -153,12 +153,12 @@ def check_trainer(device, smoke: bool) -> dict:
             first = batches[0].to(device)
             loss = {}
             for name, backend in (("triton", "reference" if smoke else "triton"), ("reference", "reference")):
-                with kernels.force_backend(backend):  # --smoke: the interpreter is too slow for a whole loss
+                with force_backend(backend):  # --smoke: the interpreter is too slow for a whole loss
                     ls, _ = obj.loss(first, autocast)
                 loss[name] = float(ls) / max(first.weight_sum, 1e-12)
         opt = build_optimizer(obj.model, tc)
         losses = []
-        with kernels.force_backend("reference" if smoke else "triton"):  # the interpreter is too slow for steps
+        with force_backend("reference" if smoke else "triton"):  # the interpreter is too slow for steps
             for i, b in enumerate(batches):
                 st = train_step(obj.model, opt, StepBatches(0, i, [b]), lr=1e-3, grad_clip=1.0, d=dist,
                                 autocast=autocast, objective=obj)
@@ -200,7 +200,7 @@ def run(out: Path, smoke: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m bench.gpu_checks", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python3 -m dflash_prep.bench.gpu_checks", description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     ap.add_argument("--out", type=Path, required=True, help="folder for gpu_checks.json")
     a = ap.parse_args(argv)

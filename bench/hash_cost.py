@@ -1,6 +1,6 @@
 """What integrity on read costs: re-hashing a manifest on open against packing it.
 
-``python -m bench.hash_cost --n 100000000`` packs one padded epoch of N seedlike lengths
+``python -m dflash_prep.bench.hash_cost --n 100000000`` packs one padded epoch of N seedlike lengths
 (T = 65536, W = 8, K = 6, the setting of docs/benchmarks.md#pack, via ``bench.pack_speed``'s
 inputs), then opens it with and without the array re-hash (``manifest.open``'s
 ``check_hashes``) and reports the difference against the pack's wall time; then epoch 1
@@ -24,7 +24,7 @@ from dflash_prep.formats import manifest
 from dflash_prep.formats.dataset import batch_digest
 from dflash_prep.pack.pack import pack_epochs
 
-from bench.pack_speed import make_inputs
+from dflash_prep.bench.pack_speed import make_inputs
 
 
 def _timed(fn, repeats: int = 3) -> tuple[float, float]:

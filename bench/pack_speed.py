@@ -1,6 +1,6 @@
 """Speed, memory and quality of ``dflash-prep pack`` (issue 4).
 
-``python -m bench.pack_speed`` runs, on definitions.md's 902,087 seedlike lengths (T = 65536,
+``python -m dflash_prep.bench.pack_speed`` runs, on definitions.md's 902,087 seedlike lengths (T = 65536,
 W = 8, A = 1, K = 6 boundaries [832, 1248, 1760, 2464, 3760], d_model 768):
 
 1. the strategy table: every schedule, window, budget unit and layout, packed for epochs
@@ -117,14 +117,14 @@ def big_run(n: int, work: Path, layouts: list[str]) -> list[dict]:
     folder = work / f"seedlike-{n}"
     plan = folder / "plan.json"
     if not plan.is_file():
-        subprocess.run([sys.executable, "-c", f"from bench.pack_speed import make_inputs; from pathlib import Path; "
+        subprocess.run([sys.executable, "-c", f"from dflash_prep.bench.pack_speed import make_inputs; from pathlib import Path; "
                         f"make_inputs(Path({str(folder)!r}), {n})"], check=True, env=env)
     results = []
     for layout in layouts:
         out = folder / f"manifests-{layout}"
         shutil.rmtree(out, ignore_errors=True)
         for epoch in (0, 1):
-            p = subprocess.run([sys.executable, "-m", "bench.pack_speed", "--child", str(plan), str(out), str(epoch),
+            p = subprocess.run([sys.executable, "-m", "dflash_prep.bench.pack_speed", "--child", str(plan), str(out), str(epoch),
                                 layout], check=True, env=env, capture_output=True, text=True)
             line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
             r = json.loads(line[len("RESULT "):])

@@ -1,6 +1,6 @@
 """dflash-prep side by side with the samplers users would pick instead (issue 7).
 
-``python -m bench.peers`` (``make bench``) runs every strategy on the same lengths, the
+``python -m dflash_prep.bench.peers`` (``make bench``) runs every strategy on the same lengths, the
 same budget T and the same step layout (W ranks, A = 1), and measures all of them with
 :mod:`dflash_prep.pack.metrics`, the one implementation of definitions.md's definitions:
 
@@ -286,7 +286,7 @@ def run(cfg: BenchConfig) -> dict:
     body = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}",
-        "command": "python -m bench.peers " + " ".join(sys.argv[1:]),
+        "command": "python -m dflash_prep.bench.peers " + " ".join(sys.argv[1:]),
         "config": {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
                    for k, v in asdict(cfg).items()},
         "wall_s": time.perf_counter() - started,
@@ -299,7 +299,7 @@ def run(cfg: BenchConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dflash_prep.bench.peers", description=__doc__.split("\n\n")[0])
     d = BenchConfig()
     p.add_argument("--sets", default=",".join(d.sets), help="comma-separated length sets")
     p.add_argument("--n", type=int, default=d.n)

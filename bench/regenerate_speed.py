@@ -1,7 +1,7 @@
 """Regenerate throughput against a local ``transformers serve`` and the in-process engine.
 
-    python -m bench.regenerate_speed                      # docs/benchmarks.md#regenerate-throughput (CPU, a few minutes)
-    python -m bench.regenerate_speed --n 16 --concurrency 4   # quicker
+    python -m dflash_prep.bench.regenerate_speed                      # docs/benchmarks.md#regenerate-throughput (CPU, a few minutes)
+    python -m dflash_prep.bench.regenerate_speed --n 16 --concurrency 4   # quicker
 
 What is timed: ``dflash_prep.regenerate.regenerate.run`` on N single-turn prompts (synth text, 40-400
 characters), greedy, ``--max-tokens`` new tokens per answer, into a fresh output folder.
@@ -98,7 +98,7 @@ def measure(name: str, cfg: RegenerateConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.regenerate_speed", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dflash_prep.bench.regenerate_speed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=32, help="prompts")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--concurrency", default="1,4", help="openai rows, comma-separated")

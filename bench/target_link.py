@@ -1,6 +1,6 @@
 """What the target-rank transport costs on CPU: gloo throughput and per-message overhead.
 
-``python -m bench.target_link`` starts two gloo processes on this machine: one sends
+``python -m dflash_prep.bench.target_link`` starts two gloo processes on this machine: one sends
 messages through :class:`dflash_prep.train.split.link.TapsSender` (``--prefetch`` in
 flight), the other takes them with :class:`~dflash_prep.train.split.link.TapsReceiver`
 and checks every tag, exactly as a drafter rank does. Payloads are fp32 taps ``[T, k*H]``:

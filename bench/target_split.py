@@ -1,6 +1,6 @@
 """Colocated vs split (``--target-ranks``) DFlash training on CPU, on the demo target's shape.
 
-``python -m bench.target_split [--steps 12] [--out FILE]`` builds the demo's tiny Qwen3 target
+``python -m dflash_prep.bench.target_split [--steps 12] [--out FILE]`` builds the demo's tiny Qwen3 target
 (``make demo-dflash``'s shape: vocab 512, H = 64, 4 layers; random weights: timing only), a
 synthetic corpus tokenized with its tokenizer, a 2,048-token plan and ``pack --objective dflash``
 manifests (B = 8, 64 anchors, one draft layer) for W = 1 and W = 2, then trains ``--steps``

@@ -1,7 +1,7 @@
 """One target rank + one drafter rank sharing one GPU vs the colocated drafter, DFlash steps.
 
-    PYTHONPATH=. python3 -m bench.target_workers_gpu --out DIR          # the GPU (a bench.gpu_all step)
-    PYTHONPATH=. python3 -m bench.target_workers_gpu --smoke --out DIR  # CPU, tiny shapes: the path runs
+    PYTHONPATH=. python3 -m dflash_prep.bench.target_workers_gpu --out DIR          # the GPU (a bench.gpu_all step)
+    PYTHONPATH=. python3 -m dflash_prep.bench.target_workers_gpu --smoke --out DIR  # CPU, tiny shapes: the path runs
 
 The same drafter training steps (:func:`dflash_prep.train.loop.train_step` of the DFlash
 objective, ``pack --objective dflash`` micro-batches of :mod:`bench.drafter_gpu`'s seedlike
@@ -55,7 +55,7 @@ def _setup(cfg):
     """``(device, target, hc, objective builder, micro-batch ids, dataset)`` of ``cfg`` (same in every process)."""
     import torch
 
-    from bench import drafter_gpu as g
+    from dflash_prep.bench import drafter_gpu as g
     from dflash_prep.objectives.drafter_cost import DrafterCostModel
     from dflash_prep.train.objectives.dflash.drafter import build_target_layer_ids
 
@@ -74,7 +74,7 @@ def _setup(cfg):
 def _objective(cfg, dev, hc, taps, provider):
     import torch
 
-    from bench import drafter_gpu as g
+    from dflash_prep.bench import drafter_gpu as g
     from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig
     from dflash_prep.train.loop import build_optimizer
     from dflash_prep.train.objectives.dflash.objective import DFlashObjective
@@ -120,7 +120,7 @@ def _rank(rank: int, init: str, cfg_d: dict, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from bench.drafter_gpu import GpuBenchConfig
+    from dflash_prep.bench.drafter_gpu import GpuBenchConfig
     from dflash_prep.train.split.roles import Roles, join
     from dflash_prep.train.split.link import TapsReceiver, link_device
 
@@ -150,7 +150,7 @@ def _rank(rank: int, init: str, cfg_d: dict, out: str) -> None:
 
 
 def _serve(cfg, place, dev, target, hc, taps, mbs, ds) -> dict:
-    from bench import drafter_gpu as g
+    from dflash_prep.bench import drafter_gpu as g
     from dflash_prep.train.objectives.dflash.batch import AnchorSpec, build_dflash_batch, default_gamma
     from dflash_prep.train.split.link import link_device
     from dflash_prep.train.split.worker import TargetWorker, sender_for
@@ -196,7 +196,7 @@ def split(cfg, timeout_s: float) -> dict:
 
 
 def run(out: Path, *, smoke: bool = False, timeout_s: float = 45.0) -> dict:
-    from bench.drafter_gpu import GpuBenchConfig
+    from dflash_prep.bench.drafter_gpu import GpuBenchConfig
 
     cfg = GpuBenchConfig(**(SMOKE if smoke else GPU))
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """Tokenize scaling: local ``--num-proc 1`` and ``2`` vs ``--engine ray`` with 2 workers, one run.
 
-    python -m bench.tokenize_scaling                  # 20k synth conversations, byte + BPE
-    python -m bench.tokenize_scaling --n 5000 --tokenizers byte
+    python -m dflash_prep.bench.tokenize_scaling                  # 20k synth conversations, byte + BPE
+    python -m dflash_prep.bench.tokenize_scaling --n 5000 --tokenizers byte
 
 What is timed (wall clock of the whole ``tokenize`` call on the same JSONL file: load,
 validation, rendering, encoding, masks, shards, ``meta.json``): rows/s = samples written /
@@ -99,7 +99,7 @@ def main() -> None:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
     print(f"\n{dt.date.today()} · {platform.machine()} · {cores} CPU cores · "
-          f"python -m bench.tokenize_scaling --n {args.n} --tokenizers {args.tokenizers}\n")
+          f"python -m dflash_prep.bench.tokenize_scaling --n {args.n} --tokenizers {args.tokenizers}\n")
     print("| tokenizer | engine | rows | tokens | seconds | rows/s | M tokens/s | vs --num-proc 1 | load avg at start |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     base = {}

@@ -1,7 +1,7 @@
 """Tokenize throughput vs a bare ``tokenizers.encode_batch`` call, same texts, same run.
 
-    python -m bench.tokenize_speed                 # 200k-sample synth corpus (docs/benchmarks.md#tokenize-throughput)
-    python -m bench.tokenize_speed --n 20000       # quicker
+    python -m dflash_prep.bench.tokenize_speed                 # 200k-sample synth corpus (docs/benchmarks.md#tokenize-throughput)
+    python -m dflash_prep.bench.tokenize_speed --n 20000       # quicker
 
 What is timed (wall clock, tokens/s = tokens produced / seconds):
 
@@ -117,7 +117,7 @@ def main() -> None:
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"\n{dt.date.today()} · {platform.machine()} · {cores} CPU cores · python -m bench.tokenize_speed --n {args.n}\n")
+    print(f"\n{dt.date.today()} · {platform.machine()} · {cores} CPU cores · python -m dflash_prep.bench.tokenize_speed --n {args.n}\n")
     print("| tokenizer | path | tokens | seconds | M tokens/s | vs direct | load avg at start |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name, path, n, t, r, load in rows:

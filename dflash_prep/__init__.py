@@ -11,6 +11,10 @@ torch nor triton.
 repository's top-level ``kernels/`` and ``train/`` folders, reached through the git-tracked
 directory symlinks ``dflash_prep/kernels`` and ``dflash_prep/train``: a source checkout run
 with ``PYTHONPATH=.`` and an installed wheel (which copies the files) resolve the same names.
+A checkout also has ``dflash_prep.bench`` and ``dflash_prep.tests`` (the wheel leaves them out).
+None of those folders has an ``__init__.py``, so from the repository root their bare names
+never shadow an installed ``kernels``, ``train``, ``bench`` or ``tests``
+(docs/reliability.md#one-import-name).
 """
 
 from ._version import __version__

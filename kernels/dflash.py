@@ -220,7 +220,7 @@ class _DFlash(torch.autograd.Function):
 
 def flash_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, prob: DFlashProblem, *,
                  return_lse: bool = False):
-    """Triton path of :func:`dflash_prep.kernels.attention_dflash` (inputs already checked)."""
+    """Triton path of :func:`dflash_prep.kernels.attention.attention_dflash` (inputs already checked)."""
     _check_triton(q, prob)
     o, lse = _DFlash.apply(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, prob)
     return (o, lse) if return_lse else o

@@ -1,6 +1,6 @@
 """Triton forward kernel of DFlash attention, and the index helpers its backward shares.
 
-Layout (see :func:`dflash_prep.kernels.attention_dflash`): per document ``d``, draft rows
+Layout (see :func:`dflash_prep.kernels.attention.attention_dflash`): per document ``d``, draft rows
 ``cu_blk[d]:cu_blk[d+1]`` (whole blocks of ``BLOCK_SIZE`` = B rows, block ``j`` with anchor
 ``a_j``, sorted) and context rows ``cu_ctx[d]:cu_ctx[d+1]``. Block ``j`` sees context
 ``[0, a_j)`` and its own B draft keys.

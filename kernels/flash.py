@@ -191,14 +191,14 @@ class _FlashPadded(_Flash):
 
 
 def flash_varlen(q, k, v, cu_seqlens, prob: Problem, causal: bool = True, *, return_lse: bool = False):
-    """Triton path of :func:`dflash_prep.kernels.attention_varlen` (inputs already checked)."""
+    """Triton path of :func:`dflash_prep.kernels.attention.attention_varlen` (inputs already checked)."""
     _check_triton(q, prob)
     o, lse = _FlashVarlen.apply(q, k, v, cu_seqlens, prob, causal)
     return (o, lse) if return_lse else o
 
 
 def flash_padded(q, k, v, lengths, prob: Problem, causal: bool = True, *, return_lse: bool = False):
-    """Triton path of :func:`dflash_prep.kernels.attention_padded` (inputs already checked)."""
+    """Triton path of :func:`dflash_prep.kernels.attention.attention_padded` (inputs already checked)."""
     _check_triton(q, prob)
     o, lse = _FlashPadded.apply(q, k, v, lengths, prob, causal)
     return (o, lse) if return_lse else o

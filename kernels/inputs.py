@@ -13,7 +13,7 @@ the values, so they run only when the tensor is on the CPU: on a GPU they would 
 device sync per call. Build ``cu_seqlens``/``lengths`` on the CPU (the loader does) to have
 them checked before moving them.
 
-:func:`check_dflash` does the same for :func:`~dflash_prep.kernels.attention_dflash` (context
+:func:`check_dflash` does the same for :func:`~dflash_prep.kernels.attention.attention_dflash` (context
 and draft rows per document, one anchor per block) and returns a :class:`DFlashProblem`.
 """
 
@@ -157,7 +157,7 @@ def check_padded(q, k, v, lengths, scale) -> Problem:
 # ----------------------------------------------------------------------------- DFlash
 @dataclass(frozen=True)
 class DFlashProblem:
-    """Shapes of one :func:`~dflash_prep.kernels.attention_dflash` call, after checks."""
+    """Shapes of one :func:`~dflash_prep.kernels.attention.attention_dflash` call, after checks."""
 
     num_docs: int
     """Documents: ``len(cu_ctx) - 1``."""
@@ -316,7 +316,7 @@ def check_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_s
 # ----------------------------------------------------------------------------- EAGLE-3 TTT
 @dataclass(frozen=True)
 class TTTProblem(Problem):
-    """Shapes of one :func:`~dflash_prep.kernels.ttt_attention` call: the per-step varlen
+    """Shapes of one :func:`~dflash_prep.kernels.attention.ttt_attention` call: the per-step varlen
     :class:`Problem` (``num_seqs`` = documents) plus the steps."""
 
     q_steps: int = 1

@@ -77,7 +77,7 @@ def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
 
     ``k``/``v`` ``[Sk, T, Hkv, D]``: step ``j``'s keys/values of the T packed tokens (RoPE already
     applied); ``cu_seqlens`` int32 ``[N+1]`` and ``max_seqlen`` as for
-    :func:`~dflash_prep.kernels.attention_varlen`. ``q`` ``[Sq, T, Hq, D]`` holds the last ``Sq``
+    :func:`~dflash_prep.kernels.attention.attention_varlen`. ``q`` ``[Sq, T, Hq, D]`` holds the last ``Sq``
     of the ``Sk`` steps: ``Sq = Sk`` runs all steps at once; ``Sq = 1`` (or a 3-D ``q`` ``[T, Hq,
     D]``, then the output is 3-D too) is the newest step, for a TTT loop that calls once per step
     with the keys so far. The query of step ``i`` at token ``t`` attends to ``k[0]`` at tokens

@@ -37,7 +37,7 @@ def test_gpu_entry_point_runs_every_step_on_cpu_without_datasets(tmp_path):
     probe = subprocess.run([sys.executable, "-c", "import datasets"], env=env, capture_output=True, text=True)
     assert probe.returncode != 0 and "GPU machine does not have" in probe.stderr  # the blocker is live
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_all", "--smoke", "--out", str(out)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "dflash_prep.bench.gpu_all", "--smoke", "--out", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1800)
     logs = {p.name: p.read_text()[-1500:] for p in out.glob("*.log")}
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:], logs)

@@ -167,7 +167,7 @@ def observe(root: Path) -> dict[str, str]:
     """Every pinned value of the fixed pipeline under ``root`` (a new folder)."""
     import torch
 
-    from tests.train.dflash_fixtures import tiny_target
+    from dflash_prep.tests.train.dflash_fixtures import tiny_target
 
     torch.set_num_threads(1)  # CPU losses are bitwise only for a fixed thread count
     out: dict[str, str] = {}

@@ -23,9 +23,11 @@ LAZY_OK = {"dflash_prep.cli", "dflash_prep.cli_objectives", "dflash_prep.train._
 
 
 def modules() -> dict[str, tuple[Path, bool]]:
-    """``{dotted name: (file, is package)}`` for every module under dflash_prep (symlinks followed)."""
+    """``{dotted name: (file, is package)}`` for every module under dflash_prep (symlinks followed;
+    the checkout-only ``dflash_prep.bench`` and ``dflash_prep.tests`` are not the package)."""
     out = {}
-    files = (Path(d) / f for d, _, fs in os.walk(PACKAGE, followlinks=True) for f in fs if f.endswith(".py"))
+    files = (Path(d) / f for d, _, fs in os.walk(PACKAGE, followlinks=True) for f in fs if f.endswith(".py")
+             if Path(d).relative_to(PACKAGE).parts[:1] not in (("bench",), ("tests",)))
     for p in sorted(files):
         parts = list(p.relative_to(ROOT).with_suffix("").parts)
         ispkg = parts[-1] == "__init__"

@@ -24,19 +24,19 @@ def test_wheel_installs_only_dflash_prep(tmp_path):
     assert top == {"dflash_prep"}, top
     info = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
     assert zipfile.ZipFile(whl).read(info).decode().split() == ["dflash_prep"]
-    for sub in ("dflash_prep/kernels/__init__.py", "dflash_prep/train/loader.py", "dflash_prep/docs/definitions.md",
+    for sub in ("dflash_prep/kernels/attention.py", "dflash_prep/train/loader.py", "dflash_prep/docs/definitions.md",
                 "dflash_prep/train/configs/gpu-100m.toml"):
         assert sub in names, sub
-    assert not any(n.startswith(("bench/", "tests/")) for n in names)
+    assert not any(n.startswith(("bench/", "tests/", "dflash_prep/bench/", "dflash_prep/tests/")) for n in names)
 
 
 def test_source_checkout_maps_kernels_and_train_under_dflash_prep():
     """Through the directory symlinks, from any working directory, with no install (the GPU machine)."""
-    code = ("import dflash_prep, dflash_prep.kernels as k, dflash_prep.train as t, dflash_prep.train.loop, sys, os;"
+    code = ("import dflash_prep, dflash_prep.kernels.attention as k, dflash_prep.train.loop as t, sys, os;"
             "print(os.path.realpath(k.__file__)); print(os.path.realpath(t.__file__)); print('kernels' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd="/", env={"PYTHONPATH": str(ROOT), "PATH": ""},
                          check=True, capture_output=True, text=True, timeout=120).stdout.split()
-    assert out == [str(ROOT / "kernels" / "__init__.py"), str(ROOT / "train" / "__init__.py"), "False"]
+    assert out == [str(ROOT / "kernels" / "attention.py"), str(ROOT / "train" / "loop.py"), "False"]
 
 
 def test_cli_version_and_no_torch_at_startup():

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from dflash_prep import kernels
+from dflash_prep.kernels.attention import force_backend
 from dflash_prep.errors import ConfigError, DflashError, FormatError
 from dflash_prep.formats.fileio import atomic_write_json
 from dflash_prep.formats.outputs import lock
@@ -370,7 +370,7 @@ def _run_epoch(run: _Run, pf, limit: int | None, totals: dict, losses: list, log
     """Train the steps of one epoch's prefetcher ``pf`` until it ends or ``limit`` global steps."""
     cfg, d, obj = run.cfg, run.d, run.obj
     autocast = _autocast_for(d.device, cfg.bf16)
-    attn_ctx = (lambda: kernels.force_backend(cfg.attn)) if cfg.attn != "auto" else contextlib.nullcontext
+    attn_ctx = (lambda: force_backend(cfg.attn)) if cfg.attn != "auto" else contextlib.nullcontext
     peak = distributed.peak_flops(d.device)
     while limit is None or run.gstep < limit:
         t0 = time.perf_counter()

@@ -4,7 +4,7 @@
   (``model.layers``: the Qwen3, Llama and Mistral families), once per rank; bf16 on CUDA, fp32
   on CPU; ``eval()``, every parameter ``requires_grad=False``, forwards under ``no_grad``.
 - **Packed, document-causal**: documents run concatenated in one row (``[1, T]``) with
-  positions restarting at 0 per document, through :func:`dflash_prep.kernels.attention_varlen`,
+  positions restarting at 0 per document, through :func:`dflash_prep.kernels.attention.attention_varlen`,
   registered with transformers' ``AttentionInterface`` as :data:`ATTN_IMPL` (and a mask
   function that builds no mask: the varlen kernel is the mask). No padding, no attention
   across documents: each document's states equal those of a forward over it alone.
@@ -36,7 +36,7 @@ _registered = False
 
 def _varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: q ``[1, Hq, T, D]``, k/v ``[1, Hkv, T, D]`` -> ``([1, T, Hq, D], None)``."""
-    from dflash_prep import kernels
+    from dflash_prep.kernels.attention import attention_varlen
 
     cu, max_len = kwargs.get(_CU), kwargs.get(_MAX)
     if cu is None:
@@ -49,7 +49,7 @@ def _varlen_attention(module, query, key, value, attention_mask, scaling=None, d
         raise ConfigError(f"a document of {max_len} tokens exceeds the target's sliding window ({window}); "
                           "the packed target runs full causal attention only: pack shorter documents")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
-    o = kernels.attention_varlen(q, k, v, cu, int(max_len), causal=True, scale=scaling)  # (T, Hq, D)
+    o = attention_varlen(q, k, v, cu, int(max_len), causal=True, scale=scaling)  # (T, Hq, D)
     return o[None], None
 
 

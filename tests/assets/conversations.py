@@ -91,7 +91,7 @@ def spm_folder(folder: Path) -> Path:
 
 
 def bpe_folder(folder: Path) -> Path:
-    from tests.assets.fixtures import train_bpe
+    from dflash_prep.tests.assets.fixtures import train_bpe
 
     out = train_bpe(folder / "bpe", extra_specials=["<s>", "</s>"], extra_tokens=["<think>", "</think>"])
     cfg = json.loads((out / "tokenizer_config.json").read_text())

@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 from dflash_prep.errors import ConfigError  # noqa: E402
 from dflash_prep.formats.fileio import read_json  # noqa: E402
 
-from bench import convergence as conv  # noqa: E402
+from dflash_prep.bench import convergence as conv  # noqa: E402
 
 
 def test_config_rejects_bad_options():

@@ -13,7 +13,7 @@ from dflash_prep.pack import metrics
 from dflash_prep.pack.bucketing import greedy_offsets
 from dflash_prep.synth.profiles import make_lengths
 
-from bench import peer_samplers as ps
+from dflash_prep.bench import peer_samplers as ps
 
 T = 16384
 W = 8
@@ -127,7 +127,7 @@ def test_lhotse_ranks_share_a_bucket(lengths):
 
 
 def test_bench_config_rejects_bad_input():
-    from bench.peers import BenchConfig
+    from dflash_prep.bench.peers import BenchConfig
     with pytest.raises(ConfigError, match="unknown length set"):
         BenchConfig(sets=("nope",))
     with pytest.raises(ConfigError):
@@ -137,7 +137,7 @@ def test_bench_config_rejects_bad_input():
 def test_peers_smoke_writes_versioned_report(tmp_path):
     """The whole harness on tiny data: every row scored, JSON readable, PNG written."""
     pytest.importorskip("transformers")
-    from bench import peers
+    from dflash_prep.bench import peers
 
     cfg = peers.BenchConfig(sets=("seedlike", "demo-bpe"), n=2500, demo_n=1000, budget=16384, k=4,
                             skip=("lhotse-default", "auto"), out=tmp_path)

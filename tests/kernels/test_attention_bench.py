@@ -7,7 +7,7 @@ import pytest
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.fileio import read_json
 
-from bench import attention as bench
+from dflash_prep.bench import attention as bench
 
 
 def test_flops_follow_design():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench import attention_ttt as bench
+from dflash_prep.bench import attention_ttt as bench
 from dflash_prep.errors import ConfigError, InputError
 
 

@@ -14,12 +14,12 @@ import math
 import pytest
 import torch
 
-from dflash_prep.kernels import attention_dflash, force_backend
+from dflash_prep.kernels.attention import attention_dflash, force_backend
 from dflash_prep.kernels.dflash_reference import attention_dflash_reference
 from dflash_prep.kernels.errors import AttentionConfigError
 
-from tests.kernels.dflash_helpers import NAMES, make_dflash, run_dflash
-from tests.kernels.helpers import close_to_reference
+from dflash_prep.tests.kernels.dflash_helpers import NAMES, make_dflash, run_dflash
+from dflash_prep.tests.kernels.helpers import close_to_reference
 
 
 def _check(docs, block_size, hq, hkv, d, dtype, seed=0, window=0):

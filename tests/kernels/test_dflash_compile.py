@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kernels.test_compile import SM90_SMEM, _compile_script
+from dflash_prep.tests.kernels.test_compile import SM90_SMEM, _compile_script
 
 SCRIPT = r"""
 import json, sys

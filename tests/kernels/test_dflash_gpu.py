@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
 import torch
-from bench.attention_dflash import DFlashBenchConfig, correctness, make_case
+from dflash_prep.bench.attention_dflash import DFlashBenchConfig, correctness, make_case
 
 for (s, n), b, heads, d in [((1024, 64), 16, (32, 8), 128), ((700, 300), 4, (8, 2), 64), ((333, 40), 8, (4, 1), 128)]:
     cfg = DFlashBenchConfig(block_size=b, heads_q=heads[0], heads_kv=heads[1], head_dim=d)

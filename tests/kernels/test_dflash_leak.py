@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_prep.kernels import attention_dflash, force_backend
+from dflash_prep.kernels.attention import attention_dflash, force_backend
 
 from .dflash_helpers import make_dflash
 

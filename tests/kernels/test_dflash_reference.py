@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_prep.kernels import attention_dflash, force_backend
+from dflash_prep.kernels.attention import attention_dflash, force_backend
 from dflash_prep.kernels.dflash_reference import attention_dflash_reference
 from dflash_prep.kernels.errors import AttentionConfigError, AttentionInputError
 
-from tests.kernels.dflash_helpers import dense_mask_dflash, make_dflash, naive_dflash, run_dflash
+from dflash_prep.tests.kernels.dflash_helpers import dense_mask_dflash, make_dflash, naive_dflash, run_dflash
 
 # an empty document, anchors at 0 and S-1, a repeated anchor, several lengths
 DOCS = [(9, [0, 3, 8]), (5, []), (1, [0]), (12, [2, 2, 7, 11])]

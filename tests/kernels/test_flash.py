@@ -13,10 +13,10 @@ import math
 import pytest
 import torch
 
-from dflash_prep.kernels import attention_padded, attention_varlen, force_backend
+from dflash_prep.kernels.attention import attention_padded, attention_varlen, force_backend
 from dflash_prep.kernels.errors import AttentionConfigError
 
-from tests.kernels.helpers import close_to_reference, make_padded, make_varlen, reference_pair, run
+from dflash_prep.tests.kernels.helpers import close_to_reference, make_padded, make_varlen, reference_pair, run
 
 NAMES = ("o", "dq", "dk", "dv")
 

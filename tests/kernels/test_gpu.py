@@ -21,7 +21,7 @@ import sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from helpers import close_to_reference, make_padded, make_varlen, reference_pair, run
-from dflash_prep.kernels import attention_padded, attention_varlen, force_backend
+from dflash_prep.kernels.attention import attention_padded, attention_varlen, force_backend
 
 NAMES = ("o", "dq", "dk", "dv")
 cuda = lambda ts: [t.cuda() for t in ts]

@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_prep.kernels import attention_padded, attention_varlen, force_backend
+from dflash_prep.kernels.attention import attention_padded, attention_varlen, force_backend
 from dflash_prep.kernels.backend import requested_backend, resolve_backend
 from dflash_prep.kernels.errors import AttentionConfigError, AttentionInputError
 from dflash_prep.kernels.reference import attention_padded_reference, attention_varlen_reference
 
-from tests.kernels.helpers import make_padded, make_varlen, run
+from dflash_prep.tests.kernels.helpers import make_padded, make_varlen, run
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -23,12 +23,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_prep.kernels import attention_varlen, force_backend, ttt_attention
+from dflash_prep.kernels.attention import attention_varlen, force_backend, ttt_attention
 from dflash_prep.kernels.errors import AttentionConfigError, AttentionInputError
 from dflash_prep.kernels.ttt_reference import ttt_attention_reference, ttt_mask
 
-from tests.kernels.helpers import close_to_reference
-from tests.kernels.test_compile import ROOT, SM90_SMEM, _compile_script
+from dflash_prep.tests.kernels.helpers import close_to_reference
+from dflash_prep.tests.kernels.test_compile import ROOT, SM90_SMEM, _compile_script
 
 NAMES = ("o", "dq", "dk", "dv")
 
@@ -267,7 +267,7 @@ def test_ttt_kernels_compile_for_sm90(dtype, d):
 
 GPU_SCRIPT = r"""
 import torch
-from bench.attention_ttt import TTTBenchConfig, correctness, make_case
+from dflash_prep.bench.attention_ttt import TTTBenchConfig, correctness, make_case
 
 for tokens, doc_len, steps, heads, d in [(4096, 2048, 7, (32, 8), 128), (1000, 100, 3, (8, 2), 64), (520, 260, 1, (4, 4), 128)]:
     cfg = TTTBenchConfig(tokens=(tokens,), doc_len=doc_len, steps=steps, heads_q=heads[0], heads_kv=heads[1], head_dim=d)

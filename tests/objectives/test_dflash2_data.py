@@ -25,7 +25,7 @@ from dflash_prep.pack.pack import PackConfig, pack_epochs
 from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 from dflash_prep.verify import verify_epoch
 
-from tests.assets.fixtures import CHATS, write_jsonl
+from dflash_prep.tests.assets.fixtures import CHATS, write_jsonl
 
 T = 8192
 DIMS = "hidden=256,layers=8,intermediate=768,heads=4,kv_heads=2,head_dim=64,vocab=1000"

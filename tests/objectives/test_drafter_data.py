@@ -15,7 +15,7 @@ from dflash_prep.formats.lengths import read_mask_counts
 from dflash_prep.objectives import anchor_digest, anchors
 from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 
-from tests.assets.fixtures import CHATS, write_jsonl
+from dflash_prep.tests.assets.fixtures import CHATS, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from dflash_prep.synth.synth import SynthConfig, synth
 from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 from dflash_prep.verify import verify_epoch
 
-from tests.objectives.toy import ToyOptions, register_toy
+from dflash_prep.tests.objectives.toy import ToyOptions, register_toy
 
 SMALL = dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
 

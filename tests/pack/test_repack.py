@@ -14,7 +14,7 @@ from dflash_prep.pack.pack import pack_epochs
 from dflash_prep.pack.repack import resume_dir, resume_epoch
 from dflash_prep.verify import verify_epoch
 
-from tests.pack.test_pack import _files, make_plan
+from dflash_prep.tests.pack.test_pack import _files, make_plan
 
 
 @pytest.fixture()

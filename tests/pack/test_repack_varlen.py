@@ -21,8 +21,8 @@ from dflash_prep.objectives.dflash_anchors import microbatch_anchors
 from dflash_prep.pack.pack import PackConfig, pack_epochs
 from dflash_prep.pack.repack import resume_dir, resume_epoch
 from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
-from tests.assets.fixtures import CHATS, write_jsonl
-from tests.pack.test_pack import _files
+from dflash_prep.tests.assets.fixtures import CHATS, write_jsonl
+from dflash_prep.tests.pack.test_pack import _files
 
 T = 2048
 DIMS = "hidden=64,layers=4,intermediate=96,heads=4,kv_heads=2,head_dim=16,vocab=300"

@@ -61,7 +61,7 @@ def server(target, tmp_path_factory):
     its whole process group at the end, and checked gone."""
     for mod in ("fastapi", "uvicorn"):
         pytest.importorskip(mod, reason="needs the serve extra: pip install 'dflash-prep[serve]'")
-    from bench.regenerate_speed import local_server
+    from dflash_prep.bench.regenerate_speed import local_server
 
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with local_server(target, "--log-level", "warning", log=log, timeout_s=180) as (url, _, proc):

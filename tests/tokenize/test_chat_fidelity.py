@@ -21,7 +21,7 @@ import pytest
 from dflash_prep.tokenize.chat import MaskOptions, mark, plan_rows
 from dflash_prep.tokenize.encoders import load_tokenizer
 
-from tests.assets.conversations import FAMILIES, bpe_folder, conversations, spm_folder, template
+from dflash_prep.tests.assets.conversations import FAMILIES, bpe_folder, conversations, spm_folder, template
 
 pytest.importorskip("mistral_common")
 pytest.importorskip("sentencepiece")

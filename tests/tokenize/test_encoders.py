@@ -11,8 +11,8 @@ from dflash_prep.errors import ConfigError, InputError
 from dflash_prep.tokenize.chat import CHATML_TEMPLATE, MaskOptions, chatml_render
 from dflash_prep.tokenize.encoders import ByteTokenizer, encode_chats, load_tokenizer, overlap_mask
 
-from tests.assets.conversations import conversations
-from tests.assets.fixtures import CHATS, train_bpe
+from dflash_prep.tests.assets.conversations import conversations
+from dflash_prep.tests.assets.fixtures import CHATS, train_bpe
 
 
 @pytest.fixture(scope="module")

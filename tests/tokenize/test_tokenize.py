@@ -16,7 +16,7 @@ from dflash_prep.formats.lengths import read_dataset_lengths
 from dflash_prep.tokenize.encoders import ByteTokenizer, encode_chats, load_tokenizer
 from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 
-from tests.assets.fixtures import CHATS, train_bpe, write_jsonl
+from dflash_prep.tests.assets.fixtures import CHATS, train_bpe, write_jsonl
 
 SHAREGPT = [{"conversations": [{"from": "human" if m["role"] == "user" else
                                 {"assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]}

@@ -10,7 +10,7 @@ import pytest
 from dflash_prep.errors import ConfigError, InputError
 from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 
-from tests.assets.fixtures import CHATS, train_bpe, write_jsonl
+from dflash_prep.tests.assets.fixtures import CHATS, train_bpe, write_jsonl
 
 ray = pytest.importorskip("ray")
 

@@ -1,7 +1,7 @@
 """Trainer tests: keep CPU use small; Triton's interpreter without a GPU.
 
-The fakes and fixtures beside the tests are imported as ``tests.train.<module>``, like every
-test helper (pyproject's ``pythonpath`` puts the repository root on ``sys.path``; spawned
+The fakes and fixtures beside the tests are imported as ``dflash_prep.tests.train.<module>``, like every
+test helper (through the checkout's symlink ``dflash_prep/tests``; spawned
 workers inherit it).
 """
 

@@ -74,7 +74,7 @@ def dflash_grads_setup(target, world: int, accum: int, rank: int, **kw):
     from dflash_prep.train.optim import build_optimizer
     from dflash_prep.train.objectives import build_objective
 
-    from tests.train.train_fakes import FakeSource
+    from dflash_prep.tests.train.train_fakes import FakeSource
 
     src = FakeSource(n=48, world_size=world, grad_accum=accum, layout="varlen")
     cfg = dflash_cfg("unused", target, **kw)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.train.dflash_fixtures import tiny_target  # noqa: F401 (re-exported for the tests)
+from dflash_prep.tests.train.dflash_fixtures import tiny_target  # noqa: F401 (re-exported for the tests)
 
 #: a draft vocabulary smaller than the fakes' 94 ids, so the map is exercised; 3 passes
 EAGLE3 = (48, 3)
@@ -21,7 +21,7 @@ def eagle3_cfg(out, target, **kw):
 
 
 def eagle3_source(**kw):
-    from tests.train.train_fakes import FakeSource
+    from dflash_prep.tests.train.train_fakes import FakeSource
 
     return FakeSource(n=48, layout="varlen", eagle3=EAGLE3, **kw)
 

@@ -27,7 +27,7 @@ def build_pipeline(root: Path, *, world_size: int = 2, grad_accum: int = 2, n: i
     from dflash_prep.synth.synth import SynthConfig, synth
     from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
 
-    from tests.train.dflash_fixtures import tiny_target
+    from dflash_prep.tests.train.dflash_fixtures import tiny_target
 
     target = tiny_target(0)
     synth(SynthConfig(out=root / "corpus", profile="mini", n=n, seed=0))

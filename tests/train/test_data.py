@@ -14,7 +14,7 @@ from dflash_prep.train.config import ModelConfig
 from dflash_prep.train.data import IGNORE, Prefetcher, build_batch, iter_steps, shifted_labels
 from dflash_prep.train.objectives.lm.model import Decoder, token_loss_sum
 
-from tests.train.train_fakes import FakeDataset, FakeManifest, packed_batches
+from dflash_prep.tests.train.train_fakes import FakeDataset, FakeManifest, packed_batches
 
 TINY = ModelConfig(vocab_size=97, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
 

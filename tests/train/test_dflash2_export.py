@@ -20,7 +20,7 @@ from dflash_prep.train.objectives.dflash2.export import (
 from dflash_prep.train.objectives.dflash2.selector import brute_force_walk, greedy_walk
 from dflash_prep.train.speculate import Target, greedy_generate, speculative_generate
 
-from tests.train.dflash_fixtures import MASK_ID, tiny_target
+from dflash_prep.tests.train.dflash_fixtures import MASK_ID, tiny_target
 
 B = 4
 

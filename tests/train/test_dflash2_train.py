@@ -19,8 +19,8 @@ from dflash_prep.train import checkpoint as ckpt
 from dflash_prep.train.distributed import Dist
 from dflash_prep.train.loop import train, train_step
 
-from tests.train.dflash_fixtures import MASK_ID, dflash_cfg, dflash_grads_setup, gloo_dflash_worker, tiny_target
-from tests.train.train_fakes import FakeSource
+from dflash_prep.tests.train.dflash_fixtures import MASK_ID, dflash_cfg, dflash_grads_setup, gloo_dflash_worker, tiny_target
+from dflash_prep.tests.train.train_fakes import FakeSource
 
 # small modules: 64 = 4 groups of 16 channels, rank 8, top 4 (the target's vocab is 300)
 D2 = dict(objective="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4,

@@ -6,7 +6,7 @@ import torch
 from dflash_prep.errors import ConfigError
 from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig, build_target_layer_ids
 
-from tests.train.dflash_oracle import public_block_forward
+from dflash_prep.tests.train.dflash_oracle import public_block_forward
 
 
 def _cfg(**kw):
@@ -101,7 +101,7 @@ def test_no_leak_block_loss_never_reaches_taps_at_or_past_its_anchor(backend, wi
     """Issue 23 item 6 through the whole drafter (2 layers): anchors side by side and closer than
     B (3, 4, 5, 7 at B = 4). Block j's loss has exactly zero gradient on the target taps at
     positions >= a_j of its document (and before its window), and on every other document."""
-    from dflash_prep.kernels import force_backend
+    from dflash_prep.kernels.attention import force_backend
 
     torch.manual_seed(1)
     cfg = _cfg(head_dim=32, heads=2, kv_heads=1, sliding_window=window)

@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from dflash_prep import kernels
+from dflash_prep.kernels.attention import force_backend
 from dflash_prep.train.loop import train
 
-from tests.train.dflash_fixtures import MASK_ID, dflash_cfg
-from tests.train.train_fakes import FakeSource
+from dflash_prep.tests.train.dflash_fixtures import MASK_ID, dflash_cfg
+from dflash_prep.tests.train.train_fakes import FakeSource
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -49,7 +49,7 @@ def test_cuda_triton_loss_matches_reference(target32):
     autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
     losses = {}
     for backend in ("triton", "reference"):
-        with kernels.force_backend(backend), torch.no_grad():
+        with force_backend(backend), torch.no_grad():
             losses[backend] = float(obj.loss(b, autocast)[0])
     assert losses["triton"] == pytest.approx(losses["reference"], rel=2e-2), losses
     assert MASK_ID not in b.input_ids.tolist()

@@ -16,8 +16,8 @@ from dflash_prep.train.objectives.dflash.objective import dflash_loss
 from dflash_prep.train.objectives.dflash.batch import AnchorSpec, build_dflash_batch, default_gamma, slot_weights
 from dflash_prep.train.target import FrozenTarget
 
-from tests.train.dflash_fixtures import MASK_ID, tiny_target
-from tests.train.train_fakes import FakeDataset, FakeMB
+from dflash_prep.tests.train.dflash_fixtures import MASK_ID, tiny_target
+from dflash_prep.tests.train.train_fakes import FakeDataset, FakeMB
 
 B = 4
 SPEC = AnchorSpec(seed=5, max_anchors=5, policy="cap", block_size=B)

@@ -17,8 +17,8 @@ from dflash_prep.train.config import build as build_config
 from dflash_prep.train.distributed import Dist
 from dflash_prep.train.loop import train, train_step
 
-from tests.train.dflash_fixtures import dflash_cfg, dflash_grads_setup, gloo_dflash_worker, tiny_target
-from tests.train.train_fakes import FakeSource
+from dflash_prep.tests.train.dflash_fixtures import dflash_cfg, dflash_grads_setup, gloo_dflash_worker, tiny_target
+from dflash_prep.tests.train.train_fakes import FakeSource
 
 
 def _src(**kw):

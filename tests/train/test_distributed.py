@@ -13,7 +13,7 @@ from dflash_prep.train.distributed import Dist
 from dflash_prep.train.loop import train_step
 from dflash_prep.train.objectives.lm.model import token_loss_sum
 
-from tests.train.train_fakes import gloo_worker, grads_setup
+from dflash_prep.tests.train.train_fakes import gloo_worker, grads_setup
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 

@@ -10,7 +10,7 @@ import torch
 
 from dflash_prep.formats.fileio import check_header
 
-from bench import drafter_gpu as g
+from dflash_prep.bench import drafter_gpu as g
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import json
 
 
 def test_smoke_run_reports_three_drafters_and_their_ratios(tmp_path):
-    from bench.drafter_variants_gpu import main
+    from dflash_prep.bench.drafter_variants_gpu import main
 
     assert main(["--smoke", "--out", str(tmp_path)]) == 0
     rep = json.loads((tmp_path / "drafter_variants_gpu.json").read_text())

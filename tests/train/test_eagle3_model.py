@@ -321,7 +321,7 @@ def test_evaluate_an_exported_drafter_on_a_prompts_file(tmp_path):
     from dflash_prep.train.speculate import EvalConfig, evaluate
     from dflash_prep.train.target import target_identity
 
-    from tests.train.dflash_fixtures import tiny_target
+    from dflash_prep.tests.train.dflash_fixtures import tiny_target
 
     path = tiny_target()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)

@@ -18,9 +18,9 @@ from dflash_prep.train.distributed import Dist
 from dflash_prep.train.loop import train, train_step
 from dflash_prep.train.objectives import build_objective
 
-from tests.train.eagle3_fixtures import EAGLE3, eagle3_cfg, eagle3_grads_setup, eagle3_source, gloo_eagle3_worker
-from tests.train.eagle3_fixtures import tiny_target
-from tests.train.train_fakes import FakeSource
+from dflash_prep.tests.train.eagle3_fixtures import EAGLE3, eagle3_cfg, eagle3_grads_setup, eagle3_source, gloo_eagle3_worker
+from dflash_prep.tests.train.eagle3_fixtures import tiny_target
+from dflash_prep.tests.train.train_fakes import FakeSource
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")

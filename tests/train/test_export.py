@@ -64,7 +64,7 @@ def test_windowed_export_loads_with_the_public_window_and_matches_the_public_for
     states equal the public algorithm's (transformers' flash window) run from the exported weights."""
     from transformers import Qwen3Config
 
-    from tests.train.dflash_oracle import public_block_forward
+    from dflash_prep.tests.train.dflash_oracle import public_block_forward
 
     cfg = _cfg(sliding_window=4)
     d = _trained_like(cfg, seed=5)

@@ -21,8 +21,8 @@ import pytest
 from dflash_prep.errors import ConfigError
 from dflash_prep.objectives.dflash import drafter_options
 from dflash_prep.pack.pack import PackConfig, pack_epochs
-from tests.train.split_fixtures import BLOCK, MAX_ANCHORS, build_pipeline
-from tests.train.trainer_split_fixtures import base_cfg, run_job
+from dflash_prep.tests.train.split_fixtures import BLOCK, MAX_ANCHORS, build_pipeline
+from dflash_prep.tests.train.trainer_split_fixtures import base_cfg, run_job
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ import torch
 from dflash_prep.train.config import build as build_config
 from dflash_prep.train.loop import train
 
-from tests.train.train_fakes import FakeSource
+from dflash_prep.tests.train.train_fakes import FakeSource
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -14,7 +14,7 @@ build_config = build
 from dflash_prep.train.data import build_batch
 from dflash_prep.train.objectives.lm.model import Decoder, token_loss_sum
 
-from tests.train.train_fakes import FakeDataset
+from dflash_prep.tests.train.train_fakes import FakeDataset
 
 
 def test_presets_shapes_and_100m_size():
@@ -65,7 +65,7 @@ def test_shipped_config_files_parse():
 @pytest.mark.parametrize("layout", ["padded", "varlen"])
 def test_triton_interpreter_matches_reference_in_the_model(layout):
     """--attn triton on CPU runs the interpreter; the loss and gradients match the reference path."""
-    from dflash_prep import kernels
+    from dflash_prep.kernels.attention import force_backend
 
     cfg = ModelConfig(vocab_size=97, n_layers=1, d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, ffn_dim=64)
     ds = FakeDataset(n=3, lo=5, hi=12, seed=3)
@@ -75,7 +75,7 @@ def test_triton_interpreter_matches_reference_in_the_model(layout):
     for backend in ("reference", "triton"):
         torch.manual_seed(0)
         model = Decoder(cfg)
-        with kernels.force_backend(backend):
+        with force_backend(backend):
             loss = token_loss_sum(model(b.input_ids, **b.model_inputs()), b.labels)
         loss.backward()
         out[backend] = (loss.detach(), model.blocks[0].attn.q.weight.grad.clone())
@@ -84,7 +84,7 @@ def test_triton_interpreter_matches_reference_in_the_model(layout):
 
 
 def test_bench_gpu_smoke_mode_runs_every_strategy_on_cpu(tmp_path):
-    out = tmp_path / "bench.json"
+    out = tmp_path / "dflash_prep.bench.json"
     assert bench.main(["--gpu", "--smoke", "--steps", "1", "--warmup", "0", "--out", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert rep["format"] == bench.BENCH_FORMAT

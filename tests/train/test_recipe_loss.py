@@ -17,8 +17,8 @@ from dflash_prep.train.objectives.dflash.objective import LossSpec, dflash_loss,
 from dflash_prep.train.objectives.dflash.batch import AnchorSpec, build_dflash_batch, slot_weights
 from dflash_prep.train.target import FrozenTarget
 
-from tests.train.dflash_fixtures import MASK_ID, tiny_target
-from tests.train.train_fakes import FakeDataset, FakeMB
+from dflash_prep.tests.train.dflash_fixtures import MASK_ID, tiny_target
+from dflash_prep.tests.train.train_fakes import FakeDataset, FakeMB
 
 
 def _hand_dpace(ce, mask, alpha):

@@ -12,7 +12,7 @@ from dflash_prep.train import checkpoint as ckpt
 from dflash_prep.train.config import TrainConfig, build as build_config
 from dflash_prep.train.loop import train
 
-from tests.train.train_fakes import FakeSource
+from dflash_prep.tests.train.train_fakes import FakeSource
 
 SMALL = dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
 

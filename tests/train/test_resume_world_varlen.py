@@ -68,7 +68,7 @@ def _worker(rank: int, world: int, root: str, kind: str, kw: dict) -> None:
 def _prepare(root: Path, kind: str, world: int) -> manifest.Manifest:
     """synth -> tokenize -> plan -> pack epoch 0 for ``world`` ranks (varlen, or --objective dflash)."""
     if kind == "dflash":
-        from tests.train.dflash_fixtures import tiny_target
+        from dflash_prep.tests.train.dflash_fixtures import tiny_target
 
         target = tiny_target()
         (root / "target").symlink_to(target)

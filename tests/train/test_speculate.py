@@ -124,7 +124,7 @@ def test_eval_entry_point_writes_a_versioned_report(tiny, tmp_path):
 
 def test_proposer_drafts_what_the_public_algorithm_drafts(tiny):
     """One DFlashProposer block == the public per-block computation after a prefill of ``start``."""
-    from tests.train.dflash_oracle import public_block_forward
+    from dflash_prep.tests.train.dflash_oracle import public_block_forward
 
     _, model, _ = tiny
     drafter = _drafter(model, seed=2)
@@ -144,7 +144,7 @@ def test_windowed_proposer_drafts_what_the_public_windowed_algorithm_drafts(tiny
     """A drafter with sliding window W = B: the proposer cuts the context to the window and still
     equals the public per-block computation (all features, transformers' flash window) for
     blocks before and past the window; the window changes the hidden states."""
-    from tests.train.dflash_oracle import public_block_forward
+    from dflash_prep.tests.train.dflash_oracle import public_block_forward
 
     from dflash_prep.train.objectives.dflash.drafter import Drafter, DrafterConfig
 

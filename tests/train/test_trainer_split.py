@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from dflash_prep.train import checkpoint as ckpt
-from tests.train.split_fixtures import build_pipeline, open_source
-from tests.train.trainer_split_fixtures import base_cfg, log_records, run_job
+from dflash_prep.tests.train.split_fixtures import build_pipeline, open_source
+from dflash_prep.tests.train.trainer_split_fixtures import base_cfg, log_records, run_job
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -215,7 +215,7 @@ def test_rescale_resume_onto_more_drafter_ranks_with_a_target_rank(runs):
     from dflash_prep.pack.pack import PackConfig, pack_epochs
     from dflash_prep.verify import verify_epoch
 
-    from tests.train.split_fixtures import BLOCK, MAX_ANCHORS
+    from dflash_prep.tests.train.split_fixtures import BLOCK, MAX_ANCHORS
 
     root, paths, k = runs["root"], runs["paths"], 2
     man, out = root / "man-w1", root / "rescale-up"

@@ -14,7 +14,7 @@ import time
 import traceback
 from pathlib import Path
 
-from tests.train.split_fixtures import supervise
+from dflash_prep.tests.train.split_fixtures import supervise
 
 
 def train_rank(rank: int, world: int, init_file: str, cfg_kw: dict, out_dir: str) -> None:

@@ -190,7 +190,7 @@ def serve(cfg, place, d, source=None, *, plan=dflash_plan) -> dict:
     the autocast and attention backend the colocated loss runs it under. ``source``: what the drafters
     train on (default: :class:`~.source.FileSource` of ``cfg``; every epoch exists, :mod:`dflash_prep.train.split`).
     """
-    from dflash_prep import kernels
+    from dflash_prep.kernels.attention import force_backend
 
     from dflash_prep.train import distributed
     from dflash_prep.train import rescale
@@ -212,7 +212,7 @@ def serve(cfg, place, d, source=None, *, plan=dflash_plan) -> dict:
 
     @contextlib.contextmanager
     def forward_ctx():
-        with autocast(), (kernels.force_backend(cfg.attn) if cfg.attn != "auto" else contextlib.nullcontext()):
+        with autocast(), (force_backend(cfg.attn) if cfg.attn != "auto" else contextlib.nullcontext()):
             yield
 
     worker = TargetWorker(source, provider, sender, roles=place.roles, target_rank=place.rank,

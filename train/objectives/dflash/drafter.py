@@ -27,7 +27,7 @@ Packed layout (training): D documents, document d with S_d context tokens and N_
 ``[x[a_j], MASK x (B-1)]`` with positions ``blk_pos``, and block j of document d attends to the
 context ``[0, a_j)`` of its own document plus its own B tokens (bidirectionally): exactly what
 the public inference code computes for one block after a prefill of ``a_j`` tokens
-(``dflash_prep.kernels.attention_dflash`` implements that mask). With ``sliding_window`` W > 0
+(``dflash_prep.kernels.attention.attention_dflash`` implements that mask). With ``sliding_window`` W > 0
 every layer is a public ``sliding_attention`` layer: slot r keeps the context from
 ``a_j + r - W + 1`` on.
 
@@ -192,7 +192,7 @@ class DFlashAttention(nn.Module):
 
     def forward(self, h, ctx, rope_ctx, rope_blk, cu_ctx, cu_blk, anchors, block_size):
         """h ``[Q, H]`` (normed block states), ctx ``[S, H]`` (fused context) -> ``[Q, H]``."""
-        from dflash_prep import kernels
+        from dflash_prep.kernels.attention import attention_dflash
 
         c = self.cfg
         Q, S = h.shape[0], ctx.shape[0]
@@ -203,7 +203,7 @@ class DFlashAttention(nn.Module):
         v_blk = self.v_proj(h).view(Q, c.kv_heads, c.head_dim)
         q, k_blk = apply_rope(q, *rope_blk), apply_rope(k_blk, *rope_blk)
         k_ctx = apply_rope(k_ctx, *rope_ctx)
-        o = kernels.attention_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size,
+        o = attention_dflash(q, k_ctx, v_ctx, k_blk, v_blk, cu_ctx, cu_blk, anchors, block_size,
                                      scale=1.0 / math.sqrt(c.head_dim), window=c.sliding_window)  # (Q, Hq, D)
         return self.o_proj(o.reshape(Q, c.heads * c.head_dim))
 

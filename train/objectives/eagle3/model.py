@@ -179,13 +179,13 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def ttt_attention(q, k, v, cu_seqlens, max_seqlen: int, *, sm_scale: float | None = None):
-    """The drafter's one attention entry point: :func:`dflash_prep.kernels.ttt_attention` (the Triton
+    """The drafter's one attention entry point: :func:`dflash_prep.kernels.attention.ttt_attention` (the Triton
     kernel on CUDA, its PyTorch reference elsewhere): q ``[Sq, T, Hq, D]`` holds the last ``Sq`` of the
     ``Sk`` steps of k/v ``[Sk, T, Hkv, D]``; step i at row t sees ``k[0]`` at rows ``s <= t`` of its
     document and ``k[1..i]`` at row t (docs/kernels.md)."""
-    from dflash_prep import kernels
+    from dflash_prep.kernels.attention import ttt_attention
 
-    return kernels.ttt_attention(q, k, v, cu_seqlens, max_seqlen, sm_scale=sm_scale)
+    return ttt_attention(q, k, v, cu_seqlens, max_seqlen, sm_scale=sm_scale)
 
 
 def shifted_ids(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, k: int, pad_id: int = PAD_ID) -> torch.Tensor:

@@ -8,13 +8,13 @@ parameters, optimizer state and batch: that is what makes resume bitwise on CPU.
 One forward serves both manifest layouts:
 
 - padded: ``input_ids (B, L)`` with per-row ``lengths``; attention is
-  ``dflash_prep.kernels.attention_padded`` (rows are masked beyond their length), positions ``0..L-1``;
+  ``dflash_prep.kernels.attention.attention_padded`` (rows are masked beyond their length), positions ``0..L-1``;
 - varlen: ``input_ids (T,)``, samples concatenated, with ``cu_seqlens`` (int32, N+1) and
   ``position_ids (T,)`` restarting at 0 in every sample; attention is
-  ``dflash_prep.kernels.attention_varlen`` (block-diagonal causal: no attention across samples).
+  ``dflash_prep.kernels.attention.attention_varlen`` (block-diagonal causal: no attention across samples).
 
 Which kernel runs is ``kernels``' dispatch (Triton on CUDA, the PyTorch reference on CPU);
-the trainer wraps the forward in ``dflash_prep.kernels.force_backend`` when ``--attn`` asks for one.
+the trainer wraps the forward in ``dflash_prep.kernels.attention.force_backend`` when ``--attn`` asks for one.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dflash_prep import kernels
+from dflash_prep.kernels.attention import attention_padded, attention_varlen, force_backend
 
 from dflash_prep.train.config import ModelConfig
 from dflash_prep.train.layers import RMSNorm, SwiGLU, apply_rope, rope_tables
@@ -46,9 +46,9 @@ class Attention(nn.Module):
         v = self.v(x).view(*lead, c.n_kv_heads, c.head_dim)
         q, k = apply_rope(q, cos, sin, fp32=True), apply_rope(k, cos, sin, fp32=True)
         if cu_seqlens is not None:  # (T, H, D)
-            o = kernels.attention_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True)
+            o = attention_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True)
         else:  # (B, L, H, D) -> (B, H, L, D)
-            o = kernels.attention_padded(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            o = attention_padded(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          lengths, causal=True).transpose(1, 2)
         return self.o(o.reshape(*lead, c.n_heads * c.head_dim))
 

@@ -2,7 +2,7 @@
 
 Public API (the trainer codes against exactly this)::
 
-    from dflash_prep.kernels import attention_varlen, attention_padded, force_backend
+    from dflash_prep.kernels.attention import attention_varlen, attention_padded, force_backend
     o = attention_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True, scale=None)
         # q [T,Hq,D], k/v [T,Hkv,D], cu_seqlens int32 [N+1] -> o [T,Hq,D]
     o = attention_padded(q, k, v, lengths, causal=True, scale=None)
@@ -28,7 +28,11 @@ does (so fp32 q/k after RoPE and a bf16 v are fine there); outside autocast q, k
 must share one dtype.
 
 The Triton module is imported only when the Triton path first runs, so importing this
-package does not compile anything, and CPU-only users never import triton.
+module does not compile anything, and CPU-only users never import triton.
+
+This module is the package's front door: ``kernels/`` has no ``__init__.py`` on purpose (a
+folder named ``kernels`` at the repository root must never be importable as ``kernels``, which
+is Hugging Face's package; docs/reliability.md#one-import-name).
 """
 
 from __future__ import annotations

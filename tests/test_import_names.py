@@ -1,0 +1,137 @@
+"""One import name: the repository's top-level folders never shadow installed distributions.
+
+``kernels``, ``train``, ``bench`` and ``tests`` are names other distributions own (transformers >= 5.25
+imports Hugging Face's ``kernels``). Python puts the repository root on ``sys.path`` for ``python -m``
+run from it, ``PYTHONPATH=.`` (the GPU machine) and pytest, so those folders carry no ``__init__.py``:
+a folder without one is only a namespace portion, and any installed package of that name wins over
+it wherever it sits on ``sys.path``. The code is reached as ``dflash_prep.*`` through the
+checkout's symlinks (docs/reliability.md#one-import-name).
+
+The end-to-end test installs a distribution named like each folder (a tiny one written here, dist-info
+and all; Hugging Face's real ``kernels`` where transformers pulled it in), then runs, from the root:
+the GPU script's import check, a recipe's first step, ``python -m dflash_prep.train`` and pytest's
+collection, and checks what each name resolved to.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_prep.bench.gpu_all import FOLDERS, import_check
+
+ROOT = Path(__file__).resolve().parents[1]
+FOREIGN_ENV = "DFLASH_PREP_FOREIGN_SITE"  # set by the end-to-end test for its pytest subprocess
+
+
+def _installed(name: str) -> bool:
+    try:
+        importlib.metadata.distribution(name)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def _foreign_site(site: Path) -> dict[str, str]:
+    """A distribution named like each folder, in ``site`` (``pip install --target`` lays it out the
+    same way), except where one is installed already (HF ``kernels``); ``{name: its package folder}``."""
+    where = {}
+    for name in FOLDERS:
+        if _installed(name):
+            where[name] = str(Path(importlib.util.find_spec(name).origin).parent)
+            continue
+        pkg = site / name
+        pkg.mkdir(parents=True)
+        (pkg / "__init__.py").write_text(f'"""A distribution named {name}, not dflash-prep."""\nOWNER = "foreign"\n')
+        info = site / f"{name}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        (info / "top_level.txt").write_text(f"{name}\n")
+        (info / "INSTALLER").write_text("test\n")
+        (info / "RECORD").write_text(f"{name}/__init__.py,,\n{info.name}/METADATA,,\n")
+        where[name] = str(pkg)
+    return where
+
+
+def test_only_dflash_prep_is_a_package_at_the_root():
+    for d in sorted(p for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if d.name != "dflash_prep" and not d.is_symlink():
+            assert not (d / "__init__.py").exists(), f"{d.name}/__init__.py makes `import {d.name}` load the checkout"
+    for name in FOLDERS:
+        link = ROOT / "dflash_prep" / name
+        assert link.is_symlink() and link.resolve() == (ROOT / name).resolve(), link
+
+
+def test_no_module_imports_a_top_level_folder_by_its_bare_name():
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    bad = []
+    for f in files:
+        path = ROOT / f
+        if path.is_symlink() or not path.is_file():
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), f)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{f}:{node.lineno}: {n}" for n in names if n.split(".")[0] in FOLDERS]
+    assert not bad, bad
+
+
+def test_this_process_resolves_each_name_where_it_is_meant():
+    """In pytest itself (and, run by the end-to-end test, with the foreign distributions on the path)."""
+    rec = import_check()
+    assert rec["passed"], rec
+    foreign = os.environ.get(FOREIGN_ENV)
+    if foreign:
+        for name, where in json.loads(foreign).items():
+            if name == "tests" and getattr(sys.modules.get("tests"), "__file__", None) is None:
+                continue  # pytest's own placeholder parent of the test modules (tests.<path>): no code
+            assert rec["bare"][name] == str(Path(where) / "__init__.py"), (name, rec)
+
+
+def _run(cmd, env, **kw):
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, **kw)
+    assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.mark.timeout(600)
+def test_from_the_root_installed_distributions_win(tmp_path):
+    where = _foreign_site(tmp_path / "site")
+    # PYTHONPATH comes after the root (sys.path[0] for `python -m` from it), as site-packages does
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"), OMP_NUM_THREADS="1")
+    env.pop("PYTHONSAFEPATH", None)
+    py = [sys.executable, "-m"]
+
+    # the GPU script's import check (the same sys.path as `python3 -m dflash_prep.bench.gpu_all` there)
+    _run(py + ["dflash_prep.bench.gpu_all", "--check-imports", "--out", str(tmp_path / "gpu")], env)
+    rec = json.loads((tmp_path / "gpu" / "gpu_all.json").read_text())["imports"]
+    assert rec["passed"] and rec["transformers"] == "ok", rec
+    assert rec["bare"] == {n: str(Path(w) / "__init__.py") for n, w in where.items()}, rec
+
+    # a recipe's first step, as train/recipes/demo_dflash.sh runs it (it imports transformers)
+    recipe = (ROOT / "train" / "recipes" / "demo_dflash.sh").read_text()
+    assert '$PY -m dflash_prep.train.target_init --out "$OUT/target0" $TARGET_ARGS' in recipe
+    target_args = "--vocab-size 512 --hidden 64 --layers 4 --heads 2 --kv-heads 1 --head-dim 32 --intermediate 192"
+    assert f"TARGET_ARGS=${{TARGET_ARGS:---{target_args[2:]}}}" in recipe
+    _run(py + ["dflash_prep.train.target_init", "--out", str(tmp_path / "target0"), *target_args.split()], env)
+    assert (tmp_path / "target0" / "config.json").is_file()
+
+    # python -m dflash_prep.train: the trainer's entry point, its objectives' options included
+    out = _run(py + ["dflash_prep.train", "--help"], dict(env, COLUMNS="200")).stdout
+    assert "--objective" in out and "--draft-layers" in out
+
+    # pytest's collection and a test run with the foreign distributions installed: the helpers
+    # (dflash_prep.tests.*) and transformers import, and the bare names are the foreign ones
+    sel = ["tests/test_import_names.py::test_this_process_resolves_each_name_where_it_is_meant",
+           "tests/train/test_export.py", "tests/tokenize/test_chat_fidelity.py"]
+    out = _run(py + ["pytest", "-q", "-p", "no:cacheprovider", "--collect-only", *sel[1:]], env).stdout
+    assert " collected" in out or "tests collected" in out, out[-2000:]
+    _run(py + ["pytest", "-q", "-p", "no:cacheprovider", sel[0]], dict(env, **{FOREIGN_ENV: json.dumps(where)}))
