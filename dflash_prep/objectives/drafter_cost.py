@@ -330,18 +330,26 @@ class Eagle3CostModel(TargetSizes):
     def of_record(cls, rec: dict) -> "Eagle3CostModel":
         """The model :meth:`describe` recorded (the derived entries are recomputed, never read)."""
         return cls(**{f.name: rec[f.name] for f in fields(cls) if f.name in rec})
-def check_window(manifest, sliding_window: int, objective: str = "dflash") -> None:
-    """Refuse a drafter trained with ``sliding_window`` (``--sliding-window``; 0 = full attention)
-    on a ``pack --objective dflash`` manifest whose cost model has another window (its header's
-    ``dflash.cost_model.sliding_window``): pack balanced the ranks and filled the cost budget with
-    that drafter's step cost, so the run would train on another drafter's data plan. A manifest
-    without a cost model (``pack --objective lm``, or None) is not checked."""
+
+
+def check_drafter_shape(manifest, *, sliding_window: int, draft_layers: int, objective: str = "dflash") -> None:
+    """Refuse a drafter trained with another shape than the one its manifest was packed for: a
+    ``sliding_window`` (``--sliding-window``; 0 = full attention) or ``draft_layers``
+    (``--draft-layers``) other than the header's ``dflash.cost_model``. Pack balanced the ranks
+    and filled the cost budget with that drafter's step cost, so the run would train on another
+    drafter's data plan. One line, naming the pack command that fixes it. A manifest without a
+    cost model (``pack --objective lm``, or None) is not checked."""
     header = getattr(manifest, "header", None)
     cm = (header.get("dflash") or {}).get("cost_model") if isinstance(header, dict) else None
-    if not isinstance(cm, dict) or "sliding_window" not in cm or int(cm["sliding_window"]) == int(sliding_window):
+    if not isinstance(cm, dict):
         return
-    theirs, mine = int(cm["sliding_window"]), int(sliding_window)
-    raise ConfigError(f"--sliding-window {mine} contradicts manifest epoch {manifest.epoch}, packed for a drafter with "
-                      f"window {theirs} (0 = full attention): its rank balance and cost budget are another drafter's; "
-                      f"re-pack with `dflash-prep pack ... --objective {objective} --sliding-window {mine} --overwrite`, "
-                      f"or train with --sliding-window {theirs}")
+    for flag, field, mine, what in (("--sliding-window", "sliding_window", sliding_window,
+                                     lambda v: f"window {v} (0 = full attention)"),
+                                    ("--draft-layers", "draft_layers", draft_layers, lambda v: f"{v} draft layer(s)")):
+        if field not in cm or int(cm[field]) == int(mine):
+            continue
+        theirs, mine = int(cm[field]), int(mine)
+        raise ConfigError(f"{flag} {mine} contradicts manifest epoch {manifest.epoch}, packed for a drafter with "
+                          f"{what(theirs)}: its rank balance and cost budget are another drafter's; re-pack with "
+                          f"`dflash-prep pack ... --objective {objective} {flag} {mine} --overwrite`, or train with "
+                          f"{flag} {theirs}")

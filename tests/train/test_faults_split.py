@@ -1,5 +1,5 @@
-"""Fault injection, issue 29 (the trainer side): a drafter's sliding window against the one its
-manifests were packed for; a split job refused at set-up, and the drafters left when a drafter
+"""Fault injection, issue 29 (the trainer side): a drafter's sliding window and depth against the
+ones its manifests were packed for; a split job refused at set-up, and the drafters left when a drafter
 rank dies, each rank ending with one line (real gloo jobs of ``train()``); the launcher's crash
 line naming the dead rank's role and the command that resumes.
 
@@ -41,16 +41,22 @@ def _pack_w1(paths: dict, out, **flags) -> dict:
     return {**paths, "manifests": str(out)}
 
 
-def test_a_drafter_window_other_than_the_manifests_is_refused_with_the_pack_flag(paths, tmp_path):
+@pytest.mark.parametrize("flag, train_kw, theirs", [
+    ("--sliding-window 8", dict(sliding_window=8), "window 0"),
+    ("--draft-layers 2", dict(draft_layers=2), "1 draft layer(s)"),
+])
+def test_a_drafter_shape_other_than_the_manifests_is_refused_with_the_pack_flag(paths, tmp_path, flag, train_kw, theirs):
+    """Manifests packed for a 1-layer, full-attention drafter; a run with another window or depth
+    is refused before anything is written, in one line that names the pack command with its flag."""
     from dflash_prep.train.config import build as build_config
     from dflash_prep.train.loop import train
 
     w1 = _pack_w1(paths, tmp_path / "man-w0", sliding_window=0)
     with pytest.raises(ConfigError) as ei:
-        train(build_config(**base_cfg(w1, tmp_path / "run", sliding_window=8, max_steps=1)))
+        train(build_config(**base_cfg(w1, tmp_path / "run", max_steps=1, **train_kw)))
     msg = str(ei.value)
-    assert "\n" not in msg and "--sliding-window 8" in msg and "window 0" in msg, msg
-    assert "pack" in msg and "--sliding-window 8" in msg.split("pack", 1)[1], msg
+    assert "\n" not in msg and msg.startswith(f"{flag} contradicts") and theirs in msg, msg
+    assert "pack" in msg and flag in msg.split("pack", 1)[1], msg
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
 
 

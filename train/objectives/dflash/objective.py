@@ -313,8 +313,10 @@ class DFlashObjective(DrafterObjective):
 
     def check_epoch(self, epoch: int, manifest) -> None:
         """Every epoch after the first draws anchors as the first did (its budgets assume them),
-        and every epoch's cost model has this drafter's window (:func:`~dflash_prep.objectives.drafter_cost.check_window`)."""
-        drafter_cost.check_window(manifest, self.cfg.options.sliding_window, self.name)
+        and every epoch's cost model has this drafter's window and depth
+        (:func:`~dflash_prep.objectives.drafter_cost.check_drafter_shape`)."""
+        drafter_cost.check_drafter_shape(manifest, sliding_window=self.cfg.options.sliding_window,
+                                         draft_layers=self.cfg.options.draft_layers, objective=self.name)
         if epoch > 0:
             spec = anchor_spec(self.cfg, manifest)[0]
             if spec != self.spec:
@@ -364,7 +366,8 @@ def build(cfg: TrainConfig, ds, device: torch.device, manifest=None, place=None,
     from dflash_prep.train.objectives.dflash.drafter import Drafter
     from dflash_prep.train.target import FrozenTarget, target_identity
 
-    drafter_cost.check_window(manifest, cfg.options.sliding_window, cfg.objective)
+    drafter_cost.check_drafter_shape(manifest, sliding_window=cfg.options.sliding_window,
+                                     draft_layers=cfg.options.draft_layers, objective=cfg.objective)
     dcfg, spec, source, tok = drafter_config(cfg, manifest)
     if place is None:
         target = FrozenTarget(cfg.options.target, dcfg.target_layer_ids, device=device)
