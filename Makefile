@@ -4,20 +4,31 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO ?= demo
+GPU := $(shell command -v nvidia-smi 2>/dev/null)
 # Without nvidia-smi: the CPU wheel (torch==2.13.0, already on disk on CPU-only machines).
 # With a GPU: nothing here, so pip resolves the CUDA build that pyproject's torch>=2.4 allows.
 # A torch already in the venv is always kept; TORCH_SPEC=... picks another one.
-TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,torch==2.13.0)
+TORCH_SPEC ?= $(if $(GPU),,torch==2.13.0)
 export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
+EXTRAS ?= dev,chat,train,serve,ray
+# Reproducible installs (docs/reliability.md#reproducible-installs): every venv gets exactly the
+# versions of constraints.txt, the lock the suite last passed on; `make lock` refreshes it and
+# `make test-latest` runs the suite on the newest releases instead. torch is not in the lock
+# (TORCH_SPEC above decides it); with a GPU, triton is left to the CUDA torch that pins its own.
+LOCK ?= -c $(if $(GPU),$(VENV)/constraints-gpu.txt,constraints.txt)
+# setuptools says once per editable install that folders named like the package may shadow it:
+# they cannot here (docs/reliability.md#one-import-name), so the first screen stays the pipeline
+QUIET_INSTALL := PYTHONWARNINGS="ignore:Editable installation"
 
-.PHONY: venv demo demo-dflash test test-slow train bench bench-gpu bench-convergence clean
+.PHONY: venv demo demo-dflash test test-slow test-latest lock train bench bench-gpu bench-convergence clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	@if [ -n "$(GPU)" ]; then grep -v '^triton==' constraints.txt > $(VENV)/constraints-gpu.txt; fi
+	$(BIN)/pip install -q $(LOCK) --upgrade pip setuptools
 	@if [ -n "$(TORCH_SPEC)" ] && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
-		echo "installing $(TORCH_SPEC)"; $(BIN)/pip install -q "$(TORCH_SPEC)"; fi
-	$(BIN)/pip install -q -e ".[dev,chat,train,serve,ray]"
+		echo "installing $(TORCH_SPEC)"; $(BIN)/pip install -q $(LOCK) "$(TORCH_SPEC)"; fi
+	$(QUIET_INSTALL) $(BIN)/pip install -q $(LOCK) --no-build-isolation -e ".[$(EXTRAS)]"
 	touch $@
 
 venv: $(BIN)/.installed
@@ -52,6 +63,30 @@ test: venv
 
 test-slow: venv
 	$(BIN)/python -m pytest -q -m "slow"
+
+# The suite on the newest releases within pyproject's ranges, in a fresh .venv-latest with no lock
+# (the torch rule is the same): a new release that breaks us shows here, on purpose, not in a
+# fresh clone's `make test`.
+test-latest:
+	rm -rf .venv-latest
+	$(MAKE) --no-print-directory venv VENV=.venv-latest LOCK=
+	@.venv-latest/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|triton|transformers|kernels|tokenizers|datasets|numpy|numba|pyarrow|ray) '
+	$(MAKE) --no-print-directory test VENV=.venv-latest LOCK=
+
+# Refresh the lock: the newest releases within pyproject's ranges (every extra the Makefile
+# installs, bench's included) in a fresh .venv-lock, frozen into constraints.txt. Then run
+# `make test` on it, and commit constraints.txt once the suite passes.
+LOCK_EXTRAS := $(EXTRAS),bench
+lock:
+	rm -rf .venv-lock
+	$(MAKE) --no-print-directory venv VENV=.venv-lock LOCK= EXTRAS=$(LOCK_EXTRAS)
+	@{ echo "# The lock: exact versions the suite passed on (make test), for every extra the Makefile installs."; \
+	  echo "# Written by \`make lock\` on $$(date -u +%F), Python $$(.venv-lock/bin/python -c 'import platform; print(platform.python_version(), platform.machine())'), with $$(.venv-lock/bin/python -m pip list 2>/dev/null | awk '$$1=="torch"{print "torch", $$2}') (torch itself: TORCH_SPEC)."; \
+	  echo "# Used as pip constraints (pip install -c constraints.txt); a package a venv does not need is ignored."; \
+	  .venv-lock/bin/python -m pip freeze --all --exclude-editable | grep -viE '^(torch|nvidia-|cuda-)' ; } > constraints.txt.tmp
+	mv constraints.txt.tmp constraints.txt
+	rm -rf .venv-lock
+	@echo "constraints.txt: $$(grep -c '==' constraints.txt) pins; now run make test, then commit it"
 
 # Train on the manifests: torchrun over every local GPU (NCCL); without a GPU, 2 CPU
 # processes with gloo, the tiny model, TRAIN_CPU_ARGS steps. Real settings:
@@ -92,7 +127,7 @@ bench-gpu:
 # extra (lhotse, trl) first; <= ~15 min on 2 CPU cores. Writes results/bench/peers.{json,png}.
 BENCH_ARGS ?=
 bench: venv
-	$(BIN)/pip install -q -e ".[bench]"
+	$(QUIET_INSTALL) $(BIN)/pip install -q $(LOCK) --no-build-isolation -e ".[bench]"
 	$(BIN)/python -m dflash_prep.bench.peers $(BENCH_ARGS)
 
 # Does composition change what is learned? (bench/convergence.py,
