@@ -39,11 +39,76 @@ SERVE = ("import sys; from transformers.cli.transformers import main; sys.argv[0
          "sys.exit(main())")
 
 
+def running_in_group(pgid: int) -> list[int]:
+    """Pids, sorted, of the processes of process group ``pgid`` that have not exited: from
+    ``/proc/PID/stat``, every state but zombie (``Z``) and dead (``X``). A zombie has exited and
+    holds nothing (memory, files, ports, semaphores) but its process-table entry, which only its
+    parent removes, by reaping it; one whose parent has exited is reparented to PID 1 (or the
+    nearest child subreaper), which reaps it when it gets to it. Without ``/proc`` (not Linux),
+    ``[pgid]`` while ``killpg(pgid, 0)`` finds any process of the group, zombies included,
+    else ``[]``."""
+    if not os.path.isdir("/proc/self"):
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return []
+        return [pgid]
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # exited and reaped since the listing
+            continue
+        fields = stat[stat.rindex(b")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            out.append(int(name))
+    return sorted(out)
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 30.0, kill_wait_s: float = 10.0) -> None:
+    """Stop ``proc`` (a process group leader, ``start_new_session=True``) and its whole group:
+    SIGTERM to the group, then wait until ``proc`` has exited (reaped here) and no process of
+    the group runs (:func:`running_in_group`); after ``grace_s`` seconds, SIGKILL to the group
+    and wait up to ``kill_wait_s`` seconds more the same way. Waiting for ``proc`` alone is not
+    enough: ``transformers serve`` (5.25) spawns its model's process and a ``multiprocessing``
+    resource tracker in its group, and the tracker ignores SIGTERM and exits only once every
+    holder of its pipe (the server, the model's process) has, after unlinking the semaphores
+    they leaked. Zombies may stay: those members are the server's children, reparented to
+    PID 1 once it exits, and only PID 1 can reap them. Raises RuntimeError naming the pids
+    still running after SIGKILL (a process in uninterruptible sleep)."""
+    pgid = proc.pid
+
+    def ended(deadline: float) -> bool:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return False
+        while running_in_group(pgid):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    with contextlib.suppress(ProcessLookupError):  # the whole group had exited already
+        os.killpg(pgid, signal.SIGTERM)
+    if ended(time.monotonic() + grace_s):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    if not ended(time.monotonic() + kill_wait_s):
+        raise RuntimeError(f"process group {pgid} still runs {kill_wait_s:g} s after SIGKILL: pids "
+                           f"{running_in_group(pgid)}")
+
+
 @contextlib.contextmanager
 def local_server(target: Path, *extra: str, log: Path, threads: int = 1, timeout_s: float = 300):
     """``transformers serve TARGET`` on a free 127.0.0.1 port (CPU), in its own process group;
-    yields (base_url, start seconds, process). On exit the whole group gets SIGTERM, then
-    SIGKILL after 30 s. The tests start their server through this too."""
+    yields (base_url, start seconds, process). On exit the group is stopped with
+    :func:`stop_group` (SIGTERM, SIGKILL after 30 s): the server is reaped and no process of
+    its group runs any more. The tests start their server through this too."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -65,12 +130,7 @@ def local_server(target: Path, *extra: str, log: Path, threads: int = 1, timeout
                 time.sleep(0.2)
         yield f"http://127.0.0.1:{port}/v1", time.monotonic() - t0, proc
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc)
 
 
 def prompts(n: int) -> list[dict]:
