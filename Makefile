@@ -20,7 +20,7 @@ LOCK ?= -c $(if $(GPU),$(VENV)/constraints-gpu.txt,constraints.txt)
 # they cannot here (docs/reliability.md#one-import-name), so the first screen stays the pipeline
 QUIET_INSTALL := PYTHONWARNINGS="ignore:Editable installation"
 
-.PHONY: venv demo demo-dflash test test-slow test-latest lock train bench bench-gpu bench-convergence clean
+.PHONY: venv demo demo-dflash test test-jobs test-slow test-latest lock train bench bench-gpu bench-convergence clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -58,8 +58,14 @@ OBJECTIVE ?= dflash
 demo-dflash: venv
 	DEMO_DFLASH=$(DEMO_DFLASH) OBJECTIVE=$(OBJECTIVE) PY=$(BIN)/python bash train/recipes/demo_dflash.sh
 
+# make test: the suite but for three marked sets, each run by a target of its own: `slow` (full-size
+# and sweep tests), `jobs` (whole multi-process jobs: split jobs over gloo, the GPU script's steps;
+# CI runs them too, see .ci/run) and `gpu` (skipped without a GPU).
 test: venv
-	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+	$(BIN)/python -m pytest -q -m "not slow and not gpu and not jobs"
+
+test-jobs: venv
+	$(BIN)/python -m pytest -q -m "jobs and not gpu"
 
 test-slow: venv
 	$(BIN)/python -m pytest -q -m "slow"
@@ -71,7 +77,7 @@ test-latest:
 	rm -rf .venv-latest
 	$(MAKE) --no-print-directory venv VENV=.venv-latest LOCK=
 	@.venv-latest/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|triton|transformers|kernels|tokenizers|datasets|numpy|numba|pyarrow|ray) '
-	$(MAKE) --no-print-directory test VENV=.venv-latest LOCK=
+	$(MAKE) --no-print-directory test test-jobs VENV=.venv-latest LOCK=
 
 # Refresh the lock: the newest releases within pyproject's ranges (every extra the Makefile
 # installs, bench's included) in a fresh .venv-lock, frozen into constraints.txt. Then run

@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dflash_prep.formats.fileio import check_header
+
+pytestmark = pytest.mark.jobs  # every GPU step as a subprocess (~75 s): `make test-jobs` (and CI), not `make test`
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -60,6 +60,7 @@ def test_a_drafter_shape_other_than_the_manifests_is_refused_with_the_pack_flag(
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
 
 
+@pytest.mark.jobs
 def test_a_split_job_refused_at_set_up_ends_every_rank_with_one_line(paths, tmp_path):
     """1 target + 1 drafter rank on manifests packed for 2 drafter ranks: the drafter refuses in
     its set-up while the target rank waits for its cursor; the target rank stops with one line
@@ -74,6 +75,7 @@ def test_a_split_job_refused_at_set_up_ends_every_rank_with_one_line(paths, tmp_
     assert "packed for world size 2" in line and abs(target["t_end"] - drafter["t_end"]) < 10.0
 
 
+@pytest.mark.jobs
 def test_the_drafters_left_when_a_drafter_rank_dies_stop_with_one_line(paths, tmp_path):
     """SIGKILL of drafter rank 1 (global rank 2) after step 1: drafter rank 0 stops with one line
     (its drafter-group collective, or its target rank's link, whichever breaks first), never the
@@ -117,6 +119,7 @@ def _worker_of(launcher: int, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.jobs
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker through /proc")
 def test_the_launchers_crash_line_names_the_role_and_the_resume_command(paths, tmp_path):
     """The real launcher (torchrun in-process) over a 1 target + 2 drafter job; SIGKILL of the

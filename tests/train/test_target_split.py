@@ -22,7 +22,8 @@ from dflash_prep.train.split.roles import Roles
 from dflash_prep.train.split.link import HEADER_LEN, KIND_DATA, Tag, decode_header, encode_header, sample_digest
 from dflash_prep.tests.train.split_fixtures import build_pipeline, open_source, split_rank, supervise
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+pytestmark = [pytest.mark.jobs,  # whole gloo jobs: `make test-jobs` (and CI), not `make test`
+              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")]
 
 
 # ----------------------------------------------------------------------------- in-process units

@@ -18,7 +18,8 @@ from dflash_prep.train import checkpoint as ckpt
 from dflash_prep.tests.train.split_fixtures import build_pipeline, open_source
 from dflash_prep.tests.train.trainer_split_fixtures import base_cfg, log_records, run_job
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+pytestmark = [pytest.mark.jobs,  # whole gloo jobs: `make test-jobs` (and CI), not `make test`
+              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")]
 
 STEPS = 6   # 2 epochs x 3 steps
 
