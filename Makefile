@@ -73,7 +73,12 @@ demo-dflash: venv
 	DEMO_DFLASH=$(DEMO_DFLASH) OBJECTIVE=$(OBJECTIVE) PY=$(BIN)/python bash train/recipes/demo_dflash.sh
 
 test: venv
-	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+	$(BIN)/python -m pytest -q -m "not slow and not gpu and not engine"
+
+# Real vLLM (from .venv-vllm) on drafter exports built by the project's own code: strict load, lossless,
+# tau from the engine's counters, broken exports refused in one line (tests/engine; ~15 min on 2 cores).
+test-engines: venv venv-vllm
+	$(BIN)/python -m pytest -q -m engine tests/engine
 
 test-slow: venv
 	$(BIN)/python -m pytest -q -m "slow"

@@ -53,7 +53,9 @@ VLLM_METHOD = {"dflash": "dflash", "dflash2": "dflash", "eagle3": "eagle3"}
 EAGLE3_K = 7
 AGREE_REL = 0.02
 """tau_ours and tau_vllm agree when they differ by at most 2 % of tau_ours."""
-SPEEDUP_NOTE = "CPU: the target's forward costs next to nothing here, so this ratio says nothing about a GPU"
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+SPEEDUP_NOTE = ("CPU and a toy target: per-step engine overhead dominates, so fewer steps look faster; this ratio says "
+                "nothing about serving on a GPU")
 
 
 @dataclass(frozen=True)
@@ -90,12 +92,17 @@ class EvaluateConfig:
     """Bound on one engine start (and on each request)."""
     max_model_len: int = 2048
     """vLLM's ``--max-model-len`` (prompt + new tokens must fit)."""
+    dtype: str = "float32"
+    """vLLM's ``--dtype``. float32 by default: what our evaluator computes in, and what keeps
+    greedy outputs equal with and without speculation on the CPU build (docs/engines.md)."""
 
     def __post_init__(self):
         if self.max_tokens < 1:
             raise ConfigError(f"--max-tokens must be >= 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 10.0:
             raise ConfigError(f"--temperature must be in [0, 10], got {self.temperature}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_prompts < 0 or self.timeout_s <= 0 or self.max_model_len < 2:
             raise ConfigError("--max-prompts must be >= 0, --timeout > 0 and --max-model-len >= 2")
 
@@ -140,11 +147,19 @@ def strict_load(report: dict) -> dict:
     params = report.get("params") or {}
     unused = [n for n in report.get("unused", []) if n not in (report.get("engine_skips") or {})]
     by = lambda s: sorted(n for n, p in params.items() if p["status"] == s)  # noqa: E731
-    missing = by("missing") + by("partial")
+    missing = by("missing") + [f"{n} ({params[n]['elements_written']} of {_numel(params[n]['shape'])} elements loaded)"
+                               for n in by("partial")]
     return {"ok": not unused and not missing and report.get("error") is None, "draft_class": report.get("draft_class"),
             "tensors": len(report.get("tensors") or {}), "used": len(report.get("used") or []),
             "unused": unused, "engine_skips": report.get("engine_skips") or {}, "missing": missing,
             "shared_with_target": by("shared"), "unused_by_engine": by("unused"), "loaded": len(by("loaded"))}
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def render_prompts(target: Path, prompts_file: Path, limit: int) -> list[list[int]]:
@@ -158,6 +173,47 @@ def render_prompts(target: Path, prompts_file: Path, limit: int) -> list[list[in
     except (OSError, ValueError) as e:
         raise FormatError(f"{target}: no tokenizer to render the prompts with ({e})") from None
     return load_prompts(prompts_file, tok, limit=limit)
+
+
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape from a ``.safetensors`` header (8-byte little-endian length, then JSON),
+    read without torch; {} when the file is unreadable."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n)) if 0 < n < 1 << 28 else {}
+    except (OSError, ValueError):
+        return {}
+    return {k: list(v.get("shape", [])) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+
+
+def likely_causes(export: Path, target: Path, method: Method) -> list[str]:
+    """What in the export contradicts the target or itself, checked from the files alone; added to
+    an engine's refusal, whose own message (often ``ValueError: too many values to unpack``) does
+    not say. Never a reason to refuse by itself: the engine decides."""
+    try:
+        c = json.loads((export / "config.json").read_text())
+        L = int(json.loads((target / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    out = []
+    if method.kind == "eagle3":
+        ids = c.get("eagle_aux_hidden_state_layer_ids") or []
+        bad = [j for j in ids if not 1 <= int(j) <= L - 1]
+        if bad:
+            out.append(f"eagle_aux_hidden_state_layer_ids {ids} (vLLM: inputs of layers 1..{L - 1}) reach outside the "
+                       f"target's {L} layers")
+        shapes = safetensors_shapes(export / "model.safetensors")
+        vd = c.get("draft_vocab_size")
+        for name in ("d2t", "lm_head.weight"):
+            if name in shapes and vd is not None and shapes[name][:1] != [int(vd)]:
+                out.append(f"config.json draft_vocab_size {vd} but {name} has {shapes[name][0]} rows")
+    else:
+        ids = (c.get("dflash_config") or {}).get("target_layer_ids") or []
+        bad = [j for j in ids if not 0 <= int(j) < L]
+        if bad:
+            out.append(f"dflash_config.target_layer_ids {ids} reach outside the target's {L} layers (0..{L - 1})")
+    return out
 
 
 # ----------------------------------------------------------------------------- decoding through vLLM
@@ -216,7 +272,7 @@ def _serve(target: Path, cfg: EvaluateConfig, logs: Path, *, method: Method | No
     env = {"DFLASH_PREP_LOAD_REPORT": str(report_file)} if method else {}
     try:
         with vllm_server(target, log=logs / f"{name}.log", speculative_config=spec_config, env=env,
-                         timeout_s=cfg.timeout_s, max_model_len=cfg.max_model_len, seed=cfg.seed,
+                         timeout_s=cfg.timeout_s, max_model_len=cfg.max_model_len, seed=cfg.seed, dtype=cfg.dtype,
                          request_timeout_s=cfg.timeout_s) as server:
             load = _load_report(report_file, export) if method else None
             if load is not None and not strict_load(load)["ok"]:
@@ -234,7 +290,9 @@ def _serve(target: Path, cfg: EvaluateConfig, logs: Path, *, method: Method | No
         if method.kind == "dflash2":
             raise EngineError(f"{export}: a DFlash2 export needs vLLM's V2 model runner (Triton; GPU), which this "
                               f"vLLM build does not run; engine: {e}") from None
-        raise EngineError(f"{export}: vLLM refused the export{extra}: {e}") from None
+        causes = likely_causes(export, target, method)
+        hint = f" [the export: {'; '.join(causes)}]" if causes else ""
+        raise EngineError(f"{export}: vLLM refused the export{extra}: {e}{hint}") from None
     return rows, total, facts, load
 
 
@@ -261,13 +319,13 @@ def _strict_message(export: Path, s: dict) -> str:
 def evaluate_export(*, target: str | Path, export: str | Path, prompts: str | Path, out: str | Path,
                     num_speculative_tokens: int | None = None, max_tokens: int = 64, temperature: float = 0.0,
                     ours: bool = True, max_prompts: int = 0, seed: int = 0, timeout_s: float = 600.0,
-                    max_model_len: int = 2048) -> dict:
+                    max_model_len: int = 2048, dtype: str = "float32") -> dict:
     """Evaluate ``export`` on ``target`` in vLLM (module docstring); writes ``out`` (JSON) and, beside
     it, the engines' logs and load report under ``<out stem>.logs/``; returns the report dict."""
     t_start = time.monotonic()
     target, export, prompts_file, out = Path(target).resolve(), Path(export).resolve(), Path(prompts), Path(out)
     cfg = EvaluateConfig(max_tokens=max_tokens, temperature=temperature, max_prompts=max_prompts, seed=seed,
-                         timeout_s=timeout_s, max_model_len=max_model_len)
+                         timeout_s=timeout_s, max_model_len=max_model_len, dtype=dtype)
     method = export_method(export, num_speculative_tokens)
     ids = render_prompts(target, prompts_file, cfg.max_prompts)
     longest = max(len(p) for p in ids) + cfg.max_tokens
@@ -348,3 +406,42 @@ def _ours(target: Path, export: Path, prompts_file: Path, cfg: EvaluateConfig, m
             "proposer": r["drafter"]["proposer"], "block_size": r["block_size"],
             "rel_diff": rel, "agree": rel is not None and rel <= AGREE_REL,
             "prompts_same_acceptance": same_blocks, "prompts_same_length": same_length, "of": len(per_prompt)}
+
+
+def _f(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report_rows(res: dict) -> list[tuple[str, str]]:
+    """The report as (what, value) rows for a two-column table (the CLI prints them)."""
+    s, v, t, o, loss = res["strict_load"], res["vllm"], res["throughput"], res["ours"], res["lossless"]
+    strict = "yes" if s["ok"] else "NO"
+    strict += (f": {s['used']}/{s['tensors']} tensors used, {s['loaded']} parameters loaded"
+               + (f", {len(s['shared_with_target'])} shared from the target" if s["shared_with_target"] else "")
+               + "".join(f"; {n} ignored ({why})" for n, why in s["engine_skips"].items()))
+    if s["missing"] or s["unused"]:
+        strict += f"; missing {s['missing']}, unused {s['unused']}"
+    rows = [("engine", res["engine"]["version"]),
+            ("export", f"{res['export']['architecture']} ({res['export']['kind']}), k = {res['export']['num_speculative_tokens']}"),
+            ("--speculative-config", res["engine"]["speculative_config_json"]),
+            ("prompts", f"{res['prompts']['n']} x <= {res['sampling']['max_tokens']} new tokens, temperature "
+                        f"{res['sampling']['temperature']:g}; engine saw our token ids: "
+                        f"{ {True: 'yes', False: 'NO', None: 'not echoed'}[res['prompts']['engine_saw_same_tokens']] }"),
+            ("strict load", strict),
+            ("lossless", f"{loss['equal']}/{loss['of']} outputs equal with and without speculation"
+             if loss["checked"] else "not claimed (temperature > 0)"),
+            ("tau (vLLM)", f"{_f(v['tau'])} = 1 + {v['num_accepted_tokens']} accepted / {v['num_drafts']} drafts"),
+            ("accepted per position", " ".join(f"{a:.2f}" for a in v["acceptance_per_position"]) or "-")]
+    if "skipped" in o:
+        rows.append(("tau (ours)", f"skipped: {o['skipped']}"))
+    else:
+        rows.append(("tau (ours)", f"{_f(o['tau_pooled'])} pooled ({_f(o['tau'])} mean over prompts), {o['blocks']} "
+                                   f"blocks; lossless {o['lossless']}"))
+        rows.append(("vLLM vs ours", f"{'agree' if o['agree'] else 'DISAGREE'} (|diff| {_f(o['rel_diff'] * 100, '.2f')} % "
+                                     f"of ours, limit {AGREE_REL * 100:g} %); same acceptance on "
+                                     f"{o['prompts_same_acceptance']}/{o['of']} prompts"))
+    rows += [("tokens/s", f"spec {t['spec_tokens_per_s']:.1f}, base {t['base_tokens_per_s']:.1f}, speedup "
+                          f"{_f(t['speedup'], '.2f')} ({t['note']})"),
+             ("engine start", f"spec {res['engine']['spec']['start_s']:.1f} s, base {res['engine']['base']['start_s']:.1f} s"),
+             ("wall", f"{res['seconds']:.1f} s")]
+    return rows

@@ -26,8 +26,8 @@ starts (API server, engine core, workers). :func:`register` does nothing unless
   elements written from the checkpoint), ``unused`` (DFlash's ``mask_embedding`` when no
   ``mask_embedding.pt`` ships: the engine never reads it), ``partial`` or ``missing``;
 - ``SpecDecodeBaseProposer.load_model`` (after the proposer shares the target's embedding and LM
-  head with a draft that has none): an unloaded parameter now backed by a target parameter's
-  storage becomes ``shared``; the JSON report is written.
+  head with a draft that has none): an unloaded parameter that is now one of the target's own
+  parameter objects becomes ``shared``; the JSON report is written.
 
 A load that raises (vLLM refusing the export) writes the report with its ``error`` and re-raises:
 the engine fails as it would without the plugin. The report (format ``dflash-prep/vllm-load-report``
@@ -45,7 +45,7 @@ from pathlib import Path
 ENV_VAR = "DFLASH_PREP_LOAD_REPORT"
 REPORT_FORMAT = "dflash-prep/vllm-load-report"
 REPORT_VERSION = 1
-ENGINE_SKIPS = {"t2d": "vLLM's DFlash and EAGLE-3 loaders skip t2d by name (they map draft ids with d2t only)"}
+ENGINE_SKIPS = {"t2d": "vLLM's DFlash and EAGLE-3 loaders skip it by name and map draft ids with d2t alone"}
 """Checkpoint tensors vLLM ignores on purpose, with the reason (read from its loaders)."""
 
 _lock = threading.Lock()
@@ -166,8 +166,10 @@ def _params_at_load(model, tracker: _Tracker) -> dict:
 
 
 def _shared(params: dict, model, target_model) -> dict:
-    """Mark ``shared`` the unloaded parameters that the proposer replaced by the target's own."""
-    target = {p.untyped_storage().data_ptr() for p in target_model.parameters()}
+    """Mark ``shared`` the unloaded parameters that the proposer replaced by the target's own
+    (the very same ``Parameter`` objects: storage pointers would not do, an emptied CPU-repacked
+    weight and another share pointer 0)."""
+    target = {id(p) for p in target_model.parameters()}
     for name, info in params.items():
         if info["status"] not in ("missing", "partial"):
             continue
@@ -175,7 +177,7 @@ def _shared(params: dict, model, target_model) -> dict:
             now = model.get_parameter(name)
         except AttributeError:
             continue
-        if now.untyped_storage().data_ptr() in target:
+        if id(now) in target:
             info["status"] = "shared"
     return params
 

@@ -123,26 +123,31 @@ def parse_spec_counters(text: str) -> SpecCounters:
 
 # ----------------------------------------------------------------------------- the engine's message
 _EXC_LINE = re.compile(r"(?:^|\s)((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit)): (.+)$")
+_PYDANTIC_TAIL = re.compile(r"\s*\[type=.*$")
 _WRAPPERS = ("Engine core initialization failed", "EngineCore failed to start", "EngineDeadError",
              "Engine process failed to start", "The server process exited", "Worker failed")
 
 
 def engine_message(log_text: str) -> str | None:
-    """The root cause in an engine's log: the first exception line (``SomeError: message``) of its
-    last traceback that is not one of vLLM's wrappers ("Engine core initialization failed. See
-    root cause above"); None when the log has none. The log prefix (process, time, file) is cut."""
+    """The root cause in an engine's log: the last exception line (``SomeError: message``) that is
+    not one of vLLM's wrappers ("Engine core initialization failed. See root cause above"); a
+    pydantic ``ValidationError`` keeps its indented detail lines ("Value error, Model Runner V1
+    does not support: ..."). None when the log has none. The log prefix (process, time, file) is cut."""
     lines = log_text.splitlines()
     found = []
-    for line in lines:
+    for i, line in enumerate(lines):
         m = _EXC_LINE.search(line)
-        if m:
-            found.append(f"{m[1]}: {m[2].strip()}")
+        if not m:
+            continue
+        msg = f"{m[1]}: {m[2].strip()}"
+        if m[1].endswith("ValidationError"):
+            detail = [d.strip() for d in lines[i + 1:i + 4] if d.startswith("  ") and "errors.pydantic.dev" not in d]
+            msg += "".join(f": {_PYDANTIC_TAIL.sub('', d)}" for d in detail)
+        found.append(msg)
     causes = [f for f in found if not any(w in f for w in _WRAPPERS)]
-    if causes:
-        # a traceback prints its root cause last; vLLM logs the engine core's traceback before the
-        # front end's wrapper, so the last non-wrapper line is the engine's own reason
-        return causes[-1]
-    return found[-1] if found else None
+    # vLLM logs the engine core's traceback (the root cause, printed last in it) before the front
+    # end's wrappers, so the last line that is not a wrapper is the engine's own reason
+    return causes[-1] if causes else (found[-1] if found else None)
 
 
 def log_tail(log: Path, n: int = LOG_TAIL) -> str:
@@ -204,16 +209,17 @@ def _request(server: VllmServer, method: str, path: str, data: bytes | None = No
         except (json.JSONDecodeError, AttributeError):
             msg = body
         raise EngineError(f"vLLM refused {method} {path} (HTTP {e.code}): {' '.join(str(msg).split())[:500]}"
-                          + _died(server)) from None
+                          + (_died(server) if e.code >= 500 else "")) from None
     except (OSError, TimeoutError) as e:
         raise EngineError(f"vLLM at {server.base_url} did not answer {method} {path} ({e})" + _died(server)) from None
 
 
 def _died(server: VllmServer) -> str:
-    if server.alive():
-        return f"; engine log: {server.log}"
+    """The engine's own reason when a request failed: its log's root cause (an engine that died
+    answers 500 with only "EngineCore encountered an issue. See stack trace (above)")."""
     msg = engine_message(server.log.read_text(errors="replace")) if server.log.exists() else None
-    return f"; the engine died ({msg or 'no message'}); log: {server.log}"
+    state = "" if server.alive() else "the engine exited; "
+    return f"; {state}engine: {msg or 'no error in its log'}; log: {server.log}"
 
 
 def free_port() -> int:
