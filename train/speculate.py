@@ -159,9 +159,10 @@ def _cut(tokens: list[int], stop_ids: set[int], max_new: int) -> list[int]:
 
 @torch.no_grad()
 def speculative_generate(target: Target, proposer: Proposer, prompt: list[int], *, max_new_tokens: int,
-                         stop_ids: set[int], mask_token_id: int) -> Decoded:
+                         stop_ids: set[int], mask_token_id: int, engine_stop: bool = False) -> Decoded:
     """The loop of the module docstring for one prompt (temperature 0); ``mask_token_id`` fills the
-    block's slots before the proposer drafts them (0 for a drafter without one)."""
+    block's slots before the proposer drafts them (0 for a drafter without one); ``engine_stop``:
+    the serving engines' stop rule (module docstring)."""
     t0 = time.perf_counter()
     B = proposer.block_size
     target.reset()
@@ -173,7 +174,8 @@ def speculative_generate(target: Target, proposer: Proposer, prompt: list[int], 
     start = len(prompt)
     acc: list[int] = []
     history = list(prompt)  # every committed token
-    while len(out) < max_new_tokens:  # the reference's loop: `while start < max_length`
+    pending = 1 if engine_stop else 0  # vLLM counts the bonus as emitted: it stops at committed + 1 tokens
+    while len(out) + pending < max_new_tokens:  # the reference's loop: `while start < max_length`
         block = torch.full((B,), mask_token_id, dtype=torch.long)  # (B,)
         block[0] = bonus
         if B > 1:
@@ -222,6 +224,10 @@ class EvalConfig:
     """Block size B at inference (0 = the drafter's own)."""
     check_lossless: bool = True
     """Also decode each prompt with the target alone and compare token for token."""
+    engine_stop: bool = False
+    """Stop as serving engines (vLLM) do: no block is verified once the committed tokens and the
+    bonus fill max_new_tokens (default: the reference ``dflash_generate`` loop, which verifies one
+    more block when the last one ends one token short). The output is the same either way."""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -289,6 +295,7 @@ def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_file: str 
         rows, t_spec, t_greedy = [], 0.0, 0.0
         for i, p in enumerate(prompts):
             d = speculative_generate(target, proposer, p, max_new_tokens=cfg.max_new_tokens, stop_ids=stop,
+                                     engine_stop=cfg.engine_stop,
                                      mask_token_id=meta["mask_token_id"] or 0)
             t_spec += d.seconds
             row = {"prompt_tokens": len(p), "new_tokens": len(d.tokens), "acceptance_lengths": d.acceptance_lengths,

@@ -22,7 +22,10 @@ What it does, in order (:func:`evaluate_export`):
 4. **Engine without speculation**, same prompts and sampling.
 5. **Our evaluator** (``ours=True``, temperature 0 only: it decodes greedily):
    :func:`dflash_prep.train.speculate.evaluate` in this process (torch), same prompts and
-   ``max_tokens``, block ``k + 1``.
+   ``max_tokens``, block ``k + 1``, and vLLM's stop rule (``engine_stop``: vLLM emits the bonus
+   token with the accepted ones and verifies nothing once ``max_tokens`` are out; the reference
+   loop our evaluator follows by default verifies one more block when the last one ends one token
+   short, which on a drafter that is always rejected is one extra block per prompt).
 
 The report (format ``dflash-prep/engine-eval`` v1, written atomically): strict load (every export
 tensor used, no draft parameter left unloaded: :func:`strict_load`), lossless (temperature 0:
@@ -391,21 +394,27 @@ def _ours(target: Path, export: Path, prompts_file: Path, cfg: EvaluateConfig, m
 
     with torch.no_grad():
         r = evaluate(target, export, prompts_file,
-                     EvalConfig(max_new_tokens=cfg.max_tokens, max_prompts=cfg.max_prompts, block_size=method.k + 1))
+                     EvalConfig(max_new_tokens=cfg.max_tokens, max_prompts=cfg.max_prompts, block_size=method.k + 1,
+                                engine_stop=True))
     ours_rows = r["per_prompt"]
     tau_v, pooled = total.tau, r["tau_pooled"]
     rel = abs(tau_v - pooled) / pooled if tau_v is not None else None
-    same_blocks = sum(len(o["acceptance_lengths"]) == p["num_drafts"]
-                      and sum(o["acceptance_lengths"]) - len(o["acceptance_lengths"]) == p["num_accepted_tokens"]
-                      for o, p in zip(ours_rows, per_prompt))
+    differ = [{"prompt": i, "vllm": [p["num_drafts"], p["num_accepted_tokens"], p["new_tokens_spec"]],
+               "ours": [len(o["acceptance_lengths"]), sum(o["acceptance_lengths"]) - len(o["acceptance_lengths"]),
+                        o["new_tokens"]]}
+              for i, (o, p) in enumerate(zip(ours_rows, per_prompt))
+              if [len(o["acceptance_lengths"]), sum(o["acceptance_lengths"]) - len(o["acceptance_lengths"])]
+              != [p["num_drafts"], p["num_accepted_tokens"]]]
+    same_blocks = len(per_prompt) - len(differ)
     same_length = sum(o["new_tokens"] == p["new_tokens_spec"] for o, p in zip(ours_rows, per_prompt))
     for o, p in zip(ours_rows, per_prompt):
         p["tau_ours"] = o["tau"]
         p["blocks_ours"] = len(o["acceptance_lengths"])
     return {"tau": r["tau"], "tau_pooled": pooled, "blocks": r["blocks"], "lossless": r["lossless"],
-            "proposer": r["drafter"]["proposer"], "block_size": r["block_size"],
+            "proposer": r["drafter"]["proposer"], "block_size": r["block_size"], "stop_rule": "engine",
             "rel_diff": rel, "agree": rel is not None and rel <= AGREE_REL,
-            "prompts_same_acceptance": same_blocks, "prompts_same_length": same_length, "of": len(per_prompt)}
+            "prompts_same_acceptance": same_blocks, "prompts_same_length": same_length, "of": len(per_prompt),
+            "differing_prompts": differ}
 
 
 def _f(x, spec: str = ".3f") -> str:
@@ -439,7 +448,9 @@ def report_rows(res: dict) -> list[tuple[str, str]]:
                                    f"blocks; lossless {o['lossless']}"))
         rows.append(("vLLM vs ours", f"{'agree' if o['agree'] else 'DISAGREE'} (|diff| {_f(o['rel_diff'] * 100, '.2f')} % "
                                      f"of ours, limit {AGREE_REL * 100:g} %); same acceptance on "
-                                     f"{o['prompts_same_acceptance']}/{o['of']} prompts"))
+                                     f"{o['prompts_same_acceptance']}/{o['of']} prompts"
+                                     + "".join(f"; prompt {d['prompt']}: vLLM {d['vllm']}, ours {d['ours']} "
+                                               "(drafts, accepted, new tokens)" for d in o["differing_prompts"][:3])))
     rows += [("tokens/s", f"spec {t['spec_tokens_per_s']:.1f}, base {t['base_tokens_per_s']:.1f}, speedup "
                           f"{_f(t['speedup'], '.2f')} ({t['note']})"),
              ("engine start", f"spec {res['engine']['spec']['start_s']:.1f} s, base {res['engine']['base']['start_s']:.1f} s"),
