@@ -42,7 +42,7 @@ $(VLLM_BIN)/.installed: pyproject.toml
 			echo "removing $$m (does not import against this torch)"; $(VLLM_BIN)/pip uninstall -q -y $$m; fi; done
 	$(VLLM_BIN)/pip install -q --no-deps -e .
 	$(VLLM_BIN)/pip install -q numpy "safetensors>=0.4"
-	$(VLLM_BIN)/python -c "import vllm, dflash_prep.engine.probe"
+	$(VLLM_BIN)/python -c "import vllm, dflash_prep.engine.load_report"
 	touch $@
 
 venv-vllm: $(VLLM_BIN)/.installed
