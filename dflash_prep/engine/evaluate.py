@@ -43,7 +43,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dflash_prep.engine.vllm_server import SpecCounters, VllmServer, vllm_server
+from dflash_prep.engine.vllm_server import SpecCounters, VllmServer, is_cpu_build, vllm_server
 from dflash_prep.errors import ConfigError, EngineError, FormatError
 from dflash_prep.formats.fileio import atomic_write_json, fingerprint_json, read_json
 
@@ -290,7 +290,7 @@ def _serve(target: Path, cfg: EvaluateConfig, logs: Path, *, method: Method | No
         extra = ""
         if load is not None and load.get("error"):
             extra = f" (loading the draft: {load['error']})" if load["error"] not in str(e) else ""
-        if method.kind == "dflash2":
+        if method.kind == "dflash2" and "Model Runner V1 does not support" in str(e):
             raise EngineError(f"{export}: a DFlash2 export needs vLLM's V2 model runner (Triton; GPU), which this "
                               f"vLLM build does not run; engine: {e}") from None
         causes = likely_causes(export, target, method)
@@ -373,7 +373,8 @@ def evaluate_export(*, target: str | Path, export: str | Path, prompts: str | Pa
         "throughput": {"spec_tokens_per_s": spec_tps, "base_tokens_per_s": base_tps,
                        "speedup": spec_tps / base_tps if base_tps else None,
                        "new_tokens_spec": sum(len(r["tokens"]) for r in spec_rows),
-                       "new_tokens_base": sum(len(r["tokens"]) for r in base_rows), "note": SPEEDUP_NOTE},
+                       "new_tokens_base": sum(len(r["tokens"]) for r in base_rows),
+                       "note": SPEEDUP_NOTE if is_cpu_build(spec_engine["version"]) else None},
         "ours": _ours(target, export, prompts_file, cfg, method, total, per_prompt) if ours else {"skipped": "--no-ours"},
         "config": asdict(cfg),
         "per_prompt": per_prompt,
@@ -452,7 +453,7 @@ def report_rows(res: dict) -> list[tuple[str, str]]:
                                      + "".join(f"; prompt {d['prompt']}: vLLM {d['vllm']}, ours {d['ours']} "
                                                "(drafts, accepted, new tokens)" for d in o["differing_prompts"][:3])))
     rows += [("tokens/s", f"spec {t['spec_tokens_per_s']:.1f}, base {t['base_tokens_per_s']:.1f}, speedup "
-                          f"{_f(t['speedup'], '.2f')} ({t['note']})"),
+                          f"{_f(t['speedup'], '.2f')}" + (f" ({t['note']})" if t["note"] else "")),
              ("engine start", f"spec {res['engine']['spec']['start_s']:.1f} s, base {res['engine']['base']['start_s']:.1f} s"),
              ("wall", f"{res['seconds']:.1f} s")]
     return rows

