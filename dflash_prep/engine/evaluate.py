@@ -39,6 +39,7 @@ counters pool) with whether they agree within 2 %.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -338,8 +339,12 @@ def evaluate_export(*, target: str | Path, export: str | Path, prompts: str | Pa
     logs = out.parent / f"{out.stem}.logs"
     logs.mkdir(parents=True, exist_ok=True)
 
+    phases = {"prompts": time.monotonic() - t_start}
+    t = time.monotonic()
     spec_rows, total, spec_engine, load = _serve(target, cfg, logs, method=method, export=export, prompts=ids)
+    phases["spec_engine"], t = time.monotonic() - t, time.monotonic()
     base_rows, _, base_engine, _ = _serve(target, cfg, logs, method=None, export=None, prompts=ids)
+    phases["base_engine"] = time.monotonic() - t
     per_prompt = []
     for s, b in zip(spec_rows, base_rows):
         same = s["tokens"] == b["tokens"]
@@ -375,11 +380,15 @@ def evaluate_export(*, target: str | Path, export: str | Path, prompts: str | Pa
                        "new_tokens_spec": sum(len(r["tokens"]) for r in spec_rows),
                        "new_tokens_base": sum(len(r["tokens"]) for r in base_rows),
                        "note": SPEEDUP_NOTE if is_cpu_build(spec_engine["version"]) else None},
-        "ours": _ours(target, export, prompts_file, cfg, method, total, per_prompt) if ours else {"skipped": "--no-ours"},
+        "ours": None,
         "config": asdict(cfg),
         "per_prompt": per_prompt,
     }
+    t = time.monotonic()
+    res["ours"] = _ours(target, export, prompts_file, cfg, method, total, per_prompt) if ours else {"skipped": "--no-ours"}
+    phases["ours"] = time.monotonic() - t
     res["seconds"] = round(time.monotonic() - t_start, 2)
+    res["phases_s"] = {k: round(v, 2) for k, v in phases.items()}
     atomic_write_json(out, res, format=EVAL_FORMAT, version=EVAL_VERSION)
     return {"format": EVAL_FORMAT, "version": EVAL_VERSION, **res}
 
@@ -393,10 +402,18 @@ def _ours(target: Path, export: Path, prompts_file: Path, cfg: EvaluateConfig, m
 
     from dflash_prep.train.speculate import EvalConfig, evaluate
 
-    with torch.no_grad():
-        r = evaluate(target, export, prompts_file,
-                     EvalConfig(max_new_tokens=cfg.max_tokens, max_prompts=cfg.max_prompts, block_size=method.k + 1,
-                                engine_stop=True))
+    # one decode step at a time on tiny forwards: torch's default (one thread per core) made this
+    # 6.5x slower on the 2-core VM (52 s against 8 s for the DFlash demo); $OMP_NUM_THREADS wins
+    threads = torch.get_num_threads()
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            r = evaluate(target, export, prompts_file,
+                         EvalConfig(max_new_tokens=cfg.max_tokens, max_prompts=cfg.max_prompts,
+                                    block_size=method.k + 1, engine_stop=True))
+    finally:
+        torch.set_num_threads(threads)
     ours_rows = r["per_prompt"]
     tau_v, pooled = total.tau, r["tau_pooled"]
     rel = abs(tau_v - pooled) / pooled if tau_v is not None else None
@@ -455,5 +472,6 @@ def report_rows(res: dict) -> list[tuple[str, str]]:
     rows += [("tokens/s", f"spec {t['spec_tokens_per_s']:.1f}, base {t['base_tokens_per_s']:.1f}, speedup "
                           f"{_f(t['speedup'], '.2f')}" + (f" ({t['note']})" if t["note"] else "")),
              ("engine start", f"spec {res['engine']['spec']['start_s']:.1f} s, base {res['engine']['base']['start_s']:.1f} s"),
-             ("wall", f"{res['seconds']:.1f} s")]
+             ("wall", f"{res['seconds']:.1f} s (" + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s"
+                                                       for k, v in (res.get("phases_s") or {}).items()) + ")")]
     return rows
