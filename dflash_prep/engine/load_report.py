@@ -58,7 +58,8 @@ class _Tracker:
     def __init__(self):
         self.tensors: dict[str, dict] = {}      # name -> {"shape", "dtype"} in yield order
         self.used: set[str] = set()             # names whose data reached a destination
-        self.written: dict[int, int] = {}       # storage data_ptr -> elements written into it
+        self.written: dict[int, int] = {}       # storage data_ptr -> elements written into it (a region
+        #                                         written twice counts twice: a loader that did so could hide a gap)
         self.params: dict[str, dict] | None = None   # draft parameter -> status, right after load_weights
         self.draft_class: str | None = None
 
@@ -72,8 +73,7 @@ _active: _Tracker | None = None
 
 
 def _names_in(xs) -> frozenset:
-    import torch
-
+    """The checkpoint names tagged on the tracked tensors among ``xs`` (nested lists, tuples, dicts)."""
     out: set[str] = set()
     for x in xs:
         if isinstance(x, _Tracked.cls):
@@ -82,8 +82,6 @@ def _names_in(xs) -> frozenset:
             out |= _names_in(x)
         elif isinstance(x, dict):
             out |= _names_in(x.values())
-        elif not isinstance(x, torch.Tensor):
-            continue
     return frozenset(out)
 
 
