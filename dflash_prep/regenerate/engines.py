@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from dflash_prep import errors
 from dflash_prep.errors import DflashError
 
 FAILURE_KINDS = ("bad_input", "refused", "timeout", "server_error", "bad_response", "empty")
@@ -51,8 +52,9 @@ BACKOFF_CAP_S = 30.0
 BODY_EXCERPT = 300  # characters of a server's error body quoted in a message
 
 
-class EngineError(DflashError):
-    """The engine cannot serve any record: fix the server, the model name or the target."""
+class EngineError(errors.EngineError):
+    """The engine cannot serve any record: fix the server, the model name or the target (the
+    project's one :class:`~dflash_prep.errors.EngineError`, so a caller catches both kinds alike)."""
 
 
 class RequestFailed(DflashError):
