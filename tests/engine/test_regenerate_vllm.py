@@ -58,8 +58,17 @@ def corpus(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(built, tmp_path_factory):
-    with vllm_server(built["target"], log=tmp_path_factory.mktemp("serve") / "vllm.log", max_num_seqs=4) as srv:
+def target(engine_python, tmp_path_factory) -> Path:
+    """The regenerate tests' tiny random Qwen3 (its answers are non-empty text; head_dim 32 for vLLM's CPU build)."""
+    from dflash_prep.train.target_init import TargetSpec, build_target, default_texts
+
+    spec = TargetSpec(vocab_size=512, hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=128)
+    return build_target(tmp_path_factory.mktemp("regen-target") / "target", spec, default_texts(60_000))
+
+
+@pytest.fixture(scope="module")
+def served(target, tmp_path_factory):
+    with vllm_server(target, log=tmp_path_factory.mktemp("serve") / "vllm.log", max_num_seqs=4) as srv:
         yield srv
 
 
@@ -86,11 +95,11 @@ def one_run(served, corpus, tmp_path_factory) -> Path:
     return out
 
 
-def test_the_answers_are_vllms_own_greedy_outputs(built, engine_python, corpus, one_run, tmp_path):
+def test_the_answers_are_vllms_own_greedy_outputs(target, engine_python, corpus, one_run, tmp_path):
     script = tmp_path / "offline.py"
     script.write_text(OFFLINE)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    proc = subprocess.run([str(engine_python), str(script), str(built["target"]), str(corpus), str(tmp_path / "o.json"),
+    proc = subprocess.run([str(engine_python), str(script), str(target), str(corpus), str(tmp_path / "o.json"),
                            str(MAX_TOKENS)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     offline = json.loads((tmp_path / "o.json").read_text())
@@ -102,15 +111,15 @@ def test_the_answers_are_vllms_own_greedy_outputs(built, engine_python, corpus, 
 def test_every_record_names_the_engine_and_its_version(served, one_run):
     recs = [json.loads(ln)["regenerate"] for ln in (one_run / "chat.jsonl").read_text().splitlines()]
     assert [r["record"] for r in recs] == list(range(N))
-    assert {json.dumps(r["target"]["server"]) for r in recs} == {json.dumps({"software": "vllm",
-                                                                            "version": served.version})}
+    version = served.version.split()[-1]          # "vllm-cpu 0.32.0": the distribution, then what /version says
+    assert {json.dumps(r["target"]["server"]) for r in recs} == {json.dumps({"software": "vllm", "version": version})}
     assert all(r["target"]["engine"] == "openai" and r["target"]["name"] == served.model for r in recs)
 
 
-def test_a_server_killed_midway_then_restarted_loses_and_duplicates_nothing(built, corpus, one_run, tmp_path):
+def test_a_server_killed_midway_then_restarted_loses_and_duplicates_nothing(target, corpus, one_run, tmp_path):
     out, port = tmp_path / "out", free_port()
     log = tmp_path / "vllm.log"
-    with vllm_server(built["target"], log=log, port=port, max_num_seqs=4) as srv:
+    with vllm_server(target, log=log, port=port, max_num_seqs=4) as srv:
         cmd = [sys.executable, "-m", "dflash_prep.cli", "regenerate", str(corpus), "--out", str(out), "--base-url",
                f"{srv.base_url}/v1", "--model", srv.model, "--concurrency", "1", "--max-tokens", str(MAX_TOKENS),
                "--temperature", "0", "--retries", "1", "--timeout", "60"]
@@ -127,7 +136,7 @@ def test_a_server_killed_midway_then_restarted_loses_and_duplicates_nothing(buil
     assert 4 <= before < N, f"the server died after {before} of {N} records: not midway"
     assert json.loads((out / "regenerate.json").read_text())["complete"] is False
 
-    with vllm_server(built["target"], log=tmp_path / "vllm2.log", port=port, max_num_seqs=4) as srv:
+    with vllm_server(target, log=tmp_path / "vllm2.log", port=port, max_num_seqs=4) as srv:
         s = run(_cfg(srv.base_url, srv.model, corpus, out))
     assert (s["records"], s["stats"]["records_done"]) == (N - before, N)
     recs = [json.loads(ln) for ln in (out / "chat.jsonl").read_text().splitlines()]
