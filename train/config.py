@@ -182,6 +182,14 @@ class TrainConfig:
     True (``--from-scratch``): ignore and replace it, a new run on the current plan."""
     log_every: int = opt(1, panel=RUN)
     """Write a JSONL record every N steps."""
+    eval_every: int = opt(0, panel=RUN)
+    """Every N steps, evaluate the drafter in the serving engine (``dflash-prep evaluate``: vLLM,
+    ``make venv-vllm``) in a background process that never stalls the step loop: that step's
+    checkpoint is exported and served on ``--eval-prompts``, and a log record ``{"eval": ...}``
+    puts the engine's tau beside the trainer's own (docs/train.md, the engine during training). One
+    evaluation at a time (a due one is skipped, and logged so, while another runs). 0 = off."""
+    eval_prompts: str = opt("", panel=RUN)
+    """Held-out prompts for ``--eval-every`` (chat JSONL, as ``dflash-prep evaluate --prompts``)."""
     progress: bool = opt(True, panel=RUN)
     """Show a progress bar on rank 0."""
     wandb: str = opt("", panel=RUN)
@@ -215,7 +223,7 @@ class TrainConfig:
             raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if self.epochs < 1:
             raise ConfigError(f"--epochs must be at least 1, got {self.epochs}")
-        for name in ("max_steps", "warmup_steps", "ckpt_every", "prefetch"):
+        for name in ("max_steps", "warmup_steps", "ckpt_every", "prefetch", "eval_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.target_ranks < 0 or self.target_prefetch < 1:
@@ -226,6 +234,9 @@ class TrainConfig:
             raise ConfigError(f"--prefetch must be at least 1 step, got {self.prefetch}")
         if self.log_every < 1:
             raise ConfigError(f"--log-every must be at least 1, got {self.log_every}")
+        if self.eval_every and not self.eval_prompts:
+            raise ConfigError("--eval-every needs --eval-prompts FILE (held-out chat JSONL, as `dflash-prep evaluate "
+                              "--prompts` takes)")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

@@ -49,10 +49,12 @@ from dflash_prep.train import rescale
 from dflash_prep.train import split
 from dflash_prep.train.config import TrainConfig
 from dflash_prep.train.data import StepBatches
+from dflash_prep.train import engine_eval
 from dflash_prep.train.distributed import autocast_for as _autocast_for, set_determinism as _set_determinism  # noqa: F401 (bench imports)
 from dflash_prep.train.loader import ManifestLoader
 from dflash_prep.train.lr import Schedule
 from dflash_prep.train.objectives import build_objective, serve_target
+from dflash_prep.train.objectives.registry import get as trainer_spec
 from dflash_prep.train.optim import build_optimizer
 from dflash_prep.train.runlog import FORMAT_VERSION, SUMMARY_FORMAT, RunLog, check_run_folder, finite
 from dflash_prep.train.source import tokenizer_field
@@ -232,6 +234,7 @@ class _Run:
     gstep: int = 0
     resumed: bool = False
     consistent: bool = True
+    evals: engine_eval.EngineEvals | None = None   # rank 0's --eval-every evaluations
 
     @property
     def ckpt_path(self) -> Path:
@@ -248,6 +251,7 @@ class _Run:
 
 def _setup(cfg: TrainConfig, source, d: distributed.Dist, place=None) -> _Run:
     """Data, objective, optimizer and schedule; the checkpoint's state when resuming."""
+    engine_eval.check(cfg, trainer_spec(cfg.objective))   # before any work: --eval-every's needs
     if cfg.attn == "triton" and d.device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels first imports triton
     _set_determinism(d.device)
@@ -281,6 +285,9 @@ def _setup(cfg: TrainConfig, source, d: distributed.Dist, place=None) -> _Run:
                mcfg=obj.model_config(), opt=opt, sched=sched, total=total)
     if state is not None:
         _resume(run, state)
+    if cfg.eval_every and d.is_main:
+        run.evals = engine_eval.EngineEvals(Path(cfg.out), target=cfg.options.target, prompts=cfg.eval_prompts,
+                                            every=cfg.eval_every)
     return run
 
 
@@ -332,6 +339,8 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist, place=None) -> dict:
         run.save()
         if d.is_main and totals["steps"]:
             obj.finish(out)
+        if run.evals is not None:   # the evaluation in flight, waited for so its record is kept
+            _log_evals(run.evals.close(), log)
     except (Exception, KeyboardInterrupt) as e:
         # A stop on error keeps the progress: write the checkpoint when the state is that of a
         # whole step. Across ranks only when every rank stops at the same point (data errors,
@@ -341,6 +350,8 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist, place=None) -> dict:
             e.dflash_saved = f"{run.ckpt_path} at global step {run.gstep}"
         raise
     finally:
+        if run.evals is not None:   # on an error: stopped, not waited for
+            _log_evals(run.evals.close(timeout_s=0), log)
         if bar is not None:
             bar.stop()
         log.close()
@@ -405,8 +416,30 @@ def _run_epoch(run: _Run, pf, limit: int | None, totals: dict, losses: list, log
                 wb.log(rec, step=run.gstep)
         if bar is not None:
             bar.update(bar.task_ids[0], advance=1, info=f"loss {st['loss']:.3f}  {rec['tokens_per_s']:,.0f} tok/s")
-        if cfg.ckpt_every and run.gstep % cfg.ckpt_every == 0:
+        saved = bool(cfg.ckpt_every) and run.gstep % cfg.ckpt_every == 0
+        if saved:
             run.save()
+        if cfg.eval_every and run.gstep % cfg.eval_every == 0:   # every rank: the save is collective
+            if not saved:
+                run.save()
+            if run.evals is not None:
+                _log_evals([r for r in [run.evals.start(run.gstep, run.ckpt_path, rec.get("tau"))] if r], log)
+        if run.evals is not None:
+            _log_evals(run.evals.poll(), log)
+
+
+def _log_evals(records: list[dict], log) -> None:
+    """``--eval-every`` records into log.jsonl, and one line each on the console."""
+    for r in records:
+        log.write(r)
+        e = r["eval"]
+        if "tau_engine" in e:
+            f3 = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+            what = (f"tau_engine {f3(e['tau_engine'])} (ours {f3(e['tau_ours'])}, trainer {f3(e['tau_train'])}), "
+                    f"lossless {e['lossless']}, {e['seconds']:.0f} s")
+        else:
+            what = e.get("skipped") or f"failed: {e['failed']} (see {e.get('log')})"
+        print(f"eval of global step {r['global_step']}: {what}", flush=True)
 
 
 def _manifest_key(m) -> dict:

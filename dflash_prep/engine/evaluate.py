@@ -217,6 +217,10 @@ def likely_causes(export: Path, target: Path, method: Method) -> list[str]:
         bad = [j for j in ids if not 0 <= int(j) < L]
         if bad:
             out.append(f"dflash_config.target_layer_ids {ids} reach outside the target's {L} layers (0..{L - 1})")
+        if len(set(map(int, ids))) < len(ids):
+            out.append(f"dflash_config.target_layer_ids {ids} repeat a layer: vLLM captures each layer once, so its "
+                       f"fc gets fewer features than the drafter was trained on (train with distinct "
+                       f"--target-layer-ids)")
     return out
 
 

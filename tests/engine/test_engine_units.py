@@ -115,6 +115,9 @@ def test_likely_causes_read_the_files(tmp_path):
     d = _export(tmp_path, {"architectures": ["DFlashDraftModel"], "block_size": 4, "dflash_config": {"target_layer_ids": [1, 4]}})
     assert likely_causes(d, target, export_method(d)) == [
         "dflash_config.target_layer_ids [1, 4] reach outside the target's 4 layers (0..3)"]
+    d = _export(tmp_path, {"architectures": ["DFlashDraftModel"], "block_size": 4, "dflash_config": {"target_layer_ids": [1, 1]}})
+    (why,) = likely_causes(d, target, export_method(d))
+    assert why.startswith("dflash_config.target_layer_ids [1, 1] repeat a layer: vLLM captures each layer once"), why
     d = _export(tmp_path, {"architectures": ["LlamaForCausalLMEagle3"], "eagle_aux_hidden_state_layer_ids": [1, 2, 3]})
     assert likely_causes(d, target, export_method(d)) == []
 
