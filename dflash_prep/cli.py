@@ -343,6 +343,54 @@ def pack_cmd(
         typer.secho(f"warning: {line}", fg=typer.colors.YELLOW, err=True)
 
 
+_ENGINE = "vLLM (passed through)"
+
+
+@command("extract")
+def extract_cmd(
+    data: Annotated[Path, typer.Argument(help="tokenized dataset folder (dflash-prep tokenize), tokenized with the target's tokenizer")],
+    target: Annotated[Path, typer.Option(help="the frozen target: a local transformers folder (config.json + safetensors), the trainer's --target", rich_help_panel=_IO)],
+    out: Annotated[Path, typer.Option(help="the states cache folder; rerun the same command to finish a stopped build", rich_help_panel=_IO)],
+    objective: Annotated[str, typer.Option(help="dflash | dflash2 (the --draft-layers taps; the final state under --loss kl) or eagle3 (three taps + the final state)", rich_help_panel=_OBJ)] = "dflash",
+    draft_layers: Annotated[Optional[int], typer.Option(help="dflash/dflash2: the drafter's layers N; its taps are the trainer's rule for N (default: the trainer's default)", rich_help_panel=_OBJ)] = None,
+    target_layer_ids: Annotated[Optional[list[int]], typer.Option(help="explicit taps (0-based, each layer's output), repeated, as the trainer's flag", rich_help_panel=_OBJ)] = None,
+    loss: Annotated[str, typer.Option(help="dflash/dflash2: kl also stores the final hidden state (the teacher's LM-head input)", rich_help_panel=_OBJ)] = "ce",
+    dtype: Annotated[str, typer.Option(help="bf16 | fp8 (e4m3 + a float32 scale per row: half the disk) | fp32 (exact, for checks)", rich_help_panel=_IO)] = "bf16",
+    shard_mb: Annotated[float, typer.Option(help="most MiB of states per shard file (the unit written and resumed)", rich_help_panel=_IO)] = 1024.0,
+    batch_tokens: Annotated[int, typer.Option(help="most prompt tokens per LLM.generate call", rich_help_panel=_ENGINE)] = 32768,
+    tensor_parallel_size: Annotated[int, typer.Option(help="vLLM --tensor-parallel-size", rich_help_panel=_ENGINE)] = 1,
+    pipeline_parallel_size: Annotated[int, typer.Option(help="vLLM --pipeline-parallel-size", rich_help_panel=_ENGINE)] = 1,
+    enable_expert_parallel: Annotated[bool, typer.Option("--enable-expert-parallel", help="vLLM --enable-expert-parallel (MoE targets)", rich_help_panel=_ENGINE)] = False,
+    engine_arg: Annotated[Optional[list[str]], typer.Option(help="any other vllm.LLM argument, KEY=VALUE (JSON values), repeated: e.g. gpu_memory_utilization=0.9, dtype=float32", rich_help_panel=_ENGINE)] = None,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the engine to start, and for any one batch", rich_help_panel=_ENGINE)] = 900.0,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace a states cache built with other settings", rich_help_panel=_IO)] = False,
+):
+    """Run the target once in vLLM over every sample and store the hidden states a drafter trains on.
+
+    The cache replaces the target in training: `python -m dflash_prep.train --objective dflash
+    --target T --target-engine vllm --states CACHE ...` reads the states in manifest order
+    instead of running the target, every epoch. What is stored is what that run taps (the same
+    --objective, --draft-layers / --target-layer-ids and --loss as the trainer's). vLLM runs from
+    its own venv (make venv-vllm, or $DFLASH_PREP_VLLM_PYTHON). Size: bytes per token = slots x
+    hidden x 2 (bf16), + 4 per slot in fp8 at half the bytes; analyze and pack print it for your
+    target. A stopped build resumes where it stopped; `dflash-prep verify CACHE` re-hashes it.
+    Details: docs/states.md.
+    """
+    from dflash_prep.engine.extract import ExtractConfig, extract, parse_engine_args
+
+    cfg = ExtractConfig(data=data, target=target, out=out, objective=objective, draft_layers=draft_layers,
+                        target_layer_ids=tuple(target_layer_ids or ()), loss=loss, dtype=dtype, shard_mb=shard_mb,
+                        batch_tokens=batch_tokens, tensor_parallel_size=tensor_parallel_size,
+                        pipeline_parallel_size=pipeline_parallel_size, enable_expert_parallel=enable_expert_parallel,
+                        engine_args=parse_engine_args(engine_arg), timeout_s=timeout, overwrite=overwrite)
+    s = extract(cfg, progress=True)
+    what = f"taps {s['taps']}" + (" + final" if s["final"] else "")
+    head = f"{out} is complete; nothing to do (same data, target and settings)" if s["up_to_date"] else f"wrote {out}"
+    typer.echo(f"{head}: {s['samples']:,} samples, {s['tokens']:,} tokens, {what}, {s['dtype']} "
+               f"({s['bytes_per_token']:,} B/token), {s['bytes'] / 2**20:,.1f} MiB in {s['shards']} shard(s); "
+               f"{s['engine']}")
+
+
 @command("inspect")
 def inspect_cmd(
     path: Annotated[Path, typer.Argument(help="an epoch folder, or a manifest root (all its epochs)")],

@@ -29,3 +29,8 @@ class FingerprintMismatch(DflashError):
 
 class UpToDate(DflashError):
     """The requested output already exists for the same inputs; nothing was done."""
+
+
+class EngineError(DflashError):
+    """A serving engine (vLLM) is not installed, refuses a model or an export, or dies: the message
+    keeps the engine's own words and names the fix (e.g. ``make venv-vllm``)."""

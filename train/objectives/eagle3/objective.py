@@ -31,6 +31,7 @@ import torch
 from dflash_prep.errors import ConfigError, FormatError
 from dflash_prep.objectives import drafter_cost
 from dflash_prep.objectives.eagle3 import vocab_map
+from dflash_prep.objectives.target_taps import eagle3_taps
 from dflash_prep.train.data import TensorBatch, read_documents
 from dflash_prep.train.objectives.drafter import DrafterObjective
 from dflash_prep.train.objectives.eagle3.model import Eagle3Config, Eagle3Drafter, shifted_ids, soft_ce
@@ -209,12 +210,8 @@ def plan(cfg, manifest):
 
 
 def _layer_ids(cfg, hc) -> tuple[int, ...]:
-    L = int(hc.num_hidden_layers)
-    ids = tuple(cfg.options.target_layer_ids) or (1, L // 2 - 1, L - 4)
-    if len(set(ids)) != 3 or not all(0 <= i < L for i in ids):
-        raise ConfigError(f"eagle3 taps {list(ids)} of a {L}-layer target: three distinct layers in 0..{L - 1} are "
-                          "needed; pass --target-layer-ids A B C (a small target's default ids coincide)")
-    return ids
+    """The three taps (:func:`dflash_prep.objectives.target_taps.eagle3_taps`)."""
+    return eagle3_taps(int(hc.num_hidden_layers), cfg.options.target_layer_ids)
 
 
 def build(cfg, ds, device: torch.device, manifest=None, place=None) -> Eagle3Objective:
