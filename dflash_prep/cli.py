@@ -404,15 +404,26 @@ def inspect_cmd(
 
 @command("verify")
 def verify_cmd(
-    path: Annotated[Path, typer.Argument(help="a dataset folder, an epoch folder, or a manifest root (all its epochs)")],
-    data: Annotated[Optional[Path], typer.Option(help="dataset folder (default: the one the manifest records)")] = None,
+    path: Annotated[Path, typer.Argument(help="a dataset folder, a states cache, an epoch folder, or a manifest root (all its epochs)")],
+    data: Annotated[Optional[Path], typer.Option(help="dataset folder (default: the one the manifest or states cache records)")] = None,
     lengths: Annotated[Optional[Path], typer.Option(help="lengths file (default: the one the manifest records)")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object instead of tables")] = False,
 ):
-    """Dataset: re-hash every shard, check token ids. Manifests: recompute every epoch from its arrays and the lengths; the summary fields it cannot recompute are listed with the reason. Exit 1 on any violation."""
+    """Dataset: re-hash every shard, check token ids. States cache: re-hash every shard, check it covers every sample once with the dataset's lengths and that every value is finite. Manifests: recompute every epoch from its arrays and the lengths; the summary fields it cannot recompute are listed with the reason. Exit 1 on any violation."""
+    from dflash_prep.formats.states import is_states
+
     from .verify import is_dataset, verify_path
 
     rows = verify_path(path, data=data, lengths=lengths)
+    if is_states(path):
+        [(name, r)] = rows
+        what = f"taps {r['taps']}" + (" + final" if r["final"] else "")
+        typer.secho(f"ok: states cache {path} verified: {r['samples']:,} samples, {r['tokens']:,} tokens, {what}, "
+                    f"{r['dtype']}, {r['shards']} shard(s) re-hashed ({r['bytes'] / 2**20:,.1f} MiB), every value "
+                    "finite", fg=typer.colors.GREEN, err=json_out)
+        if json_out:
+            typer.echo(__import__("json").dumps(r, indent=2, allow_nan=False))
+        return
     if is_dataset(path):
         [(name, r)] = rows
         typer.secho(f"ok: dataset {path} verified: {r['samples']:,} samples, {r['shards']} shard(s) re-hashed, "

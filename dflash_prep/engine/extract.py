@@ -174,7 +174,8 @@ def plan_cache(cfg: ExtractConfig) -> dict:
             "max_position": int(tc.get("max_position_embeddings") or 0)}
 
 
-def _header(cfg: ExtractConfig, p: dict, out: Path, engine: dict) -> dict:
+def cache_header(cfg: ExtractConfig, p: dict, out: Path, engine: dict) -> dict:
+    """``states.json`` of a build that has started (``complete: false``): key, slots, provenance, the plan."""
     lens = p["lens"]
     rel = lambda q: os.path.relpath(Path(q).resolve(), out.resolve())  # noqa: E731 - paths relative to the header
     return {"complete": False, "fingerprint": p["fingerprint"], "key": p["key"].to_dict(), "slots": p["slots"],
@@ -257,19 +258,27 @@ def extract(cfg: ExtractConfig, *, progress: bool = True, on_event=None) -> dict
         py = Path(cfg.python) if cfg.python else vllm_python()
         version = vllm_version(py)
         args = _engine_args(cfg, version)
-        header = _header(cfg, p, out, {"name": "vllm", "version": version, "args": args})
+        header = cache_header(cfg, p, out, {"name": "vllm", "version": version, "args": args})
         atomic_write_json(out / fmt.HEADER_FILE, header, format=fmt.FORMAT, version=fmt.VERSION)
         done = _done_shards(out, p)
         todo = [k for k in range(len(p["plan"])) if k not in done]
         if todo:
             tokens = int(sum(lens[a:b].sum() for a, b in (p["plan"][k] for k in todo)))
             done.update(_run_worker(cfg, p, out, py, args, todo, tokens, progress, on_event))
-        header.update(complete=True, shards=[done[k] for k in range(len(p["plan"]))],
-                      totals={"samples": int(len(lens)), "tokens": int(lens.sum()),
-                              "bytes": int(sum(e["bytes"] for e in done.values()))},
-                      build={"seconds": round(time.monotonic() - t0, 1), "shards_written": len(todo)})
-        atomic_write_json(out / fmt.HEADER_FILE, header, format=fmt.FORMAT, version=fmt.VERSION)
+        finish_header(out, header, done, lens, {"seconds": round(time.monotonic() - t0, 1), "shards_written": len(todo)})
     return {**_summary(header), "up_to_date": False, "shards_written": len(todo)}
+
+
+def finish_header(out: Path, header: dict, entries: dict[int, dict], lens, build: dict) -> dict:
+    """Write ``states.json`` complete: the shard table (``entries`` by index, every one of the plan) and totals."""
+    from dflash_prep.formats.fileio import atomic_write_json
+
+    lens = np.asarray(lens, np.int64)
+    header.update(complete=True, shards=[entries[k] for k in range(len(header["plan"]))],
+                  totals={"samples": int(len(lens)), "tokens": int(lens.sum()),
+                          "bytes": int(sum(e["bytes"] for e in entries.values()))}, build=build)
+    atomic_write_json(Path(out) / fmt.HEADER_FILE, header, format=fmt.FORMAT, version=fmt.VERSION)
+    return header
 
 
 def _summary(h: dict) -> dict:

@@ -8,7 +8,11 @@ does not ask where the target runs:
 - :class:`LocalTaps`: colocated, the rank's own :class:`~.target.FrozenTarget`;
 - :class:`RemoteTaps`: a split job (:mod:`dflash_prep.train.split.roles`), the taps come from the target rank serving
   this drafter (:class:`~dflash_prep.train.split.link.TapsReceiver`), checked against the drafter's own manifest
-  row; the rank holds only the target's embedding and LM head (:func:`load_heads`).
+  row; the rank holds only the target's embedding and LM head (:func:`load_heads`);
+- :class:`~dflash_prep.train.cached_taps.CachedTaps`: ``--target-engine vllm``, the states read from a cache
+  ``dflash-prep extract`` built once with vLLM; the heads loaded as a split job's drafter loads them.
+
+:func:`target_provider` picks one for a run.
 
 Both are called as ``provider.taps(batch, epoch=e)`` in manifest order. The target rank runs
 :class:`LocalTaps` too (:mod:`dflash_prep.train.split.worker`), so a split job's taps are those of the same
@@ -44,9 +48,32 @@ class LocalTaps:
         return self.target.features(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, final=final)
 
 
+    def contract(self) -> dict:
+        """Nothing: where the target runs is not part of the run contract."""
+        return {}
+
+
 def provider_of(target):
     """A taps provider as is, a :class:`~.target.FrozenTarget` wrapped in :class:`LocalTaps`."""
-    return target if isinstance(target, (LocalTaps, RemoteTaps)) else LocalTaps(target)
+    from dflash_prep.train.cached_taps import CachedTaps
+
+    return target if isinstance(target, (LocalTaps, RemoteTaps, CachedTaps)) else LocalTaps(target)
+
+
+def target_provider(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torch.device, place=None):
+    """Where this drafter rank's target hidden states come from: ``--target-engine vllm``'s states
+    cache (:class:`~dflash_prep.train.cached_taps.CachedTaps`), else a split job's target rank
+    (``place``: :class:`RemoteTaps`), else the target in this process (a
+    :class:`~dflash_prep.train.target.FrozenTarget` tapping ``layer_ids``)."""
+    if cfg.target_engine == "vllm":
+        from dflash_prep.train.cached_taps import cached_taps
+
+        return cached_taps(cfg, ds, layer_ids, final=final, identity=identity, device=device)
+    if place is not None:
+        return remote_taps(place, cfg.options.target, timeout=cfg.target_timeout, device=device)
+    from dflash_prep.train.target import FrozenTarget
+
+    return FrozenTarget(cfg.options.target, layer_ids, device=device)
 
 
 #: ``RemoteTaps.step_stats`` entries, in the order of the target rank's per-step stats message
@@ -79,6 +106,10 @@ class RemoteTaps:
                               " run every rank with the same target, --loss and dflash-prep")
         got = [t.to(self.device, non_blocking=True) for t in got]
         return (got[0], got[1]) if final else got[0]
+
+    def contract(self) -> dict:
+        """Nothing: where the target runs is not part of the run contract."""
+        return {}
 
     def step_stats(self, epoch: int, step: int) -> dict:
         """The target rank's timing of ``(epoch, step)`` (:data:`STEP_STATS`), sent after the step's taps."""

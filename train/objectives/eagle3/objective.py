@@ -172,7 +172,7 @@ class Eagle3Objective(DrafterObjective):
     def contract(self) -> dict:
         c = self.model.config
         return {"objective": self.name, **self.identity, "target_layer_ids": list(c.target_layer_ids),
-                "ttt_steps": self.steps, "ttt_decay": self.decay, **self.vmap}
+                "ttt_steps": self.steps, "ttt_decay": self.decay, **self.vmap, **self.target.contract()}
 
     def num_parameters(self) -> int:
         return self._p
@@ -219,7 +219,8 @@ def build(cfg, ds, device: torch.device, manifest=None, place=None) -> Eagle3Obj
     drafter rank (``place``) its taps come from a target rank."""
     from transformers import AutoConfig
 
-    from dflash_prep.train.target import FrozenTarget, load_tokenizer, target_identity
+    from dflash_prep.train.split.taps import target_provider
+    from dflash_prep.train.target import load_tokenizer, target_identity
 
     o = cfg.options
     vm, steps = manifest_map(manifest)
@@ -231,12 +232,8 @@ def build(cfg, ds, device: torch.device, manifest=None, place=None) -> Eagle3Obj
                           f"balanced on that cost); drop it or re-pack with `--ttt-steps {o.ttt_steps}`")
     hc = AutoConfig.from_pretrained(o.target)
     ids = _layer_ids(cfg, hc)
-    if place is None:
-        target = FrozenTarget(o.target, ids, device=device)
-    else:
-        from dflash_prep.train.split.taps import remote_taps
-
-        target = remote_taps(place, o.target, timeout=cfg.target_timeout, device=device)
+    identity = target_identity(o.target, load_tokenizer(o.target))
+    target = target_provider(cfg, ds, ids, final=True, identity=identity, device=device, place=place)
     dcfg = Eagle3Config.from_target_config(hc, vm.draft_vocab_size, target_layer_ids=ids)
     drafter = Eagle3Drafter(dcfg)
     drafter.set_vocab_map(torch.from_numpy(np.array(vm.d2t, np.int64)), target_t2d(vm, dcfg.vocab_size))
@@ -247,8 +244,7 @@ def build(cfg, ds, device: torch.device, manifest=None, place=None) -> Eagle3Obj
     section = manifest.header["eagle3"]
     vmap = {"draft_vocab_size": vm.draft_vocab_size, "map_fingerprint": vm.fingerprint,
             "trained_ids": int(section["trained_ids"])}
-    return Eagle3Objective(drafter.to(device), target, cfg, steps=steps,
-                           identity=target_identity(o.target, load_tokenizer(o.target)), vmap=vmap)
+    return Eagle3Objective(drafter.to(device), target, cfg, steps=steps, identity=identity, vmap=vmap)
 
 
 def export_checkpoint(obj: dict, path, out, *, dtype: str = "float32", overwrite: bool = False) -> dict:
