@@ -20,7 +20,7 @@ LOCK ?= -c $(if $(GPU),$(VENV)/constraints-gpu.txt,constraints.txt)
 # they cannot here (docs/reliability.md#one-import-name), so the first screen stays the pipeline
 QUIET_INSTALL := PYTHONWARNINGS="ignore:Editable installation"
 
-.PHONY: venv demo demo-dflash test test-jobs test-slow test-latest lock train bench bench-gpu bench-convergence clean
+.PHONY: venv demo demo-dflash test test-jobs test-engines test-slow test-latest lock train bench bench-gpu bench-convergence clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -58,14 +58,20 @@ OBJECTIVE ?= dflash
 demo-dflash: venv
 	DEMO_DFLASH=$(DEMO_DFLASH) OBJECTIVE=$(OBJECTIVE) PY=$(BIN)/python bash train/recipes/demo_dflash.sh
 
-# make test: the suite but for three marked sets, each run by a target of its own: `slow` (full-size
+# make test: the suite but for four marked sets, each run by a target of its own: `slow` (full-size
 # and sweep tests), `jobs` (whole multi-process jobs: split jobs over gloo, the GPU script's steps;
-# CI runs them too, see .ci/run) and `gpu` (skipped without a GPU).
+# CI runs them too, see .ci/run), `engine` (the real vLLM engine, from its own venv) and `gpu`
+# (skipped without a GPU).
 test: venv
-	$(BIN)/python -m pytest -q -m "not slow and not gpu and not jobs"
+	$(BIN)/python -m pytest -q -m "not slow and not gpu and not jobs and not engine"
 
 test-jobs: venv
 	$(BIN)/python -m pytest -q -m "jobs and not gpu"
+
+# make test-engines: the tests that start the real serving engine (tests/engine/, marker `engine`);
+# vLLM comes from its own venv: $$DFLASH_PREP_VLLM_PYTHON, else .venv-vllm (docs/states.md).
+test-engines: venv
+	$(BIN)/python -m pytest -q -m "engine"
 
 test-slow: venv
 	$(BIN)/python -m pytest -q -m "slow"

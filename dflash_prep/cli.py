@@ -254,6 +254,9 @@ def analyze_cmd(
         render(rep, console())
         if objective in rep:
             _print_summaries([(f"pack --objective {objective} (predicted)", rep[objective])], keys=obj.summary_keys)
+    line = obj.states_estimate(options, int(rep["stats"]["total_tokens"]))
+    if line:
+        typer.echo(line, err=json_out)
 
 
 
@@ -331,6 +334,7 @@ def pack_cmd(
         _print_summaries([(f"{d.parent.name}/{d.name}", manifest.open(d).summary)])
         return
     options = objectives.get(objective).options_from_flags("pack", objective_flags or {})
+    _states_estimate(objective, options, p, data, lengths, err=json_out)
     cfg = PackConfig(world_size=world_size, grad_accum=grad_accum, layout=layout, schedule=schedule, window=window,
                      drop_last=drop_last, open_bins=open_bins, objective=objective, options=options,
                      budget=budget_override(p.budget, budget_unit, budget, model_dim))
@@ -389,6 +393,19 @@ def extract_cmd(
     typer.echo(f"{head}: {s['samples']:,} samples, {s['tokens']:,} tokens, {what}, {s['dtype']} "
                f"({s['bytes_per_token']:,} B/token), {s['bytes'] / 2**20:,.1f} MiB in {s['shards']} shard(s); "
                f"{s['engine']}")
+
+
+def _states_estimate(objective: str, options, plan, data, lengths, *, err: bool) -> None:
+    """pack's first line for a drafter objective: the size of the target's states cache
+    (``dflash-prep extract``) for every token of the data, before anything is packed."""
+    from dflash_prep import objectives
+    from dflash_prep.pack.pack import resolve_lengths
+
+    obj = objectives.get(objective)
+    if obj.states_estimate(options, 0) is None:
+        return
+    src = resolve_lengths(plan, data=data, lengths=lengths)
+    typer.echo(obj.states_estimate(options, int(src.lengths.astype("int64").sum())), err=err)
 
 
 @command("inspect")

@@ -327,7 +327,7 @@ class _Worker:
         self.log_path, self.timeout_s = log, timeout_s
         self.log = open(log, "ab")
         self.proc = subprocess.Popen([str(py), "-m", "dflash_prep.engine.states_worker", "--job", str(job),
-                                     "--events-fd", str(w)], stdin=subprocess.PIPE, stdout=self.log,
+                                     "--events-fd", str(w), "--parent", str(os.getpid())], stdin=subprocess.PIPE, stdout=self.log,
                                     stderr=subprocess.STDOUT, pass_fds=(w,), env=env, start_new_session=True)
         os.close(w)
         self.events = os.fdopen(r, "r")

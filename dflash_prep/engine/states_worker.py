@@ -58,6 +58,13 @@ def final_norm_weight(target: Path):
                      "RMSNorm (Qwen3, Llama, Mistral)")
 
 
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+"""vLLM's engine core in this process (its executor's workers, with tensor or pipeline parallelism,
+are still processes of their own, which stop when this one dies): a killed build then leaves no
+engine process behind (an engine core in a process of its own outlived a SIGKILLed parent on the
+CPU build), and nothing steps the engine but this code."""
+
+
 class Engine:
     """vLLM's ``LLM`` set up to capture ``job["vllm_ids"]`` through :class:`.states_connector.StatesConnector`."""
 
@@ -105,8 +112,9 @@ class Engine:
             os.unlink(f)
 
     def _await(self, sid: int, timeout_s: float) -> Path:
-        """The states file of sample ``sid`` (written by the connector one engine step after the
-        request finished: vLLM's engine process keeps stepping until it is)."""
+        """The states file of sample ``sid``. The connector writes it one engine step after the
+        request finished (the step that hands it the request's blocks), and ``generate`` returns
+        before that step: the engine runs in this process (:data:`IN_PROCESS`), so step it here."""
         names = [self.spool / f"s{sid}.npy", self.spool / f"s{sid}.bf16.npy"]
         deadline = time.monotonic() + timeout_s
         while True:
@@ -116,7 +124,7 @@ class Engine:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"sample {sid}: vLLM finished the request but no states file came within "
                                    f"{timeout_s:.0f} s (is the extract_hidden_states connector loaded?)")
-            time.sleep(0.002)
+            self.llm.llm_engine.step()
 
     def slots(self, t):
         """``[n, S, H]`` float32: the cache's slots of vLLM's ``[n, k, H]`` (module docstring)."""
@@ -168,12 +176,32 @@ def run_shard(engine: Engine, cmd: dict, events) -> None:
     _emit(events, event="shard", shard=k, entry=entry)
 
 
+def die_with(parent: int) -> None:
+    """Have the kernel SIGKILL this process when the driver ``parent`` dies, however it dies (Linux
+    ``PR_SET_PDEATHSIG``); vLLM's processes stop when they see this one gone. Without it, a killed
+    build's worker would go on with the commands already in its stdin, writing shards behind the
+    back of the build that resumes it."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass                                                           # not Linux: stdin's end still stops it
+    if os.getppid() != parent:                                         # it died before the line above
+        os._exit(2)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_prep.engine.states_worker", description=__doc__.split("\n")[0])
     ap.add_argument("--job", required=True, help="the job file dflash-prep extract wrote")
     ap.add_argument("--events-fd", type=int, required=True, help="file descriptor the events go to")
+    ap.add_argument("--parent", type=int, default=None, help="the driver's pid: die with it")
     a = ap.parse_args(argv)
+    if a.parent is not None:
+        die_with(a.parent)
     events = os.fdopen(a.events_fd, "w", buffering=1)
+    os.environ.update(IN_PROCESS)                  # before vLLM is imported
     try:
         job = json.loads(Path(a.job).read_text())
         engine = Engine(job)

@@ -397,6 +397,14 @@ class DFlashObjective(DataObjective):
                     "anchors", "anchor_budget", "microbatches", "rank_imbalance", "world_size", "anchor_cost_share")
     rank_cost_name = "drafter"
 
+    def states_estimate(self, options, tokens: int) -> str | None:
+        cm = getattr(options, "cost_model", None)
+        if cm is None:
+            return None
+        from dflash_prep.objectives.target_taps import states_estimate
+
+        return states_estimate(self.name, cm.layers, cm.hidden, tokens, draft_layers=cm.draft_layers)
+
     def check(self, layout, options) -> None:
         if layout == "padded":
             raise ConfigError("--objective dflash packs the varlen layout only (padding wastes target tokens "

@@ -100,3 +100,31 @@ def states_need(objective: str, num_target_layers: int, *, draft_layers: int | N
     if bad:
         raise ConfigError(f"target layers {bad} do not exist (the target has {L} layers)")
     return StatesNeed(taps, loss == "kl")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000.0
+    return f"{n:,.1f} PB"  # pragma: no cover
+
+
+def states_estimate(objective: str, num_target_layers: int, hidden: int, tokens: int, *,
+                    draft_layers: int | None = None) -> str:
+    """One line: the size of the states cache ``dflash-prep extract`` writes for ``tokens`` tokens of an
+    ``L``-layer, ``hidden``-wide target (bytes per token x tokens; bf16, fp8, and DFlash's ``--loss kl``)."""
+    from dflash_prep.formats.states import bytes_per_token
+
+    if objective == "eagle3":      # three distinct taps whatever their ids (a small target passes its own)
+        ce = StatesNeed((0, 1, 2), True)
+    else:
+        ce = states_need(objective, num_target_layers, draft_layers=draft_layers)
+    b16, b8 = (bytes_per_token(ce.num_slots(), hidden, d) for d in ("bf16", "fp8"))
+    what = f"{len(ce.slots())} tap(s)" + (" + the final state" if ce.final else "")
+    line = (f"states cache (dflash-prep extract --objective {objective}): {what} x H={hidden:,} = {b16:,} B/token bf16 "
+            f"x {int(tokens):,} tokens = {_size(b16 * tokens)} (fp8: {_size(b8 * tokens)}")
+    if not ce.final:
+        kl = states_need(objective, num_target_layers, draft_layers=draft_layers, loss="kl")
+        line += f"; --loss kl: {_size(bytes_per_token(kl.num_slots(), hidden, 'bf16') * tokens)} bf16"
+    return line + ")"

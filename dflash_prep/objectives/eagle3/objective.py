@@ -73,6 +73,14 @@ class Eagle3Objective(DataObjective):
     summary_keys = ("token_fill", "microbatches", "rank_imbalance", "world_size", "drafter_cost_share")
     rank_cost_name = "eagle3"
 
+    def states_estimate(self, options, tokens: int) -> str | None:
+        cm = getattr(options, "cost_model", None)
+        if cm is None:
+            return None
+        from dflash_prep.objectives.target_taps import states_estimate
+
+        return states_estimate(self.name, cm.layers, cm.hidden, tokens)
+
     def check(self, layout, options) -> None:
         if layout == "padded":
             raise ConfigError("--objective eagle3 packs the varlen layout only (padding wastes target tokens and "
