@@ -2,12 +2,12 @@
 
 - :mod:`.states_env`: where the engine's own venv is (``$DFLASH_PREP_VLLM_PYTHON``, else
   ``.venv-vllm``), and which vLLM it holds;
-- :mod:`.states`: ``dflash-prep states``: the target's hidden states from vLLM, written once
+- :mod:`.extract`: ``dflash-prep extract``: the target's hidden states from vLLM, written once
   into a states cache (:mod:`dflash_prep.formats.states`) that the trainer reads every epoch
   (``--target-engine vllm --states CACHE``);
 - :mod:`.states_worker`: the engine side of it, run with the engine's python;
 - :mod:`.states_connector`: the KV connector vLLM loads to hand the states over.
 
-Importing this package (and :mod:`.states_env`, :mod:`.states`) imports the standard library and
+Importing this package (and :mod:`.states_env`, :mod:`.extract`) imports the standard library and
 numpy only: vLLM and its torch live in the engine's processes (docs/states.md).
 """

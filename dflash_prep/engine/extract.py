@@ -30,7 +30,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -110,7 +110,6 @@ class ExtractConfig:
     """Seconds to wait for the engine to start, and for any one batch."""
     python: str | None = None
     """The engine's python (None: :func:`dflash_prep.engine.states_env.vllm_python`)."""
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.objective not in DRAFTER_OBJECTIVES:
@@ -127,9 +126,20 @@ class ExtractConfig:
             raise ConfigError("--tensor-parallel-size and --pipeline-parallel-size must be >= 1")
 
     def command(self) -> str:
-        return extract_command(data=self.data, target=self.target, out=self.out, objective=self.objective,
+        """The command line of this build, its engine flags included."""
+        base = extract_command(data=self.data, target=self.target, out=self.out, objective=self.objective,
                                draft_layers=self.draft_layers, target_layer_ids=self.target_layer_ids,
                                loss=self.loss, dtype=self.dtype)
+        more = []
+        if self.tensor_parallel_size != 1:
+            more += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.pipeline_parallel_size != 1:
+            more += ["--pipeline-parallel-size", str(self.pipeline_parallel_size)]
+        if self.enable_expert_parallel:
+            more += ["--enable-expert-parallel"]
+        for k, v in self.engine_args:
+            more += ["--engine-arg", f"{k}={v if isinstance(v, str) else json.dumps(v)}"]
+        return base + (" " + shlex.join(more) if more else "")
 
 
 def _target_config(target: Path) -> dict:
@@ -189,14 +199,17 @@ def cache_header(cfg: ExtractConfig, p: dict, out: Path, engine: dict) -> dict:
             "plan": [list(x) for x in p["plan"]], "command": cfg.command()}
 
 
-def _existing(out: Path, p: dict, cfg: ExtractConfig) -> dict | None:
-    """The header of a cache already in ``out`` when it is this build's (else refuse, or None under --overwrite)."""
+def _existing(out: Path, p: dict, cfg: ExtractConfig, args: dict) -> dict | None:
+    """The header of a cache already in ``out`` when it is this build's: the same key, shard plan and
+    engine arguments (a compute dtype or a parallelism changes the numbers, if not the key); else
+    refuse, or None under --overwrite."""
     if not out.exists() or not any(out.iterdir()):
         return None
     if not fmt.is_states(out):
         raise ConfigError(f"{out} exists and is not a states cache; choose another --out (nothing was touched)")
     h = fmt.read_header(out)
-    same = h.get("fingerprint") == p["fingerprint"] and [tuple(x) for x in h.get("plan", [])] == p["plan"]
+    same = (h.get("fingerprint") == p["fingerprint"] and [tuple(x) for x in h.get("plan", [])] == p["plan"]
+            and h.get("engine", {}).get("args") == args)
     if same:
         return h
     if not cfg.overwrite:
@@ -207,7 +220,7 @@ def _existing(out: Path, p: dict, cfg: ExtractConfig) -> dict | None:
 
 def _clear(out: Path) -> None:
     for f in out.iterdir():
-        if f.name.startswith("shard-") and f.name.endswith(".states") or f.name == fmt.HEADER_FILE:
+        if (f.name.startswith("shard-") and f.name.endswith(".states")) or f.name == fmt.HEADER_FILE:
             f.unlink()
 
 
@@ -247,17 +260,17 @@ def extract(cfg: ExtractConfig, *, progress: bool = True, on_event=None) -> dict
         raise ConfigError(f"{cfg.data}: a sample of {int(lens.max())} tokens exceeds the target's "
                           f"max_position_embeddings ({p['max_position']}); tokenize with a smaller --max-len")
     t0 = time.monotonic()
+    py = Path(cfg.python) if cfg.python else vllm_python()
+    version = vllm_version(py)
+    args = _engine_args(cfg, version)
     with lock(out, inside=True):
-        h = _existing(out, p, cfg)
+        h = _existing(out, p, cfg, args)
         if h is not None and h.get("complete"):
             fmt.open_states(out)                      # every shard still in place and matching
             return {**_summary(h), "up_to_date": True}
         if h is None and out.exists():
             _clear(out)
         out.mkdir(parents=True, exist_ok=True)
-        py = Path(cfg.python) if cfg.python else vllm_python()
-        version = vllm_version(py)
-        args = _engine_args(cfg, version)
         header = cache_header(cfg, p, out, {"name": "vllm", "version": version, "args": args})
         atomic_write_json(out / fmt.HEADER_FILE, header, format=fmt.FORMAT, version=fmt.VERSION)
         done = _done_shards(out, p)
@@ -282,7 +295,7 @@ def finish_header(out: Path, header: dict, entries: dict[int, dict], lens, build
 
 
 def _summary(h: dict) -> dict:
-    return {"out": h.get("command"), "samples": h["totals"]["samples"], "tokens": h["totals"]["tokens"],
+    return {"command": h.get("command"), "samples": h["totals"]["samples"], "tokens": h["totals"]["tokens"],
             "bytes": h["totals"]["bytes"], "shards": len(h["shards"]), "dtype": h["key"]["dtype"],
             "taps": h["key"]["taps"], "final": h["key"]["final"], "bytes_per_token": h["bytes_per_token"],
             "engine": h["engine"]["version"], "seconds": h.get("build", {}).get("seconds")}
