@@ -20,6 +20,7 @@ import numpy as np
 from dflash_prep import objectives
 from dflash_prep.errors import FingerprintMismatch, FormatError
 from dflash_prep.formats import lengths as lengths_mod
+from dflash_prep.formats import states
 from dflash_prep.formats.dataset import META_FILE, open_dataset
 from dflash_prep.formats.fileio import fingerprint_file
 from dflash_prep.formats.manifest import (COL, MANIFEST_FILE, Manifest, data_path, epoch_dir, find_epochs,  # noqa: A004
@@ -219,8 +220,6 @@ def is_dataset(path: str | Path) -> bool:
 def verify_path(path: str | Path, *, data=None, lengths=None) -> list[tuple[str, dict]]:
     """``[(name, result)]``: a dataset folder, a states cache (:func:`dflash_prep.formats.states.verify_states`),
     an epoch folder, or every epoch of a root."""
-    from dflash_prep.formats import states
-
     if states.is_states(path):
         return [(Path(path).name, states.verify_states(path, data=data))]
     if is_dataset(path):

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 
 from dflash_prep.errors import FingerprintMismatch, FormatError
+from dflash_prep.formats.states import decode_torch, open_states
+from dflash_prep.objectives.target_taps import extract_command
 
 
 class CachedTaps:
@@ -78,8 +80,6 @@ class CachedTaps:
 
 def _decode(rows: np.ndarray, scales, cols: np.ndarray, dtype: str) -> torch.Tensor:
     """float32 ``[L, len(cols), H]`` of the stored ``rows [L, S, H]`` (a copy out of the map)."""
-    from dflash_prep.formats.states import decode_torch
-
     return decode_torch(rows[:, cols], None if scales is None else scales[:, cols], dtype)
 
 
@@ -87,8 +87,6 @@ def cached_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torc
     """The provider of ``--states``: the cache checked against this run (module docstring)."""
     from transformers import AutoConfig
 
-    from dflash_prep.engine.extract import extract_command
-    from dflash_prep.formats.states import open_states
     from dflash_prep.train.split.taps import load_heads
 
     o = cfg.options

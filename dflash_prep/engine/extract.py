@@ -26,6 +26,7 @@ import json
 import os
 import select
 import shlex
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -35,27 +36,19 @@ from pathlib import Path
 
 import numpy as np
 
+import dflash_prep
+from dflash_prep.engine.states_env import vllm_python, vllm_version
 from dflash_prep.errors import ConfigError, EngineError, FingerprintMismatch, FormatError
 from dflash_prep.formats import states as fmt
-from dflash_prep.objectives.target_taps import DRAFTER_OBJECTIVES, states_need, vllm_layer_id
+from dflash_prep.formats.dataset import LENGTHS_FILE, open_dataset, read_meta
+from dflash_prep.formats.fileio import atomic_write_json, follow_link, load_npy
+from dflash_prep.formats.outputs import check_out, lock
+from dflash_prep.objectives.dflash import RECIPE_DRAFT_LAYERS
+from dflash_prep.objectives.target_taps import DRAFTER_OBJECTIVES, extract_command, states_need, vllm_layer_id
+from dflash_prep.progress import progress as progress_bar
 
 DEFAULT_SHARD_MB = 1024.0
 DEFAULT_BATCH_TOKENS = 32768
-
-
-def extract_command(*, data, target, out, objective: str, draft_layers: int | None = None, target_layer_ids=(),
-                    loss: str = "ce", dtype: str = "bf16") -> str:
-    """The ``dflash-prep extract`` line that builds a cache for these settings (the trainer prints it
-    when it refuses a cache)."""
-    parts = ["dflash-prep", "extract", str(data), "--target", str(target), "--objective", objective]
-    if objective != "eagle3" and draft_layers is not None and not target_layer_ids:
-        parts += ["--draft-layers", str(draft_layers)]
-    for i in target_layer_ids:
-        parts += ["--target-layer-ids", str(i)]
-    if objective != "eagle3" and loss != "ce":
-        parts += ["--loss", loss]
-    parts += ["--dtype", dtype, "--out", str(out)]
-    return shlex.join(parts)
 
 
 def parse_engine_args(items) -> tuple[tuple[str, object], ...]:
@@ -154,8 +147,6 @@ def _target_config(target: Path) -> dict:
 
 def plan_cache(cfg: ExtractConfig) -> dict:
     """Everything the build is a function of: the key, its fingerprint, the slots, the shard plan."""
-    from dflash_prep.formats.dataset import LENGTHS_FILE, read_meta
-    from dflash_prep.formats.fileio import load_npy
     from dflash_prep.train.target import target_identity
 
     meta = read_meta(cfg.data)
@@ -165,8 +156,8 @@ def plan_cache(cfg: ExtractConfig) -> dict:
     if str(tc.get("model_type", "")).startswith("gemma"):
         raise ConfigError(f"{cfg.target}: {tc['model_type']} normalises with (1 + weight); the states cache applies a "
                           "Llama-style final norm (Qwen3, Llama, Mistral)")
-    need = states_need(cfg.objective, L, draft_layers=cfg.draft_layers, target_layer_ids=cfg.target_layer_ids,
-                       loss=cfg.loss)
+    draft = cfg.draft_layers if cfg.draft_layers is not None or cfg.objective == "eagle3" else RECIPE_DRAFT_LAYERS
+    need = states_need(cfg.objective, L, draft_layers=draft, target_layer_ids=cfg.target_layer_ids, loss=cfg.loss)
     ident = target_identity(cfg.target)
     key = fmt.StatesKey(dataset_fingerprint=meta["fingerprint"], target_fingerprint=ident["target_fingerprint"],
                         taps=need.slots(), final=need.final, dtype=cfg.dtype, hidden=H)
@@ -249,10 +240,6 @@ def _done_shards(out: Path, p: dict) -> dict[int, dict]:
 
 def extract(cfg: ExtractConfig, *, progress: bool = True, on_event=None) -> dict:
     """Build (or finish) the cache ``cfg.out``; returns its summary (``up_to_date`` when it was complete)."""
-    from dflash_prep.formats.fileio import atomic_write_json, follow_link
-    from dflash_prep.formats.outputs import check_out, lock
-    from dflash_prep.engine.states_env import vllm_python, vllm_version
-
     out = follow_link(check_out(cfg.out, inputs=[cfg.data, cfg.target]))
     p = plan_cache(cfg)
     lens = np.asarray(p["lens"], np.int64)
@@ -284,8 +271,6 @@ def extract(cfg: ExtractConfig, *, progress: bool = True, on_event=None) -> dict
 
 def finish_header(out: Path, header: dict, entries: dict[int, dict], lens, build: dict) -> dict:
     """Write ``states.json`` complete: the shard table (``entries`` by index, every one of the plan) and totals."""
-    from dflash_prep.formats.fileio import atomic_write_json
-
     lens = np.asarray(lens, np.int64)
     header.update(complete=True, shards=[entries[k] for k in range(len(header["plan"]))],
                   totals={"samples": int(len(lens)), "tokens": int(lens.sum()),
@@ -322,8 +307,6 @@ def _shim(tmp: Path) -> str:
     """A folder holding only a link to this ``dflash_prep`` package: put first on the engine's
     ``PYTHONPATH``, the worker runs this very code (the same format writer), and nothing else of
     this venv leaks into the engine's."""
-    import dflash_prep
-
     link = tmp / "dflash_prep"
     link.symlink_to(Path(dflash_prep.__file__).resolve().parent, target_is_directory=True)
     return str(tmp)
@@ -408,9 +391,6 @@ def _write_input(out: Path, k: int, ids: np.ndarray, lens: np.ndarray) -> str:
 
 def _run_worker(cfg: ExtractConfig, p: dict, out: Path, py: Path, args: dict, todo: list[int], tokens: int,
                 progress: bool, on_event) -> dict[int, dict]:
-    from dflash_prep.formats.dataset import open_dataset
-    from dflash_prep.progress import progress as bar_of
-
     ds = open_dataset(cfg.data)
     lens = np.asarray(p["lens"], np.int64)
     tmp = Path(tempfile.mkdtemp(prefix=f".spool.{os.getpid()}.", suffix=".tmp", dir=out))
@@ -439,7 +419,7 @@ def _run_worker(cfg: ExtractConfig, p: dict, out: Path, py: Path, args: dict, to
         ev = worker.event()                             # the engine is up
         if on_event:
             on_event(ev)
-        with bar_of("extract", total=tokens, unit="tokens", enabled=progress) as bar:
+        with progress_bar("extract", total=tokens, unit="tokens", enabled=progress) as bar:
             window = 2                                  # shards sent ahead: the next input is ready when one ends
             sent = 0
             while len(done) < len(todo):
@@ -464,7 +444,5 @@ def _run_worker(cfg: ExtractConfig, p: dict, out: Path, py: Path, args: dict, to
                 os.unlink(f)
             except FileNotFoundError:
                 pass
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return done

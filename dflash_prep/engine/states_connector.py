@@ -48,8 +48,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm.config import get_layers_from_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole, SupportsHMA)
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
 
 SPOOL_KEY = "spool"
 """``kv_connector_extra_config`` key: the folder the states files go to."""
@@ -132,10 +136,6 @@ class StatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.config import get_layers_from_vllm_config
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-        from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
-
         layers = get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches))
         if len(layers) > 1:
             raise ValueError(f"StatesConnector expects one hidden-states cache layer, found {sorted(layers)}")
@@ -196,8 +196,6 @@ def _hidden_state_group(kv_cache_config) -> int:
     """Index of the KV-cache group that holds the extracted hidden states (its spec's type)."""
     if kv_cache_config is None:
         return 0
-    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
-
     groups = kv_cache_config.kv_cache_groups
     ids = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, HiddenStateCacheSpec)]
     if len(ids) == 1:

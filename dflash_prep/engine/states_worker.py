@@ -28,13 +28,17 @@ file after. Each file is ``[n, k, H]`` in vLLM's layer-id order; a cache slot is
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from dflash_prep.formats.states import STORAGE, StatesKey, encode_torch, shard_name, write_shard
 
 
 def _emit(events, **kw) -> None:
@@ -141,8 +145,6 @@ class Engine:
 
 
 def run_shard(engine: Engine, cmd: dict, events) -> None:
-    from dflash_prep.formats.states import STORAGE, StatesKey, encode_torch, shard_name, write_shard
-
     job = engine.job
     key = StatesKey(**{**job["key"], "taps": tuple(job["key"]["taps"])})
     k, (a, b) = int(cmd["shard"]), cmd["samples"]
@@ -181,9 +183,6 @@ def die_with(parent: int) -> None:
     ``PR_SET_PDEATHSIG``); vLLM's processes stop when they see this one gone. Without it, a killed
     build's worker would go on with the commands already in its stdin, writing shards behind the
     back of the build that resumes it."""
-    import ctypes
-    import signal
-
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
     except (OSError, AttributeError):

@@ -63,7 +63,8 @@ from pathlib import Path
 import numpy as np
 
 from dflash_prep.errors import FingerprintMismatch, FormatError
-from dflash_prep.formats.fileio import atomic_file, fingerprint_bytes, fingerprint_json, read_json
+from dflash_prep.formats.dataset import LENGTHS_FILE, read_meta
+from dflash_prep.formats.fileio import atomic_file, fingerprint_bytes, fingerprint_json, load_npy, read_json
 
 FORMAT, VERSION = "dflash-prep/states", 1
 SHARD_FORMAT, SHARD_VERSION = "dflash-prep/states-shard", 1
@@ -385,9 +386,6 @@ def verify_states(folder: str | os.PathLike, *, data: str | os.PathLike | None =
     """Full check of a cache (module docstring): every array re-hashed, the shards tiling sample ids
     ``0..N-1`` with the dataset's lengths (``data``: default the folder ``states.json`` records),
     every value finite. Raises :class:`FormatError` / :class:`FingerprintMismatch`; returns counts."""
-    from dflash_prep.formats.dataset import LENGTHS_FILE, read_meta
-    from dflash_prep.formats.fileio import load_npy
-
     folder = Path(folder)
     cache = open_states(folder)
     h = cache.header

@@ -56,6 +56,7 @@ from dflash_prep.objectives.dflash_anchors import EpochAnchors, differing_rows, 
 from dflash_prep.objectives.drafter_cost import (DrafterCostModel, cost_model_of_record, cost_shares, sample_cost,
                                                  step_flops)
 from dflash_prep.objectives.options import PACK, Flag, option
+from dflash_prep.objectives.target_taps import states_estimate
 from dflash_prep.pack import metrics, steps
 from dflash_prep.pack.batch_stats import row_sums, segment_sums
 from dflash_prep.pack.bucketing import SideLoads, pack_varlen
@@ -401,8 +402,6 @@ class DFlashObjective(DataObjective):
         cm = getattr(options, "cost_model", None)
         if cm is None:
             return None
-        from dflash_prep.objectives.target_taps import states_estimate
-
         return states_estimate(self.name, cm.layers, cm.hidden, tokens, draft_layers=cm.draft_layers)
 
     def check(self, layout, options) -> None:

@@ -22,9 +22,11 @@ tap ``l`` is its ``l + 1``, and its ``L`` is the last layer's output *before* th
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 
 from dflash_prep.errors import ConfigError
+from dflash_prep.formats.states import bytes_per_token
 
 DRAFTER_OBJECTIVES = ("dflash", "dflash2", "eagle3")
 """The objectives trained on a frozen target's hidden states."""
@@ -91,10 +93,9 @@ def states_need(objective: str, num_target_layers: int, *, draft_layers: int | N
                           f"{', '.join(DRAFTER_OBJECTIVES)} does")
     if loss not in ("ce", "kl"):
         raise ConfigError(f"--loss must be ce or kl, got {loss!r}")
-    if draft_layers is None:
-        from dflash_prep.objectives.dflash import RECIPE_DRAFT_LAYERS
-
-        draft_layers = RECIPE_DRAFT_LAYERS
+    if draft_layers is None and not given:
+        raise ConfigError(f"--objective {objective}: pass --draft-layers N (the taps follow from it) or "
+                          "--target-layer-ids")
     taps = given or tuple(dflash_taps(L, draft_layers))
     bad = [i for i in taps if not 0 <= i < L]
     if bad:
@@ -114,8 +115,6 @@ def states_estimate(objective: str, num_target_layers: int, hidden: int, tokens:
                     draft_layers: int | None = None) -> str:
     """One line: the size of the states cache ``dflash-prep extract`` writes for ``tokens`` tokens of an
     ``L``-layer, ``hidden``-wide target (bytes per token x tokens; bf16, fp8, and DFlash's ``--loss kl``)."""
-    from dflash_prep.formats.states import bytes_per_token
-
     if objective == "eagle3":      # three distinct taps whatever their ids (a small target passes its own)
         ce = StatesNeed((0, 1, 2), True)
     else:
@@ -128,3 +127,18 @@ def states_estimate(objective: str, num_target_layers: int, hidden: int, tokens:
         kl = states_need(objective, num_target_layers, draft_layers=draft_layers, loss="kl")
         line += f"; --loss kl: {_size(bytes_per_token(kl.num_slots(), hidden, 'bf16') * tokens)} bf16"
     return line + ")"
+
+
+def extract_command(*, data, target, out, objective: str, draft_layers: int | None = None, target_layer_ids=(),
+                    loss: str = "ce", dtype: str = "bf16") -> str:
+    """The ``dflash-prep extract`` line that builds a cache for these settings (the trainer prints it
+    when it refuses a cache)."""
+    parts = ["dflash-prep", "extract", str(data), "--target", str(target), "--objective", objective]
+    if objective != "eagle3" and draft_layers is not None and not target_layer_ids:
+        parts += ["--draft-layers", str(draft_layers)]
+    for i in target_layer_ids:
+        parts += ["--target-layer-ids", str(i)]
+    if objective != "eagle3" and loss != "ce":
+        parts += ["--loss", loss]
+    parts += ["--dtype", dtype, "--out", str(out)]
+    return shlex.join(parts)

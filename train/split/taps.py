@@ -12,7 +12,7 @@ does not ask where the target runs:
 - :class:`~dflash_prep.train.cached_taps.CachedTaps`: ``--target-engine vllm``, the states read from a cache
   ``dflash-prep extract`` built once with vLLM; the heads loaded as a split job's drafter loads them.
 
-:func:`target_provider` picks one for a run.
+:func:`dflash_prep.train.target.target_provider` picks one for a run.
 
 Both are called as ``provider.taps(batch, epoch=e)`` in manifest order. The target rank runs
 :class:`LocalTaps` too (:mod:`dflash_prep.train.split.worker`), so a split job's taps are those of the same
@@ -54,26 +54,10 @@ class LocalTaps:
 
 
 def provider_of(target):
-    """A taps provider as is, a :class:`~.target.FrozenTarget` wrapped in :class:`LocalTaps`."""
-    from dflash_prep.train.cached_taps import CachedTaps
-
-    return target if isinstance(target, (LocalTaps, RemoteTaps, CachedTaps)) else LocalTaps(target)
-
-
-def target_provider(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torch.device, place=None):
-    """Where this drafter rank's target hidden states come from: ``--target-engine vllm``'s states
-    cache (:class:`~dflash_prep.train.cached_taps.CachedTaps`), else a split job's target rank
-    (``place``: :class:`RemoteTaps`), else the target in this process (a
-    :class:`~dflash_prep.train.target.FrozenTarget` tapping ``layer_ids``)."""
-    if cfg.target_engine == "vllm":
-        from dflash_prep.train.cached_taps import cached_taps
-
-        return cached_taps(cfg, ds, layer_ids, final=final, identity=identity, device=device)
-    if place is not None:
-        return remote_taps(place, cfg.options.target, timeout=cfg.target_timeout, device=device)
-    from dflash_prep.train.target import FrozenTarget
-
-    return FrozenTarget(cfg.options.target, layer_ids, device=device)
+    """A taps provider as is (anything with a ``taps(b, *, epoch, final)`` method: :class:`LocalTaps`,
+    :class:`RemoteTaps`, :class:`~dflash_prep.train.cached_taps.CachedTaps`), a
+    :class:`~.target.FrozenTarget` (whose ``taps`` are its layer ids) wrapped in :class:`LocalTaps`."""
+    return target if callable(getattr(target, "taps", None)) else LocalTaps(target)
 
 
 #: ``RemoteTaps.step_stats`` entries, in the order of the target rank's per-step stats message

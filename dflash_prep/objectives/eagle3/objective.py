@@ -36,6 +36,7 @@ from dflash_prep.objectives.drafter_cost import Eagle3CostModel
 from dflash_prep.objectives.eagle3 import counts as counts_mod
 from dflash_prep.objectives.eagle3 import vocab_map
 from dflash_prep.objectives.eagle3.options import Eagle3Options
+from dflash_prep.objectives.target_taps import states_estimate
 from dflash_prep.pack import bucketing, metrics, steps
 
 
@@ -77,8 +78,6 @@ class Eagle3Objective(DataObjective):
         cm = getattr(options, "cost_model", None)
         if cm is None:
             return None
-        from dflash_prep.objectives.target_taps import states_estimate
-
         return states_estimate(self.name, cm.layers, cm.hidden, tokens)
 
     def check(self, layout, options) -> None:

@@ -364,8 +364,7 @@ def build(cfg: TrainConfig, ds, device: torch.device, manifest=None, place=None,
     the target rank. A variant passes its objective class and ``make_drafter(dcfg) -> module``
     (on the CPU; built after the target, with torch seeded by the caller)."""
     from dflash_prep.train.objectives.dflash.drafter import Drafter
-    from dflash_prep.train.split.taps import target_provider
-    from dflash_prep.train.target import target_identity
+    from dflash_prep.train.target import target_identity, target_provider
 
     drafter_cost.check_drafter_shape(manifest, sliding_window=cfg.options.sliding_window,
                                      draft_layers=cfg.options.draft_layers, objective=cfg.objective)

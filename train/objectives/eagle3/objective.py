@@ -219,8 +219,7 @@ def build(cfg, ds, device: torch.device, manifest=None, place=None) -> Eagle3Obj
     drafter rank (``place``) its taps come from a target rank."""
     from transformers import AutoConfig
 
-    from dflash_prep.train.split.taps import target_provider
-    from dflash_prep.train.target import load_tokenizer, target_identity
+    from dflash_prep.train.target import load_tokenizer, target_identity, target_provider
 
     o = cfg.options
     vm, steps = manifest_map(manifest)
