@@ -153,6 +153,11 @@ def plan_cache(cfg: ExtractConfig) -> dict:
     lens = load_npy(Path(cfg.data) / LENGTHS_FILE, dtype=np.int32)
     tc = _target_config(Path(cfg.target))
     L, H = int(tc["num_hidden_layers"]), int(tc["hidden_size"])
+    tok_vocab = (meta.get("tokenizer") or {}).get("vocab_size")
+    if tok_vocab is not None and int(tok_vocab) > int(tc["vocab_size"]):
+        raise ConfigError(f"{cfg.data} was tokenized with a vocabulary of {tok_vocab} ids, the target {cfg.target} has "
+                          f"{tc['vocab_size']}: re-tokenize with the target's tokenizer (`dflash-prep tokenize ... "
+                          f"--tokenizer {cfg.target}`)")
     if str(tc.get("model_type", "")).startswith("gemma"):
         raise ConfigError(f"{cfg.target}: {tc['model_type']} normalises with (1 + weight); the states cache applies a "
                           "Llama-style final norm (Qwen3, Llama, Mistral)")
