@@ -258,8 +258,11 @@ def extract(cfg: ExtractConfig, *, progress: bool = True, on_event=None) -> dict
     with lock(out, inside=True):
         h = _existing(out, p, cfg, args)
         if h is not None and h.get("complete"):
-            fmt.open_states(out)                      # every shard still in place and matching
-            return {**_summary(h), "up_to_date": True}
+            try:
+                fmt.open_states(out)                  # every shard still in place and matching: done
+                return {**_summary(h), "up_to_date": True}
+            except FormatError:
+                pass                                  # a shard deleted (verify's advice) or broken: rebuild it
         if h is None and out.exists():
             _clear(out)
         out.mkdir(parents=True, exist_ok=True)

@@ -7,8 +7,9 @@ a small tokenized corpus; three engine starts in all (about a minute each on 2 c
 - a build matches the transformers target (our FrozenTarget) to float32 rounding, verifies, is up
   to date when rerun, is refused by a trainer that reads other taps, serves a short training run,
   and a flipped byte in a shard is refused by ``dflash-prep verify``;
-- a build SIGKILLed midway (the CLI, the worker and vLLM's processes at once) and run again ends
-  with every sample exactly once, the finished shards untouched, and the same states.
+- a build SIGKILLed midway (the CLI; its worker dies with it) and run again ends with every
+  sample exactly once, the finished shards untouched, and the same states; a shard deleted from
+  the complete cache is rebuilt alone, byte for byte.
 """
 
 from __future__ import annotations
@@ -214,3 +215,11 @@ def test_a_killed_build_resumes_with_nothing_lost_or_duplicated(world, tmp_path)
     worst = _max_diff_to_frozen_target(world, out)        # bf16 of fp32 states: within bf16's rounding
     mx = max(float(np.abs(fmt.decode(*fmt.open_states(out).sample(s), "bf16")).max()) for s in range(10))
     assert (worst <= mx * 2 ** -8).all(), (worst, mx)
+    # verify's advice for a broken shard: delete it and rerun the command; only that shard is rebuilt
+    victim = out / fmt.shard_name(3)
+    before = victim.read_bytes()
+    victim.unlink()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert fmt.read_header(out)["build"]["shards_written"] == 1 and victim.read_bytes() == before
+    fmt.verify_states(out)
