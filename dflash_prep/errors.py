@@ -33,4 +33,5 @@ class UpToDate(DflashError):
 
 class EngineError(DflashError):
     """A serving engine (vLLM) is not installed, refuses a model or an export, or dies: the message
-    keeps the engine's own words and names the fix (e.g. ``make venv-vllm``)."""
+    keeps the engine's own words and names the fix (e.g. ``make venv-vllm``). ``regenerate``'s
+    engine errors are a kind of it."""

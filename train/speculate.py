@@ -60,6 +60,7 @@ import torch
 
 from dflash_prep.errors import ConfigError, DflashError, FormatError
 from dflash_prep.formats.fileio import atomic_write_json
+from dflash_prep.train.prompts import load_prompts
 
 EVAL_FORMAT = "dflash-prep/speculate-eval"
 EVAL_VERSION = 1
@@ -158,9 +159,10 @@ def _cut(tokens: list[int], stop_ids: set[int], max_new: int) -> list[int]:
 
 @torch.no_grad()
 def speculative_generate(target: Target, proposer: Proposer, prompt: list[int], *, max_new_tokens: int,
-                         stop_ids: set[int], mask_token_id: int) -> Decoded:
+                         stop_ids: set[int], mask_token_id: int, engine_stop: bool = False) -> Decoded:
     """The loop of the module docstring for one prompt (temperature 0); ``mask_token_id`` fills the
-    block's slots before the proposer drafts them (0 for a drafter without one)."""
+    block's slots before the proposer drafts them (0 for a drafter without one); ``engine_stop``:
+    the serving engines' stop rule (module docstring)."""
     t0 = time.perf_counter()
     B = proposer.block_size
     target.reset()
@@ -172,7 +174,8 @@ def speculative_generate(target: Target, proposer: Proposer, prompt: list[int], 
     start = len(prompt)
     acc: list[int] = []
     history = list(prompt)  # every committed token
-    while len(out) < max_new_tokens:  # the reference's loop: `while start < max_length`
+    pending = 1 if engine_stop else 0  # vLLM counts the bonus as emitted: it stops at committed + 1 tokens
+    while len(out) + pending < max_new_tokens:  # the reference's loop: `while start < max_length`
         block = torch.full((B,), mask_token_id, dtype=torch.long)  # (B,)
         block[0] = bonus
         if B > 1:
@@ -209,41 +212,6 @@ def greedy_generate(target: Target, prompt: list[int], *, max_new_tokens: int, s
 
 
 # ----------------------------------------------------------------------------- evaluation
-def load_prompts(path: str | Path, tokenizer, *, limit: int = 0) -> list[list[int]]:
-    """Prompt token ids from a JSONL file (module docstring); ``limit`` > 0 keeps the first ones."""
-    path = Path(path)
-    if not path.is_file():
-        raise FormatError(f"{path}: prompts file not found")
-    prompts = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise FormatError(f"{path}:{n}: not JSON ({e})") from None
-            if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
-                msgs = rec["messages"]
-                cut = next((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), len(msgs))
-                if cut == 0:
-                    raise FormatError(f"{path}:{n}: the conversation opens with an assistant turn; no prompt")
-                text = tokenizer.apply_chat_template(msgs[:cut], tokenize=False, add_generation_prompt=True)
-            elif isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
-                text = rec["prompt"]
-            else:
-                raise FormatError(f"{path}:{n}: expected {{\"messages\": [...]}} or {{\"prompt\": \"...\"}}")
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if not ids:
-                raise FormatError(f"{path}:{n}: the prompt has no tokens")
-            prompts.append(list(ids))
-            if limit and len(prompts) >= limit:
-                break
-    if not prompts:
-        raise FormatError(f"{path}: no prompts")
-    return prompts
-
-
 @dataclass(frozen=True)
 class EvalConfig:
     """One acceptance evaluation (temperature 0 only: the acceptance rule here is greedy)."""
@@ -256,6 +224,10 @@ class EvalConfig:
     """Block size B at inference (0 = the drafter's own)."""
     check_lossless: bool = True
     """Also decode each prompt with the target alone and compare token for token."""
+    engine_stop: bool = False
+    """Stop as serving engines (vLLM) do: no block is verified once the committed tokens and the
+    bonus fill max_new_tokens (default: the reference ``dflash_generate`` loop, which verifies one
+    more block when the last one ends one token short). The output is the same either way."""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -323,6 +295,7 @@ def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_file: str 
         rows, t_spec, t_greedy = [], 0.0, 0.0
         for i, p in enumerate(prompts):
             d = speculative_generate(target, proposer, p, max_new_tokens=cfg.max_new_tokens, stop_ids=stop,
+                                     engine_stop=cfg.engine_stop,
                                      mask_token_id=meta["mask_token_id"] or 0)
             t_spec += d.seconds
             row = {"prompt_tokens": len(p), "new_tokens": len(d.tokens), "acceptance_lengths": d.acceptance_lengths,

@@ -1,13 +1,19 @@
-"""Serving engines: the target model run in the engine users serve it with.
+"""Serving engines: run an exported drafter, or the target itself, in the engine users deploy it with.
 
-- :mod:`.states_env`: where the engine's own venv is (``$DFLASH_PREP_VLLM_PYTHON``, else
-  ``.venv-vllm``), and which vLLM it holds;
+- :mod:`.env`: where the engine's own venv is (``make venv-vllm``) and which vLLM it holds;
+- :mod:`.vllm_server`: start ``vllm.entrypoints.openai.api_server`` in its own process group,
+  wait for it, read its speculative-decoding counters, stop every process it started;
+- :mod:`.evaluate`: ``dflash-prep evaluate``: an export served by vLLM with and without
+  speculation: strict load, lossless, tau from the engine's counters, beside our own evaluator;
+- :mod:`.load_report`: runs *inside* vLLM (a ``vllm.general_plugins`` entry point) and reports
+  which export tensors the engine used and which draft parameters it left unloaded;
 - :mod:`.extract`: ``dflash-prep extract``: the target's hidden states from vLLM, written once
   into a states cache (:mod:`dflash_prep.formats.states`) that the trainer reads every epoch
-  (``--target-engine vllm --states CACHE``);
-- :mod:`.states_worker`: the engine side of it, run with the engine's python;
-- :mod:`.states_connector`: the KV connector vLLM loads to hand the states over.
+  (``--target-engine vllm --states CACHE``); :mod:`.states_worker` is its engine side, run with
+  the engine's python, and :mod:`.states_connector` the KV connector vLLM loads to hand the
+  states over (docs/states.md).
 
-Importing this package (and :mod:`.states_env`, :mod:`.extract`) imports the standard library and
-numpy only: vLLM and its torch live in the engine's processes (docs/states.md).
+Importing this package (and every module but ``load_report``'s :func:`register`,
+:mod:`.states_worker` and :mod:`.states_connector`) imports the standard library and numpy only:
+vLLM and torch live in the engine's processes (docs/engines.md).
 """

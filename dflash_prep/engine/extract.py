@@ -7,7 +7,7 @@ DFlash and DFlash2 the layers of ``--draft-layers`` (or ``--target-layer-ids``),
 hidden state under ``--loss kl``; EAGLE-3 its three taps and the final hidden state.
 
 This process (the main venv) reads the dataset, plans the shards, and drives one engine-side
-worker (:mod:`.states_worker`, started with the engine's python, :mod:`.states_env`) over a pipe:
+worker (:mod:`.states_worker`, started with the engine's python, :mod:`.env`) over a pipe:
 one command per shard (its samples' token ids in a temp ``.npz``), one event back per batch and
 per shard written. The worker holds vLLM, which runs the target; tensor, pipeline and expert
 parallelism are vLLM's own (``--tensor-parallel-size``, ``--pipeline-parallel-size``,
@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 import dflash_prep
-from dflash_prep.engine.states_env import vllm_python, vllm_version
+from dflash_prep.engine.env import vllm_python, vllm_version
 from dflash_prep.errors import ConfigError, EngineError, FingerprintMismatch, FormatError
 from dflash_prep.formats import states as fmt
 from dflash_prep.formats.dataset import LENGTHS_FILE, open_dataset, read_meta
@@ -102,7 +102,7 @@ class ExtractConfig:
     timeout_s: float = 900.0
     """Seconds to wait for the engine to start, and for any one batch."""
     python: str | None = None
-    """The engine's python (None: :func:`dflash_prep.engine.states_env.vllm_python`)."""
+    """The engine's python (None: :func:`dflash_prep.engine.env.vllm_python`)."""
 
     def __post_init__(self):
         if self.objective not in DRAFTER_OBJECTIVES:

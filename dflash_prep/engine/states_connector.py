@@ -1,6 +1,6 @@
 """A vLLM KV connector that hands each finished prompt's hidden states to ``dflash-prep states``.
 
-Runs *inside* vLLM's engine (the engine venv, :mod:`dflash_prep.engine.states_env`): vLLM loads
+Runs *inside* vLLM's engine (the engine venv, :mod:`dflash_prep.engine.env`): vLLM loads
 it by ``kv_transfer_config = {"kv_connector": "StatesConnector", "kv_connector_module_path":
 "dflash_prep.engine.states_connector", "kv_role": "kv_producer", "kv_connector_extra_config":
 {"spool": DIR}}`` together with ``speculative_config = {"method": "extract_hidden_states",

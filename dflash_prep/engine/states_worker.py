@@ -1,7 +1,7 @@
 """The engine side of ``dflash-prep extract``: vLLM's offline ``LLM`` over token-id prompts, each
 sample's hidden states quantized and written into the cache's shards.
 
-Run with the engine's python (:func:`dflash_prep.engine.states_env.vllm_python`) by
+Run with the engine's python (:func:`dflash_prep.engine.env.vllm_python`) by
 :mod:`dflash_prep.engine.extract`, never by hand::
 
     python -m dflash_prep.engine.states_worker --job JOB.json --events-fd N

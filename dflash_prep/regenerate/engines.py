@@ -38,18 +38,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from dflash_prep import errors
 from dflash_prep.errors import DflashError
 
 FAILURE_KINDS = ("bad_input", "refused", "timeout", "server_error", "bad_response", "empty")
 """Per-record failure kinds, in the order the summary prints them."""
+
+SERVER_SOFTWARE = ("vllm", "sglang")
+"""Servers that name themselves in ``/v1/models``' ``owned_by``."""
 
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 BODY_EXCERPT = 300  # characters of a server's error body quoted in a message
 
 
-class EngineError(DflashError):
-    """The engine cannot serve any record: fix the server, the model name or the target."""
+class EngineError(errors.EngineError):
+    """The engine cannot serve any record: fix the server, the model name or the target (the
+    project's one :class:`~dflash_prep.errors.EngineError`, so a caller catches both kinds alike)."""
 
 
 class RequestFailed(DflashError):
@@ -190,6 +195,10 @@ class OpenAIEngine:
         self._local = threading.local()
         self._rng = random.Random()  # backoff jitter only; never touches output
         self.listed: list[str] | None = None
+        self.server: dict = {"software": None, "version": None}
+        """What :meth:`check` found: ``software`` (``vllm`` or ``sglang`` when the model list says
+        so in ``owned_by``; None otherwise: ``transformers serve`` puts the repo's namespace there)
+        and ``version`` (the server's ``GET /version``), recorded in every record's provenance."""
         self._model_confirmed = False
 
     # -- transport --------------------------------------------------------------------
@@ -209,21 +218,24 @@ class OpenAIEngine:
     def close(self) -> None:
         self._drop_conn()
 
-    def _send(self, method: str, path: str, body: bytes | None) -> tuple[int, dict, bytes]:
+    def _send(self, method: str, path: str, body: bytes | None, *, root: bool = False) -> tuple[int, dict, bytes]:
+        """One request on this thread's connection; ``path`` is under ``/v1``, or under the
+        server's root with ``root``."""
+        path = (self.prefix[:-len("/v1")] if root else self.prefix) + path
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         reused = getattr(self._local, "conn", None) is not None
         c = self._conn()
         try:
-            c.request(method, self.prefix + path, body=body, headers=headers)
+            c.request(method, path, body=body, headers=headers)
             r = c.getresponse()
         except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
             if not reused:
                 raise
             self._drop_conn()  # a kept-alive connection the server had closed: reconnect once, not a try
             c = self._conn()
-            c.request(method, self.prefix + path, body=body, headers=headers)
+            c.request(method, path, body=body, headers=headers)
             r = c.getresponse()
         data = r.read()
         if r.getheader("connection", "").lower() == "close":
@@ -285,17 +297,32 @@ class OpenAIEngine:
 
     # -- API --------------------------------------------------------------------------
     def check(self) -> None:
-        """Reach ``GET /v1/models`` (fails fast on an unreachable server) and note what it lists."""
+        """Reach ``GET /v1/models`` (fails fast on an unreachable server), note what it lists, and
+        identify the server (:attr:`server`)."""
         status, data = self._call("GET", "/models", None, "listing models")
         if status != 200:
             raise EngineError(f"{self.base_url}: GET /models answered HTTP {status}: {_excerpt(data)}; is this an "
                               "OpenAI-compatible server? (vLLM, SGLang and `transformers serve` are)")
         try:
-            listed = [m["id"] for m in json.loads(data)["data"]]
+            models = [m for m in json.loads(data)["data"] if isinstance(m, dict)]
         except (ValueError, KeyError, TypeError):
-            listed = []
+            models = []
+        listed = [m.get("id") for m in models]
         self.listed = listed
         self._model_confirmed = self.model in listed
+        owner = next((m.get("owned_by") for m in models if m.get("id") == self.model), None)
+        self.server = {"software": owner if owner in SERVER_SOFTWARE else None, "version": self._server_version()}
+
+    def _server_version(self) -> str | None:
+        """``GET /version`` at the server's root (vLLM and SGLang answer ``{"version": ...}``); None
+        when the server has no such endpoint or answers anything else. One try: it only labels."""
+        try:
+            status, _, data = self._send("GET", "/version", None, root=True)
+            version = json.loads(data).get("version") if status == 200 else None
+        except (OSError, http.client.HTTPException, ValueError, AttributeError):
+            self._drop_conn()
+            return None
+        return str(version) if isinstance(version, (str, int, float)) else None
 
     def _wrong_model(self, status: int, data: bytes) -> EngineError:
         served = ", ".join(repr(m) for m in self.listed) if self.listed else "(none listed)"

@@ -245,6 +245,7 @@ def _run(cfg, store: Store, sources, total: int, bad_lines: int, target: dict, p
         engine = OpenAIEngine(base_url=cfg.base_url, model=cfg.model, sampling=cfg.sampling,
                               timeout=cfg.timeout, retries=cfg.retries)
         engine.check()
+        target["server"] = engine.server
         drive = _drive_openai
     else:
         engine = HFEngine(target=cfg.target, sampling=cfg.sampling, batch_size=cfg.batch_size, device=cfg.device)

@@ -26,29 +26,20 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_prep.errors import EngineError, FingerprintMismatch, FormatError
+from dflash_prep.errors import FingerprintMismatch, FormatError
 from dflash_prep.formats import states as fmt
 
 pytestmark = pytest.mark.engine
 
 
-def _engine_python() -> str:
-    from dflash_prep.engine.states_env import vllm_python
-
-    try:
-        return str(vllm_python())
-    except EngineError as e:
-        pytest.skip(f"no vLLM engine venv: {e}")
-
-
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """The target, the dataset, and the engine's python."""
+def world(tmp_path_factory, engine_python):
+    """The target, the dataset, and the engine's python (conftest's ``engine_python``: skipped without it)."""
     from dflash_prep.synth.synth import SynthConfig, synth
     from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
     from dflash_prep.train.target_init import TargetSpec, build_target, default_texts
 
-    py = _engine_python()
+    py = str(engine_python)
     root = tmp_path_factory.mktemp("engine")
     target = build_target(root / "target", TargetSpec(vocab_size=400, hidden=64, layers=4, heads=2, kv_heads=1,
                                                       head_dim=32, intermediate=96, max_position=1024, seed=0),
@@ -90,7 +81,7 @@ def _max_diff_to_frozen_target(world, cache_dir) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def built(world):
+def cache_e3(world):
     """An EAGLE-3 cache (taps 0, 1, 2 and the final state) in fp32, several shards."""
     from dflash_prep.engine.extract import extract
 
@@ -100,10 +91,10 @@ def built(world):
     return out, s
 
 
-def test_build_matches_the_transformers_target_and_verifies(world, built):
+def test_build_matches_the_transformers_target_and_verifies(world, cache_e3):
     from dflash_prep.engine.extract import extract
 
-    out, s = built
+    out, s = cache_e3
     assert not s["up_to_date"] and s["shards"] > 3 and s["taps"] == [0, 1, 2] and s["final"]
     worst = _max_diff_to_frozen_target(world, out)
     assert (worst < 1e-5).all(), f"vLLM's states differ from FrozenTarget's by {worst} (per slot)"
@@ -122,7 +113,7 @@ def test_build_matches_the_transformers_target_and_verifies(world, built):
                 progress=False)
 
 
-def test_training_reads_the_cache_and_refuses_one_for_other_taps(world, built, tmp_path):
+def test_training_reads_the_cache_and_refuses_one_for_other_taps(world, cache_e3, tmp_path):
     """A short DFlash run on the EAGLE-3 cache (its taps hold DFlash's one-layer tap 2); a run that
     reads a tap the cache lacks is refused in one line with the command that builds it."""
     from dflash_prep.formats import plan as plan_mod
@@ -132,7 +123,7 @@ def test_training_reads_the_cache_and_refuses_one_for_other_taps(world, built, t
     from dflash_prep.train.config import build as build_config
     from dflash_prep.train.loop import train
 
-    out, _ = built
+    out, _ = cache_e3
     src = lengths_mod.load(data=world["data"])
     plan_mod.save(plan_mod.Plan(data=src.describe(), boundaries=(), budget=plan_mod.Budget(value=1024), seed=0),
                   tmp_path / "plan")
@@ -153,10 +144,10 @@ def test_training_reads_the_cache_and_refuses_one_for_other_taps(world, built, t
     assert "`dflash-prep extract " in msg and "--target-layer-ids 3" in msg and "--dtype fp32" in msg, msg
 
 
-def test_verify_refuses_a_corrupted_shard(world, built, tmp_path):
+def test_verify_refuses_a_corrupted_shard(world, cache_e3, tmp_path):
     import shutil
 
-    out, _ = built
+    out, _ = cache_e3
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
     h = fmt.read_header(bad)

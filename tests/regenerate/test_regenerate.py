@@ -200,6 +200,10 @@ def test_records_carry_provenance_in_input_order(one_run, corpus):
             assert t["truncated"] == (t["finish_reason"] == "length")
             assert 0 < t["completion_tokens"] <= MAX_TOKENS and t["prompt_tokens"] > 0
     assert share["messages"][0] == {"role": "user", "content": "Prompt 0: graphs?"}
+    # transformers serve names no software in /v1/models (owned_by is the repo's namespace) and has
+    # no /version: the provenance says so rather than guess (a vLLM server: tests/engine)
+    assert {r["regenerate"]["target"]["server"]["software"] for r in lines} == {None}
+    assert {r["regenerate"]["target"]["engine"] for r in lines} == {"openai"}
 
 
 def test_hf_engine_writes_the_server_tokens(server, corpus, one_run, tmp_path):
