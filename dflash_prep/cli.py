@@ -254,6 +254,9 @@ def analyze_cmd(
         render(rep, console())
         if objective in rep:
             _print_summaries([(f"pack --objective {objective} (predicted)", rep[objective])], keys=obj.summary_keys)
+    line = obj.states_estimate(options, int(rep["stats"]["total_tokens"]))
+    if line:
+        typer.echo(line, err=json_out)
 
 
 
@@ -331,6 +334,7 @@ def pack_cmd(
         _print_summaries([(f"{d.parent.name}/{d.name}", manifest.open(d).summary)])
         return
     options = objectives.get(objective).options_from_flags("pack", objective_flags or {})
+    _states_estimate(objective, options, p, data, lengths, err=json_out)
     cfg = PackConfig(world_size=world_size, grad_accum=grad_accum, layout=layout, schedule=schedule, window=window,
                      drop_last=drop_last, open_bins=open_bins, objective=objective, options=options,
                      budget=budget_override(p.budget, budget_unit, budget, model_dim))
@@ -341,6 +345,62 @@ def pack_cmd(
     limit = p.predicted.get("max_repeat_pair") or REPEAT_PAIR_WARN
     for line in (w for name, s in rows for w in summary_warnings(name, s, limit)):
         typer.secho(f"warning: {line}", fg=typer.colors.YELLOW, err=True)
+
+
+_ENGINE = "Engine (vLLM)"
+
+
+@command("extract")
+def extract_cmd(
+    data: Annotated[Path, typer.Argument(help="tokenized dataset folder (dflash-prep tokenize), tokenized with the target's tokenizer")],
+    target: Annotated[Path, typer.Option(help="the frozen target: a local transformers folder (config.json + safetensors), the trainer's --target", rich_help_panel=_IO)],
+    out: Annotated[Path, typer.Option(help="the states cache folder; rerun the same command to finish a stopped build", rich_help_panel=_IO)],
+    objective: Annotated[str, typer.Option(help="dflash | dflash2 (the --draft-layers taps; the final state under --loss kl) or eagle3 (three taps + the final state)", rich_help_panel=_OBJ)] = "dflash",
+    draft_layers: Annotated[Optional[int], typer.Option(help="dflash/dflash2: the drafter's layers N; its taps are the trainer's rule for N (default: the trainer's default)", rich_help_panel=_OBJ)] = None,
+    target_layer_ids: Annotated[Optional[list[int]], typer.Option(help="explicit taps (0-based, each layer's output), repeated, as the trainer's flag", rich_help_panel=_OBJ)] = None,
+    loss: Annotated[str, typer.Option(help="dflash/dflash2: kl also stores the final hidden state (the teacher's LM-head input)", rich_help_panel=_OBJ)] = "ce",
+    dtype: Annotated[str, typer.Option(help="bf16 | fp8 (e4m3 + a float32 scale per row: half the disk) | fp32 (exact, for checks)", rich_help_panel=_IO)] = "bf16",
+    shard_mb: Annotated[float, typer.Option(help="most MiB of states per shard file (the unit written and resumed)", rich_help_panel=_IO)] = 1024.0,
+    batch_tokens: Annotated[int, typer.Option(help="most prompt tokens per LLM.generate call (progress and host memory)", rich_help_panel=_ENGINE)] = 32768,
+    tensor_parallel_size: Annotated[int, typer.Option(help="vLLM --tensor-parallel-size", rich_help_panel=_ENGINE)] = 1,
+    pipeline_parallel_size: Annotated[int, typer.Option(help="vLLM --pipeline-parallel-size", rich_help_panel=_ENGINE)] = 1,
+    enable_expert_parallel: Annotated[bool, typer.Option("--enable-expert-parallel", help="vLLM --enable-expert-parallel (MoE targets)", rich_help_panel=_ENGINE)] = False,
+    engine_arg: Annotated[Optional[list[str]], typer.Option(help="any other vllm.LLM argument, KEY=VALUE (JSON values), repeated: e.g. gpu_memory_utilization=0.9, dtype=float32", rich_help_panel=_ENGINE)] = None,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the engine to start, and for any one batch", rich_help_panel=_ENGINE)] = 900.0,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace a states cache built with other settings", rich_help_panel=_IO)] = False,
+):
+    """Run the target once in vLLM over every sample and store the hidden states a drafter trains on.
+
+    The trainer then reads them instead of running the target, every epoch: `python -m dflash_prep.train --objective dflash --target T --target-engine vllm --states CACHE ...`. Pass the same --objective, --draft-layers or --target-layer-ids and --loss as that run; a cache that lacks what a run reads is refused with the command that builds it.
+
+    Size per token: the taps (and the final state) x hidden x 2 bytes in bf16, about half in fp8; analyze and pack print it for your target. vLLM comes from its own venv (make venv-vllm, or $DFLASH_PREP_VLLM_PYTHON); --tensor-parallel-size, --pipeline-parallel-size and --enable-expert-parallel are vLLM's own. A stopped build resumes where it stopped when rerun; `dflash-prep verify CACHE` re-hashes it. docs/states.md.
+    """
+    from dflash_prep.engine.extract import ExtractConfig, extract, parse_engine_args
+
+    cfg = ExtractConfig(data=data, target=target, out=out, objective=objective, draft_layers=draft_layers,
+                        target_layer_ids=tuple(target_layer_ids or ()), loss=loss, dtype=dtype, shard_mb=shard_mb,
+                        batch_tokens=batch_tokens, tensor_parallel_size=tensor_parallel_size,
+                        pipeline_parallel_size=pipeline_parallel_size, enable_expert_parallel=enable_expert_parallel,
+                        engine_args=parse_engine_args(engine_arg), timeout_s=timeout, overwrite=overwrite)
+    s = extract(cfg, progress=True)
+    what = f"taps {s['taps']}" + (" + final" if s["final"] else "")
+    head = f"{out} is complete; nothing to do (same data, target and settings)" if s["up_to_date"] else f"wrote {out}"
+    typer.echo(f"{head}: {s['samples']:,} samples, {s['tokens']:,} tokens, {what}, {s['dtype']} "
+               f"({s['bytes_per_token']:,} B/token), {s['bytes'] / 2**20:,.1f} MiB in {s['shards']} shard(s); "
+               f"{s['engine']}")
+
+
+def _states_estimate(objective: str, options, plan, data, lengths, *, err: bool) -> None:
+    """pack's first line for a drafter objective: the size of the target's states cache
+    (``dflash-prep extract``) for every token of the data, before anything is packed."""
+    from dflash_prep import objectives
+    from dflash_prep.pack.pack import resolve_lengths
+
+    obj = objectives.get(objective)
+    if obj.states_estimate(options, 0) is None:
+        return
+    src = resolve_lengths(plan, data=data, lengths=lengths)
+    typer.echo(obj.states_estimate(options, int(src.lengths.astype("int64").sum())), err=err)
 
 
 @command("inspect")
@@ -356,15 +416,26 @@ def inspect_cmd(
 
 @command("verify")
 def verify_cmd(
-    path: Annotated[Path, typer.Argument(help="a dataset folder, an epoch folder, or a manifest root (all its epochs)")],
-    data: Annotated[Optional[Path], typer.Option(help="dataset folder (default: the one the manifest records)")] = None,
+    path: Annotated[Path, typer.Argument(help="a dataset folder, a states cache, an epoch folder, or a manifest root (all its epochs)")],
+    data: Annotated[Optional[Path], typer.Option(help="dataset folder (default: the one the manifest or states cache records)")] = None,
     lengths: Annotated[Optional[Path], typer.Option(help="lengths file (default: the one the manifest records)")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object instead of tables")] = False,
 ):
-    """Dataset: re-hash every shard, check token ids. Manifests: recompute every epoch from its arrays and the lengths; the summary fields it cannot recompute are listed with the reason. Exit 1 on any violation."""
+    """Dataset: re-hash every shard, check token ids. States cache: re-hash every shard, check it covers every sample once with the dataset's lengths and that every value is finite. Manifests: recompute every epoch from its arrays and the lengths; the summary fields it cannot recompute are listed with the reason. Exit 1 on any violation."""
+    from dflash_prep.formats.states import is_states
+
     from .verify import is_dataset, verify_path
 
     rows = verify_path(path, data=data, lengths=lengths)
+    if is_states(path):
+        [(name, r)] = rows
+        what = f"taps {r['taps']}" + (" + final" if r["final"] else "")
+        typer.secho(f"ok: states cache {path} verified: {r['samples']:,} samples, {r['tokens']:,} tokens, {what}, "
+                    f"{r['dtype']}, {r['shards']} shard(s) re-hashed ({r['bytes'] / 2**20:,.1f} MiB), every value "
+                    "finite", fg=typer.colors.GREEN, err=json_out)
+        if json_out:
+            typer.echo(__import__("json").dumps(r, indent=2, allow_nan=False))
+        return
     if is_dataset(path):
         [(name, r)] = rows
         typer.secho(f"ok: dataset {path} verified: {r['samples']:,} samples, {r['shards']} shard(s) re-hashed, "

@@ -8,7 +8,7 @@ its manifest (:func:`dflash_prep.formats.manifest.find_epochs` ``strict``). :fun
 re-hashes every shard against its ``sha256`` in ``meta.json`` and checks the token ids against the vocabulary and the loss
 mask values, on top of the cheap checks of :func:`dflash_prep.formats.dataset.open_dataset`. Both
 raise :class:`FormatError` / :class:`FingerprintMismatch` naming the file and the fix.
-:func:`verify_path` picks by what the folder holds.
+:func:`verify_path` picks by what the folder holds (a states cache: :func:`dflash_prep.formats.states.verify_states`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 from dflash_prep import objectives
 from dflash_prep.errors import FingerprintMismatch, FormatError
 from dflash_prep.formats import lengths as lengths_mod
+from dflash_prep.formats import states
 from dflash_prep.formats.dataset import META_FILE, open_dataset
 from dflash_prep.formats.fileio import fingerprint_file
 from dflash_prep.formats.manifest import (COL, MANIFEST_FILE, Manifest, data_path, epoch_dir, find_epochs,  # noqa: A004
@@ -217,7 +218,10 @@ def is_dataset(path: str | Path) -> bool:
 
 
 def verify_path(path: str | Path, *, data=None, lengths=None) -> list[tuple[str, dict]]:
-    """``[(name, result)]``: a dataset folder, an epoch folder, or every epoch of a root."""
+    """``[(name, result)]``: a dataset folder, a states cache (:func:`dflash_prep.formats.states.verify_states`),
+    an epoch folder, or every epoch of a root."""
+    if states.is_states(path):
+        return [(Path(path).name, states.verify_states(path, data=data))]
     if is_dataset(path):
         return [(Path(path).name, verify_dataset(path))]
     return [(d.name, verify_epoch(d, data=data, lengths=lengths)) for d in find_epochs(path, strict=True)]

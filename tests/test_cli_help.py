@@ -23,6 +23,7 @@ def _help(*args: str) -> str:
 @pytest.mark.parametrize("args, panels", [
     (("dflash_prep.cli", "pack"), ("Inputs and outputs", "Steps and ranks", "Layout and budget", "Objective")),
     (("dflash_prep.train",), ("Data", "Model", "Optimizer", "Run", "Objective")),
+    (("dflash_prep.cli", "extract"), ("Inputs and outputs", "Objective", "Engine (vLLM)")),
 ])
 def test_help_fits_80_columns_in_panels(args, panels):
     out = _help(*args)

@@ -27,6 +27,7 @@ from dflash_prep.errors import ConfigError
 ATTN_BACKENDS = ("auto", "reference", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("adamw", "muon")
+TARGET_ENGINES = ("hf", "vllm")
 
 
 def _positive_finite(name: str, v, *, zero_ok: bool = False) -> None:
@@ -214,6 +215,12 @@ class TrainConfig:
     error naming the peer rank and the step. It must cover the slowest gap between two messages:
     a real target's step (seconds) and a drafter checkpoint save (up to minutes), not the target's
     load (done before the first message)."""
+    target_engine: str = opt("hf", panel=RUN)
+    """Where a drafter's target hidden states come from: ``hf`` (the transformers target runs every
+    step, beside the drafter or on ``--target-ranks``) or ``vllm`` (read from ``--states``, the
+    cache ``dflash-prep extract`` built once with vLLM; the target's layers are never loaded)."""
+    states: str = opt("", panel=RUN)
+    """The states cache ``--target-engine vllm`` reads (``dflash-prep extract ... --out CACHE``)."""
 
     def __post_init__(self):
         _positive_finite("--lr", self.lr)
@@ -230,6 +237,16 @@ class TrainConfig:
             raise ConfigError(f"--target-ranks must be >= 0 and --target-prefetch >= 1, got {self.target_ranks} "
                               f"and {self.target_prefetch}")
         _positive_finite("--target-timeout", self.target_timeout)
+        if self.target_engine not in TARGET_ENGINES:
+            raise ConfigError(f"--target-engine must be one of {', '.join(TARGET_ENGINES)}, got {self.target_engine!r}")
+        if (self.target_engine == "vllm") != bool(self.states):
+            raise ConfigError("--target-engine vllm reads its states from --states CACHE (built by `dflash-prep "
+                              "extract`), and --states needs --target-engine vllm" if self.states else
+                              "--target-engine vllm needs --states CACHE: build it with `dflash-prep extract DATA "
+                              "--target T --objective O --out CACHE`")
+        if self.target_engine == "vllm" and self.target_ranks:
+            raise ConfigError("--target-engine vllm runs no target, so there is none to put on --target-ranks; drop "
+                              "--target-ranks")
         if self.prefetch < 1:
             raise ConfigError(f"--prefetch must be at least 1 step, got {self.prefetch}")
         if self.log_every < 1:
@@ -256,6 +273,9 @@ class TrainConfig:
         if not isinstance(self.options, spec.options):
             raise ConfigError(f"--objective {self.objective} needs its options ({spec.options.__name__}), "
                               f"got {type(self.options).__name__}")
+        if self.target_engine == "vllm" and spec.serve is None:
+            raise ConfigError(f"--target-engine vllm: --objective {self.objective} trains on no frozen target; drop "
+                              "--target-engine and --states")
         if not self.optimizer:                      # the objective's recipe
             object.__setattr__(self, "optimizer", spec.options.optimizer)
         if self.optimizer not in OPTIMIZERS:

@@ -16,6 +16,8 @@
   it to the labelled positions only, in chunks (:mod:`dflash_prep.train.chunked_kl`).
 - **Identity** (:func:`target_identity`, part of the run contract): sha256 of config.json and
   every weight file, of the tokenizer files, and of the chat template.
+- **Where it runs** (:func:`target_provider`): here, on a split job's target rank, or not at all
+  (``--target-engine vllm``: its states read from a cache).
 """
 
 from __future__ import annotations
@@ -171,6 +173,23 @@ class FrozenTarget:
                 h.remove()
         taps = torch.cat([got[i] for i in self.taps], dim=-1)  # (T, k*H)
         return (taps, out.last_hidden_state[0]) if final else taps
+
+
+def target_provider(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torch.device, place=None):
+    """Where this drafter rank's target hidden states come from (a taps provider,
+    :mod:`dflash_prep.train.split.taps`): ``--target-engine vllm``'s states cache
+    (:class:`~dflash_prep.train.cached_taps.CachedTaps`), else a split job's target rank (``place``:
+    :class:`~dflash_prep.train.split.taps.RemoteTaps`), else a :class:`FrozenTarget` in this process
+    tapping ``layer_ids``."""
+    if cfg.target_engine == "vllm":
+        from dflash_prep.train.cached_taps import cached_taps
+
+        return cached_taps(cfg, ds, layer_ids, final=final, identity=identity, device=device)
+    if place is not None:
+        from dflash_prep.train.split.taps import remote_taps
+
+        return remote_taps(place, cfg.options.target, timeout=cfg.target_timeout, device=device)
+    return FrozenTarget(cfg.options.target, layer_ids, device=device)
 
 
 def _sha_files(files: list[Path]) -> str:

@@ -1,4 +1,4 @@
-"""Serving engines: run an exported drafter in the engine users deploy it with, and measure it.
+"""Serving engines: run an exported drafter, or the target itself, in the engine users deploy it with.
 
 - :mod:`.env`: where the engine's own venv is (``make venv-vllm``) and which vLLM it holds;
 - :mod:`.vllm_server`: start ``vllm.entrypoints.openai.api_server`` in its own process group,
@@ -6,9 +6,14 @@
 - :mod:`.evaluate`: ``dflash-prep evaluate``: an export served by vLLM with and without
   speculation: strict load, lossless, tau from the engine's counters, beside our own evaluator;
 - :mod:`.load_report`: runs *inside* vLLM (a ``vllm.general_plugins`` entry point) and reports
-  which export tensors the engine used and which draft parameters it left unloaded.
+  which export tensors the engine used and which draft parameters it left unloaded;
+- :mod:`.extract`: ``dflash-prep extract``: the target's hidden states from vLLM, written once
+  into a states cache (:mod:`dflash_prep.formats.states`) that the trainer reads every epoch
+  (``--target-engine vllm --states CACHE``); :mod:`.states_worker` is its engine side, run with
+  the engine's python, and :mod:`.states_connector` the KV connector vLLM loads to hand the
+  states over (docs/states.md).
 
-Importing this package (and every module but ``load_report``'s :func:`register`) imports the
-standard library and numpy only: vLLM and torch live in the engine's processes
-(docs/engines.md).
+Importing this package (and every module but ``load_report``'s :func:`register`,
+:mod:`.states_worker` and :mod:`.states_connector`) imports the standard library and numpy only:
+vLLM and torch live in the engine's processes (docs/engines.md).
 """

@@ -118,6 +118,12 @@ class DataObjective:
         return metrics.batch_cost(lens, order, offsets, float(b["cost_alpha"]), varlen=m.layout == "varlen")
 
     # --- analyze -----------------------------------------------------------------------------
+    def states_estimate(self, options, tokens: int) -> str | None:
+        """One line: the size of the target's states cache (``dflash-prep extract``) for ``tokens``
+        tokens with ``options``' target sizes; None: this objective reads no target states, or the
+        options do not say the target's sizes."""
+        return None
+
     def predict(self, src, options, budget, *, seed: int) -> dict | None:
         """``analyze``'s prediction of ``pack --objective NAME`` (None: nothing beyond the plan)."""
         return None

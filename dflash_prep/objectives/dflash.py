@@ -56,6 +56,7 @@ from dflash_prep.objectives.dflash_anchors import EpochAnchors, differing_rows, 
 from dflash_prep.objectives.drafter_cost import (DrafterCostModel, cost_model_of_record, cost_shares, sample_cost,
                                                  step_flops)
 from dflash_prep.objectives.options import PACK, Flag, option
+from dflash_prep.objectives.target_taps import states_estimate
 from dflash_prep.pack import metrics, steps
 from dflash_prep.pack.batch_stats import row_sums, segment_sums
 from dflash_prep.pack.bucketing import SideLoads, pack_varlen
@@ -396,6 +397,12 @@ class DFlashObjective(DataObjective):
     summary_keys = ("useful_target_tokens", "useful_anchor_slots", "token_fill", "anchor_fill", "cost_fill",
                     "anchors", "anchor_budget", "microbatches", "rank_imbalance", "world_size", "anchor_cost_share")
     rank_cost_name = "drafter"
+
+    def states_estimate(self, options, tokens: int) -> str | None:
+        cm = getattr(options, "cost_model", None)
+        if cm is None:
+            return None
+        return states_estimate(self.name, cm.layers, cm.hidden, tokens, draft_layers=cm.draft_layers)
 
     def check(self, layout, options) -> None:
         if layout == "padded":

@@ -8,7 +8,11 @@ does not ask where the target runs:
 - :class:`LocalTaps`: colocated, the rank's own :class:`~.target.FrozenTarget`;
 - :class:`RemoteTaps`: a split job (:mod:`dflash_prep.train.split.roles`), the taps come from the target rank serving
   this drafter (:class:`~dflash_prep.train.split.link.TapsReceiver`), checked against the drafter's own manifest
-  row; the rank holds only the target's embedding and LM head (:func:`load_heads`).
+  row; the rank holds only the target's embedding and LM head (:func:`load_heads`);
+- :class:`~dflash_prep.train.cached_taps.CachedTaps`: ``--target-engine vllm``, the states read from a cache
+  ``dflash-prep extract`` built once with vLLM; the heads loaded as a split job's drafter loads them.
+
+:func:`dflash_prep.train.target.target_provider` picks one for a run.
 
 Both are called as ``provider.taps(batch, epoch=e)`` in manifest order. The target rank runs
 :class:`LocalTaps` too (:mod:`dflash_prep.train.split.worker`), so a split job's taps are those of the same
@@ -44,9 +48,16 @@ class LocalTaps:
         return self.target.features(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, final=final)
 
 
+    def contract(self) -> dict:
+        """Nothing: where the target runs is not part of the run contract."""
+        return {}
+
+
 def provider_of(target):
-    """A taps provider as is, a :class:`~.target.FrozenTarget` wrapped in :class:`LocalTaps`."""
-    return target if isinstance(target, (LocalTaps, RemoteTaps)) else LocalTaps(target)
+    """A taps provider as is (anything with a ``taps(b, *, epoch, final)`` method: :class:`LocalTaps`,
+    :class:`RemoteTaps`, :class:`~dflash_prep.train.cached_taps.CachedTaps`), a
+    :class:`~.target.FrozenTarget` (whose ``taps`` are its layer ids) wrapped in :class:`LocalTaps`."""
+    return target if callable(getattr(target, "taps", None)) else LocalTaps(target)
 
 
 #: ``RemoteTaps.step_stats`` entries, in the order of the target rank's per-step stats message
@@ -79,6 +90,10 @@ class RemoteTaps:
                               " run every rank with the same target, --loss and dflash-prep")
         got = [t.to(self.device, non_blocking=True) for t in got]
         return (got[0], got[1]) if final else got[0]
+
+    def contract(self) -> dict:
+        """Nothing: where the target runs is not part of the run contract."""
+        return {}
 
     def step_stats(self, epoch: int, step: int) -> dict:
         """The target rank's timing of ``(epoch, step)`` (:data:`STEP_STATS`), sent after the step's taps."""

@@ -36,6 +36,7 @@ from dflash_prep.objectives.drafter_cost import Eagle3CostModel
 from dflash_prep.objectives.eagle3 import counts as counts_mod
 from dflash_prep.objectives.eagle3 import vocab_map
 from dflash_prep.objectives.eagle3.options import Eagle3Options
+from dflash_prep.objectives.target_taps import states_estimate
 from dflash_prep.pack import bucketing, metrics, steps
 
 
@@ -72,6 +73,12 @@ class Eagle3Objective(DataObjective):
     options_type = Eagle3Options
     summary_keys = ("token_fill", "microbatches", "rank_imbalance", "world_size", "drafter_cost_share")
     rank_cost_name = "eagle3"
+
+    def states_estimate(self, options, tokens: int) -> str | None:
+        cm = getattr(options, "cost_model", None)
+        if cm is None:
+            return None
+        return states_estimate(self.name, cm.layers, cm.hidden, tokens)
 
     def check(self, layout, options) -> None:
         if layout == "padded":

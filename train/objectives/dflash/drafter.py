@@ -46,6 +46,7 @@ import torch
 import torch.nn as nn
 
 from dflash_prep.errors import ConfigError
+from dflash_prep.objectives.target_taps import dflash_taps
 
 from dflash_prep.train.layers import RMSNorm, SwiGLU, apply_rope, rope_tables
 
@@ -56,17 +57,10 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
     One draft layer taps the middle layer ``L // 2``; N > 1 layers tap N layers evenly spaced
     from layer 1 to layer ``L - 3``: ``round(1 + i * (L - 4) / (N - 1))`` for i = 0..N-1
-    (Python's ``round``: halves go to the even neighbour). The public DFlash rule.
+    (Python's ``round``: halves go to the even neighbour). The public DFlash rule, kept in
+    :func:`dflash_prep.objectives.target_taps.dflash_taps` (the states cache reads it too).
     """
-    L, N = int(num_target_layers), int(num_draft_layers)
-    if N < 1 or L < 1:
-        raise ConfigError(f"build_target_layer_ids: need >= 1 target and draft layers, got L={L}, N={N}")
-    if N == 1:
-        return [L // 2]
-    if L < 4:
-        raise ConfigError(f"build_target_layer_ids: a {N}-layer drafter taps layers 1..L-3, so the target needs "
-                          f"at least 4 layers (it has {L}); use one draft layer or pass target_layer_ids")
-    return [int(round(1 + i * (L - 4) / (N - 1))) for i in range(N)]
+    return dflash_taps(num_target_layers, num_draft_layers)
 
 
 @dataclass(frozen=True)

@@ -289,7 +289,7 @@ class DFlashObjective(DrafterObjective):
         return {"objective": self.name, **self.identity, "target_layer_ids": list(c.target_layer_ids),
                 "mask_token_id": c.mask_token_id, "block_size": self.block_size,
                 "sliding_window": c.sliding_window, **self.recipe_fields(),
-                "anchors": self.spec.to_dict()}
+                "anchors": self.spec.to_dict(), **self.target.contract()}
 
     def describe(self) -> str:
         """The recipe the run resolved (defaults filled in), one line printed at start."""
@@ -364,19 +364,15 @@ def build(cfg: TrainConfig, ds, device: torch.device, manifest=None, place=None,
     the target rank. A variant passes its objective class and ``make_drafter(dcfg) -> module``
     (on the CPU; built after the target, with torch seeded by the caller)."""
     from dflash_prep.train.objectives.dflash.drafter import Drafter
-    from dflash_prep.train.target import FrozenTarget, target_identity
+    from dflash_prep.train.target import target_identity, target_provider
 
     drafter_cost.check_drafter_shape(manifest, sliding_window=cfg.options.sliding_window,
                                      draft_layers=cfg.options.draft_layers, objective=cfg.objective)
     dcfg, spec, source, tok = drafter_config(cfg, manifest)
-    if place is None:
-        target = FrozenTarget(cfg.options.target, dcfg.target_layer_ids, device=device)
-    else:
-        from dflash_prep.train.split.taps import remote_taps
-
-        target = remote_taps(place, cfg.options.target, timeout=cfg.target_timeout, device=device)
+    identity = target_identity(cfg.options.target, tok)
+    target = target_provider(cfg, ds, dcfg.target_layer_ids, final=cfg.options.loss == "kl", identity=identity,
+                             device=device, place=place)
     drafter = (make_drafter or Drafter)(dcfg).to(device)
     gamma = cfg.options.gamma or default_gamma(spec.block_size)
     return (objective_type or DFlashObjective)(drafter, target, cfg, anchor_spec=spec, gamma=gamma,
-                                               identity=target_identity(cfg.options.target, tok),
-                                               anchor_source=source)
+                                               identity=identity, anchor_source=source)

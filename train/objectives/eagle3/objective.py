@@ -31,6 +31,7 @@ import torch
 from dflash_prep.errors import ConfigError, FormatError
 from dflash_prep.objectives import drafter_cost
 from dflash_prep.objectives.eagle3 import vocab_map
+from dflash_prep.objectives.target_taps import eagle3_taps
 from dflash_prep.train.data import TensorBatch, read_documents
 from dflash_prep.train.objectives.drafter import DrafterObjective
 from dflash_prep.train.objectives.eagle3.model import Eagle3Config, Eagle3Drafter, shifted_ids, soft_ce
@@ -171,7 +172,7 @@ class Eagle3Objective(DrafterObjective):
     def contract(self) -> dict:
         c = self.model.config
         return {"objective": self.name, **self.identity, "target_layer_ids": list(c.target_layer_ids),
-                "ttt_steps": self.steps, "ttt_decay": self.decay, **self.vmap}
+                "ttt_steps": self.steps, "ttt_decay": self.decay, **self.vmap, **self.target.contract()}
 
     def num_parameters(self) -> int:
         return self._p
@@ -209,12 +210,8 @@ def plan(cfg, manifest):
 
 
 def _layer_ids(cfg, hc) -> tuple[int, ...]:
-    L = int(hc.num_hidden_layers)
-    ids = tuple(cfg.options.target_layer_ids) or (1, L // 2 - 1, L - 4)
-    if len(set(ids)) != 3 or not all(0 <= i < L for i in ids):
-        raise ConfigError(f"eagle3 taps {list(ids)} of a {L}-layer target: three distinct layers in 0..{L - 1} are "
-                          "needed; pass --target-layer-ids A B C (a small target's default ids coincide)")
-    return ids
+    """The three taps (:func:`dflash_prep.objectives.target_taps.eagle3_taps`)."""
+    return eagle3_taps(int(hc.num_hidden_layers), cfg.options.target_layer_ids)
 
 
 def build(cfg, ds, device: torch.device, manifest=None, place=None) -> Eagle3Objective:
@@ -222,7 +219,7 @@ def build(cfg, ds, device: torch.device, manifest=None, place=None) -> Eagle3Obj
     drafter rank (``place``) its taps come from a target rank."""
     from transformers import AutoConfig
 
-    from dflash_prep.train.target import FrozenTarget, load_tokenizer, target_identity
+    from dflash_prep.train.target import load_tokenizer, target_identity, target_provider
 
     o = cfg.options
     vm, steps = manifest_map(manifest)
@@ -234,12 +231,8 @@ def build(cfg, ds, device: torch.device, manifest=None, place=None) -> Eagle3Obj
                           f"balanced on that cost); drop it or re-pack with `--ttt-steps {o.ttt_steps}`")
     hc = AutoConfig.from_pretrained(o.target)
     ids = _layer_ids(cfg, hc)
-    if place is None:
-        target = FrozenTarget(o.target, ids, device=device)
-    else:
-        from dflash_prep.train.split.taps import remote_taps
-
-        target = remote_taps(place, o.target, timeout=cfg.target_timeout, device=device)
+    identity = target_identity(o.target, load_tokenizer(o.target))
+    target = target_provider(cfg, ds, ids, final=True, identity=identity, device=device, place=place)
     dcfg = Eagle3Config.from_target_config(hc, vm.draft_vocab_size, target_layer_ids=ids)
     drafter = Eagle3Drafter(dcfg)
     drafter.set_vocab_map(torch.from_numpy(np.array(vm.d2t, np.int64)), target_t2d(vm, dcfg.vocab_size))
@@ -250,8 +243,7 @@ def build(cfg, ds, device: torch.device, manifest=None, place=None) -> Eagle3Obj
     section = manifest.header["eagle3"]
     vmap = {"draft_vocab_size": vm.draft_vocab_size, "map_fingerprint": vm.fingerprint,
             "trained_ids": int(section["trained_ids"])}
-    return Eagle3Objective(drafter.to(device), target, cfg, steps=steps,
-                           identity=target_identity(o.target, load_tokenizer(o.target)), vmap=vmap)
+    return Eagle3Objective(drafter.to(device), target, cfg, steps=steps, identity=identity, vmap=vmap)
 
 
 def export_checkpoint(obj: dict, path, out, *, dtype: str = "float32", overwrite: bool = False) -> dict:

@@ -1,0 +1,175 @@
+"""Drafters trained from a vLLM states cache against drafters trained beside the transformers target.
+
+``python -m dflash_prep.bench.states_equivalence DEMO [--out FILE] [--steps N]`` takes a folder
+written by ``make demo-dflash OBJECTIVE=eagle3 DEMO_DFLASH=DEMO`` (the demo's target, its
+regenerated data, the plan, ``pack --objective dflash`` and ``--objective eagle3`` manifests and
+held-out prompts) and, with every setting of the demo's own drafter stages (DFlash: one draft layer,
+B = 8, 64 anchors, decay weights, CE, AdamW; EAGLE-3: taps 0 1 2, 64-id draft vocabulary, 7 TTT
+steps; 5 epochs, ``--steps`` steps, lr 3e-3, seed 0), runs in one go:
+
+1. ``dflash-prep extract`` (vLLM, from ``$DFLASH_PREP_VLLM_PYTHON`` or ``.venv-vllm``), computing in
+   float32 (the target's dtype), for each objective a ``bf16`` and an ``fp8`` cache, and one
+   ``fp32`` EAGLE-3 cache to measure the states themselves: the largest ``|vLLM - FrozenTarget|``
+   per slot over every token;
+2. the trainer three times per objective, the same data, steps and seed: ``--target-engine hf``
+   (the target runs every step), then ``--target-engine vllm`` on the bf16 and on the fp8 cache;
+3. the export and our evaluator (``python -m dflash_prep.train.speculate``: speculative decoding
+   of the held-out prompts at temperature 0 against the transformers target) of each, and with
+   ``--vllm-tau`` vLLM's own (``dflash-prep evaluate``: the export served by vLLM, tau from its
+   counters, strict load, lossless).
+
+``--reuse`` keeps what an earlier run left in the work folder (complete caches, finished runs,
+evaluations) and does only the rest.
+
+Prints one JSON object (and writes it to ``--out``): per objective and engine the first and last
+training losses, the largest per-step loss difference to ``hf``, tau (and whether the decoding
+was lossless), the extract's wall time and the cache's size, the trainer's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PY = sys.executable
+DFLASH = ["--objective", "dflash", "--draft-layers", "1", "--block-size", "8", "--max-anchors", "64",
+          "--slot-weights", "decay", "--loss", "ce", "--optimizer", "adamw", "--sliding-window", "0"]
+EAGLE3 = ["--objective", "eagle3", "--target-layer-ids", "0", "--target-layer-ids", "1", "--target-layer-ids", "2",
+          "--optimizer", "adamw"]
+
+
+def _run(cmd: list[str], log: Path) -> float:
+    t = time.monotonic()
+    with open(log, "w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if r.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed (exit {r.returncode}); see {log}")
+    return round(time.monotonic() - t, 1)
+
+
+def _losses(run: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run / "log.jsonl").read_text().splitlines()[1:]) if "loss" in r]
+
+
+def extract(demo: Path, work: Path, objective: str, dtype: str, reuse: bool = False) -> dict:
+    out = work / f"states-{objective}-{dtype}"
+    taps = ["--draft-layers", "1"] if objective == "dflash" else EAGLE3[2:8]
+    done = reuse and (out / "states.json").is_file() and json.loads((out / "states.json").read_text()).get("complete")
+    secs = None if done else _run([PY, "-m", "dflash_prep.cli", "extract", str(demo / "data"), "--target", str(demo / "target"),
+                 "--objective", objective, *taps, "--dtype", dtype, "--engine-arg", "dtype=float32",
+                 "--out", str(out), "--overwrite"], work / f"extract-{objective}-{dtype}.log")
+    h = json.loads((out / "states.json").read_text())
+    secs = secs if secs is not None else h.get("build", {}).get("seconds")
+    return {"cache": str(out), "extract_s": secs, "bytes": h["totals"]["bytes"], "tokens": h["totals"]["tokens"],
+            "bytes_per_token": h["bytes_per_token"], "engine": h["engine"]["version"]}
+
+
+def train_and_eval(demo: Path, work: Path, objective: str, engine: str, cache: str | None, steps: int, *,
+                   reuse: bool = False, vllm_tau: bool = False) -> dict:
+    name = f"{objective}-{engine}"
+    run, export = work / f"run-{name}", work / f"drafter-{name}"
+    manifests = demo / ("manifests-eagle3" if objective == "eagle3" else "manifests")
+    extra = ["--target-engine", "vllm", "--states", cache] if cache else []
+    ev_file = work / f"eval-{name}.json"
+    if not (reuse and ev_file.is_file()):
+        _run([PY, "-m", "dflash_prep.train", "--device", "cpu", "--no-progress",
+              *(DFLASH if objective == "dflash" else EAGLE3), "--target", str(demo / "target"), "--data",
+              str(demo / "data"), "--plan", str(demo / "plan" / "plan.json"), "--manifests", str(manifests), "--out",
+              str(run), "--epochs", "5", "--max-steps", str(steps), "--lr", "3e-3", "--warmup-steps", "5", "--seed", "0",
+              "--from-scratch", *extra], work / f"train-{name}.log")
+        _run([PY, "-m", "dflash_prep.train.export", str(run), "--out", str(export), "--overwrite"],
+             work / f"export-{name}.log")
+        block = ["--block-size", "8"]          # DFlash: B = 8; EAGLE-3: chains of 7 (TTT steps + 1)
+        _run([PY, "-m", "dflash_prep.train.speculate", "--target", str(demo / "target"), "--drafter", str(export),
+              "--prompts", str(demo / "corpus" / "heldout.jsonl"), "--out", str(ev_file), "--max-new-tokens", "64",
+              *block], work / f"eval-{name}.log")
+    ev = json.loads(ev_file.read_text())
+    s = json.loads((run / "summary.json").read_text())
+    out = {"losses": _losses(run), "loss_first": s["loss_first"], "loss_last": s["loss_last"], "tau": ev["tau"],
+           "lossless": ev["lossless"], "train_time_s": s.get("time_s")}
+    if vllm_tau:
+        vf = work / f"vllm-eval-{name}.json"
+        if not (reuse and vf.is_file()):
+            _run([PY, "-m", "dflash_prep.cli", "evaluate", "--target", str(demo / "target"), "--export", str(export),
+                  "--prompts", str(demo / "corpus" / "heldout.jsonl"), "--out", str(vf), "--no-ours"],
+                 work / f"vllm-eval-{name}.log")
+        out["vllm_evaluate"] = _vllm_fields(json.loads(vf.read_text()))
+    return out
+
+
+def _vllm_fields(r: dict) -> dict:
+    """tau from vLLM's counters, lossless and strict load of a ``dflash-prep evaluate`` report."""
+    return {"tau": r["vllm"]["tau"], "drafts": r["vllm"]["num_drafts"], "accepted": r["vllm"]["num_accepted_tokens"],
+            "lossless": bool(r["lossless"]["ok"]), "strict_load": bool(r["strict_load"]["ok"])}
+
+
+def states_diff(demo: Path, cache: str) -> list[float]:
+    """Per slot, the largest |vLLM's state - FrozenTarget's| over every token of every sample."""
+    import numpy as np
+    import torch
+
+    from dflash_prep.formats.dataset import open_dataset
+    from dflash_prep.formats.states import decode_torch, open_states
+    from dflash_prep.train.target import FrozenTarget
+
+    torch.set_num_threads(1)
+    c = open_states(cache)
+    ds = open_dataset(demo / "data")
+    taps = list(c.key.taps)
+    ft = FrozenTarget(demo / "target", taps, device=torch.device("cpu"))
+    worst = np.zeros(c.key.slots)
+    for sid in range(c.num_samples):
+        ids = torch.from_numpy(ds.sample(sid)[0].astype(np.int64))
+        T = len(ids)
+        t, last = ft.features(ids, torch.arange(T), torch.tensor([0, T], dtype=torch.int32), T, final=True)
+        ref = torch.cat([t.view(T, len(taps), -1), last[:, None]], 1) if c.key.final else t.view(T, len(taps), -1)
+        worst = np.maximum(worst, (decode_torch(*c.sample(sid), c.key.dtype) - ref).abs().amax(dim=(0, 2)).numpy())
+    return [float(w) for w in worst]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("demo", type=Path, help="a `make demo-dflash OBJECTIVE=eagle3` folder")
+    ap.add_argument("--work", type=Path, default=None, help="where caches and runs go (default: DEMO/states-bench)")
+    ap.add_argument("--steps", type=int, default=700, help="training steps of every run (the demo's DRAFT_STEPS)")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--reuse", action="store_true", help="keep the caches, runs and evaluations already in --work")
+    ap.add_argument("--vllm-tau", action="store_true", help="also measure tau in vLLM (dflash-prep evaluate)")
+    a = ap.parse_args(argv)
+    work = a.work or a.demo / "states-bench"
+    work.mkdir(parents=True, exist_ok=True)
+    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "steps": a.steps, "cpus": os.cpu_count()}
+    fp32 = extract(a.demo, work, "eagle3", "fp32", a.reuse)
+    diff_file = work / "states-diff.json"
+    if a.reuse and diff_file.is_file():
+        diff = json.loads(diff_file.read_text())
+    else:
+        diff = states_diff(a.demo, fp32["cache"])
+        diff_file.write_text(json.dumps(diff))
+    res["states_max_abs_diff"] = {"slots": ["tap 0", "tap 1", "tap 2", "final"], "vllm_vs_frozen_target": diff,
+                                  **fp32}
+    for objective in ("dflash", "eagle3"):
+        kw = dict(reuse=a.reuse, vllm_tau=a.vllm_tau)
+        rows = {"hf": train_and_eval(a.demo, work, objective, "hf", None, a.steps, **kw)}
+        for dtype in ("bf16", "fp8"):
+            x = extract(a.demo, work, objective, dtype, a.reuse)
+            r = train_and_eval(a.demo, work, objective, f"vllm-{dtype}", x["cache"], a.steps, **kw)
+            r["max_loss_diff_vs_hf"] = max(abs(p - q) for p, q in zip(r["losses"], rows["hf"]["losses"]))
+            rows[f"vllm-{dtype}"] = {**r, **{f"cache_{k}": v for k, v in x.items() if k != "cache"}}
+        for r in rows.values():
+            r.pop("losses")
+        res[objective] = rows
+    text = json.dumps(res, indent=2)
+    print(text)
+    if a.out:
+        a.out.write_text(text + "\n")
+    return res
+
+
+if __name__ == "__main__":
+    main()

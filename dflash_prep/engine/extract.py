@@ -1,0 +1,456 @@
+"""``dflash-prep extract``: a frozen target's hidden states from vLLM, written once into a states
+cache (:mod:`dflash_prep.formats.states`) that the trainer reads every epoch instead of running
+the target (``--target-engine vllm --states CACHE``).
+
+What is extracted is what the trainer would tap (:func:`dflash_prep.objectives.target_taps.states_need`):
+DFlash and DFlash2 the layers of ``--draft-layers`` (or ``--target-layer-ids``), plus the final
+hidden state under ``--loss kl``; EAGLE-3 its three taps and the final hidden state.
+
+This process (the main venv) reads the dataset, plans the shards, and drives one engine-side
+worker (:mod:`.states_worker`, started with the engine's python, :mod:`.env`) over a pipe:
+one command per shard (its samples' token ids in a temp ``.npz``), one event back per batch and
+per shard written. The worker holds vLLM, which runs the target; tensor, pipeline and expert
+parallelism are vLLM's own (``--tensor-parallel-size``, ``--pipeline-parallel-size``,
+``--enable-expert-parallel``; any other ``LLM`` argument with ``--engine-arg KEY=VALUE``).
+
+Resumable: the shard plan is a pure function of the lengths and the options, each shard is
+renamed into place whole, and a rerun with the same options writes only the shards that are
+missing; a complete cache with the same key is reported up to date. The folder is locked for
+the whole build (:func:`dflash_prep.formats.outputs.lock`): a second build of it fails at once.
+A build with other options over an existing cache is refused unless ``--overwrite``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import dflash_prep
+from dflash_prep.engine.env import vllm_python, vllm_version
+from dflash_prep.errors import ConfigError, EngineError, FingerprintMismatch, FormatError
+from dflash_prep.formats import states as fmt
+from dflash_prep.formats.dataset import LENGTHS_FILE, open_dataset, read_meta
+from dflash_prep.formats.fileio import atomic_write_json, follow_link, load_npy
+from dflash_prep.formats.outputs import check_out, lock
+from dflash_prep.objectives.dflash import RECIPE_DRAFT_LAYERS
+from dflash_prep.objectives.target_taps import DRAFTER_OBJECTIVES, extract_command, states_need, vllm_layer_id
+from dflash_prep.progress import progress as progress_bar
+
+DEFAULT_SHARD_MB = 1024.0
+DEFAULT_BATCH_TOKENS = 32768
+
+
+def parse_engine_args(items) -> tuple[tuple[str, object], ...]:
+    """``KEY=VALUE`` strings -> ``((key, value), ...)``; a value is JSON when it parses (``true``,
+    ``0.9``, ``{"a": 1}``), else the string."""
+    out = []
+    for it in items or ():
+        k, sep, v = str(it).partition("=")
+        if not sep or not k.strip():
+            raise ConfigError(f"--engine-arg {it!r}: write KEY=VALUE with a vLLM LLM() argument, e.g. "
+                              "gpu_memory_utilization=0.9")
+        try:
+            val = json.loads(v)
+        except ValueError:
+            val = v
+        out.append((k.strip().replace("-", "_"), val))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    """One ``dflash-prep extract`` run."""
+
+    data: Path
+    """Tokenized dataset folder (``dflash-prep tokenize``)."""
+    target: Path
+    """The target: a local transformers folder (config.json + safetensors), the trainer's ``--target``."""
+    out: Path
+    """The cache folder (new, one this command wrote, or an unfinished build of the same options)."""
+    objective: str = "dflash"
+    """dflash, dflash2 or eagle3: which hidden states (module docstring)."""
+    draft_layers: int | None = None
+    """DFlash / DFlash2: the drafter's layers N, whose taps are the rule's (unset: the trainer's default)."""
+    target_layer_ids: tuple[int, ...] = ()
+    """Explicit taps (our ids: each layer's output), as the trainer's flag; replace the rule."""
+    loss: str = "ce"
+    """DFlash / DFlash2: ``kl`` adds the final hidden state (the teacher; the head runs at training time)."""
+    dtype: str = "bf16"
+    """Storage: bf16, fp8 (e4m3 + a float32 scale per row: half the disk) or fp32 (exact, for checks)."""
+    shard_mb: float = DEFAULT_SHARD_MB
+    """Most MiB of states per shard file (one file is written and resumed as a whole)."""
+    batch_tokens: int = DEFAULT_BATCH_TOKENS
+    """Most prompt tokens per ``LLM.generate`` call (progress and host memory granularity)."""
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    engine_args: tuple = ()
+    """Further ``vllm.LLM`` keyword arguments, ``((key, value), ...)``."""
+    overwrite: bool = False
+    """Replace a cache of other options (never a folder that is not a states cache)."""
+    timeout_s: float = 900.0
+    """Seconds to wait for the engine to start, and for any one batch."""
+    python: str | None = None
+    """The engine's python (None: :func:`dflash_prep.engine.env.vllm_python`)."""
+
+    def __post_init__(self):
+        if self.objective not in DRAFTER_OBJECTIVES:
+            raise ConfigError(f"--objective must be one of {', '.join(DRAFTER_OBJECTIVES)}, got {self.objective!r}")
+        if self.dtype not in fmt.DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(fmt.DTYPES)}, got {self.dtype!r}")
+        if self.objective == "eagle3" and (self.draft_layers is not None or self.loss != "ce"):
+            raise ConfigError("--draft-layers and --loss are DFlash's; EAGLE-3 always reads its three taps and the "
+                              "final hidden state")
+        if not self.shard_mb > 0 or self.batch_tokens < 1:
+            raise ConfigError(f"--shard-mb must be > 0 and --batch-tokens >= 1, got {self.shard_mb} and "
+                              f"{self.batch_tokens}")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ConfigError("--tensor-parallel-size and --pipeline-parallel-size must be >= 1")
+
+    def command(self) -> str:
+        """The command line of this build, its engine flags included."""
+        base = extract_command(data=self.data, target=self.target, out=self.out, objective=self.objective,
+                               draft_layers=self.draft_layers, target_layer_ids=self.target_layer_ids,
+                               loss=self.loss, dtype=self.dtype)
+        more = []
+        if self.tensor_parallel_size != 1:
+            more += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.pipeline_parallel_size != 1:
+            more += ["--pipeline-parallel-size", str(self.pipeline_parallel_size)]
+        if self.enable_expert_parallel:
+            more += ["--enable-expert-parallel"]
+        for k, v in self.engine_args:
+            more += ["--engine-arg", f"{k}={v if isinstance(v, str) else json.dumps(v)}"]
+        return base + (" " + shlex.join(more) if more else "")
+
+
+def _target_config(target: Path) -> dict:
+    p = target / "config.json"
+    try:
+        c = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{p}: cannot read the target's config.json ({e}); --target must be a local "
+                          "transformers model folder") from None
+    return c.get("text_config", c)
+
+
+def plan_cache(cfg: ExtractConfig) -> dict:
+    """Everything the build is a function of: the key, its fingerprint, the slots, the shard plan."""
+    from dflash_prep.train.target import target_identity
+
+    meta = read_meta(cfg.data)
+    lens = load_npy(Path(cfg.data) / LENGTHS_FILE, dtype=np.int32)
+    tc = _target_config(Path(cfg.target))
+    L, H = int(tc["num_hidden_layers"]), int(tc["hidden_size"])
+    tok_vocab = (meta.get("tokenizer") or {}).get("vocab_size")
+    if tok_vocab is not None and int(tok_vocab) > int(tc["vocab_size"]):
+        raise ConfigError(f"{cfg.data} was tokenized with a vocabulary of {tok_vocab} ids, the target {cfg.target} has "
+                          f"{tc['vocab_size']}: re-tokenize with the target's tokenizer (`dflash-prep tokenize ... "
+                          f"--tokenizer {cfg.target}`)")
+    if str(tc.get("model_type", "")).startswith("gemma"):
+        raise ConfigError(f"{cfg.target}: {tc['model_type']} normalises with (1 + weight); the states cache applies a "
+                          "Llama-style final norm (Qwen3, Llama, Mistral)")
+    draft = cfg.draft_layers if cfg.draft_layers is not None or cfg.objective == "eagle3" else RECIPE_DRAFT_LAYERS
+    need = states_need(cfg.objective, L, draft_layers=draft, target_layer_ids=cfg.target_layer_ids, loss=cfg.loss)
+    ident = target_identity(cfg.target)
+    key = fmt.StatesKey(dataset_fingerprint=meta["fingerprint"], target_fingerprint=ident["target_fingerprint"],
+                        taps=need.slots(), final=need.final, dtype=cfg.dtype, hidden=H)
+    bpt = key.bytes_per_token()
+    plan = fmt.plan_shards(lens, bpt, cfg.shard_mb * 2 ** 20)
+    tap_ids = [vllm_layer_id(t) for t in key.taps]
+    final = {"vllm_id": L, "eps": float(tc.get("rms_norm_eps", 1e-6))} if key.final else None
+    vllm_ids = sorted(set(tap_ids + ([L] if final else [])))
+    slots = [{"tap": t, "vllm_layer_id": v} for t, v in zip(key.taps, tap_ids)]
+    if final:
+        slots.append({"final": True, "vllm_layer_id": L, "norm": "rms", "eps": final["eps"]})
+    return {"key": key, "fingerprint": key.fingerprint(), "need": need, "lens": lens, "meta": meta, "identity": ident,
+            "num_layers": L, "hidden": H, "vocab": int(tc["vocab_size"]), "plan": plan, "bytes_per_token": bpt,
+            "tap_vllm_ids": tap_ids, "vllm_ids": vllm_ids, "final": final, "slots": slots,
+            "max_position": int(tc.get("max_position_embeddings") or 0)}
+
+
+def cache_header(cfg: ExtractConfig, p: dict, out: Path, engine: dict) -> dict:
+    """``states.json`` of a build that has started (``complete: false``): key, slots, provenance, the plan."""
+    lens = p["lens"]
+    rel = lambda q: os.path.relpath(Path(q).resolve(), out.resolve())  # noqa: E731 - paths relative to the header
+    return {"complete": False, "fingerprint": p["fingerprint"], "key": p["key"].to_dict(), "slots": p["slots"],
+            "objective": {"name": cfg.objective, "draft_layers": cfg.draft_layers,
+                          "target_layer_ids": list(cfg.target_layer_ids), "loss": cfg.loss,
+                          "taps": list(p["need"].taps)},
+            "dataset": {"path": rel(cfg.data), "fingerprint": p["meta"]["fingerprint"], "samples": int(len(lens)),
+                        "tokens": int(np.asarray(lens, np.int64).sum())},
+            "target": {"path": rel(cfg.target), **p["identity"], "num_layers": p["num_layers"], "hidden": p["hidden"]},
+            "engine": engine, "shard_mb": cfg.shard_mb, "bytes_per_token": p["bytes_per_token"],
+            "plan": [list(x) for x in p["plan"]], "command": cfg.command()}
+
+
+def _existing(out: Path, p: dict, cfg: ExtractConfig, args: dict) -> dict | None:
+    """The header of a cache already in ``out`` when it is this build's: the same key, shard plan and
+    engine arguments (a compute dtype or a parallelism changes the numbers, if not the key); else
+    refuse, or None under --overwrite."""
+    if not out.exists() or not any(out.iterdir()):
+        return None
+    if not fmt.is_states(out):
+        raise ConfigError(f"{out} exists and is not a states cache; choose another --out (nothing was touched)")
+    h = fmt.read_header(out)
+    same = (h.get("fingerprint") == p["fingerprint"] and [tuple(x) for x in h.get("plan", [])] == p["plan"]
+            and h.get("engine", {}).get("args") == args)
+    if same:
+        return h
+    if not cfg.overwrite:
+        raise FingerprintMismatch(f"{out} holds a states cache of other settings ({h.get('command', '?')}); pass "
+                                  "--overwrite to replace it, or choose another --out")
+    return None
+
+
+def _clear(out: Path) -> None:
+    for f in out.iterdir():
+        if (f.name.startswith("shard-") and f.name.endswith(".states")) or f.name == fmt.HEADER_FILE:
+            f.unlink()
+
+
+def _done_shards(out: Path, p: dict) -> dict[int, dict]:
+    """Shards already in place and belonging to this build (a foreign or broken one is deleted)."""
+    done = {}
+    for k, (a, b) in enumerate(p["plan"]):
+        f = out / fmt.shard_name(k)
+        if not f.exists():
+            continue
+        try:
+            head, digest = fmt.read_shard_header(f)
+            ok = head["cache_fingerprint"] == p["fingerprint"] and head["index"] == k and head["samples"] == [a, b]
+        except FormatError:
+            ok = False
+        if not ok:
+            f.unlink()
+            continue
+        done[k] = {"file": f.name, "samples": [a, b], "tokens": int(head["tokens"]), "bytes": f.stat().st_size,
+                   "sha256": digest}
+    for f in out.glob("shard-*.states"):            # shards past the plan (a shorter dataset): not ours now
+        if f.name not in {fmt.shard_name(k) for k in range(len(p["plan"]))}:
+            f.unlink()
+    return done
+
+
+def extract(cfg: ExtractConfig, *, progress: bool = True, on_event=None) -> dict:
+    """Build (or finish) the cache ``cfg.out``; returns its summary (``up_to_date`` when it was complete)."""
+    out = follow_link(check_out(cfg.out, inputs=[cfg.data, cfg.target]))
+    p = plan_cache(cfg)
+    lens = np.asarray(p["lens"], np.int64)
+    if len(lens) and p["max_position"] and int(lens.max()) + 1 > p["max_position"]:
+        raise ConfigError(f"{cfg.data}: a sample of {int(lens.max())} tokens exceeds the target's "
+                          f"max_position_embeddings ({p['max_position']}); tokenize with a smaller --max-len")
+    t0 = time.monotonic()
+    py = Path(cfg.python) if cfg.python else vllm_python()
+    version = vllm_version(py)
+    args = _engine_args(cfg, version)
+    with lock(out, inside=True):
+        h = _existing(out, p, cfg, args)
+        if h is not None and h.get("complete"):
+            try:
+                fmt.open_states(out)                  # every shard still in place and matching: done
+                return {**_summary(h), "up_to_date": True}
+            except FormatError:
+                pass                                  # a shard deleted (verify's advice) or broken: rebuild it
+        if h is None and out.exists():
+            _clear(out)
+        out.mkdir(parents=True, exist_ok=True)
+        header = cache_header(cfg, p, out, {"name": "vllm", "version": version, "args": args})
+        atomic_write_json(out / fmt.HEADER_FILE, header, format=fmt.FORMAT, version=fmt.VERSION)
+        done = _done_shards(out, p)
+        todo = [k for k in range(len(p["plan"])) if k not in done]
+        if todo:
+            tokens = int(sum(lens[a:b].sum() for a, b in (p["plan"][k] for k in todo)))
+            done.update(_run_worker(cfg, p, out, py, args, todo, tokens, progress, on_event))
+        finish_header(out, header, done, lens, {"seconds": round(time.monotonic() - t0, 1), "shards_written": len(todo)})
+    return {**_summary(header), "up_to_date": False, "shards_written": len(todo)}
+
+
+def finish_header(out: Path, header: dict, entries: dict[int, dict], lens, build: dict) -> dict:
+    """Write ``states.json`` complete: the shard table (``entries`` by index, every one of the plan) and totals."""
+    lens = np.asarray(lens, np.int64)
+    header.update(complete=True, shards=[entries[k] for k in range(len(header["plan"]))],
+                  totals={"samples": int(len(lens)), "tokens": int(lens.sum()),
+                          "bytes": int(sum(e["bytes"] for e in entries.values()))}, build=build)
+    atomic_write_json(Path(out) / fmt.HEADER_FILE, header, format=fmt.FORMAT, version=fmt.VERSION)
+    return header
+
+
+def _summary(h: dict) -> dict:
+    return {"command": h.get("command"), "samples": h["totals"]["samples"], "tokens": h["totals"]["tokens"],
+            "bytes": h["totals"]["bytes"], "shards": len(h["shards"]), "dtype": h["key"]["dtype"],
+            "taps": h["key"]["taps"], "final": h["key"]["final"], "bytes_per_token": h["bytes_per_token"],
+            "engine": h["engine"]["version"], "seconds": h.get("build", {}).get("seconds")}
+
+
+def _engine_args(cfg: ExtractConfig, version: str) -> dict:
+    args = {"tensor_parallel_size": cfg.tensor_parallel_size, "pipeline_parallel_size": cfg.pipeline_parallel_size}
+    if cfg.enable_expert_parallel:
+        args["enable_expert_parallel"] = True
+    if "cpu" in version:                              # the CPU build: no CUDA graphs to capture, skip compiling
+        args["enforce_eager"] = True
+    args.update(dict(cfg.engine_args))
+    reserved = {"model", "speculative_config", "kv_transfer_config", "enable_prefix_caching", "skip_tokenizer_init",
+                "max_model_len"}
+    bad = sorted(reserved & set(args))
+    if bad:
+        raise ConfigError(f"--engine-arg {bad[0]}: dflash-prep extract sets it itself (the target, the extraction "
+                          "and the connector); drop it")
+    return args
+
+
+# ----------------------------------------------------------------------------- the engine-side worker
+def _shim(tmp: Path) -> str:
+    """A folder holding only a link to this ``dflash_prep`` package: put first on the engine's
+    ``PYTHONPATH``, the worker runs this very code (the same format writer), and nothing else of
+    this venv leaks into the engine's."""
+    link = tmp / "dflash_prep"
+    link.symlink_to(Path(dflash_prep.__file__).resolve().parent, target_is_directory=True)
+    return str(tmp)
+
+
+class _Worker:
+    """The engine-side worker process and its two pipes (module docstring of :mod:`.states_worker`)."""
+
+    def __init__(self, py: Path, job: Path, log: Path, shim: str, timeout_s: float):
+        r, w = os.pipe()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([shim, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.log_path, self.timeout_s = log, timeout_s
+        self.log = open(log, "ab")
+        self.proc = subprocess.Popen([str(py), "-m", "dflash_prep.engine.states_worker", "--job", str(job),
+                                     "--events-fd", str(w), "--parent", str(os.getpid())], stdin=subprocess.PIPE, stdout=self.log,
+                                    stderr=subprocess.STDOUT, pass_fds=(w,), env=env, start_new_session=True)
+        os.close(w)
+        self.events = os.fdopen(r, "r")
+
+    def send(self, cmd: dict) -> None:
+        try:
+            self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise self._died() from None
+
+    def event(self, timeout_s: float | None = None) -> dict:
+        ready, _, _ = select.select([self.events], [], [], timeout_s or self.timeout_s)
+        if not ready:
+            raise EngineError(f"the vLLM worker sent nothing for {timeout_s or self.timeout_s:.0f} s; see "
+                              f"{self.log_path} (raise --timeout if the engine is only slow)")
+        line = self.events.readline()
+        if not line:
+            raise self._died()
+        ev = json.loads(line)
+        if ev.get("event") == "error":
+            raise EngineError(f"vLLM worker: {ev['message']} (its log: {self.log_path})")
+        return ev
+
+    def _died(self) -> EngineError:
+        try:
+            rc = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            rc = None
+        tail = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()][-1:] \
+            if self.log_path.exists() else []
+        return EngineError(f"the vLLM worker stopped (exit {rc}): {tail[0].strip() if tail else 'no output'} "
+                           f"(its log: {self.log_path})")
+
+    def close(self, ok: bool) -> None:
+        try:
+            if ok:
+                self.send({"stop": True})
+                self.proc.wait(timeout=120)
+        except (EngineError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            if self.proc.poll() is None:               # the worker's group: vLLM's engine processes too
+                try:
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+                    self.proc.wait(timeout=30)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    try:
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            for f in (self.proc.stdin, self.events, self.log):
+                try:
+                    f.close()
+                except OSError:
+                    pass
+
+
+def _write_input(out: Path, k: int, ids: np.ndarray, lens: np.ndarray) -> str:
+    fd, name = tempfile.mkstemp(prefix=f".in-{k:05d}.{os.getpid()}.", suffix=".tmp", dir=out)
+    with os.fdopen(fd, "wb") as f:
+        np.savez(f, ids=ids.astype(np.int32), lens=lens.astype(np.int64))
+    return name
+
+
+def _run_worker(cfg: ExtractConfig, p: dict, out: Path, py: Path, args: dict, todo: list[int], tokens: int,
+                progress: bool, on_event) -> dict[int, dict]:
+    ds = open_dataset(cfg.data)
+    lens = np.asarray(p["lens"], np.int64)
+    tmp = Path(tempfile.mkdtemp(prefix=f".spool.{os.getpid()}.", suffix=".tmp", dir=out))
+    job = {"target": str(Path(cfg.target).resolve()), "cache": str(out.resolve()), "spool": str(tmp / "spool"),
+           "fingerprint": p["fingerprint"], "key": p["key"].to_dict(), "vllm_ids": p["vllm_ids"],
+           "tap_vllm_ids": p["tap_vllm_ids"], "final": p["final"], "engine_args": args,
+           "max_model_len": int(lens.max()) + 1 if len(lens) else 2, "batch_tokens": cfg.batch_tokens,
+           "timeout_s": cfg.timeout_s}
+    (tmp / "job.json").write_text(json.dumps(job))
+    inputs: dict[int, str] = {}
+
+    def prepare(k: int) -> None:
+        a, b = p["plan"][k]
+        ids = [ds.sample(s)[0] for s in range(a, b)]
+        cat = np.concatenate(ids) if ids else np.zeros(0, np.int32)
+        if cat.size and (int(cat.max()) >= p["vocab"] or int(cat.min()) < 0):
+            raise FormatError(f"{cfg.data}: samples {a}..{b - 1} hold token id {int(cat.max())}, outside the target's "
+                              f"vocabulary ({p['vocab']}); tokenize with the target's tokenizer")
+        inputs[k] = _write_input(out, k, cat, lens[a:b])
+
+    done: dict[int, dict] = {}
+    worker = _Worker(py, tmp / "job.json", out / fmt.LOG_FILE, _shim(tmp), cfg.timeout_s)
+    ok = False
+    try:
+        prepare(todo[0])
+        ev = worker.event()                             # the engine is up
+        if on_event:
+            on_event(ev)
+        with progress_bar("extract", total=tokens, unit="tokens", enabled=progress) as bar:
+            window = 2                                  # shards sent ahead: the next input is ready when one ends
+            sent = 0
+            while len(done) < len(todo):
+                while sent < len(todo) and sent - len(done) < window:
+                    k = todo[sent]
+                    if k not in inputs:
+                        prepare(k)
+                    worker.send({"shard": k, "samples": list(p["plan"][k]), "input": inputs[k]})
+                    sent += 1
+                ev = worker.event()
+                if on_event:
+                    on_event(ev)
+                if ev["event"] == "progress":
+                    bar.advance(ev["tokens"])
+                elif ev["event"] == "shard":
+                    done[int(ev["shard"])] = ev["entry"]
+        ok = True
+    finally:
+        worker.close(ok)
+        for f in inputs.values():
+            try:
+                os.unlink(f)
+            except FileNotFoundError:
+                pass
+        shutil.rmtree(tmp, ignore_errors=True)
+    return done

@@ -1,0 +1,228 @@
+"""The engine side of ``dflash-prep extract``: vLLM's offline ``LLM`` over token-id prompts, each
+sample's hidden states quantized and written into the cache's shards.
+
+Run with the engine's python (:func:`dflash_prep.engine.env.vllm_python`) by
+:mod:`dflash_prep.engine.extract`, never by hand::
+
+    python -m dflash_prep.engine.states_worker --job JOB.json --events-fd N
+
+``JOB.json`` (written by the driver): the target, the vLLM layer ids to capture, how each slot of
+the cache is made of them, the dtype, the engine's arguments, the spool folder. Then, one JSON
+command a line on stdin: ``{"shard": k, "samples": [a, b], "input": NPZ}`` (``ids`` int32, the
+samples' tokens concatenated, and ``lens``) or ``{"stop": true}``; stdin's end without a stop means
+the driver is gone, and the worker exits. Events go to file descriptor N, one JSON object a line
+(vLLM logs on stdout and stderr, which the driver sends to ``extract.log``): ``ready``,
+``progress`` (tokens done), ``shard`` (its table entry, once the file is in place) and ``error``
+(one line, then exit 1).
+
+Per shard: the samples go to ``LLM.generate`` in batches of at most ``batch_tokens`` tokens, with
+``max_tokens = 1`` (only the prefill matters; the one sampled token is thrown away) and
+``kv_transfer_params = {"states_key": "s<id>"}``, which :mod:`.states_connector` names the states
+file after. Each file is ``[n, k, H]`` in vLLM's layer-id order; a cache slot is one of them
+(tap ``l`` is vLLM id ``l + 1``), the final slot vLLM id ``L`` through the target's final RMSNorm
+(``weight * x / sqrt(mean(x^2) + eps)``, in float32, with ``model.norm.weight`` and
+``rms_norm_eps``: vLLM captures the residual stream before that norm). Then
+:func:`dflash_prep.formats.states.encode_torch` and :func:`~dflash_prep.formats.states.write_shard`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dflash_prep.formats.states import STORAGE, StatesKey, encode_torch, shard_name, write_shard
+
+
+def _emit(events, **kw) -> None:
+    events.write(json.dumps(kw) + "\n")
+    events.flush()
+
+
+def final_norm_weight(target: Path):
+    """``model.norm.weight`` of the target's safetensors (float32 tensor)."""
+    from safetensors import safe_open
+
+    key = "model.norm.weight"
+    index = target / "model.safetensors.index.json"
+    files = ([target / json.loads(index.read_text())["weight_map"][key]] if index.is_file()
+             else [target / "model.safetensors"])
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            if key in fh.keys():
+                return fh.get_tensor(key).float()
+    raise ValueError(f"{target}: no {key} in its safetensors; the final hidden state needs a Llama-style final "
+                     "RMSNorm (Qwen3, Llama, Mistral)")
+
+
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+"""vLLM's engine core in this process (its executor's workers, with tensor or pipeline parallelism,
+are still processes of their own, which stop when this one dies): a killed build then leaves no
+engine process behind (an engine core in a process of its own outlived a SIGKILLed parent on the
+CPU build), and nothing steps the engine but this code."""
+
+
+class Engine:
+    """vLLM's ``LLM`` set up to capture ``job["vllm_ids"]`` through :class:`.states_connector.StatesConnector`."""
+
+    def __init__(self, job: dict):
+        from vllm import LLM
+
+        from dflash_prep.engine.states_connector import PARAM_KEY, SPOOL_KEY
+
+        self.job, self.param_key = job, PARAM_KEY
+        self.spool = Path(job["spool"])
+        self.spool.mkdir(parents=True, exist_ok=True)
+        args = dict(job["engine_args"])
+        self.llm = LLM(
+            model=job["target"], skip_tokenizer_init=True, enable_prefix_caching=False,
+            max_model_len=int(job["max_model_len"]),
+            speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                "draft_model_config": {"hf_config": {
+                                    "eagle_aux_hidden_state_layer_ids": list(job["vllm_ids"])}}},
+            kv_transfer_config={"kv_connector": "StatesConnector",
+                                "kv_connector_module_path": "dflash_prep.engine.states_connector",
+                                "kv_role": "kv_producer", "kv_connector_extra_config": {SPOOL_KEY: str(self.spool)}},
+            **args)
+        self.norm = None
+        if job["final"] is not None:
+            self.norm = final_norm_weight(Path(job["target"]))
+
+    def states(self, sids: list[int], prompts: list[np.ndarray], timeout_s: float):
+        """Yield ``(sid, float32 tensor [n, k, H])`` in vLLM's layer-id order, for each prompt, in order."""
+        import torch
+        from vllm import SamplingParams
+
+        sps = [SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": {self.param_key: f"s{s}"}})
+               for s in sids]
+        outs = self.llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], sps, use_tqdm=False)
+        if len(outs) != len(sids):
+            raise RuntimeError(f"vLLM returned {len(outs)} outputs for {len(sids)} prompts")
+        for s, p in zip(sids, prompts):
+            f = self._await(s, timeout_s)
+            a = np.load(f, allow_pickle=False)
+            t = torch.from_numpy(a).view(torch.bfloat16) if f.name.endswith(".bf16.npy") else torch.from_numpy(a)
+            if tuple(t.shape[:2]) != (len(p), len(self.job["vllm_ids"])):
+                raise RuntimeError(f"sample {s}: vLLM's states have shape {tuple(t.shape)}, expected "
+                                   f"({len(p)}, {len(self.job['vllm_ids'])}, H)")
+            yield s, t.float()
+            os.unlink(f)
+
+    def _await(self, sid: int, timeout_s: float) -> Path:
+        """The states file of sample ``sid``. The connector writes it one engine step after the
+        request finished (the step that hands it the request's blocks), and ``generate`` returns
+        before that step: the engine runs in this process (:data:`IN_PROCESS`), so step it here."""
+        names = [self.spool / f"s{sid}.npy", self.spool / f"s{sid}.bf16.npy"]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for f in names:
+                if f.exists():
+                    return f
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sample {sid}: vLLM finished the request but no states file came within "
+                                   f"{timeout_s:.0f} s (is the extract_hidden_states connector loaded?)")
+            self.llm.llm_engine.step()
+
+    def slots(self, t):
+        """``[n, S, H]`` float32: the cache's slots of vLLM's ``[n, k, H]`` (module docstring)."""
+        import torch
+
+        job = self.job
+        idx = {v: i for i, v in enumerate(job["vllm_ids"])}
+        cols = [t[:, idx[v]] for v in job["tap_vllm_ids"]]
+        if job["final"] is not None:
+            x = t[:, idx[job["final"]["vllm_id"]]]
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + float(job["final"]["eps"]))
+            cols.append(self.norm * x)
+        return torch.stack(cols, dim=1)
+
+
+def run_shard(engine: Engine, cmd: dict, events) -> None:
+    job = engine.job
+    key = StatesKey(**{**job["key"], "taps": tuple(job["key"]["taps"])})
+    k, (a, b) = int(cmd["shard"]), cmd["samples"]
+    with np.load(cmd["input"], allow_pickle=False) as d:
+        ids, lens = np.asarray(d["ids"]), np.asarray(d["lens"], np.int64)
+    if len(lens) != b - a:
+        raise RuntimeError(f"shard {k}: {len(lens)} lengths for samples [{a}, {b})")
+    off = np.zeros(len(lens) + 1, np.int64)
+    np.cumsum(lens, out=off[1:])
+    T = int(off[-1])
+    rows = np.empty((T, key.slots, key.hidden), STORAGE[key.dtype])          # (T, S, H)
+    scales = np.empty((T, key.slots), np.float32) if key.dtype == "fp8" else None
+    i = 0
+    while i < len(lens):                                                      # batches of <= batch_tokens
+        j = i + 1
+        while j < len(lens) and off[j + 1] - off[i] <= int(job["batch_tokens"]):
+            j += 1
+        sids = list(range(a + i, a + j))
+        prompts = [ids[off[x]:off[x + 1]] for x in range(i, j)]
+        for s, t in engine.states(sids, prompts, float(job["timeout_s"])):
+            x = s - a
+            r, sc = encode_torch(engine.slots(t), key.dtype)
+            rows[off[x]:off[x + 1]] = r
+            if scales is not None:
+                scales[off[x]:off[x + 1]] = sc
+        _emit(events, event="progress", shard=k, tokens=int(off[j] - off[i]))
+        i = j
+    entry = write_shard(Path(job["cache"]) / shard_name(k), cache_fingerprint=job["fingerprint"], index=k,
+                        samples=(a, b), key=key, rows=rows, scales=scales, offsets=off)
+    os.unlink(cmd["input"])
+    _emit(events, event="shard", shard=k, entry=entry)
+
+
+def die_with(parent: int) -> None:
+    """Have the kernel SIGKILL this process when the driver ``parent`` dies, however it dies (Linux
+    ``PR_SET_PDEATHSIG``); vLLM's processes stop when they see this one gone. Without it, a killed
+    build's worker would go on with the commands already in its stdin, writing shards behind the
+    back of the build that resumes it."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass                                                           # not Linux: stdin's end still stops it
+    if os.getppid() != parent:                                         # it died before the line above
+        os._exit(2)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dflash_prep.engine.states_worker", description=__doc__.split("\n")[0])
+    ap.add_argument("--job", required=True, help="the job file dflash-prep extract wrote")
+    ap.add_argument("--events-fd", type=int, required=True, help="file descriptor the events go to")
+    ap.add_argument("--parent", type=int, default=None, help="the driver's pid: die with it")
+    a = ap.parse_args(argv)
+    if a.parent is not None:
+        die_with(a.parent)
+    events = os.fdopen(a.events_fd, "w", buffering=1)
+    os.environ.update(IN_PROCESS)                  # before vLLM is imported
+    try:
+        job = json.loads(Path(a.job).read_text())
+        engine = Engine(job)
+        import vllm
+
+        _emit(events, event="ready", vllm=getattr(vllm, "__version__", "?"))
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd.get("stop"):
+                _emit(events, event="stopped")
+                return 0
+            run_shard(engine, cmd, events)
+        return 2                                   # the driver is gone: nothing to report to
+    except Exception as e:  # noqa: BLE001 - any engine failure becomes the driver's one-line error
+        msg = " ".join(f"{type(e).__name__}: {e}".split())
+        try:
+            _emit(events, event="error", message=msg)
+        except OSError:
+            pass
+        print(f"states_worker: {msg}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":   # vLLM starts its engine in subprocesses: never at import
+    sys.exit(main())

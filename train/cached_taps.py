@@ -1,0 +1,117 @@
+"""The third taps provider: a drafter's target hidden states read from a states cache.
+
+``--target-engine vllm --states CACHE``: the target ran once, in vLLM, over every sample
+(``dflash-prep extract``, :mod:`dflash_prep.engine.extract`), and :class:`CachedTaps` serves its
+states through the same ``taps(b, *, epoch, final)`` seam as :class:`~.split.taps.LocalTaps` (the
+target in this process) and :class:`~.split.taps.RemoteTaps` (a split job's target rank): the
+concatenated taps ``[T, k*H]`` of a micro-batch's documents, in its manifest order and in the
+run's tap order, and with ``final`` the final-normed last hidden states ``[T, H]``. The target's
+``embed_tokens`` and ``lm_head`` are loaded from its folder without building it
+(:func:`~.split.taps.load_heads`); its layers are never loaded.
+
+A micro-batch's states are a pure function of its sample ids, so everything the trainer keeps
+(exactly-once, exact resume, a new world size, any split of a step over ranks and accumulation)
+holds unchanged: nothing here has a state.
+
+Checked when the run starts, each refused in one line naming the ``dflash-prep extract`` command
+that builds the right cache: the cache was built for this ``--data`` (dataset fingerprint) and
+this ``--target`` (config and weights fingerprint), and holds every tap the run reads (the
+objective's rule or ``--target-layer-ids``) and the final hidden state when the run needs it
+(``--loss kl``, EAGLE-3). A cache that holds more (a superset of taps, a final state a CE run does
+not read) serves. The cache's dtype goes into the run contract (``states_dtype``), so a
+checkpoint resumes only on a cache of the same dtype.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_prep.errors import FingerprintMismatch, FormatError
+from dflash_prep.formats.states import decode_torch, open_states
+from dflash_prep.objectives.target_taps import extract_command
+
+
+class CachedTaps:
+    """Taps read from a :class:`dflash_prep.formats.states.StatesCache` (module docstring)."""
+
+    remote = False
+
+    def __init__(self, cache, taps, *, final: bool, embed_tokens, lm_head, num_layers: int, device: torch.device):
+        self.cache, self.device = cache, device
+        self.embed_tokens, self.lm_head, self.num_layers = embed_tokens, lm_head, int(num_layers)
+        self.tap_ids = [int(t) for t in taps]
+        self.cols = np.array([cache.slot_of(t) for t in self.tap_ids], np.int64)   # cache slot of each run tap
+        self.final_col = cache.final_slot if final else None
+        self.dtype = embed_tokens.weight.dtype
+
+    def _read(self, sids, lens, cols) -> torch.Tensor:
+        """``[T, len(cols), H]`` float32 of the given slots of the documents, concatenated."""
+        out = []
+        for sid, n in zip(sids, lens):
+            rows, scales = self.cache.sample(int(sid))
+            if rows.shape[0] != n:
+                raise FormatError(f"{self.cache.folder}: sample {int(sid)} has {rows.shape[0]} rows of states, the "
+                                  f"dataset {n} tokens; the cache belongs to other data: rebuild it with "
+                                  f"{self.cache.command}")
+            out.append(_decode(rows, scales, cols, self.cache.key.dtype))
+        return torch.cat(out)
+
+    def taps(self, b, *, epoch: int, final: bool = False):
+        """``[T, k*H]`` taps of micro-batch ``b`` (documents in ``b.sample_ids`` order); with ``final``
+        also the final-normed last hidden states ``[T, H]``."""
+        lens = torch.diff(b.cu_seqlens.to("cpu", torch.int64)).tolist()
+        T = int(b.input_ids.shape[0])
+        feats = self._read(b.sample_ids, lens, self.cols)                           # (T, k, H)
+        feats = feats.reshape(T, -1).to(self.device, self.dtype, non_blocking=True)  # (T, k*H)
+        if not final:
+            return feats
+        if self.final_col is None:
+            raise FormatError(f"{self.cache.folder}: the run needs the final hidden state, the cache holds none")
+        last = self._read(b.sample_ids, lens, np.array([self.final_col]))[:, 0]      # (T, H)
+        return feats, last.to(self.device, self.dtype, non_blocking=True)
+
+    def contract(self) -> dict:
+        """What this provider adds to the run contract: the engine and the cache's dtype."""
+        return {"target_engine": "vllm", "states_dtype": self.cache.key.dtype}
+
+
+def _decode(rows: np.ndarray, scales, cols: np.ndarray, dtype: str) -> torch.Tensor:
+    """float32 ``[L, len(cols), H]`` of the stored ``rows [L, S, H]`` (a copy out of the map)."""
+    return decode_torch(rows[:, cols], None if scales is None else scales[:, cols], dtype)
+
+
+def cached_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torch.device) -> CachedTaps:
+    """The provider of ``--states``: the cache checked against this run (module docstring)."""
+    from transformers import AutoConfig
+
+    from dflash_prep.train.split.taps import load_heads
+
+    o = cfg.options
+    cache = open_states(cfg.states)
+    key = cache.key
+    hc = AutoConfig.from_pretrained(o.target)
+    hidden = int(hc.hidden_size)
+    missing = sorted(set(int(t) for t in layer_ids) - set(key.taps))
+    problems = [why for why, bad in (
+        (f"was built for dataset {key.dataset_fingerprint[:12]}, --data {cfg.data} is {ds.fingerprint[:12]}",
+         key.dataset_fingerprint != ds.fingerprint),
+        (f"was built from target {key.target_fingerprint[:12]}, --target {o.target} is "
+         f"{identity['target_fingerprint'][:12]}", key.target_fingerprint != identity["target_fingerprint"]),
+        (f"holds hidden size {key.hidden}, the target's is {hidden}", key.hidden != hidden),
+        (f"holds taps {list(key.taps)}, the run reads {list(layer_ids)} (missing {missing})", bool(missing)),
+        ("holds no final hidden state, which the run needs (--loss kl, EAGLE-3)", final and not key.final))
+        if bad]
+    if problems:
+        loss = getattr(o, "loss", "ce")
+        draft = getattr(o, "draft_layers", None)
+        cmd = extract_command(data=cfg.data, target=o.target, out=f"{Path(cfg.states)}.{cfg.objective}",
+                              objective=cfg.objective, draft_layers=draft, target_layer_ids=tuple(o.target_layer_ids),
+                              loss=loss, dtype=key.dtype)
+        raise FingerprintMismatch(f"--states {cfg.states}: the cache {'; '.join(problems)}; build the right one with "
+                                  f"`{cmd}`")
+    embed, head = load_heads(o.target, device=device)
+    return CachedTaps(cache, layer_ids, final=final, embed_tokens=embed, lm_head=head,
+                      num_layers=int(hc.num_hidden_layers), device=device)
