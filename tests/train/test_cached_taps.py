@@ -35,6 +35,9 @@ CASES = {
     "dflash-kl": ("dflash", lambda: FakeSource(n=48, layout="varlen", grad_accum=2), dflash_cfg, (1,), True,
                   dict(loss="kl", slot_weights="dpace", optimizer="muon")),
     "eagle3": ("eagle3", eagle3_source, eagle3_cfg, (0, 1, 2), True, {}),
+    "dflash2": ("dflash2", lambda: FakeSource(n=48, layout="varlen", grad_accum=2), dflash_cfg, (1,), False,
+                dict(objective="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4,
+                     selector_init="normal")),
 }
 
 
