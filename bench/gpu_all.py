@@ -22,14 +22,19 @@ a run cut short keeps everything it measured. Steps, correctness first:
 6. ``drafter-variants`` (:mod:`bench.drafter_variants_gpu`): DFlash, DFlash2 and EAGLE-3 training
    steps on the same micro-batches;
 7. ``target-workers`` (:mod:`bench.target_workers_gpu`): one target rank + one drafter rank sharing
-   the GPU (gloo link, CPU staging) vs the colocated drafter (``--target-ranks``).
+   the GPU (gloo link, CPU staging) vs the colocated drafter (``--target-ranks``);
+8. ``engine-dflash2`` (:mod:`bench.engine_dflash2`): a DFlash2 export served by vLLM (its V2 model
+   runner: GPU only) where vLLM is installed; where it is not (the GPU machine today), a record
+   saying so, in a second. With vLLM it needs about two minutes: ``--steps engine-dflash2`` runs it
+   alone when the steps before it leave less.
 
 Before the steps, :func:`import_check` records, in this process, where the names of the
 repository's top-level folders resolve (``kernels``, ``train``, ``bench``, ``tests``: never to the
 checkout, whose code is ``dflash_prep.*`` only) and whether ``transformers`` imports; a failure
 there fails the run at once (``--check-imports`` runs only this).
 
-The limits (seconds) add up to :data:`TOTAL_S`; a step gets at most what is left of it. A
+The limits (seconds) of the first seven add up to :data:`TOTAL_S`; a step gets at most what is
+left of it (the engine step, last, gets the time the others did not use). A
 step's exit status, time, whether it was cut, and the files it wrote are recorded; the
 summary's ``passed`` is true when every step exited 0. ``--smoke`` passes ``--smoke`` to each
 step (CPU, Triton interpreter) under generous limits: it proves the path runs, not the speed.
@@ -72,6 +77,7 @@ STEPS = (
     Step("drafter-training", "dflash_prep.bench.drafter_gpu", ("--steps", "8", "--warmup", "2", "--n", "2000"), 50),
     Step("drafter-variants", "dflash_prep.bench.drafter_variants_gpu", ("--steps", "5", "--warmup", "2", "--n", "1500"), 40),
     Step("target-workers", "dflash_prep.bench.target_workers_gpu", ("--timeout-s", "28"), 35),
+    Step("engine-dflash2", "dflash_prep.bench.engine_dflash2", ("--timeout-s", "150"), 240),
 )
 SMOKE_LIMIT_S = 900.0
 
@@ -174,10 +180,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU: every step with --smoke (interpreter, tiny shapes)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "results/gpu"),
                     help="results folder (default: $OUT, else results/gpu)")
+    ap.add_argument("--steps", default="", metavar="A,B",
+                    help=f"only these steps, in the usual order (of: {', '.join(s.name for s in STEPS)})")
     ap.add_argument("--check-imports", action="store_true",
                     help="only the import check: where kernels/train/bench/tests and transformers resolve")
     a = ap.parse_args(argv)
-    report = run(a.out, smoke=a.smoke, check_imports_only=a.check_imports)
+    chosen = [n for n in a.steps.split(",") if n]
+    unknown = sorted(set(chosen) - {s.name for s in STEPS})
+    if unknown:
+        ap.error(f"unknown steps {unknown}; choose from {[s.name for s in STEPS]}")
+    steps = tuple(s for s in STEPS if not chosen or s.name in chosen)
+    report = run(a.out, smoke=a.smoke, steps=steps, check_imports_only=a.check_imports)
     print(json.dumps({s["name"]: s.get("returncode", s.get("skipped")) for s in report["steps"]}))
     return 0 if report["passed"] else 1
 

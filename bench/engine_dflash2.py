@@ -1,0 +1,142 @@
+"""A DFlash2 export served by vLLM, where vLLM is installed; where it is not, a record that says so.
+
+    PYTHONPATH=. python3 -m dflash_prep.bench.engine_dflash2 --out DIR          # part of make bench-gpu
+    PYTHONPATH=. python3 -m dflash_prep.bench.engine_dflash2 --smoke --out DIR  # CPU: build, find vLLM, no engine
+
+vLLM runs DFlash2 (``DFlash2DraftModel``: DFlash plus candidate heads) only on its V2 model
+runner, which needs Triton on a GPU; the CPU build refuses it at start-up (docs/engines.md). This
+step is the check a GPU machine can make. It builds the tiny target and a random DFlash2 export of
+:mod:`bench.tiny_engine` (the engine tests' own), then looks for vLLM the way ``dflash-prep
+evaluate`` does (``$DFLASH_PREP_VLLM_PYTHON``, ``.venv-vllm``), and in this interpreter too:
+
+- no vLLM anywhere: ``status`` ``"no-vllm"`` with the reason, exit 0 (nothing to check here);
+- ``--smoke``: ``"smoke"``, the export built and vLLM found or not, no engine started
+  (``make test-engines`` starts it on CPU);
+- otherwise ``dflash-prep evaluate`` on the export (6 prompts, 32 new tokens, float32, temperature
+  0): ``"served"`` with the strict load, the lossless count, vLLM's tau and ours; exit 0 only when
+  the load was strict and every prompt lossless. A refusal is ``"refused"`` with the engine's
+  line: expected on a machine without CUDA (exit 0, ``expected: true``), a failure on a GPU.
+
+vLLM loads the project's load-report plugin through the ``vllm.general_plugins`` entry point of
+the installed distribution. When the engine is this interpreter and dflash-prep is not installed in
+it (the GPU machine: ``PYTHONPATH=.``), the step puts a minimal ``.dist-info`` declaring that entry
+point on the engine's ``PYTHONPATH``, so the strict-load check runs there too.
+Output: ``--out/engine_dflash2.json`` (format ``dflash-prep/bench-engine-dflash2`` v1), and where an
+engine started, ``--out/eval.json`` (``dflash-prep evaluate``'s report) with its logs in ``--out/eval.logs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from dflash_prep.formats.fileio import atomic_write_json
+
+FORMAT = "dflash-prep/bench-engine-dflash2"
+ROOT = Path(__file__).resolve().parents[1]
+PLUGIN = ("dflash_prep_load_report", "dflash_prep.engine.load_report:register")
+"""The ``vllm.general_plugins`` entry point pyproject.toml declares (name, object)."""
+
+
+def find_engine() -> tuple[Path | None, str]:
+    """``(python, "<distribution> <version>")`` of a vLLM, or ``(None, why there is none)``."""
+    from dflash_prep.engine.env import vllm_python, vllm_version
+    from dflash_prep.errors import EngineError
+
+    try:
+        py = vllm_python()
+        return py, vllm_version(py)
+    except EngineError as e:
+        why = str(e)
+    if importlib.util.find_spec("vllm") is not None:
+        try:
+            return Path(sys.executable), vllm_version(sys.executable)
+        except EngineError as e:
+            why = str(e)
+    return None, f"no vLLM on this machine: {why}"
+
+
+def _plugin_installed() -> bool:
+    return any(ep.name == PLUGIN[0] for ep in importlib.metadata.entry_points(group="vllm.general_plugins"))
+
+
+def plugin_site(folder: Path) -> Path:
+    """A folder holding a minimal distribution whose only content is the load-report entry point."""
+    dist = folder / "dflash_prep_load_report_shim-0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: dflash-prep-load-report-shim\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN[0]} = {PLUGIN[1]}\n")
+    return folder
+
+
+def _cuda() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def run(work: Path, out: Path, *, smoke: bool, timeout_s: float = 240.0, dtype: str = "float32") -> dict:
+    """Build under ``work``, find vLLM, serve (unless there is none or ``smoke``; the evaluation's
+JSON and the engines' logs go to ``out``); the record (module docstring)."""
+    from dflash_prep.bench.tiny_engine import build_exports, build_target, write_prompts
+
+    t0 = time.monotonic()
+    target = build_target(work)
+    export = build_exports(work, target, kinds=("dflash2",))["dflash2"]
+    prompts = write_prompts(work / "prompts.jsonl", 6)
+    python, version = find_engine()
+    rec = dict(cuda=_cuda(), vllm=version if python else None, vllm_python=str(python) if python else None,
+               export={"architecture": json.loads((export / "config.json").read_text())["architectures"][0],
+                       "built_s": round(time.monotonic() - t0, 1)})
+    if python is None:
+        return dict(rec, status="no-vllm", reason=version, passed=True)
+    if smoke:
+        return dict(rec, status="smoke", reason="--smoke starts no engine; make test-engines serves exports in vLLM on CPU",
+                    passed=True)
+    from dflash_prep.engine.evaluate import evaluate_export
+    from dflash_prep.errors import EngineError
+
+    os.environ["DFLASH_PREP_VLLM_PYTHON"] = str(python)
+    if Path(python).resolve() == Path(sys.executable).resolve() and not _plugin_installed():
+        paths = [str(plugin_site(work / "plugin-site")), str(ROOT), os.environ.get("PYTHONPATH", "")]
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+        rec["load_report_plugin"] = "shim .dist-info on PYTHONPATH"
+    try:
+        res = evaluate_export(target=target, export=export, prompts=prompts, out=out / "eval.json", max_tokens=32,
+                              timeout_s=timeout_s, dtype=dtype)
+    except EngineError as e:
+        expected = rec["cuda"] is None and "V2 model runner" in str(e)
+        return dict(rec, status="refused", error=str(e), expected=expected, passed=expected)
+    strict, lossless = res["strict_load"], res["lossless"]
+    return dict(rec, status="served", strict_load=strict, lossless=lossless, tau_vllm=res["vllm"]["tau"],
+                tau_ours=(res["ours"] or {}).get("tau"), seconds=res["seconds"],
+                speculative_config=res["engine"]["speculative_config_json"],
+                passed=bool(strict.get("ok")) and lossless["ok"] is True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m dflash_prep.bench.engine_dflash2", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for engine_dflash2.json")
+    ap.add_argument("--smoke", action="store_true", help="build the export and look for vLLM; start no engine")
+    ap.add_argument("--timeout-s", type=float, default=240.0, help="the engine's start-up limit (default 240)")
+    ap.add_argument("--dtype", default="float32", help="the engine's dtype (default float32: lossless is exact)")
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="engine-dflash2-") as tmp:  # the models stay out of $OUT
+        rec = run(Path(tmp), a.out, smoke=a.smoke, timeout_s=a.timeout_s, dtype=a.dtype)
+    atomic_write_json(a.out / "engine_dflash2.json", rec, format=FORMAT, version=1)
+    print(json.dumps(rec, indent=1))
+    return 0 if rec["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
