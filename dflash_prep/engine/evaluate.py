@@ -403,9 +403,13 @@ def _ours(target: Path, export: Path, prompts_file: Path, cfg: EvaluateConfig, m
     if cfg.temperature != 0:
         return {"skipped": "temperature > 0: our evaluator decodes greedily"}
     import torch
+    from transformers.utils import logging as hf_logging
 
     from dflash_prep.train.speculate import EvalConfig, evaluate
 
+    # the report's table is the output: transformers' per-load "Loading weights" bars are noise here
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     # one decode step at a time on tiny forwards: torch's default (one thread per core) made this
     # 6.5x slower on the 2-core VM (52 s against 8 s for the DFlash demo); $OMP_NUM_THREADS wins
     threads = torch.get_num_threads()
@@ -418,6 +422,8 @@ def _ours(target: Path, export: Path, prompts_file: Path, cfg: EvaluateConfig, m
                                     block_size=method.k + 1, engine_stop=True))
     finally:
         torch.set_num_threads(threads)
+        if bars:
+            hf_logging.enable_progress_bar()
     ours_rows = r["per_prompt"]
     tau_v, pooled = total.tau, r["tau_pooled"]
     rel = abs(tau_v - pooled) / pooled if tau_v is not None else None

@@ -66,6 +66,13 @@ def _index_header(fingerprint: str) -> bytes:
     return INDEX_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, ENTRY.itemsize, bytes.fromhex(fingerprint)[:16])
 
 
+def entries_on_disk(out: Path | str) -> int:
+    """Whole entries in a run folder's index as it is now (0 before the first commit): what a watcher
+    of a running ``regenerate`` counts; a half-written trailing entry does not count."""
+    p = Path(out) / INDEX_FILE
+    return max(0, (p.stat().st_size - INDEX_HEADER.size) // ENTRY.itemsize) if p.exists() else 0
+
+
 def _diff(old: dict, new: dict) -> str:
     keys = sorted(set(old) | set(new))
     d = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]

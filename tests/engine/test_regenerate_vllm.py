@@ -23,7 +23,7 @@ import pytest
 from dflash_prep.engine.vllm_server import free_port, vllm_server
 from dflash_prep.regenerate.engines import Sampling
 from dflash_prep.regenerate.regenerate import RegenerateConfig, run
-from dflash_prep.regenerate.store import ENTRY, INDEX_FILE, INDEX_HEADER
+from dflash_prep.regenerate.store import entries_on_disk
 
 pytestmark = pytest.mark.engine
 MAX_TOKENS = 12
@@ -82,11 +82,6 @@ def _answers(out: Path) -> list[str]:
     return [json.loads(ln)["messages"][-1]["content"] for ln in (out / "chat.jsonl").read_text().splitlines()]
 
 
-def _entries(out: Path) -> int:
-    p = out / INDEX_FILE
-    return (p.stat().st_size - INDEX_HEADER.size) // ENTRY.itemsize if p.exists() else 0
-
-
 @pytest.fixture(scope="module")
 def one_run(served, corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("one") / "out"
@@ -126,11 +121,11 @@ def test_a_server_killed_midway_then_restarted_loses_and_duplicates_nothing(targ
         client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
         deadline = time.monotonic() + 240
-        while _entries(out) < 4 and client.poll() is None and time.monotonic() < deadline:
+        while entries_on_disk(out) < 4 and client.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         os.killpg(srv.pid, signal.SIGKILL)           # the whole engine: API server, engine core, worker
         _, err = client.communicate(timeout=120)
-    before = _entries(out)
+    before = entries_on_disk(out)
     assert client.returncode == 1, err[-2000:]
     assert "cannot reach the server" in err, err[-2000:]
     assert 4 <= before < N, f"the server died after {before} of {N} records: not midway"

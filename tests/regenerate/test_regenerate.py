@@ -22,7 +22,7 @@ from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
 from dflash_prep.regenerate.engines import (EngineError, Reply, Request, RequestFailed, Sampling, parse_reply,
                                             request_seed)
 from dflash_prep.regenerate.regenerate import RegenerateConfig, run
-from dflash_prep.regenerate.store import ENTRY, INDEX_FILE, INDEX_HEADER, Entry, Store
+from dflash_prep.regenerate.store import INDEX_FILE, Entry, Store, entries_on_disk
 from dflash_prep.regenerate.turns import Conversation, apply_reasoning, slots
 from dflash_prep.tokenize.records import RecordError
 
@@ -120,11 +120,6 @@ def _cfg(server, corpus, out, **kw) -> RegenerateConfig:
     return RegenerateConfig(inputs=tuple(corpus), out=out, **opts)
 
 
-def _entries(out: Path) -> int:
-    p = out / INDEX_FILE
-    return (p.stat().st_size - INDEX_HEADER.size) // ENTRY.itemsize if p.exists() else 0
-
-
 @pytest.fixture(scope="session")
 def one_run(server, corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ref") / "out"
@@ -146,12 +141,12 @@ def test_kill_midway_resume_equals_one_run(server, corpus, one_run, tmp_path, ta
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while _entries(out) < 4 and proc.poll() is None and time.monotonic() < deadline:
+        while entries_on_disk(out) < 4 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.005)
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=30)
-    before = _entries(out)
+    before = entries_on_disk(out)
     total = N_MESSAGES + N_SHAREGPT
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
     assert 4 <= before < total, f"killed after {before} of {total} records: not midway"
@@ -270,7 +265,7 @@ def test_wrong_model_name(server, corpus, tmp_path):
     with pytest.raises(EngineError, match=r"model 'no-such-model' is not served at .*: it lists '.*target' and "
                                           r"answered HTTP 400.*pinned.*Pass --model with a served name"):
         run(_cfg(server, corpus, tmp_path / "o", model="no-such-model"))
-    assert _entries(tmp_path / "o") == 0
+    assert entries_on_disk(tmp_path / "o") == 0
 
 
 def test_refused_request_fails_or_is_counted(server, corpus, tmp_path):
@@ -279,7 +274,7 @@ def test_refused_request_fails_or_is_counted(server, corpus, tmp_path):
     with pytest.raises(RequestFailed, match=r"a\.jsonl:1 message 1: the server refused the request, HTTP 422: "
                                             r".*top_k") as e:
         run(_cfg(server, corpus, tmp_path / "fail", sampling=refused))
-    assert e.value.kind == "refused" and _entries(tmp_path / "fail") == 0
+    assert e.value.kind == "refused" and entries_on_disk(tmp_path / "fail") == 0
 
     s = run(_cfg(server, corpus, tmp_path / "skip", sampling=refused, on_error="skip"))
     total = N_MESSAGES + N_SHAREGPT
@@ -311,7 +306,7 @@ def test_bad_record_fails_with_its_line_or_is_counted(server, tmp_path):
                  + json.dumps({"messages": [{"role": "user", "content": "bye"}]}) + "\n")
     with pytest.raises(RecordError, match=r"c\.jsonl:2: no non-empty user message"):
         run(_cfg(server, [str(c)], tmp_path / "fail", sampling=Sampling(max_tokens=2)))
-    assert _entries(tmp_path / "fail") == 1  # the record before the bad one is kept
+    assert entries_on_disk(tmp_path / "fail") == 1  # the record before the bad one is kept
     s = run(_cfg(server, [str(c)], tmp_path / "fail", sampling=Sampling(max_tokens=2), on_error="skip"))
     assert s["stats"]["failed"] == {"bad_input": 1} and s["stats"]["records_written"] == 2
 
