@@ -73,26 +73,22 @@ def build_exports(root: Path, target: Path, kinds=KINDS) -> dict[str, Path]:
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     source = {"builder": "bench/tiny_engine.py", "random": True}
     cfg = DrafterConfig.from_target_config(model.config, num_layers=1, block_size=4, mask_token_id=MASK_ID)
-    out = {}
-    if "dflash" in kinds:
-        torch.manual_seed(1)
-        d = Drafter(cfg)
-        perturb(d, 1)
-        write_dflash(d, root / "dflash", source=source)
-        out["dflash"] = root / "dflash"
-    if "dflash2" in kinds:
-        c2 = DFlash2Config(**{**cfg.to_dict(), "target_layer_ids": tuple(cfg.target_layer_ids)}, conv_kernel_size=2,
-                           conv_group_size=16, selector_rank=8, selector_top_k=4)
-        torch.manual_seed(2)
-        d2 = DFlash2Drafter(c2)
-        perturb(d2, 2)
-        write_dflash2(d2, root / "dflash2", source=source)
-        out["dflash2"] = root / "dflash2"
-    if "eagle3" in kinds:
-        ec = Eagle3Config.from_target_config(model.config, DRAFT_VOCAB, (0, 1, 2))
+    c2 = DFlash2Config(**{**cfg.to_dict(), "target_layer_ids": tuple(cfg.target_layer_ids)}, conv_kernel_size=2,
+                       conv_group_size=16, selector_rank=8, selector_top_k=4)
+    ec = Eagle3Config.from_target_config(model.config, DRAFT_VOCAB, (0, 1, 2))
+
+    def eagle3():
         ids = torch.randperm(ec.vocab_size, generator=torch.Generator().manual_seed(3))[:DRAFT_VOCAB].sort().values
-        e = Eagle3Drafter.from_target(ec, model, ids - torch.arange(DRAFT_VOCAB))
-        perturb(e, 3)
-        write_eagle3(e, root / "eagle3", source=source)
-        out["eagle3"] = root / "eagle3"
+        return Eagle3Drafter.from_target(ec, model, ids - torch.arange(DRAFT_VOCAB))
+
+    makers = {"dflash": (1, lambda: Drafter(cfg), write_dflash), "dflash2": (2, lambda: DFlash2Drafter(c2), write_dflash2),
+              "eagle3": (3, eagle3, write_eagle3)}
+    out = {}
+    for kind in kinds:  # each seeded on its own: one kind alone is the same bytes as in a build of all
+        seed, make, write = makers[kind]
+        torch.manual_seed(seed)
+        drafter = make()
+        perturb(drafter, seed)
+        write(drafter, root / kind, source=source)
+        out[kind] = root / kind
     return out
