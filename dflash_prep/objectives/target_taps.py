@@ -45,6 +45,18 @@ def dflash_taps(num_target_layers: int, num_draft_layers: int) -> list[int]:
     return [int(round(1 + i * (L - 4) / (N - 1))) for i in range(N)]
 
 
+def repeated_taps(taps) -> str:
+    """A warning when ``taps`` repeat a layer (the public DFlash rule does for small targets, e.g.
+    ``[1, 1]`` for 4 layers and 2 draft layers), else ``""``. Training and z-lab's code take such
+    taps; vLLM dedups the layers it captures and then refuses the drafter (docs/engines.md)."""
+    taps = [int(t) for t in taps]
+    again = sorted({t for t in taps if taps.count(t) > 1})
+    if not again:
+        return ""
+    return (f"taps {taps} repeat layer(s) {again}: vLLM refuses such a drafter (it captures each layer once); "
+            f"pass --target-layer-ids with {len(taps)} distinct layers to serve it there")
+
+
 def eagle3_taps(num_target_layers: int, given=()) -> tuple[int, ...]:
     """EAGLE-3's three taps: ``given`` or ``(1, L // 2 - 1, L - 4)``; three distinct layers of the target."""
     L = int(num_target_layers)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from dflash_prep.errors import ConfigError
-from dflash_prep.objectives.target_taps import dflash_taps, extract_command, states_estimate, states_need, vllm_layer_id
+from dflash_prep.objectives.target_taps import (dflash_taps, extract_command, repeated_taps, states_estimate, states_need,
+                                                vllm_layer_id)
 
 
 def test_the_rules_are_the_trainers():
@@ -44,3 +45,11 @@ def test_the_command():
     assert extract_command(data="d", target="t", out="o", objective="eagle3", target_layer_ids=(1, 2, 3),
                            dtype="fp8") == ("dflash-prep extract d --target t --objective eagle3 --target-layer-ids 1 "
                                             "--target-layer-ids 2 --target-layer-ids 3 --dtype fp8 --out o")
+
+
+def test_repeated_taps_are_named_with_the_fix():
+    assert repeated_taps(dflash_taps(36, 5)) == ""
+    taps = dflash_taps(4, 2)  # the public rule on a 4-layer target: both draft layers tap layer 1
+    assert taps == [1, 1]
+    msg = repeated_taps(taps)
+    assert msg.startswith("taps [1, 1] repeat layer(s) [1]: vLLM refuses") and "--target-layer-ids with 2 distinct" in msg

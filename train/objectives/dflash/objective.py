@@ -43,6 +43,7 @@ import torch
 
 from dflash_prep.errors import ConfigError, FormatError
 from dflash_prep.objectives import drafter_cost
+from dflash_prep.objectives.target_taps import repeated_taps
 
 from dflash_prep.train.chunked_ce import weighted_ce
 from dflash_prep.train.config import TrainConfig
@@ -302,7 +303,7 @@ class DFlashObjective(DrafterObjective):
                 f"loss {loss}, optimizer {opt}; target {cfg.options.target} ({self.target.num_layers} layers), taps "
                 f"{list(c.target_layer_ids)}, mask id {c.mask_token_id}, anchors {self.spec.policy}<="
                 f"{self.spec.max_anchors} drawn by the library sampler with seed {self.spec.seed} "
-                f"(from {self.anchor_source})")
+                f"(from {self.anchor_source})" + (f"; WARNING: {again}" if (again := repeated_taps(c.target_layer_ids)) else ""))
 
     def recipe_fields(self) -> dict:
         """What the loss is (contract fields; the ones a setting leaves unused are None)."""
