@@ -16,7 +16,11 @@ steps; 5 epochs, ``--steps`` steps, lr 3e-3, seed 0), runs in one go:
 3. the export and our evaluator (``python -m dflash_prep.train.speculate``: speculative decoding
    of the held-out prompts at temperature 0 against the transformers target) of each, and with
    ``--vllm-tau`` vLLM's own (``dflash-prep evaluate``: the export served by vLLM, tau from its
-   counters, strict load, lossless).
+   counters, strict load, lossless);
+4. DFlash2 as the demo trains it: ``pack --objective dflash2``, then ``--dflash2-steps`` steps (lr 1e-3)
+   warm-started from the DFlash drafter of step 2's ``hf`` run, beside the transformers target and
+   from the DFlash bf16 cache (the same taps); our evaluator's tau, and vLLM's answer (on CPU its
+   refusal: DFlash2 needs the V2 model runner).
 
 ``--reuse`` keeps what an earlier run left in the work folder (complete caches, finished runs,
 evaluations) and does only the rest.
@@ -41,6 +45,16 @@ DFLASH = ["--objective", "dflash", "--draft-layers", "1", "--block-size", "8", "
           "--slot-weights", "decay", "--loss", "ce", "--optimizer", "adamw", "--sliding-window", "0"]
 EAGLE3 = ["--objective", "eagle3", "--target-layer-ids", "0", "--target-layer-ids", "1", "--target-layer-ids", "2",
           "--optimizer", "adamw"]
+DFLASH2 = ["--objective", "dflash2", *DFLASH[2:]]
+"""The demo's DFlash2 stage: DFlash's shape (its taps too, so it reads the DFlash cache) plus the
+convolutions and the selector at their defaults, warm-started from the DFlash drafter."""
+
+
+def _recipe(objective: str, work: Path) -> tuple[list[str], str, str]:
+    """``(trainer flags, manifests folder under DEMO or WORK, lr)`` of an objective's run."""
+    if objective == "dflash2":
+        return [*DFLASH2, "--init-from-drafter", str(work / "drafter-dflash-hf")], str(work / "manifests-dflash2"), "1e-3"
+    return (DFLASH if objective == "dflash" else EAGLE3), ("manifests-eagle3" if objective == "eagle3" else "manifests"), "3e-3"
 
 
 def _run(cmd: list[str], log: Path) -> float:
@@ -73,18 +87,19 @@ def train_and_eval(demo: Path, work: Path, objective: str, engine: str, cache: s
                    reuse: bool = False, vllm_tau: bool = False) -> dict:
     name = f"{objective}-{engine}"
     run, export = work / f"run-{name}", work / f"drafter-{name}"
-    manifests = demo / ("manifests-eagle3" if objective == "eagle3" else "manifests")
+    flags, manifests, lr = _recipe(objective, work)
+    manifests = demo / manifests
     extra = ["--target-engine", "vllm", "--states", cache] if cache else []
     ev_file = work / f"eval-{name}.json"
     if not (reuse and ev_file.is_file()):
         _run([PY, "-m", "dflash_prep.train", "--device", "cpu", "--no-progress",
-              *(DFLASH if objective == "dflash" else EAGLE3), "--target", str(demo / "target"), "--data",
+              *flags, "--target", str(demo / "target"), "--data",
               str(demo / "data"), "--plan", str(demo / "plan" / "plan.json"), "--manifests", str(manifests), "--out",
-              str(run), "--epochs", "5", "--max-steps", str(steps), "--lr", "3e-3", "--warmup-steps", "5", "--seed", "0",
+              str(run), "--epochs", "5", "--max-steps", str(steps), "--lr", lr, "--warmup-steps", "5", "--seed", "0",
               "--from-scratch", *extra], work / f"train-{name}.log")
         _run([PY, "-m", "dflash_prep.train.export", str(run), "--out", str(export), "--overwrite"],
              work / f"export-{name}.log")
-        block = ["--block-size", "8"]          # DFlash: B = 8; EAGLE-3: chains of 7 (TTT steps + 1)
+        block = ["--block-size", "8"]          # DFlash(2): B = 8; EAGLE-3: chains of 7 (TTT steps + 1)
         _run([PY, "-m", "dflash_prep.train.speculate", "--target", str(demo / "target"), "--drafter", str(export),
               "--prompts", str(demo / "corpus" / "heldout.jsonl"), "--out", str(ev_file), "--max-new-tokens", "64",
               *block], work / f"eval-{name}.log")
@@ -94,11 +109,19 @@ def train_and_eval(demo: Path, work: Path, objective: str, engine: str, cache: s
            "lossless": ev["lossless"], "train_time_s": s.get("time_s")}
     if vllm_tau:
         vf = work / f"vllm-eval-{name}.json"
-        if not (reuse and vf.is_file()):
-            _run([PY, "-m", "dflash_prep.cli", "evaluate", "--target", str(demo / "target"), "--export", str(export),
-                  "--prompts", str(demo / "corpus" / "heldout.jsonl"), "--out", str(vf), "--no-ours"],
-                 work / f"vllm-eval-{name}.log")
-        out["vllm_evaluate"] = _vllm_fields(json.loads(vf.read_text()))
+        cmd = [PY, "-m", "dflash_prep.cli", "evaluate", "--target", str(demo / "target"), "--export", str(export),
+               "--prompts", str(demo / "corpus" / "heldout.jsonl"), "--out", str(vf), "--no-ours"]
+        if objective == "dflash2":     # vLLM serves DFlash2 on its V2 runner only (GPU): keep the engine's answer
+            log = work / f"vllm-eval-{name}.log"
+            with open(log, "w") as f:
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+            line = next((ln for ln in log.read_text().splitlines() if ln.startswith("error:")), "")
+            out["vllm_evaluate"] = (_vllm_fields(json.loads(vf.read_text())) if rc == 0 else
+                                    {"refused": line[len("error: "):].strip() or f"exit {rc}; see {log}"})
+        else:
+            if not (reuse and vf.is_file()):
+                _run(cmd, work / f"vllm-eval-{name}.log")
+            out["vllm_evaluate"] = _vllm_fields(json.loads(vf.read_text()))
     return out
 
 
@@ -106,6 +129,27 @@ def _vllm_fields(r: dict) -> dict:
     """tau from vLLM's counters, lossless and strict load of a ``dflash-prep evaluate`` report."""
     return {"tau": r["vllm"]["tau"], "drafts": r["vllm"]["num_drafts"], "accepted": r["vllm"]["num_accepted_tokens"],
             "lossless": bool(r["lossless"]["ok"]), "strict_load": bool(r["strict_load"]["ok"])}
+
+
+def dflash2_rows(demo: Path, work: Path, steps: int, *, reuse: bool, vllm_tau: bool) -> dict:
+    """DFlash2 as the demo trains it (warm-started from the DFlash drafter trained beside the target,
+    ``steps`` steps, lr 1e-3, manifests packed for ``--objective dflash2``), beside the transformers
+    target and from the DFlash bf16 cache (the same taps: one cache serves both objectives)."""
+    manifests = work / "manifests-dflash2"
+    if not (reuse and (manifests / "root.json").is_file()):
+        _run([PY, "-m", "dflash_prep.cli", "pack", str(demo / "data"), "--plan", str(demo / "plan" / "plan.json"),
+              "--epochs", "0-4", "--objective", "dflash2", "--block-size", "8", "--max-anchors", "64", "--target-config",
+              str(demo / "target"), "--draft-layers", "1", "--sliding-window", "0", "--world-size", "1", "--out",
+              str(manifests), "--overwrite"], work / "pack-dflash2.log")
+    kw = dict(reuse=reuse, vllm_tau=vllm_tau)
+    rows = {"hf": train_and_eval(demo, work, "dflash2", "hf", None, steps, **kw)}
+    cache = work / "states-dflash-bf16"
+    r = train_and_eval(demo, work, "dflash2", "vllm-bf16", str(cache), steps, **kw)
+    r["max_loss_diff_vs_hf"] = max(abs(p - q) for p, q in zip(r["losses"], rows["hf"]["losses"]))
+    rows["vllm-bf16"] = {**r, "cache": "the DFlash bf16 cache (same taps)"}
+    for r in rows.values():
+        r.pop("losses")
+    return rows
 
 
 def states_diff(demo: Path, cache: str) -> list[float]:
@@ -137,6 +181,7 @@ def main(argv=None) -> dict:
     ap.add_argument("demo", type=Path, help="a `make demo-dflash OBJECTIVE=eagle3` folder")
     ap.add_argument("--work", type=Path, default=None, help="where caches and runs go (default: DEMO/states-bench)")
     ap.add_argument("--steps", type=int, default=700, help="training steps of every run (the demo's DRAFT_STEPS)")
+    ap.add_argument("--dflash2-steps", type=int, default=300, help="DFlash2's warm-started steps (the demo's DRAFT2_STEPS)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--reuse", action="store_true", help="keep the caches, runs and evaluations already in --work")
     ap.add_argument("--vllm-tau", action="store_true", help="also measure tau in vLLM (dflash-prep evaluate)")
@@ -164,6 +209,7 @@ def main(argv=None) -> dict:
         for r in rows.values():
             r.pop("losses")
         res[objective] = rows
+    res["dflash2"] = dflash2_rows(a.demo, work, a.dflash2_steps, reuse=a.reuse, vllm_tau=a.vllm_tau)
     text = json.dumps(res, indent=2)
     print(text)
     if a.out:
