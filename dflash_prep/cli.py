@@ -366,7 +366,7 @@ def extract_cmd(
     pipeline_parallel_size: Annotated[int, typer.Option(help="vLLM --pipeline-parallel-size", rich_help_panel=_ENGINE)] = 1,
     enable_expert_parallel: Annotated[bool, typer.Option("--enable-expert-parallel", help="vLLM --enable-expert-parallel (MoE targets)", rich_help_panel=_ENGINE)] = False,
     engine_arg: Annotated[Optional[list[str]], typer.Option(help="any other vllm.LLM argument, KEY=VALUE (JSON values), repeated: e.g. gpu_memory_utilization=0.9, dtype=float32", rich_help_panel=_ENGINE)] = None,
-    timeout: Annotated[float, typer.Option(help="seconds to wait for the engine to start, and for any one batch", rich_help_panel=_ENGINE)] = 900.0,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the engine to start, and for any one batch; past it, the worker's stacks go to CACHE/extract.log", rich_help_panel=_ENGINE)] = 900.0,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace a states cache built with other settings", rich_help_panel=_IO)] = False,
 ):
     """Run the target once in vLLM over every sample and store the hidden states a drafter trains on.

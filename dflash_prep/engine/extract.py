@@ -38,6 +38,7 @@ import numpy as np
 
 import dflash_prep
 from dflash_prep.engine.env import vllm_python, vllm_version
+from dflash_prep.engine.states_worker import STACK_SIGNAL
 from dflash_prep.errors import ConfigError, EngineError, FingerprintMismatch, FormatError
 from dflash_prep.formats import states as fmt
 from dflash_prep.formats.dataset import LENGTHS_FILE, open_dataset, read_meta
@@ -320,6 +321,41 @@ def _shim(tmp: Path) -> str:
     return str(tmp)
 
 
+class LineReader:
+    """Lines from a pipe's file descriptor, each waited for with a timeout.
+
+    ``select`` says whether the *descriptor* has bytes; a buffered file object's ``readline`` may
+    already have pulled the next lines into its own buffer, after which ``select`` waits for bytes
+    that were already read (two events written together, ``progress`` then ``shard``, hung the
+    build that way). So the bytes are read here with ``os.read`` and split here, and ``select`` is
+    asked only when no whole line is buffered."""
+
+    def __init__(self, fd: int):
+        self.fd, self.buf = fd, b""
+        os.set_blocking(fd, False)
+
+    def readline(self, timeout_s: float) -> str | None:
+        """The next line (without its newline); ``""`` at the end of the pipe (the writer is gone);
+        ``None`` when no whole line came within ``timeout_s`` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                return None
+            try:
+                chunk = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                return ""
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode()
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 class _Worker:
     """The engine-side worker process and its two pipes (module docstring of :mod:`.states_worker`)."""
 
@@ -334,7 +370,7 @@ class _Worker:
                                      "--events-fd", str(w), "--parent", str(os.getpid())], stdin=subprocess.PIPE, stdout=self.log,
                                     stderr=subprocess.STDOUT, pass_fds=(w,), env=env, start_new_session=True)
         os.close(w)
-        self.events = os.fdopen(r, "r")
+        self.events = LineReader(r)
 
     def send(self, cmd: dict) -> None:
         try:
@@ -344,17 +380,31 @@ class _Worker:
             raise self._died() from None
 
     def event(self, timeout_s: float | None = None) -> dict:
-        ready, _, _ = select.select([self.events], [], [], timeout_s or self.timeout_s)
-        if not ready:
-            raise EngineError(f"the vLLM worker sent nothing for {timeout_s or self.timeout_s:.0f} s; see "
+        line = self.events.readline(timeout_s or self.timeout_s)
+        if line is None:
+            where = "its stacks are at the end of" if self._dump_stacks() else "see"
+            raise EngineError(f"the vLLM worker sent nothing for {timeout_s or self.timeout_s:.0f} s; {where} "
                               f"{self.log_path} (raise --timeout if the engine is only slow)")
-        line = self.events.readline()
         if not line:
             raise self._died()
         ev = json.loads(line)
         if ev.get("event") == "error":
             raise EngineError(f"vLLM worker: {ev['message']} (its log: {self.log_path})")
         return ev
+
+    def _dump_stacks(self) -> bool:
+        """Have a silent worker write every thread's stack to its log (:data:`.states_worker.STACK_SIGNAL`);
+        True when it did (the log then ends with them), False when the worker is gone or wrote nothing."""
+        size = self.log_path.stat().st_size if self.log_path.exists() else 0
+        try:
+            os.kill(self.proc.pid, STACK_SIGNAL)
+        except ProcessLookupError:
+            return False
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and self.log_path.stat().st_size == size:
+            time.sleep(0.1)
+        time.sleep(0.2)                                 # the rest of the dump
+        return self.log_path.stat().st_size > size
 
     def _died(self) -> EngineError:
         try:

@@ -13,7 +13,8 @@ samples' tokens concatenated, and ``lens``) or ``{"stop": true}``; stdin's end w
 the driver is gone, and the worker exits. Events go to file descriptor N, one JSON object a line
 (vLLM logs on stdout and stderr, which the driver sends to ``extract.log``): ``ready``,
 ``progress`` (tokens done), ``shard`` (its table entry, once the file is in place) and ``error``
-(one line, then exit 1).
+(one line, then exit 1). On ``SIGUSR1`` (:data:`STACK_SIGNAL`) every thread's stack is written
+to the log: the driver sends it before giving up on a silent worker.
 
 Per shard: the samples go to ``LLM.generate`` in batches of at most ``batch_tokens`` tokens, with
 ``max_tokens = 1`` (only the prefill matters; the one sampled token is thrown away) and
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
 import json
 import os
 import signal
@@ -61,6 +63,10 @@ def final_norm_weight(target: Path):
     raise ValueError(f"{target}: no {key} in its safetensors; the final hidden state needs a Llama-style final "
                      "RMSNorm (Qwen3, Llama, Mistral)")
 
+
+STACK_SIGNAL = signal.SIGUSR1
+"""Sent by the driver when the worker has been silent for ``--timeout`` seconds: every thread's
+Python stack goes to stderr (``extract.log``) before the worker is stopped."""
 
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 """vLLM's engine core in this process (its executor's workers, with tensor or pipeline parallelism,
@@ -199,6 +205,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.parent is not None:
         die_with(a.parent)
+    faulthandler.register(STACK_SIGNAL, all_threads=True)   # the driver's "sent nothing" timeout: where it hung
     events = os.fdopen(a.events_fd, "w", buffering=1)
     os.environ.update(IN_PROCESS)                  # before vLLM is imported
     try:

@@ -200,3 +200,52 @@ def test_the_table_says_what_the_report_says():
     assert rows["vLLM vs ours"].startswith("DISAGREE (|diff| 3.00 % of ours, limit 2 %); same acceptance on 1/2")
     assert "prompt 1: vLLM [2, 5, 8], ours [3, 5, 8]" in rows["vLLM vs ours"]
     assert SPEEDUP_NOTE in rows["tokens/s"]
+
+
+def test_events_written_together_are_each_read_without_waiting():
+    """The extract driver's event reader: two events in one write (``progress`` then ``shard``, as
+    the worker sends them) both come back at once; a buffered ``readline`` after ``select`` left the
+    second in its buffer and waited out the timeout for it."""
+    from dflash_prep.engine.extract import LineReader
+
+    r, w = os.pipe()
+    reader = LineReader(r)
+    try:
+        os.write(w, b'{"event": "progress"}\n{"event": "shard"}\n{"event": "pa')
+        t = time.monotonic()
+        assert json.loads(reader.readline(5.0)) == {"event": "progress"}
+        assert json.loads(reader.readline(5.0)) == {"event": "shard"}
+        assert time.monotonic() - t < 1.0
+        assert reader.readline(0.2) is None                  # half a line: not a line yet
+        os.write(w, b'rt"}\n')
+        assert json.loads(reader.readline(5.0)) == {"event": "part"}
+        os.close(w)
+        w = None
+        assert reader.readline(5.0) == ""                    # the writer is gone
+    finally:
+        reader.close()
+        if w is not None:
+            os.close(w)
+
+
+def test_a_silent_extract_worker_leaves_its_stacks_in_the_log(tmp_path):
+    """A worker that sends nothing for ``--timeout`` seconds is asked for every thread's stack
+    (SIGUSR1, which the real worker registers with faulthandler) before the driver gives up; the
+    error names the log that ends with them. The stand-in registers the same handler, then hangs."""
+    from dflash_prep.engine.extract import _Worker
+
+    py = tmp_path / "python"
+    py.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import faulthandler, signal, time\n"
+                  "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+                  "def stuck_in_the_engine():\n    time.sleep(120)\nstuck_in_the_engine()'\n")
+    py.chmod(0o755)
+    (tmp_path / "shim").mkdir()
+    w = _Worker(py, tmp_path / "job.json", tmp_path / "extract.log", str(tmp_path / "shim"), timeout_s=2.0)
+    try:
+        time.sleep(1.0)                                       # the stand-in has registered its handler
+        with pytest.raises(EngineError, match="sent nothing for 2 s; its stacks are at the end of .*extract.log"):
+            w.event()
+        assert "stuck_in_the_engine" in (tmp_path / "extract.log").read_text()
+    finally:
+        w.close(ok=False)
+    assert w.proc.poll() is not None
