@@ -310,6 +310,19 @@ def _resume(run: _Run, state: dict) -> None:
         print(f"resuming {path} at epoch {run.epoch} step {run.step} (global step {run.gstep})", flush=True)
 
 
+def _builder(run: _Run, epoch: int, layout: str):
+    """The prefetch thread's micro-batch builder: the objective's batch, then whatever it reads ahead
+    for it (a drafter on a states cache: the batch's states, decoded off the step loop)."""
+    obj, ahead = run.obj, getattr(run.obj, "read_ahead", None)
+
+    def build(mb):
+        b = obj.build(run.ds, mb, epoch, layout, run.loader.pin)
+        if ahead is not None:
+            ahead(b)
+        return b
+    return build
+
+
 def _train(cfg: TrainConfig, source, d: distributed.Dist, place=None) -> dict:
     run = _setup(cfg, source, d, place)
     if place is not None:   # the target ranks serve the same steps from the same cursor
@@ -331,7 +344,7 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist, place=None) -> dict:
     try:
         while run.epoch < cfg.epochs and (limit is None or run.gstep < limit):
             m = _epoch_manifest(run)
-            build = (lambda mb, _e=run.epoch, _l=m.layout: obj.build(run.ds, mb, _e, _l, run.loader.pin))
+            build = _builder(run, run.epoch, m.layout)
             with run.loader.open_epoch(run.epoch, start_step=run.step, build=build) as pf:
                 _run_epoch(run, pf, limit, totals, losses, log, wb, bar)
             if run.step >= int(m.num_steps):

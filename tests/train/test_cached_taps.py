@@ -54,6 +54,9 @@ def test_cached_run_equals_colocated_bit_for_bit(tmp_path, case):
     b = train(make_cfg(tmp_path / "vllm", target, max_steps=steps, target_engine="vllm", states=str(tmp_path / "cache"),
                        **opts), source=make_src())
     assert a["global_step"] == b["global_step"] == steps
+    assert "states_read" not in a
+    got = b["states_read"]    # every micro-batch's states were read on the prefetch thread, none in the step
+    assert got["on_step"] == 0 and got["ahead"] >= steps * src.manifest(0).grad_accum, got
     assert _losses(tmp_path / "hf") == _losses(tmp_path / "vllm")
     pa, pb = _params(tmp_path / "hf"), _params(tmp_path / "vllm")
     for n in pa:
@@ -114,6 +117,12 @@ def test_taps_are_a_pure_function_of_the_sample_ids(tmp_path):
         feats, last = p.taps(B(order), epoch=1, final=True)
         assert torch.equal(feats, torch.cat([one[s][0] for s in order]))
         assert torch.equal(last, torch.cat([one[s][1] for s in order]))
+        ahead = B(order)                          # read ahead (the prefetch thread's path): the same values
+        p.read_ahead(ahead)
+        got = p.taps(ahead, epoch=1, final=True)
+        assert torch.equal(got[0], feats) and torch.equal(got[1], last)
+        assert torch.equal(p.taps(ahead, epoch=1), feats)
+    assert p.summary()["states_read"]["ahead"] == 2 and p.summary()["states_read"]["on_step"] == 5
     H = 64
     f3 = one[3][0]
     assert f3.shape == (lens[3], 3 * H) and torch.equal(f3[:, :H], f3[:, 2 * H:])   # tap 2 twice, in the run's order

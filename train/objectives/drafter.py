@@ -34,6 +34,13 @@ class DrafterObjective:
     def targets(denom: float) -> float:
         return denom
 
+    def read_ahead(self, b) -> None:
+        """On the prefetch thread, after ``build``: what the taps provider reads ahead for micro-batch
+        ``b`` (a states cache: its states, train/cached_taps.py; a live target: nothing)."""
+        ahead = getattr(self.target, "read_ahead", None)
+        if ahead is not None:
+            ahead(b)
+
     def optimizer_text(self) -> str:
         from dflash_prep.train.optim import muon_lr
 
@@ -54,7 +61,8 @@ class DrafterObjective:
         if not taus:
             return {}
         k = max(1, min(5, len(taus) // 2))
-        split = self.target.summary() if self.target.remote else {}
+        summary = getattr(self.target, "summary", None)   # a split job's time, or a states cache's reads
+        split = summary() if summary is not None else {}
         return split | {"tau_first": sum(taus[:k]) / k, "tau_last": sum(taus[-k:]) / k}
 
     def model_config(self) -> dict:

@@ -81,6 +81,8 @@ class DFlashBatch(TensorBatch):
     n_anchors: int
     epoch: int = 0
     """The manifest epoch (the taps message's tag, :mod:`dflash_prep.train.split.taps`)."""
+    states: tuple | None = None
+    """The target's states read ahead from a states cache (train/cached_taps.py), else None."""
 
 
 def build_dflash_batch(ds, mb, *, epoch: int, spec: AnchorSpec, gamma: float | None, mask_token_id: int,

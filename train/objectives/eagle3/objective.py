@@ -54,6 +54,8 @@ class Eagle3Batch(TensorBatch):
     real_tokens: int
     padded_tokens: int
     epoch: int = 0
+    states: tuple | None = None
+    """The target's states read ahead from a states cache (train/cached_taps.py), else None."""
 
 
 def build_eagle3_batch(ds, mb, *, epoch: int, vocab_size: int, pin: bool = False) -> Eagle3Batch:
