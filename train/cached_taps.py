@@ -57,6 +57,7 @@ class CachedTaps:
         self.tap_ids = [int(t) for t in taps]
         self.cols = np.array([cache.slot_of(t) for t in self.tap_ids], np.int64)   # cache slot of each run tap
         self.final_col = cache.final_slot if final else None
+        self.read_cols = self.cols if self.final_col is None else np.append(self.cols, self.final_col)  # one read
         self.dtype = embed_tokens.weight.dtype
         self.pin = device.type == "cuda"
         self.ahead = self.on_step = 0      # micro-batches read on the prefetch thread / in the step
@@ -78,11 +79,10 @@ class CachedTaps:
         """Micro-batch ``b``'s taps ``[T, k*H]`` and (when the run reads it) final states ``[T, H]``,
         decoded on the host in the target's dtype."""
         lens = torch.diff(b.cu_seqlens.to("cpu", torch.int64)).tolist()
-        T = int(b.input_ids.shape[0])
-        feats = self._read(b.sample_ids, lens, self.cols).reshape(T, -1).to(self.dtype)    # (T, k*H)
-        last = None
-        if self.final_col is not None:
-            last = self._read(b.sample_ids, lens, np.array([self.final_col]))[:, 0].to(self.dtype)  # (T, H)
+        T, k = int(b.input_ids.shape[0]), len(self.cols)
+        x = self._read(b.sample_ids, lens, self.read_cols).to(self.dtype)         # (T, k [+ 1], H), one pass
+        feats = x[:, :k].reshape(T, -1)                                           # (T, k*H)
+        last = x[:, k].contiguous() if self.final_col is not None else None       # (T, H)
         if self.pin:
             feats, last = feats.pin_memory(), (None if last is None else last.pin_memory())
         return feats, last
