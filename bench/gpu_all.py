@@ -53,6 +53,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_prep.bare_name import origin
+
 FORMAT = "dflash-prep/gpu-all"
 ROOT = Path(__file__).resolve().parents[1]
 TOTAL_S = 295.0
@@ -86,16 +88,6 @@ FOLDERS = ("kernels", "train", "bench", "tests")
 """The repository's top-level folders that hold code, each a name that other distributions use."""
 
 
-def _origin(name: str) -> str | None:
-    """Where ``import name`` would load code from: a file, or None (not found, or only a namespace
-    portion: a folder without ``__init__.py``, which never runs code and loses to any package)."""
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return None
-    return spec.origin if spec is not None and spec.has_location else None
-
-
 def _inside(path: str, folder: Path) -> bool:
     return Path(path).resolve().is_relative_to(folder.resolve())
 
@@ -105,9 +97,9 @@ def import_check() -> dict:
     (an installed distribution of that name is what they load), ``dflash_prep.kernels`` and
     ``dflash_prep.train`` load the checkout's code, and ``transformers`` imports (it imports Hugging
     Face's ``kernels`` when that is installed). ``passed`` says all three hold."""
-    bare = {name: _origin(name) for name in FOLDERS}
+    bare = {name: origin(name) for name in FOLDERS}
     shadowed = sorted(n for n, o in bare.items() if o is not None and _inside(o, ROOT / n))
-    ours = {name: _origin(name) for name in ("dflash_prep.kernels.attention", "dflash_prep.train.loop")}
+    ours = {name: origin(name) for name in ("dflash_prep.kernels.attention", "dflash_prep.train.loop")}
     transformers = "not installed"
     if importlib.util.find_spec("transformers") is not None:
         try:

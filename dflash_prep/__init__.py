@@ -12,9 +12,9 @@ repository's top-level ``kernels/`` and ``train/`` folders, reached through the 
 directory symlinks ``dflash_prep/kernels`` and ``dflash_prep/train``: a source checkout run
 with ``PYTHONPATH=.`` and an installed wheel (which copies the files) resolve the same names.
 A checkout also has ``dflash_prep.bench`` and ``dflash_prep.tests`` (the wheel leaves them out).
-None of those folders has an ``__init__.py``, so from the repository root their bare names
-never shadow an installed ``kernels``, ``train``, ``bench`` or ``tests``
-(docs/reliability.md#one-import-name).
+From the repository root their bare names never load the checkout: ``kernels/``, ``train/`` and
+``bench/`` hand the bare name over to an installed package of that name (:mod:`.bare_name`), and
+``tests/`` has no ``__init__.py`` (docs/reliability.md#one-import-name).
 """
 
 from ._version import __version__

@@ -2,9 +2,10 @@
 
 ``kernels``, ``train``, ``bench`` and ``tests`` are names other distributions own (transformers >= 5.25
 imports Hugging Face's ``kernels``). Python puts the repository root on ``sys.path`` for ``python -m``
-run from it, ``PYTHONPATH=.`` (the GPU machine) and pytest, so those folders carry no ``__init__.py``:
-a folder without one is only a namespace portion, and any installed package of that name wins over
-it wherever it sits on ``sys.path``. The code is reached as ``dflash_prep.*`` through the
+run from it, ``PYTHONPATH=.`` (the GPU machine) and pytest. So ``kernels/``, ``train/`` and ``bench/``
+carry an ``__init__.py`` that, imported under the bare name, hands the import over to the package of
+that name installed elsewhere or fails as if the folder were not there (dflash_prep/bare_name.py);
+``tests/`` has none (pytest names its modules). The code is reached as ``dflash_prep.*`` through the
 checkout's symlinks (docs/reliability.md#one-import-name).
 
 The end-to-end test installs a distribution named like each folder (a tiny one written here, dist-info
@@ -60,13 +61,40 @@ def _foreign_site(site: Path) -> dict[str, str]:
     return where
 
 
-def test_only_dflash_prep_is_a_package_at_the_root():
+def test_each_code_folder_hands_its_bare_name_over():
+    """Only ``dflash_prep/`` is the project's package at the root; ``kernels/``, ``train/`` and
+    ``bench/`` carry the hand-over ``__init__.py`` (dflash_prep/bare_name.py), ``tests/`` none."""
+    handed = {}
     for d in sorted(p for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        if d.name != "dflash_prep" and not d.is_symlink():
-            assert not (d / "__init__.py").exists(), f"{d.name}/__init__.py makes `import {d.name}` load the checkout"
+        if d.name != "dflash_prep" and not d.is_symlink() and (d / "__init__.py").exists():
+            handed[d.name] = (d / "__init__.py").read_text()
+    assert sorted(handed) == sorted(n for n in FOLDERS if n != "tests"), sorted(handed)
+    for name, text in handed.items():
+        assert f'if __name__ == "{name}":' in text and "hand_over(__name__, __file__)" in text, name
     for name in FOLDERS:
         link = ROOT / "dflash_prep" / name
         assert link.is_symlink() and link.resolve() == (ROOT / name).resolve(), link
+
+
+def test_without_a_distribution_of_that_name_the_bare_name_is_not_found():
+    """From the root with no site-packages (``-S``): nothing else is named ``kernels``, ``train`` or
+    ``bench``, and each import fails as it would without the folder; ``python -m train`` runs
+    nothing; the project's packages import as before."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    code = ("import importlib, json\nout = {}\n"
+            "for name in ('kernels', 'train', 'bench'):\n"
+            "    try:\n        importlib.import_module(name)\n        out[name] = 'imported'\n"
+            "    except ModuleNotFoundError as e:\n        out[name] = str(e)\n"
+            "import dflash_prep.kernels, dflash_prep.train, dflash_prep.bench\n"
+            "out['ours'] = [m.__name__ for m in (dflash_prep.kernels, dflash_prep.train, dflash_prep.bench)]\n"
+            "print(json.dumps(out))")
+    got = json.loads(_run([sys.executable, "-S", "-c", code], env).stdout)
+    for name in ("kernels", "train", "bench"):
+        assert got[name].startswith(f"No module named '{name}'") and f"dflash_prep.{name}" in got[name], got
+    assert got["ours"] == ["dflash_prep.kernels", "dflash_prep.train", "dflash_prep.bench"]
+    r = subprocess.run([sys.executable, "-S", "-m", "train", "--help"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode != 0 and "No module named 'train'" in r.stderr, r.stderr[-2000:]
 
 
 def test_no_module_imports_a_top_level_folder_by_its_bare_name():
@@ -115,6 +143,11 @@ def test_from_the_root_installed_distributions_win(tmp_path):
     rec = json.loads((tmp_path / "gpu" / "gpu_all.json").read_text())["imports"]
     assert rec["passed"] and rec["transformers"] == "ok", rec
     assert rec["bare"] == {n: str(Path(w) / "__init__.py") for n, w in where.items()}, rec
+
+    # a bare import from the root (the root is sys.path[0], before the distributions): theirs
+    out = _run([sys.executable, "-c", "import json, kernels, train, bench\n"
+                "print(json.dumps({m.__name__: m.__file__ for m in (kernels, train, bench)}))"], env).stdout
+    assert json.loads(out) == {n: str(Path(w) / "__init__.py") for n, w in where.items() if n != "tests"}, out
 
     # a recipe's first step, as train/recipes/demo_dflash.sh runs it (it imports transformers)
     recipe = (ROOT / "train" / "recipes" / "demo_dflash.sh").read_text()

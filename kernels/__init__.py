@@ -1,0 +1,11 @@
+"""The repository's ``kernels/`` folder, the Triton attention kernels: this project's ``dflash_prep.kernels``.
+
+Imported under the bare name ``kernels`` (the repository root on ``sys.path``), it loads the
+package of that name installed elsewhere, or fails as if the folder were not here: the name
+belongs to other distributions (:mod:`dflash_prep.bare_name`, docs/reliability.md#one-import-name).
+"""
+
+if __name__ == "kernels":
+    from dflash_prep.bare_name import hand_over
+
+    hand_over(__name__, __file__)

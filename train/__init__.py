@@ -1,0 +1,11 @@
+"""The repository's ``train/`` folder, the trainer: this project's ``dflash_prep.train``.
+
+Imported under the bare name ``train`` (the repository root on ``sys.path``), it loads the
+package of that name installed elsewhere, or fails as if the folder were not here: the name
+belongs to other distributions (:mod:`dflash_prep.bare_name`, docs/reliability.md#one-import-name).
+"""
+
+if __name__ == "train":
+    from dflash_prep.bare_name import hand_over
+
+    hand_over(__name__, __file__)
