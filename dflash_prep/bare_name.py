@@ -7,8 +7,8 @@ imports), and Python puts the repository root on ``sys.path`` for ``python -c``/
 for ``PYTHONPATH=.`` and for pytest. So each folder's ``__init__.py`` checks the name it is imported
 under: as ``dflash_prep.<folder>`` it is the project's package; under the bare name it calls
 :func:`hand_over`, which loads the package of that name that Python would have found had the
-folder not been there (an installed distribution), or fails as Python would without one. The bare
-name never loads the checkout, whatever the interpreter, its ``sys.path`` or the working
+folder not been there (an installed distribution), or, without one, an empty namespace module.
+The bare name never loads the checkout, whatever the interpreter, its ``sys.path`` or the working
 directory (docs/reliability.md#one-import-name).
 
 ``tests/`` stays a folder without ``__init__.py``: pytest imports the test modules under it, and an
@@ -46,8 +46,8 @@ def _find_elsewhere(name: str, own: str):
 
 def origin(name: str) -> str | None:
     """Where ``import name`` loads code from, found without importing it (the folder's hand-over
-    followed): a file, or None where the import fails or finds only a namespace portion (a folder
-    without ``__init__.py``, which runs no code and loses to any package of that name)."""
+    followed): a file, or None where the import fails or gives only a namespace module (a folder
+    without ``__init__.py``, or the hand-over's empty one: no code runs)."""
     try:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
@@ -62,12 +62,19 @@ def origin(name: str) -> str | None:
 
 def hand_over(name: str, own_file: str) -> None:
     """Called by a code folder's ``__init__.py`` imported as the bare ``name``: replace the module
-    being imported by the other package of that name, or raise ``ModuleNotFoundError``."""
+    being imported by the other package of that name. Where there is none, by an empty namespace
+    module: what Python gives for a folder without ``__init__.py``, without the folder (no
+    ``__file__``, no version, an empty ``__path__``: nothing can be imported under it). Not an
+    ``ImportError``: libraries probe with ``find_spec`` (which sees this folder) and then import,
+    and transformers reads "imported, no file, no version" as a shadowing folder, not an install,
+    but does not catch an import error there."""
     own = os.path.realpath(own_file)
     spec = _find_elsewhere(name, own)
-    if spec is None:
-        raise ModuleNotFoundError(f"No module named {name!r} (the repository's {name}/ folder is "
-                                  f"dflash_prep.{name}: docs/reliability.md#one-import-name)", name=name)
+    if spec is None:                             # what a folder without __init__.py gives, minus the folder
+        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = []
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        return
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module                   # the import statement returns what sys.modules holds
     try:

@@ -1,7 +1,7 @@
 """The repository's ``train/`` folder, the trainer: this project's ``dflash_prep.train``.
 
 Imported under the bare name ``train`` (the repository root on ``sys.path``), it loads the
-package of that name installed elsewhere, or fails as if the folder were not here: the name
+package of that name installed elsewhere, or an empty module (nothing of the folder): the name
 belongs to other distributions (:mod:`dflash_prep.bare_name`, docs/reliability.md#one-import-name).
 """
 
