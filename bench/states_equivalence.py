@@ -22,6 +22,11 @@ steps; 5 epochs, ``--steps`` steps, lr 3e-3, seed 0), runs in one go:
    from the DFlash bf16 cache (the same taps); our evaluator's tau, and vLLM's answer (on CPU its
    refusal: DFlash2 needs the V2 model runner).
 
+``--online`` adds, for DFlash and EAGLE-3, a run with the target online in vLLM beside the trainer
+(``--target-engine vllm`` without a cache: bf16 states, the engine in float32), with its engine's
+start, calls and time. ``--objectives`` runs a subset (``dflash`` alone needs only a ``make
+demo-dflash`` folder).
+
 ``--reuse`` keeps what an earlier run left in the work folder (complete caches, finished runs,
 evaluations) and does only the rest.
 
@@ -83,13 +88,22 @@ def extract(demo: Path, work: Path, objective: str, dtype: str, reuse: bool = Fa
             "bytes_per_token": h["bytes_per_token"], "engine": h["engine"]["version"]}
 
 
-def train_and_eval(demo: Path, work: Path, objective: str, engine: str, cache: str | None, steps: int, *,
+ONLINE = ["--target-engine", "vllm", "--engine-arg", "dtype=float32"]
+"""The online target's flags: vLLM beside the trainer, computing in float32, its states rounded to
+bf16 (the default ``--states-dtype``), the default batching."""
+
+
+def engine_flags(cache: str | None) -> list[str]:
+    """The trainer's flags of a run on ``cache`` (None: the transformers target)."""
+    return ["--target-engine", "vllm", "--states", cache] if cache else []
+
+
+def train_and_eval(demo: Path, work: Path, objective: str, engine: str, extra: list[str], steps: int, *,
                    reuse: bool = False, vllm_tau: bool = False) -> dict:
     name = f"{objective}-{engine}"
     run, export = work / f"run-{name}", work / f"drafter-{name}"
     flags, manifests, lr = _recipe(objective, work)
     manifests = demo / manifests
-    extra = ["--target-engine", "vllm", "--states", cache] if cache else []
     ev_file = work / f"eval-{name}.json"
     if not (reuse and ev_file.is_file()):
         _run([PY, "-m", "dflash_prep.train", "--device", "cpu", "--no-progress",
@@ -107,6 +121,8 @@ def train_and_eval(demo: Path, work: Path, objective: str, engine: str, cache: s
     s = json.loads((run / "summary.json").read_text())
     out = {"losses": _losses(run), "loss_first": s["loss_first"], "loss_last": s["loss_last"], "tau": ev["tau"],
            "lossless": ev["lossless"], "train_time_s": s.get("time_s")}
+    if "target_engine" in s:          # the online target: its start, calls and time in the engine
+        out["target_engine"] = s["target_engine"]
     if vllm_tau:
         vf = work / f"vllm-eval-{name}.json"
         cmd = [PY, "-m", "dflash_prep.cli", "evaluate", "--target", str(demo / "target"), "--export", str(export),
@@ -142,9 +158,9 @@ def dflash2_rows(demo: Path, work: Path, steps: int, *, reuse: bool, vllm_tau: b
               str(demo / "target"), "--draft-layers", "1", "--sliding-window", "0", "--world-size", "1", "--out",
               str(manifests), "--overwrite"], work / "pack-dflash2.log")
     kw = dict(reuse=reuse, vllm_tau=vllm_tau)
-    rows = {"hf": train_and_eval(demo, work, "dflash2", "hf", None, steps, **kw)}
+    rows = {"hf": train_and_eval(demo, work, "dflash2", "hf", [], steps, **kw)}
     cache = work / "states-dflash-bf16"
-    r = train_and_eval(demo, work, "dflash2", "vllm-bf16", str(cache), steps, **kw)
+    r = train_and_eval(demo, work, "dflash2", "vllm-bf16", engine_flags(str(cache)), steps, **kw)
     r["max_loss_diff_vs_hf"] = max(abs(p - q) for p, q in zip(r["losses"], rows["hf"]["losses"]))
     rows["vllm-bf16"] = {**r, "cache": "the DFlash bf16 cache (same taps)"}
     for r in rows.values():
@@ -185,31 +201,46 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--reuse", action="store_true", help="keep the caches, runs and evaluations already in --work")
     ap.add_argument("--vllm-tau", action="store_true", help="also measure tau in vLLM (dflash-prep evaluate)")
+    ap.add_argument("--online", action="store_true",
+                    help="also train each objective with the target online in vLLM (--target-engine vllm, no cache)")
+    ap.add_argument("--objectives", default="dflash,eagle3,dflash2",
+                    help="which of dflash, eagle3, dflash2 (comma-separated); the states' own difference is measured "
+                         "with eagle3, and dflash2 warm-starts from the dflash runs")
     a = ap.parse_args(argv)
+    objectives = [o.strip() for o in a.objectives.split(",") if o.strip()]
+    if set(objectives) - {"dflash", "eagle3", "dflash2"} or ("dflash2" in objectives and "dflash" not in objectives):
+        ap.error(f"--objectives {a.objectives}: choose among dflash, eagle3, dflash2 (dflash2 needs dflash)")
     work = a.work or a.demo / "states-bench"
     work.mkdir(parents=True, exist_ok=True)
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "steps": a.steps, "cpus": os.cpu_count()}
-    fp32 = extract(a.demo, work, "eagle3", "fp32", a.reuse)
-    diff_file = work / "states-diff.json"
-    if a.reuse and diff_file.is_file():
-        diff = json.loads(diff_file.read_text())
-    else:
-        diff = states_diff(a.demo, fp32["cache"])
-        diff_file.write_text(json.dumps(diff))
-    res["states_max_abs_diff"] = {"slots": ["tap 0", "tap 1", "tap 2", "final"], "vllm_vs_frozen_target": diff,
-                                  **fp32}
-    for objective in ("dflash", "eagle3"):
+    if "eagle3" in objectives:
+        fp32 = extract(a.demo, work, "eagle3", "fp32", a.reuse)
+        diff_file = work / "states-diff.json"
+        if a.reuse and diff_file.is_file():
+            diff = json.loads(diff_file.read_text())
+        else:
+            diff = states_diff(a.demo, fp32["cache"])
+            diff_file.write_text(json.dumps(diff))
+        res["states_max_abs_diff"] = {"slots": ["tap 0", "tap 1", "tap 2", "final"], "vllm_vs_frozen_target": diff,
+                                      **fp32}
+    for objective in [o for o in ("dflash", "eagle3") if o in objectives]:
         kw = dict(reuse=a.reuse, vllm_tau=a.vllm_tau)
-        rows = {"hf": train_and_eval(a.demo, work, objective, "hf", None, a.steps, **kw)}
+        rows = {"hf": train_and_eval(a.demo, work, objective, "hf", [], a.steps, **kw)}
         for dtype in ("bf16", "fp8"):
             x = extract(a.demo, work, objective, dtype, a.reuse)
-            r = train_and_eval(a.demo, work, objective, f"vllm-{dtype}", x["cache"], a.steps, **kw)
+            r = train_and_eval(a.demo, work, objective, f"vllm-{dtype}", engine_flags(x["cache"]), a.steps, **kw)
             r["max_loss_diff_vs_hf"] = max(abs(p - q) for p, q in zip(r["losses"], rows["hf"]["losses"]))
             rows[f"vllm-{dtype}"] = {**r, **{f"cache_{k}": v for k, v in x.items() if k != "cache"}}
+        if a.online:
+            r = train_and_eval(a.demo, work, objective, "vllm-online", ONLINE, a.steps, **kw)
+            r["max_loss_diff_vs_hf"] = max(abs(p - q) for p, q in zip(r["losses"], rows["hf"]["losses"]))
+            r["max_loss_diff_vs_bf16_cache"] = max(abs(p - q) for p, q in zip(r["losses"], rows["vllm-bf16"]["losses"]))
+            rows["vllm-online"] = r
         for r in rows.values():
             r.pop("losses")
         res[objective] = rows
-    res["dflash2"] = dflash2_rows(a.demo, work, a.dflash2_steps, reuse=a.reuse, vllm_tau=a.vllm_tau)
+    if "dflash2" in objectives:
+        res["dflash2"] = dflash2_rows(a.demo, work, a.dflash2_steps, reuse=a.reuse, vllm_tau=a.vllm_tau)
     text = json.dumps(res, indent=2)
     print(text)
     if a.out:

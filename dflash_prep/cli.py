@@ -361,7 +361,7 @@ def extract_cmd(
     loss: Annotated[str, typer.Option(help="dflash/dflash2: kl also stores the final hidden state (the teacher's LM-head input)", rich_help_panel=_OBJ)] = "ce",
     dtype: Annotated[str, typer.Option(help="bf16 | fp8 (e4m3 + a float32 scale per row: half the disk) | fp32 (exact, for checks)", rich_help_panel=_IO)] = "bf16",
     shard_mb: Annotated[float, typer.Option(help="most MiB of states per shard file (the unit written and resumed)", rich_help_panel=_IO)] = 1024.0,
-    batch_tokens: Annotated[int, typer.Option(help="most prompt tokens per LLM.generate call (progress and host memory)", rich_help_panel=_ENGINE)] = 32768,
+    batch_tokens: Annotated[int, typer.Option(help="most prompt tokens per LLM.generate call (progress and host memory); 1 = one sample a call, its states then a function of the sample alone (vLLM's CPU kernels are not batch-invariant), as the trainer's online target gives with --engine-tokens 1", rich_help_panel=_ENGINE)] = 32768,
     tensor_parallel_size: Annotated[int, typer.Option(help="vLLM --tensor-parallel-size", rich_help_panel=_ENGINE)] = 1,
     pipeline_parallel_size: Annotated[int, typer.Option(help="vLLM --pipeline-parallel-size", rich_help_panel=_ENGINE)] = 1,
     enable_expert_parallel: Annotated[bool, typer.Option("--enable-expert-parallel", help="vLLM --enable-expert-parallel (MoE targets)", rich_help_panel=_ENGINE)] = False,
@@ -371,7 +371,7 @@ def extract_cmd(
 ):
     """Run the target once in vLLM over every sample and store the hidden states a drafter trains on.
 
-    The trainer then reads them instead of running the target, every epoch: `python -m dflash_prep.train --objective dflash --target T --target-engine vllm --states CACHE ...`. Pass the same --objective, --draft-layers or --target-layer-ids and --loss as that run; a cache that lacks what a run reads is refused with the command that builds it.
+    The trainer then reads them instead of running the target, every epoch: `python -m dflash_prep.train --objective dflash --target T --target-engine vllm --states CACHE ...`. Pass the same --objective, --draft-layers or --target-layer-ids and --loss as that run; a cache that lacks what a run reads is refused with the command that builds it. Without a cache, `--target-engine vllm` alone runs the target in vLLM beside the trainer, online (no disk, the target every epoch).
 
     Size per token: the taps (and the final state) x hidden x 2 bytes in bf16, about half in fp8; analyze and pack print it for your target. vLLM comes from its own venv (make venv-vllm, or $DFLASH_PREP_VLLM_PYTHON); --tensor-parallel-size, --pipeline-parallel-size and --enable-expert-parallel are vLLM's own. A stopped build resumes where it stopped when rerun; `dflash-prep verify CACHE` re-hashes it. docs/states.md.
     """

@@ -34,7 +34,7 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 #: command-line types of the TrainConfig field types that are not plain (a tuple of ints is
 #: a repeated option); the dict of model overrides is the config file's [model] table only
-_CLI_TYPES = {tuple[int, ...]: list[int]}
+_CLI_TYPES = {tuple[int, ...]: list[int], tuple[str, ...]: list[str]}
 
 
 def _plain(doc: str) -> str:
@@ -64,7 +64,7 @@ def _parameters() -> list[inspect.Parameter]:
         t = _CLI_TYPES.get(hints[f.name], hints[f.name])
         decls = [f.metadata["flag"]] if f.metadata.get("flag") else []
         option = typer.Option(*decls, help=escape(f"{_plain(docs.get(f.name, ''))} [default: {_show(default)}]"),
-                              rich_help_panel=f.metadata["panel"], show_default=False)
+                              rich_help_panel=f.metadata["panel"], show_default=False, metavar=f.metadata.get("metavar"))
         out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
                                      annotation=Annotated[Optional[t], option]))
     for fl, panel in config_mod.registry().flags():     # each objective's own options, in its panel

@@ -28,6 +28,7 @@ ATTN_BACKENDS = ("auto", "reference", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("adamw", "muon")
 TARGET_ENGINES = ("hf", "vllm")
+STATES_DTYPES = ("bf16", "fp8", "fp32")     # dflash_prep.formats.states.DTYPES, without importing numpy here
 
 
 def _positive_finite(name: str, v, *, zero_ok: bool = False) -> None:
@@ -101,13 +102,15 @@ def preset(name: str, **overrides) -> ModelConfig:
 DATA, MODEL, OPTIMIZER, RUN, OBJECTIVE = "Data", "Model", "Optimizer", "Run", "Objective"
 
 
-def opt(default=MISSING, *, panel: str, flag: str | None = None, cli: bool = True, default_factory=MISSING):
+def opt(default=MISSING, *, panel: str, flag: str | None = None, cli: bool = True, default_factory=MISSING,
+        metavar: str | None = None):
     """A :class:`TrainConfig` field: its default, its ``--help`` panel, its flag's spelling when
-    not ``--field-name`` and whether it has one at all (else config file only). The field's
+    not ``--field-name``, its value's name in ``--help`` and whether it has a flag at all (else
+    config file only). The field's
     docstring is its help (:func:`field_help`). An objective's own options are declared by the
     objective (:mod:`dflash_prep.train.objectives.registry`), not here."""
     return field(default=default, default_factory=default_factory,
-                 metadata={"panel": panel, "flag": flag, "cli": cli})
+                 metadata={"panel": panel, "flag": flag, "cli": cli, "metavar": metavar})
 
 
 def field_help(cls) -> dict[str, str]:
@@ -217,10 +220,21 @@ class TrainConfig:
     load (done before the first message)."""
     target_engine: str = opt("hf", panel=RUN)
     """Where a drafter's target hidden states come from: ``hf`` (the transformers target runs every
-    step, beside the drafter or on ``--target-ranks``) or ``vllm`` (read from ``--states``, the
-    cache ``dflash-prep extract`` built once with vLLM; the target's layers are never loaded)."""
+    step, beside the drafter or on ``--target-ranks``) or ``vllm``: read from ``--states``, the
+    cache ``dflash-prep extract`` built once with vLLM (the target's layers are never loaded), or,
+    without ``--states``, computed online by the target in vLLM beside each rank (no disk; the
+    target runs every epoch)."""
     states: str = opt("", panel=RUN)
     """The states cache ``--target-engine vllm`` reads (``dflash-prep extract ... --out CACHE``)."""
+    states_dtype: str = opt("bf16", panel=RUN)
+    """``--target-engine vllm`` without ``--states``: the engine's states rounded as a cache of this
+    dtype stores them (bf16, fp8, fp32), the same values."""
+    engine_args: tuple[str, ...] = opt((), panel=RUN, flag="--engine-arg", metavar="K=V")
+    """``--target-engine vllm`` without ``--states``: a ``vllm.LLM`` argument for the target's engine
+    (a JSON value), repeated: e.g. dtype=bfloat16, or a parallel engine with tensor_parallel_size."""
+    engine_tokens: int = opt(32768, panel=RUN)
+    """``--target-engine vllm`` without ``--states``: most tokens per engine call; 1 = one document a
+    call, a run then equal bit for bit to one on a cache built with ``extract --batch-tokens 1``."""
 
     def __post_init__(self):
         _positive_finite("--lr", self.lr)
@@ -239,14 +253,21 @@ class TrainConfig:
         _positive_finite("--target-timeout", self.target_timeout)
         if self.target_engine not in TARGET_ENGINES:
             raise ConfigError(f"--target-engine must be one of {', '.join(TARGET_ENGINES)}, got {self.target_engine!r}")
-        if (self.target_engine == "vllm") != bool(self.states):
-            raise ConfigError("--target-engine vllm reads its states from --states CACHE (built by `dflash-prep "
-                              "extract`), and --states needs --target-engine vllm" if self.states else
-                              "--target-engine vllm needs --states CACHE: build it with `dflash-prep extract DATA "
-                              "--target T --objective O --out CACHE`")
+        if self.states and self.target_engine != "vllm":
+            raise ConfigError("--states CACHE is read by --target-engine vllm; add it, or drop --states")
+        online = self.target_engine == "vllm" and not self.states
+        if not online and (self.states_dtype != "bf16" or self.engine_args or self.engine_tokens != 32768):
+            raise ConfigError("--states-dtype, --engine-arg and --engine-tokens set up the target in vLLM "
+                              "(--target-engine vllm without --states); " + (
+                                  "a cache has its own, given to `dflash-prep extract`" if self.states else
+                                  "add --target-engine vllm, or drop them"))
+        if self.states_dtype not in STATES_DTYPES:
+            raise ConfigError(f"--states-dtype must be one of {', '.join(STATES_DTYPES)}, got {self.states_dtype!r}")
+        if self.engine_tokens < 1:
+            raise ConfigError(f"--engine-tokens must be at least 1, got {self.engine_tokens}")
         if self.target_engine == "vllm" and self.target_ranks:
-            raise ConfigError("--target-engine vllm runs no target, so there is none to put on --target-ranks; drop "
-                              "--target-ranks")
+            raise ConfigError("--target-engine vllm runs the target in vLLM (beside each rank, or once into --states), "
+                              "not on --target-ranks; drop --target-ranks")
         if self.prefetch < 1:
             raise ConfigError(f"--prefetch must be at least 1 step, got {self.prefetch}")
         if self.log_every < 1:
@@ -275,7 +296,7 @@ class TrainConfig:
                               f"got {type(self.options).__name__}")
         if self.target_engine == "vllm" and spec.serve is None:
             raise ConfigError(f"--target-engine vllm: --objective {self.objective} trains on no frozen target; drop "
-                              "--target-engine and --states")
+                              "--target-engine" + (" and --states" if self.states else ""))
         if not self.optimizer:                      # the objective's recipe
             object.__setattr__(self, "optimizer", spec.options.optimizer)
         if self.optimizer not in OPTIMIZERS:
@@ -330,7 +351,7 @@ def load_file(path: str | Path) -> dict:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown keys {unknown}; valid keys: {', '.join(sorted(known))}")
-    for key in ("betas", "target_layer_ids"):
+    for key in ("betas", "target_layer_ids", "engine_args"):
         if key in raw:
             raw[key] = tuple(raw[key])
     return raw

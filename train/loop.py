@@ -365,6 +365,9 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist, place=None) -> dict:
     finally:
         if run.evals is not None:   # on an error: stopped, not waited for
             _log_evals(run.evals.close(timeout_s=0), log)
+        close = getattr(obj, "close", None)
+        if close is not None:       # the target's engine process, where the taps provider started one
+            close()
         if bar is not None:
             bar.stop()
         log.close()

@@ -60,6 +60,7 @@ import torch
 
 from dflash_prep.errors import ConfigError, DflashError, FormatError
 from dflash_prep.formats.fileio import atomic_write_json
+from dflash_prep.formats.target import target_identity
 from dflash_prep.train.prompts import load_prompts
 
 EVAL_FORMAT = "dflash-prep/speculate-eval"
@@ -266,7 +267,6 @@ def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_file: str 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_prep.train.objectives.dflash.export import folder_fingerprint
-    from dflash_prep.train.target import target_identity
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)

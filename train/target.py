@@ -14,16 +14,16 @@
   kl``, which needs the target's next-token distributions) the forward runs to the end and also
   returns the final-normed last hidden states; the LM head is left to the caller, which applies
   it to the labelled positions only, in chunks (:mod:`dflash_prep.train.chunked_kl`).
-- **Identity** (:func:`target_identity`, part of the run contract): sha256 of config.json and
-  every weight file, of the tokenizer files, and of the chat template.
-- **Where it runs** (:func:`target_provider`): here, on a split job's target rank, or not at all
-  (``--target-engine vllm``: its states read from a cache).
+- **Identity** (:func:`dflash_prep.formats.target.target_identity`, part of the run contract).
+- **Where it runs** (:func:`target_provider`): here, on a split job's target rank, or in vLLM
+  (``--target-engine vllm``: its states read from a cache, or computed online beside the rank).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -178,55 +178,24 @@ class FrozenTarget:
 def target_provider(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torch.device, place=None):
     """Where this drafter rank's target hidden states come from (a taps provider,
     :mod:`dflash_prep.train.split.taps`): ``--target-engine vllm``'s states cache
-    (:class:`~dflash_prep.train.cached_taps.CachedTaps`), else a split job's target rank (``place``:
+    (:class:`~dflash_prep.train.cached_taps.CachedTaps`), or without ``--states`` the target in vLLM
+    beside this rank (:class:`~dflash_prep.train.engine_taps.EngineTaps`), else a split job's target rank (``place``:
     :class:`~dflash_prep.train.split.taps.RemoteTaps`), else a :class:`FrozenTarget` in this process
     tapping ``layer_ids``."""
-    if cfg.target_engine == "vllm":
+    if cfg.target_engine == "vllm" and cfg.states:
         from dflash_prep.train.cached_taps import cached_taps
 
         return cached_taps(cfg, ds, layer_ids, final=final, identity=identity, device=device)
+    if cfg.target_engine == "vllm":
+        from dflash_prep.train.engine_taps import engine_taps
+
+        return engine_taps(cfg, ds, layer_ids, final=final, identity=identity, device=device,
+                           rank=int(os.environ.get("RANK", "0")))
     if place is not None:
         from dflash_prep.train.split.taps import remote_taps
 
         return remote_taps(place, cfg.options.target, timeout=cfg.target_timeout, device=device)
     return FrozenTarget(cfg.options.target, layer_ids, device=device)
-
-
-def _sha_files(files: list[Path]) -> str:
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 24), b""):
-                h.update(chunk)
-    return h.hexdigest()
-
-
-def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(Path(path))
-    except (OSError, ValueError) as e:
-        raise FormatError(f"{path}: no loadable tokenizer next to the model ({e}); save it with "
-                          "tokenizer.save_pretrained into the same folder") from None
-
-
-def target_identity(path: str | Path, tokenizer=None) -> dict:
-    """Fingerprints of the target folder: weights + config, tokenizer files, chat template."""
-    path = Path(path)
-    weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
-    if not weights:
-        raise ConfigError(f"{path}: no .safetensors/.bin weight files")
-    tok_files = sorted(p for p in path.iterdir() if p.is_file() and (
-        p.name.startswith(("tokenizer", "vocab", "merges", "special_tokens")) or p.suffix == ".model")
-        and p.name != "tokenizer_config.json")  # the config carries the template, hashed on its own
-    tok = tokenizer if tokenizer is not None else load_tokenizer(path)
-    template = getattr(tok, "chat_template", None)
-    return {"target_fingerprint": _sha_files([path / "config.json", *weights]),
-            "tokenizer_hash": _sha_files(tok_files) if tok_files else None,
-            "chat_template_hash": hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()
-            if template else None}
 
 
 def pick_mask_token(tokenizer, vocab_size: int, requested: int | None = None) -> int:

@@ -10,8 +10,10 @@
 - :mod:`.extract`: ``dflash-prep extract``: the target's hidden states from vLLM, written once
   into a states cache (:mod:`dflash_prep.formats.states`) that the trainer reads every epoch
   (``--target-engine vllm --states CACHE``); :mod:`.states_worker` is its engine side, run with
-  the engine's python, and :mod:`.states_connector` the KV connector vLLM loads to hand the
-  states over (docs/states.md).
+  the engine's python, :mod:`.worker_pipe` the pipe to it, and :mod:`.states_connector` the KV
+  connector vLLM loads to hand the states over (docs/states.md);
+- :mod:`.states_stream`: the same worker serving a micro-batch's states when the trainer asks,
+  with no cache (``--target-engine vllm`` without ``--states``, :mod:`dflash_prep.train.engine_taps`).
 
 Importing this package (and every module but ``load_report``'s :func:`register`,
 :mod:`.states_worker` and :mod:`.states_connector`) imports the standard library and numpy only:

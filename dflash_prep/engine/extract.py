@@ -24,11 +24,8 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import shlex
 import shutil
-import signal
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
@@ -36,14 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
-import dflash_prep
 from dflash_prep.engine.env import vllm_python, vllm_version
-from dflash_prep.engine.states_worker import STACK_SIGNAL
-from dflash_prep.errors import ConfigError, EngineError, FingerprintMismatch, FormatError
+from dflash_prep.engine.worker_pipe import Worker, engine_shim
+from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
 from dflash_prep.formats import states as fmt
 from dflash_prep.formats.dataset import LENGTHS_FILE, open_dataset, read_meta
 from dflash_prep.formats.fileio import atomic_write_json, follow_link, load_npy
 from dflash_prep.formats.outputs import check_out, lock
+from dflash_prep.formats.target import target_identity
 from dflash_prep.objectives.dflash import RECIPE_DRAFT_LAYERS
 from dflash_prep.objectives.target_taps import DRAFTER_OBJECTIVES, extract_command, states_need, vllm_layer_id
 from dflash_prep.progress import progress as progress_bar
@@ -146,10 +143,10 @@ def _target_config(target: Path) -> dict:
     return c.get("text_config", c)
 
 
-def plan_cache(cfg: ExtractConfig) -> dict:
-    """Everything the build is a function of: the key, its fingerprint, the slots, the shard plan."""
-    from dflash_prep.train.target import target_identity
-
+def plan_cache(cfg: ExtractConfig, identity: dict | None = None) -> dict:
+    """Everything the build is a function of: the key, its fingerprint, the slots, the shard plan
+    (``identity``: the target's :func:`~dflash_prep.train.target.target_identity`, when the caller
+    has it already)."""
     meta = read_meta(cfg.data)
     lens = load_npy(Path(cfg.data) / LENGTHS_FILE, dtype=np.int32)
     tc = _target_config(Path(cfg.target))
@@ -164,7 +161,7 @@ def plan_cache(cfg: ExtractConfig) -> dict:
                           "Llama-style final norm (Qwen3, Llama, Mistral)")
     draft = cfg.draft_layers if cfg.draft_layers is not None or cfg.objective == "eagle3" else RECIPE_DRAFT_LAYERS
     need = states_need(cfg.objective, L, draft_layers=draft, target_layer_ids=cfg.target_layer_ids, loss=cfg.loss)
-    ident = target_identity(cfg.target)
+    ident = identity if identity is not None else target_identity(cfg.target)
     key = fmt.StatesKey(dataset_fingerprint=meta["fingerprint"], target_fingerprint=ident["target_fingerprint"],
                         taps=need.slots(), final=need.final, dtype=cfg.dtype, hidden=H)
     bpt = key.bytes_per_token()
@@ -255,7 +252,7 @@ def extract(cfg: ExtractConfig, *, progress: bool = True, on_event=None) -> dict
     t0 = time.monotonic()
     py = Path(cfg.python) if cfg.python else vllm_python()
     version = vllm_version(py)
-    args = _engine_args(cfg, version)
+    args = engine_args(cfg, version)
     with lock(out, inside=True):
         h = _existing(out, p, cfg, args)
         if h is not None and h.get("complete"):
@@ -295,7 +292,9 @@ def _summary(h: dict) -> dict:
             "engine": h["engine"]["version"], "seconds": h.get("build", {}).get("seconds")}
 
 
-def _engine_args(cfg: ExtractConfig, version: str) -> dict:
+def engine_args(cfg: ExtractConfig, version: str) -> dict:
+    """``vllm.LLM``'s keyword arguments of a build: the parallelism, eager on the CPU build, then
+    ``--engine-arg`` (those the extraction sets itself refused)."""
     args = {"tensor_parallel_size": cfg.tensor_parallel_size, "pipeline_parallel_size": cfg.pipeline_parallel_size}
     if cfg.enable_expert_parallel:
         args["enable_expert_parallel"] = True
@@ -311,137 +310,29 @@ def _engine_args(cfg: ExtractConfig, version: str) -> dict:
     return args
 
 
-# ----------------------------------------------------------------------------- the engine-side worker
-def _shim(tmp: Path) -> str:
-    """A folder holding only a link to this ``dflash_prep`` package: put first on the engine's
-    ``PYTHONPATH``, the worker runs this very code (the same format writer), and nothing else of
-    this venv leaks into the engine's."""
-    link = tmp / "dflash_prep"
-    link.symlink_to(Path(dflash_prep.__file__).resolve().parent, target_is_directory=True)
-    return str(tmp)
+def worker_job(cfg: ExtractConfig, p: dict, args: dict, spool: Path, *, cache: Path | None) -> dict:
+    """The engine-side worker's job (:mod:`.states_worker`): what to capture and how to store it,
+    the engine's arguments; ``cache`` is the folder shards are written into (None: the trainer's
+    online target, whose states go back through the pipe)."""
+    lens = p["lens"]
+    return {"target": str(Path(cfg.target).resolve()), "cache": None if cache is None else str(Path(cache).resolve()),
+            "spool": str(spool), "fingerprint": p["fingerprint"], "key": p["key"].to_dict(),
+            "vllm_ids": p["vllm_ids"], "tap_vllm_ids": p["tap_vllm_ids"], "final": p["final"], "engine_args": args,
+            "max_model_len": int(lens.max()) + 1 if len(lens) else 2, "batch_tokens": cfg.batch_tokens,
+            "timeout_s": cfg.timeout_s}
 
 
-class LineReader:
-    """Lines from a pipe's file descriptor, each waited for with a timeout.
-
-    ``select`` says whether the *descriptor* has bytes; a buffered file object's ``readline`` may
-    already have pulled the next lines into its own buffer, after which ``select`` waits for bytes
-    that were already read (two events written together, ``progress`` then ``shard``, hung the
-    build that way). So the bytes are read here with ``os.read`` and split here, and ``select`` is
-    asked only when no whole line is buffered."""
-
-    def __init__(self, fd: int):
-        self.fd, self.buf = fd, b""
-        os.set_blocking(fd, False)
-
-    def readline(self, timeout_s: float) -> str | None:
-        """The next line (without its newline); ``""`` at the end of the pipe (the writer is gone);
-        ``None`` when no whole line came within ``timeout_s`` seconds."""
-        deadline = time.monotonic() + timeout_s
-        while b"\n" not in self.buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
-                return None
-            try:
-                chunk = os.read(self.fd, 1 << 16)
-            except BlockingIOError:
-                continue
-            if not chunk:
-                return ""
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        return line.decode()
-
-    def close(self) -> None:
-        os.close(self.fd)
+def check_vocab(ids: np.ndarray, vocab: int, what: str) -> None:
+    """Refuse token ids outside the target's vocabulary (data tokenized for another model)."""
+    if ids.size and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+        bad = int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())
+        raise FormatError(f"{what} hold token id {bad}, outside the target's vocabulary ({vocab}); tokenize with "
+                          "the target's tokenizer")
 
 
-class _Worker:
-    """The engine-side worker process and its two pipes (module docstring of :mod:`.states_worker`)."""
-
-    def __init__(self, py: Path, job: Path, log: Path, shim: str, timeout_s: float):
-        r, w = os.pipe()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([shim, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        self.log_path, self.timeout_s = log, timeout_s
-        self.log = open(log, "ab")
-        self.proc = subprocess.Popen([str(py), "-m", "dflash_prep.engine.states_worker", "--job", str(job),
-                                     "--events-fd", str(w), "--parent", str(os.getpid())], stdin=subprocess.PIPE, stdout=self.log,
-                                    stderr=subprocess.STDOUT, pass_fds=(w,), env=env, start_new_session=True)
-        os.close(w)
-        self.events = LineReader(r)
-
-    def send(self, cmd: dict) -> None:
-        try:
-            self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            raise self._died() from None
-
-    def event(self, timeout_s: float | None = None) -> dict:
-        line = self.events.readline(timeout_s or self.timeout_s)
-        if line is None:
-            where = "its stacks are at the end of" if self._dump_stacks() else "see"
-            raise EngineError(f"the vLLM worker sent nothing for {timeout_s or self.timeout_s:.0f} s; {where} "
-                              f"{self.log_path} (raise --timeout if the engine is only slow)")
-        if not line:
-            raise self._died()
-        ev = json.loads(line)
-        if ev.get("event") == "error":
-            raise EngineError(f"vLLM worker: {ev['message']} (its log: {self.log_path})")
-        return ev
-
-    def _dump_stacks(self) -> bool:
-        """Have a silent worker write every thread's stack to its log (:data:`.states_worker.STACK_SIGNAL`);
-        True when it did (the log then ends with them), False when the worker is gone or wrote nothing."""
-        size = self.log_path.stat().st_size if self.log_path.exists() else 0
-        try:
-            os.kill(self.proc.pid, STACK_SIGNAL)
-        except ProcessLookupError:
-            return False
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and self.log_path.stat().st_size == size:
-            time.sleep(0.1)
-        time.sleep(0.2)                                 # the rest of the dump
-        return self.log_path.stat().st_size > size
-
-    def _died(self) -> EngineError:
-        try:
-            rc = self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            rc = None
-        tail = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()][-1:] \
-            if self.log_path.exists() else []
-        return EngineError(f"the vLLM worker stopped (exit {rc}): {tail[0].strip() if tail else 'no output'} "
-                           f"(its log: {self.log_path})")
-
-    def close(self, ok: bool) -> None:
-        try:
-            if ok:
-                self.send({"stop": True})
-                self.proc.wait(timeout=120)
-        except (EngineError, subprocess.TimeoutExpired):
-            pass
-        finally:
-            if self.proc.poll() is None:               # the worker's group: vLLM's engine processes too
-                try:
-                    os.killpg(self.proc.pid, signal.SIGTERM)
-                    self.proc.wait(timeout=30)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    try:
-                        os.killpg(self.proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-            for f in (self.proc.stdin, self.events, self.log):
-                try:
-                    f.close()
-                except OSError:
-                    pass
-
-
-def _write_input(out: Path, k: int, ids: np.ndarray, lens: np.ndarray) -> str:
-    fd, name = tempfile.mkstemp(prefix=f".in-{k:05d}.{os.getpid()}.", suffix=".tmp", dir=out)
+def write_input(folder: Path, tag: str, ids: np.ndarray, lens: np.ndarray) -> str:
+    """A worker command's input: ``ids`` (int32, the samples' tokens concatenated) and ``lens``."""
+    fd, name = tempfile.mkstemp(prefix=f".in-{tag}.{os.getpid()}.", suffix=".tmp", dir=folder)
     with os.fdopen(fd, "wb") as f:
         np.savez(f, ids=ids.astype(np.int32), lens=lens.astype(np.int64))
     return name
@@ -452,11 +343,7 @@ def _run_worker(cfg: ExtractConfig, p: dict, out: Path, py: Path, args: dict, to
     ds = open_dataset(cfg.data)
     lens = np.asarray(p["lens"], np.int64)
     tmp = Path(tempfile.mkdtemp(prefix=f".spool.{os.getpid()}.", suffix=".tmp", dir=out))
-    job = {"target": str(Path(cfg.target).resolve()), "cache": str(out.resolve()), "spool": str(tmp / "spool"),
-           "fingerprint": p["fingerprint"], "key": p["key"].to_dict(), "vllm_ids": p["vllm_ids"],
-           "tap_vllm_ids": p["tap_vllm_ids"], "final": p["final"], "engine_args": args,
-           "max_model_len": int(lens.max()) + 1 if len(lens) else 2, "batch_tokens": cfg.batch_tokens,
-           "timeout_s": cfg.timeout_s}
+    job = worker_job(cfg, p, args, tmp / "spool", cache=out)
     (tmp / "job.json").write_text(json.dumps(job))
     inputs: dict[int, str] = {}
 
@@ -464,13 +351,11 @@ def _run_worker(cfg: ExtractConfig, p: dict, out: Path, py: Path, args: dict, to
         a, b = p["plan"][k]
         ids = [ds.sample(s)[0] for s in range(a, b)]
         cat = np.concatenate(ids) if ids else np.zeros(0, np.int32)
-        if cat.size and (int(cat.max()) >= p["vocab"] or int(cat.min()) < 0):
-            raise FormatError(f"{cfg.data}: samples {a}..{b - 1} hold token id {int(cat.max())}, outside the target's "
-                              f"vocabulary ({p['vocab']}); tokenize with the target's tokenizer")
-        inputs[k] = _write_input(out, k, cat, lens[a:b])
+        check_vocab(cat, p["vocab"], f"{cfg.data}: samples {a}..{b - 1}")
+        inputs[k] = write_input(out, f"{k:05d}", cat, lens[a:b])
 
     done: dict[int, dict] = {}
-    worker = _Worker(py, tmp / "job.json", out / fmt.LOG_FILE, _shim(tmp), cfg.timeout_s)
+    worker = Worker(py, tmp / "job.json", out / fmt.LOG_FILE, engine_shim(tmp), cfg.timeout_s)
     ok = False
     try:
         prepare(todo[0])

@@ -1,29 +1,38 @@
-"""The engine side of ``dflash-prep extract``: vLLM's offline ``LLM`` over token-id prompts, each
-sample's hidden states quantized and written into the cache's shards.
+"""The engine side of ``dflash-prep extract`` and of the trainer's online target: vLLM's offline
+``LLM`` over token-id prompts, each sample's hidden states quantized as the states cache stores
+them, written into a cache shard or handed to the trainer.
 
 Run with the engine's python (:func:`dflash_prep.engine.env.vllm_python`) by
-:mod:`dflash_prep.engine.extract`, never by hand::
+:mod:`dflash_prep.engine.worker_pipe`, never by hand::
 
     python -m dflash_prep.engine.states_worker --job JOB.json --events-fd N
 
 ``JOB.json`` (written by the driver): the target, the vLLM layer ids to capture, how each slot of
 the cache is made of them, the dtype, the engine's arguments, the spool folder. Then, one JSON
-command a line on stdin: ``{"shard": k, "samples": [a, b], "input": NPZ}`` (``ids`` int32, the
-samples' tokens concatenated, and ``lens``) or ``{"stop": true}``; stdin's end without a stop means
-the driver is gone, and the worker exits. Events go to file descriptor N, one JSON object a line
-(vLLM logs on stdout and stderr, which the driver sends to ``extract.log``): ``ready``,
-``progress`` (tokens done), ``shard`` (its table entry, once the file is in place) and ``error``
-(one line, then exit 1). On ``SIGUSR1`` (:data:`STACK_SIGNAL`) every thread's stack is written
-to the log: the driver sends it before giving up on a silent worker.
+command a line on stdin (each input an ``.npz`` of ``ids``, int32, the samples' tokens concatenated,
+and ``lens``):
 
-Per shard: the samples go to ``LLM.generate`` in batches of at most ``batch_tokens`` tokens, with
+- ``{"shard": k, "samples": [a, b], "input": NPZ}`` (``extract``): shard k written into the cache;
+- ``{"states": n, "input": NPZ, "output": NPZ}`` (the trainer's ``--target-engine vllm`` without a
+  cache, :mod:`dflash_prep.train.engine_taps`): the same encoded rows (and fp8 scales) written to
+  ``output``;
+- ``{"stop": true}``; stdin's end without a stop means the driver is gone, and the worker exits.
+
+Events go to file descriptor N, one JSON object a line (vLLM logs on stdout and stderr, which the
+driver sends to a log file): ``ready``, ``progress`` (tokens done), ``shard`` (its table entry,
+once the file is in place), ``states`` (the output in place) and ``error`` (one line, then exit 1).
+On ``SIGUSR1`` (:data:`STACK_SIGNAL`) every thread's stack is written to the log: the driver sends
+it before giving up on a silent worker.
+
+Per command: the samples go to ``LLM.generate`` in batches of at most ``batch_tokens`` tokens, with
 ``max_tokens = 1`` (only the prefill matters; the one sampled token is thrown away) and
-``kv_transfer_params = {"states_key": "s<id>"}``, which :mod:`.states_connector` names the states
+``kv_transfer_params = {"states_key": NAME}``, which :mod:`.states_connector` names the states
 file after. Each file is ``[n, k, H]`` in vLLM's layer-id order; a cache slot is one of them
 (tap ``l`` is vLLM id ``l + 1``), the final slot vLLM id ``L`` through the target's final RMSNorm
 (``weight * x / sqrt(mean(x^2) + eps)``, in float32, with ``model.norm.weight`` and
 ``rms_norm_eps``: vLLM captures the residual stream before that norm). Then
-:func:`dflash_prep.formats.states.encode_torch` and :func:`~dflash_prep.formats.states.write_shard`.
+:func:`dflash_prep.formats.states.encode_torch` (:func:`encode_samples`, the one path both
+commands take) and, for a shard, :func:`~dflash_prep.formats.states.write_shard`.
 """
 
 from __future__ import annotations
@@ -101,38 +110,39 @@ class Engine:
         if job["final"] is not None:
             self.norm = final_norm_weight(Path(job["target"]))
 
-    def states(self, sids: list[int], prompts: list[np.ndarray], timeout_s: float):
-        """Yield ``(sid, float32 tensor [n, k, H])`` in vLLM's layer-id order, for each prompt, in order."""
+    def states(self, keys: list[str], prompts: list[np.ndarray], timeout_s: float):
+        """Yield ``float32 tensor [n, k, H]`` in vLLM's layer-id order, for each prompt, in order;
+        ``keys`` name the requests' states files (unique among the requests in flight)."""
         import torch
         from vllm import SamplingParams
 
-        sps = [SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": {self.param_key: f"s{s}"}})
-               for s in sids]
+        sps = [SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": {self.param_key: k}})
+               for k in keys]
         outs = self.llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], sps, use_tqdm=False)
-        if len(outs) != len(sids):
-            raise RuntimeError(f"vLLM returned {len(outs)} outputs for {len(sids)} prompts")
-        for s, p in zip(sids, prompts):
-            f = self._await(s, timeout_s)
+        if len(outs) != len(keys):
+            raise RuntimeError(f"vLLM returned {len(outs)} outputs for {len(keys)} prompts")
+        for k, p in zip(keys, prompts):
+            f = self._await(k, timeout_s)
             a = np.load(f, allow_pickle=False)
             t = torch.from_numpy(a).view(torch.bfloat16) if f.name.endswith(".bf16.npy") else torch.from_numpy(a)
             if tuple(t.shape[:2]) != (len(p), len(self.job["vllm_ids"])):
-                raise RuntimeError(f"sample {s}: vLLM's states have shape {tuple(t.shape)}, expected "
+                raise RuntimeError(f"request {k}: vLLM's states have shape {tuple(t.shape)}, expected "
                                    f"({len(p)}, {len(self.job['vllm_ids'])}, H)")
-            yield s, t.float()
+            yield t.float()
             os.unlink(f)
 
-    def _await(self, sid: int, timeout_s: float) -> Path:
-        """The states file of sample ``sid``. The connector writes it one engine step after the
+    def _await(self, key: str, timeout_s: float) -> Path:
+        """The states file of request ``key``. The connector writes it one engine step after the
         request finished (the step that hands it the request's blocks), and ``generate`` returns
         before that step: the engine runs in this process (:data:`IN_PROCESS`), so step it here."""
-        names = [self.spool / f"s{sid}.npy", self.spool / f"s{sid}.bf16.npy"]
+        names = [self.spool / f"{key}.npy", self.spool / f"{key}.bf16.npy"]
         deadline = time.monotonic() + timeout_s
         while True:
             for f in names:
                 if f.exists():
                     return f
             if time.monotonic() > deadline:
-                raise RuntimeError(f"sample {sid}: vLLM finished the request but no states file came within "
+                raise RuntimeError(f"request {key}: vLLM finished it but no states file came within "
                                    f"{timeout_s:.0f} s (is the extract_hidden_states connector loaded?)")
             self.llm.llm_engine.step()
 
@@ -150,38 +160,76 @@ class Engine:
         return torch.stack(cols, dim=1)
 
 
-def run_shard(engine: Engine, cmd: dict, events) -> None:
-    job = engine.job
-    key = StatesKey(**{**job["key"], "taps": tuple(job["key"]["taps"])})
-    k, (a, b) = int(cmd["shard"]), cmd["samples"]
-    with np.load(cmd["input"], allow_pickle=False) as d:
+def _key(job: dict) -> StatesKey:
+    return StatesKey(**{**job["key"], "taps": tuple(job["key"]["taps"])})
+
+
+def _load_input(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """The token ids (concatenated) and the row offsets of a command's samples."""
+    with np.load(path, allow_pickle=False) as d:
         ids, lens = np.asarray(d["ids"]), np.asarray(d["lens"], np.int64)
-    if len(lens) != b - a:
-        raise RuntimeError(f"shard {k}: {len(lens)} lengths for samples [{a}, {b})")
     off = np.zeros(len(lens) + 1, np.int64)
     np.cumsum(lens, out=off[1:])
-    T = int(off[-1])
+    if int(off[-1]) != len(ids):
+        raise RuntimeError(f"{path}: {len(ids)} token ids for lengths summing to {int(off[-1])}")
+    return ids, off
+
+
+def encode_samples(engine: Engine, names: list[str], ids: np.ndarray, off: np.ndarray, key: StatesKey, on_batch=None):
+    """``rows (T, S, H)`` in the storage dtype and the fp8 ``scales (T, S)`` (None otherwise) of the
+    samples ``ids[off[i]:off[i + 1]]``: the engine's states, the cache's slots, encoded. The samples
+    go to the engine in calls of at most ``batch_tokens`` tokens (a sample longer than that alone;
+    ``batch_tokens = 1``: one sample a call, its states a function of the sample alone, since vLLM's
+    CPU kernels are not batch-invariant); ``names[i]`` names sample i's request."""
+    n, T = len(off) - 1, int(off[-1])
+    job = engine.job
     rows = np.empty((T, key.slots, key.hidden), STORAGE[key.dtype])          # (T, S, H)
     scales = np.empty((T, key.slots), np.float32) if key.dtype == "fp8" else None
     i = 0
-    while i < len(lens):                                                      # batches of <= batch_tokens
+    while i < n:                                                              # batches of <= batch_tokens
         j = i + 1
-        while j < len(lens) and off[j + 1] - off[i] <= int(job["batch_tokens"]):
+        while j < n and off[j + 1] - off[i] <= int(job["batch_tokens"]):
             j += 1
-        sids = list(range(a + i, a + j))
-        prompts = [ids[off[x]:off[x + 1]] for x in range(i, j)]
-        for s, t in engine.states(sids, prompts, float(job["timeout_s"])):
-            x = s - a
+        got = engine.states(names[i:j], [ids[off[x]:off[x + 1]] for x in range(i, j)], float(job["timeout_s"]))
+        for x, t in zip(range(i, j), got):
             r, sc = encode_torch(engine.slots(t), key.dtype)
             rows[off[x]:off[x + 1]] = r
             if scales is not None:
                 scales[off[x]:off[x + 1]] = sc
-        _emit(events, event="progress", shard=k, tokens=int(off[j] - off[i]))
+        if on_batch is not None:
+            on_batch(int(off[j] - off[i]))
         i = j
+    return rows, scales
+
+
+def run_shard(engine: Engine, cmd: dict, events) -> None:
+    """``{"shard": k, "samples": [a, b], "input": NPZ}``: shard k of the cache, written in place."""
+    job, key = engine.job, _key(engine.job)
+    k, (a, b) = int(cmd["shard"]), cmd["samples"]
+    ids, off = _load_input(cmd["input"])
+    if len(off) - 1 != b - a:
+        raise RuntimeError(f"shard {k}: {len(off) - 1} lengths for samples [{a}, {b})")
+    rows, scales = encode_samples(engine, [f"s{s}" for s in range(a, b)], ids, off, key,
+                                  lambda tokens: _emit(events, event="progress", shard=k, tokens=tokens))
     entry = write_shard(Path(job["cache"]) / shard_name(k), cache_fingerprint=job["fingerprint"], index=k,
                         samples=(a, b), key=key, rows=rows, scales=scales, offsets=off)
     os.unlink(cmd["input"])
     _emit(events, event="shard", shard=k, entry=entry)
+
+
+def run_states(engine: Engine, cmd: dict, events) -> None:
+    """``{"states": n, "input": NPZ, "output": NPZ}``: the encoded states of the input's samples
+    (``rows``, and ``scales`` for fp8) written to ``output`` (a temp name renamed into place), for
+    the trainer's online target (:mod:`dflash_prep.train.engine_taps`)."""
+    n = int(cmd["states"])
+    ids, off = _load_input(cmd["input"])
+    rows, scales = encode_samples(engine, [f"q{n}-{x}" for x in range(len(off) - 1)], ids, off, _key(engine.job))
+    tmp = f"{cmd['output']}.tmp"
+    with open(tmp, "wb") as f:
+        np.savez(f, rows=rows, **({} if scales is None else {"scales": scales}))
+    os.replace(tmp, cmd["output"])
+    os.unlink(cmd["input"])
+    _emit(events, event="states", states=n, output=cmd["output"])
 
 
 def die_with(parent: int) -> None:
@@ -219,7 +267,7 @@ def main(argv=None) -> int:
             if cmd.get("stop"):
                 _emit(events, event="stopped")
                 return 0
-            run_shard(engine, cmd, events)
+            (run_states if "states" in cmd else run_shard)(engine, cmd, events)
         return 2                                   # the driver is gone: nothing to report to
     except Exception as e:  # noqa: BLE001 - any engine failure becomes the driver's one-line error
         msg = " ".join(f"{type(e).__name__}: {e}".split())

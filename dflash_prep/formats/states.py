@@ -123,6 +123,18 @@ class StatesKey:
     def bytes_per_token(self) -> int:
         return bytes_per_token(self.slots, self.hidden, self.dtype)
 
+    def slot_of(self, tap: int, where: str) -> int:
+        """The slot of our tap id ``tap`` (:class:`FormatError` naming ``where`` when not stored)."""
+        if tap not in self.taps:
+            raise FormatError(f"{where}: tap {tap} is not in the states (they hold {list(self.taps)})")
+        return self.taps.index(tap)
+
+    def final_slot(self, where: str) -> int:
+        """The final hidden state's slot (:class:`FormatError` naming ``where`` when not stored)."""
+        if not self.final:
+            raise FormatError(f"{where}: the states hold no final hidden state")
+        return len(self.taps)
+
 
 def plan_shards(lengths: np.ndarray, bytes_per_tok: int, shard_bytes: float) -> list[tuple[int, int]]:
     """Contiguous sample-id ranges ``[start, end)``, each holding at most ``shard_bytes`` of states
@@ -321,15 +333,11 @@ class StatesCache:
 
     def slot_of(self, tap: int) -> int:
         """The slot index of our tap id ``tap`` (:class:`FormatError` when not stored)."""
-        if tap not in self.key.taps:
-            raise FormatError(f"{self.folder}: tap {tap} is not in the cache (it holds {list(self.key.taps)})")
-        return self.key.taps.index(tap)
+        return self.key.slot_of(tap, str(self.folder))
 
     @property
     def final_slot(self) -> int:
-        if not self.key.final:
-            raise FormatError(f"{self.folder}: the cache holds no final hidden state")
-        return len(self.key.taps)
+        return self.key.final_slot(str(self.folder))
 
     def sample(self, sid: int) -> tuple[np.ndarray, np.ndarray | None]:
         """``(rows (L, S, H), scales (L, S) or None)`` of sample ``sid``: views into the mapped shard."""

@@ -58,3 +58,42 @@ def broken_copy(src: Path, dst: Path, *, drop: str | None = None, config: dict |
                 c[k] = v
         (dst / "config.json").write_text(json.dumps(c, indent=2))
     return dst
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory, engine_python):
+    """A states world: a tiny Qwen3 target (4 layers, H = 64, head_dim 32) in fp32 and a small tokenized
+    corpus (120 samples), and the engine's python (skipped without it)."""
+    from dflash_prep.synth.synth import SynthConfig, synth
+    from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
+    from dflash_prep.train.target_init import TargetSpec, build_target, default_texts
+
+    py = str(engine_python)
+    root = tmp_path_factory.mktemp("engine")
+    target = build_target(root / "target", TargetSpec(vocab_size=400, hidden=64, layers=4, heads=2, kv_heads=1,
+                                                      head_dim=32, intermediate=96, max_position=1024, seed=0),
+                          texts=default_texts(20_000))
+    synth(SynthConfig(out=root / "corpus", profile="mini", n=120, seed=0))
+    tokenize(TokenizeConfig(inputs=(str(root / "corpus" / "chat.jsonl"),), out=root / "data", tokenizer=str(target),
+                            max_len=256, on_overflow="drop"))
+    return {"root": root, "target": target, "data": root / "data", "py": py}
+
+
+def dflash_inputs(world, folder: Path) -> dict:
+    """A plan and epoch-0 DFlash manifests (1 draft layer, blocks of 4, 8 anchors) for ``world``'s
+    data under ``folder``: the trainer's options of a short DFlash run on them (the run's own go on top)."""
+    from dflash_prep.formats import lengths as lengths_mod
+    from dflash_prep.formats import plan as plan_mod
+    from dflash_prep.objectives.dflash import drafter_options
+    from dflash_prep.pack.pack import PackConfig, pack_epochs
+
+    src = lengths_mod.load(data=world["data"])
+    plan_mod.save(plan_mod.Plan(data=src.describe(), boundaries=(), budget=plan_mod.Budget(value=1024), seed=0),
+                  folder / "plan")
+    d = drafter_options(target_config=world["target"], draft_layers=1, block_size=4, max_anchors=8, sliding_window=0)
+    pack_epochs(plan=folder / "plan" / "plan.json", epochs=[0], out=folder / "man",
+                config=PackConfig(objective="dflash", options=d))
+    return dict(data=str(world["data"]), plan=str(folder / "plan" / "plan.json"), manifests=str(folder / "man"),
+                target=str(world["target"]), progress=False, device="cpu", lr=3e-3, warmup_steps=1,
+                pack_missing=False, objective="dflash", block_size=4, max_anchors=8, sliding_window=0,
+                optimizer="adamw")

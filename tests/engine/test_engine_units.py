@@ -206,7 +206,7 @@ def test_events_written_together_are_each_read_without_waiting():
     """The extract driver's event reader: two events in one write (``progress`` then ``shard``, as
     the worker sends them) both come back at once; a buffered ``readline`` after ``select`` left the
     second in its buffer and waited out the timeout for it."""
-    from dflash_prep.engine.extract import LineReader
+    from dflash_prep.engine.worker_pipe import LineReader
 
     r, w = os.pipe()
     reader = LineReader(r)
@@ -232,7 +232,7 @@ def test_a_silent_extract_worker_leaves_its_stacks_in_the_log(tmp_path):
     """A worker that sends nothing for ``--timeout`` seconds is asked for every thread's stack
     (SIGUSR1, which the real worker registers with faulthandler) before the driver gives up; the
     error names the log that ends with them. The stand-in registers the same handler, then hangs."""
-    from dflash_prep.engine.extract import _Worker
+    from dflash_prep.engine.worker_pipe import Worker
 
     py = tmp_path / "python"
     py.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import faulthandler, signal, time\n"
@@ -240,7 +240,7 @@ def test_a_silent_extract_worker_leaves_its_stacks_in_the_log(tmp_path):
                   "def stuck_in_the_engine():\n    time.sleep(120)\nstuck_in_the_engine()'\n")
     py.chmod(0o755)
     (tmp_path / "shim").mkdir()
-    w = _Worker(py, tmp_path / "job.json", tmp_path / "extract.log", str(tmp_path / "shim"), timeout_s=2.0)
+    w = Worker(py, tmp_path / "job.json", tmp_path / "extract.log", str(tmp_path / "shim"), timeout_s=2.0)
     try:
         time.sleep(1.0)                                       # the stand-in has registered its handler
         with pytest.raises(EngineError, match="sent nothing for 2 s; its stacks are at the end of .*extract.log"):
@@ -249,3 +249,19 @@ def test_a_silent_extract_worker_leaves_its_stacks_in_the_log(tmp_path):
     finally:
         w.close(ok=False)
     assert w.proc.poll() is not None
+
+
+def test_the_online_engine_gets_its_ranks_gpu():
+    """``--target-engine vllm`` online: a drafter rank on cuda:i gives its engine GPU i of the job's
+    visible list (vLLM would take the first on every rank); a parallel engine is the user's to place;
+    on CPU nothing is set."""
+    import torch
+
+    from dflash_prep.train.engine_taps import engine_devices
+
+    cuda = lambda i: torch.device("cuda", i)  # noqa: E731 - a device object; no GPU is touched
+    assert engine_devices(torch.device("cpu"), {}) == {}
+    assert engine_devices(cuda(1), {}, visible="") == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert engine_devices(cuda(1), {}, visible="4,5,6") == {"CUDA_VISIBLE_DEVICES": "5"}
+    assert engine_devices(cuda(0), {"tensor_parallel_size": 2}, visible="4,5") == {}
+    assert engine_devices(cuda(0), {"pipeline_parallel_size": 2}) == {}

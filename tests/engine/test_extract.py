@@ -29,25 +29,9 @@ import torch
 from dflash_prep.errors import FingerprintMismatch, FormatError
 from dflash_prep.formats import states as fmt
 
+from dflash_prep.tests.engine.conftest import dflash_inputs
+
 pytestmark = pytest.mark.engine
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory, engine_python):
-    """The target, the dataset, and the engine's python (conftest's ``engine_python``: skipped without it)."""
-    from dflash_prep.synth.synth import SynthConfig, synth
-    from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
-    from dflash_prep.train.target_init import TargetSpec, build_target, default_texts
-
-    py = str(engine_python)
-    root = tmp_path_factory.mktemp("engine")
-    target = build_target(root / "target", TargetSpec(vocab_size=400, hidden=64, layers=4, heads=2, kv_heads=1,
-                                                      head_dim=32, intermediate=96, max_position=1024, seed=0),
-                          texts=default_texts(20_000))
-    synth(SynthConfig(out=root / "corpus", profile="mini", n=120, seed=0))
-    tokenize(TokenizeConfig(inputs=(str(root / "corpus" / "chat.jsonl"),), out=root / "data", tokenizer=str(target),
-                            max_len=256, on_overflow="drop"))
-    return {"root": root, "target": target, "data": root / "data", "py": py}
 
 
 def _cfg(world, out, **kw):
@@ -116,29 +100,15 @@ def test_build_matches_the_transformers_target_and_verifies(world, cache_e3):
 def test_training_reads_the_cache_and_refuses_one_for_other_taps(world, cache_e3, tmp_path):
     """A short DFlash run on the EAGLE-3 cache (its taps hold DFlash's one-layer tap 2); a run that
     reads a tap the cache lacks is refused in one line with the command that builds it."""
-    from dflash_prep.formats import plan as plan_mod
-    from dflash_prep.formats import lengths as lengths_mod
-    from dflash_prep.objectives.dflash import drafter_options
-    from dflash_prep.pack.pack import PackConfig, pack_epochs
     from dflash_prep.train.config import build as build_config
     from dflash_prep.train.loop import train
 
     out, _ = cache_e3
-    src = lengths_mod.load(data=world["data"])
-    plan_mod.save(plan_mod.Plan(data=src.describe(), boundaries=(), budget=plan_mod.Budget(value=1024), seed=0),
-                  tmp_path / "plan")
-    d = drafter_options(target_config=world["target"], draft_layers=1, block_size=4, max_anchors=8, sliding_window=0)
-    pack_epochs(plan=tmp_path / "plan" / "plan.json", epochs=[0], out=tmp_path / "man",
-                config=PackConfig(objective="dflash", options=d))
-    common = dict(data=str(world["data"]), plan=str(tmp_path / "plan" / "plan.json"), manifests=str(tmp_path / "man"),
-                  target=str(world["target"]), progress=False, device="cpu", max_steps=2, lr=3e-3, warmup_steps=1,
-                  pack_missing=False, target_engine="vllm", states=str(out))
-    r = train(build_config(out=str(tmp_path / "run"), objective="dflash", draft_layers=1, block_size=4,
-                           max_anchors=8, sliding_window=0, optimizer="adamw", slot_weights="decay", **common))
+    common = dict(dflash_inputs(world, tmp_path), max_steps=2, target_engine="vllm", states=str(out))
+    r = train(build_config(out=str(tmp_path / "run"), draft_layers=1, slot_weights="decay", **common))
     assert r["global_step"] == 2
     with pytest.raises(FingerprintMismatch) as e:
-        train(build_config(out=str(tmp_path / "run2"), objective="dflash", draft_layers=1, target_layer_ids=(3,), block_size=4,
-                           max_anchors=8, sliding_window=0, optimizer="adamw", **common))
+        train(build_config(out=str(tmp_path / "run2"), draft_layers=1, target_layer_ids=(3,), **common))
     msg = str(e.value)
     assert "\n" not in msg and "holds taps [0, 1, 2], the run reads [3]" in msg, msg
     assert "`dflash-prep extract " in msg and "--target-layer-ids 3" in msg and "--dtype fp32" in msg, msg

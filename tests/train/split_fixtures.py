@@ -58,7 +58,8 @@ def batch_builder(paths: dict, source):
     from dflash_prep.train.config import build as build_config
     from dflash_prep.train.objectives.dflash.batch import build_dflash_batch, default_gamma
     from dflash_prep.train.objectives.dflash.batch import anchor_spec
-    from dflash_prep.train.target import load_tokenizer, pick_mask_token
+    from dflash_prep.formats.target import load_tokenizer
+    from dflash_prep.train.target import pick_mask_token
 
     target = paths["target"]
     spec, _ = anchor_spec(build_config(objective="dflash", target=target), source.manifest(0))

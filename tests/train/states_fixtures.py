@@ -22,7 +22,8 @@ def cache_from_target(out: Path, source, target, taps, *, final: bool, dtype: st
                       shard_tokens: int = 400, data_path: str | None = None) -> fmt.StatesKey:
     """Write a complete cache of ``taps`` (our ids; + the final state) of ``source``'s dataset."""
     from dflash_prep.train.data import read_documents
-    from dflash_prep.train.target import FrozenTarget, target_identity
+    from dflash_prep.formats.target import target_identity
+    from dflash_prep.train.target import FrozenTarget
 
     ds = source.dataset
     out = Path(out)
@@ -71,3 +72,31 @@ def cache_from_target(out: Path, source, target, taps, *, final: bool, dtype: st
         "shards": entries, "dataset": {"path": data_path or "?"}, "engine": {"name": "transformers (test fixture)"},
         "command": "dflash-prep extract (test fixture)"}, format=fmt.FORMAT, version=fmt.VERSION)
     return key
+
+
+def run_losses(out: Path) -> list[float]:
+    """Every step's loss of a finished run, from its ``log.jsonl``."""
+    import json
+
+    return [json.loads(x)["loss"] for x in (Path(out) / "log.jsonl").read_text().splitlines()[1:]]
+
+
+def run_params(out: Path) -> dict:
+    """The drafter's weights in a run's checkpoint."""
+    from dflash_prep.train import checkpoint as ckpt
+
+    return torch.load(Path(out) / ckpt.CKPT_FILE, weights_only=True)["model"]
+
+
+def assert_same_drafter(a: Path, b: Path) -> tuple[dict, dict]:
+    """Runs ``a`` and ``b`` trained the same drafter bit for bit: every logged loss, every weight.
+    Returns their checkpoints' run contracts."""
+    from dflash_prep.train import checkpoint as ckpt
+
+    assert run_losses(a) == run_losses(b)
+    pa, pb = run_params(a), run_params(b)
+    assert pa.keys() == pb.keys()
+    for n in pa:
+        assert torch.equal(pa[n], pb[n]), f"{n}: max diff {(pa[n] - pb[n]).abs().max().item()}"
+    return tuple(ckpt.load(Path(x) / ckpt.CKPT_FILE)["run_key"]["contract"] for x in (a, b))
+

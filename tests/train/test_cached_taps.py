@@ -5,8 +5,6 @@ one bit for bit; vLLM-built caches are tested in tests/engine/."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -17,16 +15,8 @@ from dflash_prep.train.loop import train
 
 from dflash_prep.tests.train.dflash_fixtures import dflash_cfg, tiny_target
 from dflash_prep.tests.train.eagle3_fixtures import eagle3_cfg, eagle3_source
-from dflash_prep.tests.train.states_fixtures import cache_from_target
+from dflash_prep.tests.train.states_fixtures import assert_same_drafter, cache_from_target
 from dflash_prep.tests.train.train_fakes import FakeSource
-
-
-def _params(out):
-    return {k: v for k, v in torch.load(out / ckpt.CKPT_FILE, weights_only=True)["model"].items()}
-
-
-def _losses(out):
-    return [json.loads(x)["loss"] for x in (out / "log.jsonl").read_text().splitlines()[1:]]
 
 
 CASES = {
@@ -57,12 +47,7 @@ def test_cached_run_equals_colocated_bit_for_bit(tmp_path, case):
     assert "states_read" not in a
     got = b["states_read"]    # every micro-batch's states were read on the prefetch thread, none in the step
     assert got["on_step"] == 0 and got["ahead"] >= steps * src.manifest(0).grad_accum, got
-    assert _losses(tmp_path / "hf") == _losses(tmp_path / "vllm")
-    pa, pb = _params(tmp_path / "hf"), _params(tmp_path / "vllm")
-    for n in pa:
-        assert torch.equal(pa[n], pb[n]), f"{n}: max diff {(pa[n] - pb[n]).abs().max().item()}"
-    ca = ckpt.load(tmp_path / "hf" / ckpt.CKPT_FILE)["run_key"]["contract"]
-    cb = ckpt.load(tmp_path / "vllm" / ckpt.CKPT_FILE)["run_key"]["contract"]
+    ca, cb = assert_same_drafter(tmp_path / "hf", tmp_path / "vllm")
     assert "target_engine" not in ca and "states_dtype" not in ca       # hf runs keep their contract
     assert {k: v for k, v in cb.items() if k not in ("target_engine", "states_dtype")} == ca
     assert (cb["target_engine"], cb["states_dtype"]) == ("vllm", "fp32")
@@ -82,10 +67,7 @@ def test_cached_resume_is_bitwise_and_a_cache_of_another_dtype_is_refused(tmp_pa
     train(dflash_cfg(tmp_path / "b", target, max_steps=k, **kw), source=src())
     b = train(dflash_cfg(tmp_path / "b", target, max_steps=n, **kw), source=src())
     assert a["global_step"] == b["global_step"] == n and b["steps"] == n - k
-    pa, pb = _params(tmp_path / "a"), _params(tmp_path / "b")
-    for name in pa:
-        assert torch.equal(pa[name], pb[name]), name
-    assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
+    assert_same_drafter(tmp_path / "a", tmp_path / "b")
     with pytest.raises(ckpt.PlanChanged, match="states_dtype: checkpoint 'fp32' -> now 'fp8'"):
         train(dflash_cfg(tmp_path / "a", target, max_steps=n + 1, **{**kw, "states": str(tmp_path / "c8")}),
               source=src())
@@ -157,14 +139,25 @@ def test_a_cache_for_other_data_target_or_taps_is_refused_in_one_line(tmp_path):
 
 def test_engine_options_are_checked():
     target = str(tiny_target())
-    with pytest.raises(ConfigError, match="needs --states CACHE"):
-        dflash_cfg("o", target, target_engine="vllm")
-    with pytest.raises(ConfigError, match="--states needs --target-engine vllm"):
+    online = dflash_cfg("o", target, target_engine="vllm", states_dtype="fp8", engine_args=("dtype=float32",),
+                        engine_tokens=1)       # without --states: the target in vLLM, online
+    assert (online.states, online.states_dtype, online.engine_tokens) == ("", "fp8", 1)
+    with pytest.raises(ConfigError, match="--states CACHE is read by --target-engine vllm"):
         dflash_cfg("o", target, states="c")
     with pytest.raises(ConfigError, match="must be one of hf, vllm"):
         dflash_cfg("o", target, target_engine="sglang")
     with pytest.raises(ConfigError, match="drop --target-ranks"):
         dflash_cfg("o", target, target_engine="vllm", states="c", target_ranks=1)
+    with pytest.raises(ConfigError, match="drop --target-ranks"):
+        dflash_cfg("o", target, target_engine="vllm", target_ranks=1)
+    with pytest.raises(ConfigError, match="a cache has its own, given to `dflash-prep extract`"):
+        dflash_cfg("o", target, target_engine="vllm", states="c", states_dtype="fp8")
+    with pytest.raises(ConfigError, match="add --target-engine vllm, or drop them"):
+        dflash_cfg("o", target, engine_args=("tensor_parallel_size=2",))
+    with pytest.raises(ConfigError, match="--states-dtype must be one of bf16, fp8, fp32"):
+        dflash_cfg("o", target, target_engine="vllm", states_dtype="int8")
+    with pytest.raises(ConfigError, match="--engine-tokens must be at least 1"):
+        dflash_cfg("o", target, target_engine="vllm", engine_tokens=0)
     from dflash_prep.train.config import build
 
     with pytest.raises(ConfigError, match="--objective lm trains on no frozen target"):

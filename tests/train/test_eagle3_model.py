@@ -319,7 +319,7 @@ def test_evaluate_an_exported_drafter_on_a_prompts_file(tmp_path):
 
     from dflash_prep.train.objectives.eagle3.decode import load
     from dflash_prep.train.speculate import EvalConfig, evaluate
-    from dflash_prep.train.target import target_identity
+    from dflash_prep.formats.target import target_identity
 
     from dflash_prep.tests.train.dflash_fixtures import tiny_target
 

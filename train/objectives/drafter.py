@@ -41,6 +41,13 @@ class DrafterObjective:
         if ahead is not None:
             ahead(b)
 
+    def close(self) -> None:
+        """At the run's end, however it ends: stop what the taps provider started (the target in
+        vLLM, train/engine_taps.py; the other providers hold no process)."""
+        close = getattr(self.target, "close", None)
+        if close is not None:
+            close()
+
     def optimizer_text(self) -> str:
         from dflash_prep.train.optim import muon_lr
 

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from dflash_prep.errors import ConfigError, FormatError
+from dflash_prep.formats.target import load_tokenizer, target_identity
 from dflash_prep.objectives import drafter_cost
 from dflash_prep.objectives.target_taps import repeated_taps
 
@@ -346,7 +347,7 @@ def drafter_config(cfg: TrainConfig, manifest=None):
     from transformers import AutoConfig
 
     from dflash_prep.train.objectives.dflash.drafter import DrafterConfig
-    from dflash_prep.train.target import load_tokenizer, pick_mask_token
+    from dflash_prep.train.target import pick_mask_token
 
     spec, source = anchor_spec(cfg, manifest)
     hc = AutoConfig.from_pretrained(cfg.options.target)
@@ -365,7 +366,7 @@ def build(cfg: TrainConfig, ds, device: torch.device, manifest=None, place=None,
     the target rank. A variant passes its objective class and ``make_drafter(dcfg) -> module``
     (on the CPU; built after the target, with torch seeded by the caller)."""
     from dflash_prep.train.objectives.dflash.drafter import Drafter
-    from dflash_prep.train.target import target_identity, target_provider
+    from dflash_prep.train.target import target_provider
 
     drafter_cost.check_drafter_shape(manifest, sliding_window=cfg.options.sliding_window,
                                      draft_layers=cfg.options.draft_layers, objective=cfg.objective)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from dflash_prep.errors import ConfigError, FormatError
+from dflash_prep.formats.target import load_tokenizer, target_identity
 from dflash_prep.objectives import drafter_cost
 from dflash_prep.objectives.eagle3 import vocab_map
 from dflash_prep.objectives.target_taps import eagle3_taps
@@ -221,7 +222,7 @@ def build(cfg, ds, device: torch.device, manifest=None, place=None) -> Eagle3Obj
     drafter rank (``place``) its taps come from a target rank."""
     from transformers import AutoConfig
 
-    from dflash_prep.train.target import load_tokenizer, target_identity, target_provider
+    from dflash_prep.train.target import target_provider
 
     o = cfg.options
     vm, steps = manifest_map(manifest)

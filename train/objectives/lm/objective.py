@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_prep.formats.target import load_tokenizer, target_identity
 from dflash_prep.train.chunked_ce import weighted_ce
 from dflash_prep.train.data import IGNORE, build_batch
 from dflash_prep.train.source import tokenizer_field
@@ -115,7 +116,7 @@ def build_lm(cfg, ds, device: torch.device, manifest=None, place=None) -> LMObje
     """The small decoder, or ``--init-from`` a transformers causal LM."""
     init_from = cfg.options.init_from
     if init_from:
-        from dflash_prep.train.target import load_causal_lm, load_tokenizer, target_identity
+        from dflash_prep.train.target import load_causal_lm
 
         tok = load_tokenizer(init_from)
         model = load_causal_lm(init_from, device=device, dtype=torch.float32).train()

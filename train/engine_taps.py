@@ -1,0 +1,96 @@
+"""The fourth taps provider: the target in vLLM beside this drafter rank, online, with no cache.
+
+``--target-engine vllm`` without ``--states``: each drafter rank starts the target in vLLM (the
+engine's own process, its tensor or pipeline parallelism vLLM's: ``--engine-arg
+tensor_parallel_size=2``) and asks it for each micro-batch's states in manifest order
+(:class:`dflash_prep.engine.states_stream.StatesStream`). Nothing goes to disk, and every epoch
+runs the target again: the trade against a cache is in docs/states.md#online-or-cached.
+
+:class:`EngineTaps` is :class:`~.cached_taps.CachedTaps` with the reads replaced: the engine's rows
+are the ones a cache of ``--states-dtype`` stores, decoded by the same code, in the same order, and
+read ahead on the prefetch thread the same way (the engine runs up to ``--prefetch`` steps ahead of
+the step loop). So everything the cache gives holds here (exactly once, exact resume, any world
+size; the run contract is the same, so a checkpoint moves between the two), and a run equals one
+trained from a cache built with ``--batch-tokens 1`` bit for bit when this one runs with
+``--engine-tokens 1`` (:mod:`dflash_prep.engine.states_stream`: vLLM's CPU kernels are not
+batch-invariant).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_prep.engine.extract import ExtractConfig, parse_engine_args
+from dflash_prep.engine.states_stream import StatesStream
+from dflash_prep.errors import FormatError
+from dflash_prep.train.cached_taps import CachedTaps, _decode
+
+
+class EngineTaps(CachedTaps):
+    """Taps from a :class:`~dflash_prep.engine.states_stream.StatesStream` (module docstring)."""
+
+    def __init__(self, stream, ds, taps, **kw):
+        super().__init__(stream, taps, **kw)
+        self.ds = ds
+
+    def _read(self, sids, lens, cols) -> torch.Tensor:
+        docs = []
+        for sid, n in zip(sids, lens):
+            ids = np.asarray(self.ds.sample(int(sid))[0])
+            if len(ids) != n:
+                raise FormatError(f"sample {int(sid)} has {len(ids)} tokens in the dataset, the micro-batch {n}")
+            docs.append(ids)
+        rows, scales = self.cache.states(docs)
+        return _decode(rows, scales, cols, self.cache.key.dtype)
+
+    def summary(self) -> dict:
+        return super().summary() | {"target_engine": self.cache.summary()}
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+def engine_devices(device: torch.device, engine_args: dict, visible: str | None = None) -> dict:
+    """The engine's ``CUDA_VISIBLE_DEVICES``: a drafter rank on ``cuda:i`` gives its engine the same
+    GPU (vLLM would otherwise take the first visible one on every rank), unless the engine is
+    parallel (``tensor_parallel_size`` or ``pipeline_parallel_size`` > 1: the user places it, with
+    ``CUDA_VISIBLE_DEVICES`` set for the job). ``visible``: the job's own list (default: the
+    environment's)."""
+    parallel = int(engine_args.get("tensor_parallel_size", 1)) * int(engine_args.get("pipeline_parallel_size", 1)) > 1
+    if device.type != "cuda" or parallel:
+        return {}
+    i = torch.cuda.current_device() if device.index is None else int(device.index)
+    visible = visible if visible is not None else os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [x.strip() for x in visible.split(",") if x.strip()] if visible else []
+    return {"CUDA_VISIBLE_DEVICES": ids[i] if i < len(ids) else str(i)}
+
+
+def engine_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torch.device, rank: int) -> EngineTaps:
+    """The provider of ``--target-engine vllm`` without ``--states``: this rank's engine started,
+    capturing the run's taps (and the final state when it reads it), in ``--states-dtype``."""
+    from transformers import AutoConfig
+
+    from dflash_prep.train.split.taps import load_heads
+
+    o = cfg.options
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    xc = ExtractConfig(data=Path(cfg.data), target=Path(o.target), out=out, objective=cfg.objective,
+                       target_layer_ids=tuple(sorted(set(int(t) for t in layer_ids))),
+                       loss="kl" if final and cfg.objective != "eagle3" else "ce", dtype=cfg.states_dtype,
+                       batch_tokens=cfg.engine_tokens, engine_args=parse_engine_args(cfg.engine_args),
+                       timeout_s=cfg.target_timeout)
+    stream = StatesStream(xc, identity=identity, log=out / f"engine-rank{rank}.log", timeout_s=cfg.target_timeout,
+                          env=engine_devices(device, dict(xc.engine_args)))
+    try:
+        hc = AutoConfig.from_pretrained(o.target)
+        embed, head = load_heads(o.target, device=device)
+        return EngineTaps(stream, ds, layer_ids, final=final, embed_tokens=embed, lm_head=head,
+                          num_layers=int(hc.num_hidden_layers), device=device)
+    except BaseException:
+        stream.close(ok=False)
+        raise
