@@ -72,13 +72,12 @@ def engine_devices(device: torch.device, engine_args: dict, visible: str | None 
 def engine_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torch.device, rank: int) -> EngineTaps:
     """The provider of ``--target-engine vllm`` without ``--states``: this rank's engine started,
     capturing the run's taps (and the final state when it reads it), in ``--states-dtype``."""
-    from transformers import AutoConfig
-
     from dflash_prep.train.split.taps import load_heads
 
     o = cfg.options
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    embed, head = load_heads(o.target, device=device)      # before the engine: a bad target fails in seconds
     xc = ExtractConfig(data=Path(cfg.data), target=Path(o.target), out=out, objective=cfg.objective,
                        target_layer_ids=tuple(sorted(set(int(t) for t in layer_ids))),
                        loss="kl" if final and cfg.objective != "eagle3" else "ce", dtype=cfg.states_dtype,
@@ -87,10 +86,8 @@ def engine_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torc
     stream = StatesStream(xc, identity=identity, log=out / f"engine-rank{rank}.log", timeout_s=cfg.target_timeout,
                           env=engine_devices(device, dict(xc.engine_args)))
     try:
-        hc = AutoConfig.from_pretrained(o.target)
-        embed, head = load_heads(o.target, device=device)
         return EngineTaps(stream, ds, layer_ids, final=final, embed_tokens=embed, lm_head=head,
-                          num_layers=int(hc.num_hidden_layers), device=device)
+                          num_layers=stream.p["num_layers"], device=device)
     except BaseException:
         stream.close(ok=False)
         raise
