@@ -47,6 +47,7 @@ from pathlib import Path
 from dflash_prep.engine.vllm_server import SpecCounters, VllmServer, is_cpu_build, vllm_server
 from dflash_prep.errors import ConfigError, EngineError, FormatError
 from dflash_prep.formats.fileio import atomic_write_json, fingerprint_json, read_json
+from dflash_prep.formats.target import read_target_config
 
 EVAL_FORMAT = "dflash-prep/engine-eval"
 EVAL_VERSION = 1
@@ -334,6 +335,7 @@ def evaluate_export(*, target: str | Path, export: str | Path, prompts: str | Pa
     target, export, prompts_file, out = Path(target).resolve(), Path(export).resolve(), Path(prompts), Path(out)
     cfg = EvaluateConfig(max_tokens=max_tokens, temperature=temperature, max_prompts=max_prompts, seed=seed,
                          timeout_s=timeout_s, max_model_len=max_model_len, dtype=dtype)
+    read_target_config(target)              # an empty or partial config.json: one line, before any engine
     method = export_method(export, num_speculative_tokens)
     ids = render_prompts(target, prompts_file, cfg.max_prompts)
     longest = max(len(p) for p in ids) + cfg.max_tokens

@@ -40,7 +40,7 @@ from dflash_prep.formats import states as fmt
 from dflash_prep.formats.dataset import LENGTHS_FILE, open_dataset, read_meta
 from dflash_prep.formats.fileio import atomic_write_json, follow_link, load_npy
 from dflash_prep.formats.outputs import check_out, lock
-from dflash_prep.formats.target import target_identity
+from dflash_prep.formats.target import read_target_config, target_identity
 from dflash_prep.objectives.dflash import RECIPE_DRAFT_LAYERS
 from dflash_prep.objectives.target_taps import DRAFTER_OBJECTIVES, extract_command, states_need, vllm_layer_id
 from dflash_prep.progress import progress as progress_bar
@@ -134,13 +134,7 @@ class ExtractConfig:
 
 
 def _target_config(target: Path) -> dict:
-    p = target / "config.json"
-    try:
-        c = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{p}: cannot read the target's config.json ({e}); --target must be a local "
-                          "transformers model folder") from None
-    return c.get("text_config", c)
+    return read_target_config(target)       # one line naming every missing key (an empty config.json)
 
 
 def plan_cache(cfg: ExtractConfig, identity: dict | None = None) -> dict:

@@ -8,11 +8,11 @@ models extend it with their drafters' sizes.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from dflash_prep.errors import ConfigError
+from dflash_prep.formats.target import read_target_config
 
 #: The fields of a transformers config.json this model reads, and their names there.
 CONFIG_KEYS = {"hidden": "hidden_size", "layers": "num_hidden_layers", "intermediate": "intermediate_size",
@@ -21,26 +21,17 @@ CONFIG_KEYS = {"hidden": "hidden_size", "layers": "num_hidden_layers", "intermed
 
 
 def config_sizes(folder: str | Path) -> dict:
-    """The seven :data:`CONFIG_KEYS` sizes of a transformers ``config.json`` (a folder or the file)."""
-    path = Path(folder)
-    path = path / "config.json" if path.is_dir() else path
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read a transformers config.json ({e}); pass --target-config DIR "
-                          "holding the target's config.json, or --target-dims") from None
-    cfg = cfg.get("text_config", cfg)           # multimodal configs nest the language model
-    vals = {}
-    for ours, theirs in CONFIG_KEYS.items():
-        v = cfg.get(theirs)
-        if v is None and ours == "head_dim" and cfg.get("hidden_size") and cfg.get("num_attention_heads"):
-            v = cfg["hidden_size"] // cfg["num_attention_heads"]
-        if v is None and ours == "kv_heads":
-            v = cfg.get("num_attention_heads")
-        if v is None:
-            raise ConfigError(f"{path}: no {theirs!r}; the drafter cost model needs {', '.join(CONFIG_KEYS.values())}")
-        vals[ours] = int(v)
-    return vals
+    """The seven :data:`CONFIG_KEYS` sizes of a transformers ``config.json`` (a folder or the file),
+    read and checked by :func:`~dflash_prep.formats.target.read_target_config`; ``head_dim`` and
+    ``num_key_value_heads`` default as in transformers."""
+    cfg = read_target_config(folder, model_type=False,
+                             fix="pass --target-config DIR holding the target's config.json, or --target-dims")
+    vals = {ours: cfg.get(theirs) for ours, theirs in CONFIG_KEYS.items()}
+    if vals["head_dim"] is None:
+        vals["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    if vals["kv_heads"] is None:
+        vals["kv_heads"] = cfg["num_attention_heads"]
+    return {k: int(v) for k, v in vals.items()}
 
 
 def dims_sizes(spec: str) -> dict:

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from dflash_prep.errors import ConfigError, FormatError
-from dflash_prep.formats.target import load_tokenizer, target_identity
+from dflash_prep.formats.target import load_target_config, load_tokenizer, target_identity
 from dflash_prep.objectives import drafter_cost
 from dflash_prep.objectives.target_taps import repeated_taps
 
@@ -344,13 +344,11 @@ class DFlashObjective(DrafterObjective):
 def drafter_config(cfg: TrainConfig, manifest=None):
     """``(DrafterConfig, AnchorSpec, where the anchor seed came from, tokenizer)`` of a run: what a
     drafter rank builds and a target rank (:mod:`dflash_prep.train.split.worker`) needs to build the same batches."""
-    from transformers import AutoConfig
-
     from dflash_prep.train.objectives.dflash.drafter import DrafterConfig
     from dflash_prep.train.target import pick_mask_token
 
     spec, source = anchor_spec(cfg, manifest)
-    hc = AutoConfig.from_pretrained(cfg.options.target)
+    hc = load_target_config(cfg.options.target)
     tok = load_tokenizer(cfg.options.target)
     mask_id = pick_mask_token(tok, int(hc.vocab_size), cfg.options.mask_token_id)
     ids = list(cfg.options.target_layer_ids) or None

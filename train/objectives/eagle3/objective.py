@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from dflash_prep.errors import ConfigError, FormatError
-from dflash_prep.formats.target import load_tokenizer, target_identity
+from dflash_prep.formats.target import load_target_config, load_tokenizer, target_identity
 from dflash_prep.objectives import drafter_cost
 from dflash_prep.objectives.eagle3 import vocab_map
 from dflash_prep.objectives.target_taps import eagle3_taps
@@ -204,9 +204,7 @@ def target_t2d(vm, vocab_size: int) -> torch.Tensor:
 def plan(cfg, manifest):
     """What an EAGLE-3 target rank serves (:func:`dflash_prep.train.split.worker.serve`): the same
     micro-batches, the three taps and the final hidden states."""
-    from transformers import AutoConfig
-
-    hc = AutoConfig.from_pretrained(cfg.options.target)
+    hc = load_target_config(cfg.options.target)
     layer_ids = _layer_ids(cfg, hc)
     return (lambda ds, mb, epoch: build_eagle3_batch(ds, mb, epoch=epoch, vocab_size=int(hc.vocab_size))), \
         layer_ids, True
@@ -220,8 +218,6 @@ def _layer_ids(cfg, hc) -> tuple[int, ...]:
 def build(cfg, ds, device: torch.device, manifest=None, place=None) -> Eagle3Objective:
     """The drafter for ``cfg.options.target`` with the manifest's vocabulary map; on a split job's
     drafter rank (``place``) its taps come from a target rank."""
-    from transformers import AutoConfig
-
     from dflash_prep.train.target import target_provider
 
     o = cfg.options
@@ -232,7 +228,7 @@ def build(cfg, ds, device: torch.device, manifest=None, place=None) -> Eagle3Obj
     if o.ttt_steps is not None and o.ttt_steps != steps:
         raise ConfigError(f"--ttt-steps {o.ttt_steps} contradicts the manifest (packed for {steps} passes, its ranks "
                           f"balanced on that cost); drop it or re-pack with `--ttt-steps {o.ttt_steps}`")
-    hc = AutoConfig.from_pretrained(o.target)
+    hc = load_target_config(o.target)
     ids = _layer_ids(cfg, hc)
     identity = target_identity(o.target, load_tokenizer(o.target))
     target = target_provider(cfg, ds, ids, final=True, identity=identity, device=device, place=place)
