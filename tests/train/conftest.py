@@ -13,5 +13,3 @@ import torch
 # on a GPU machine the compiled kernels run (the gpu-marked tests)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-torch.set_num_threads(1)  # the test machine has 2 cores shared with other engineers
