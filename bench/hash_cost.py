@@ -7,12 +7,21 @@ inputs), then opens it with and without the array re-hash (``manifest.open``'s
 (whose pack opens epoch 0 from disk for the repeat-pair rate, hash included). It also
 times the per-record-batch digest the dataset reader checks on first touch, in GB/s.
 Prints one JSON object (and writes it to ``--out`` when given).
+
+``python -m dflash_prep.bench.hash_cost --target-gb 4`` instead times a target's identity
+(``formats.target.target_identity``) on a folder of one config.json and a weight file of that many
+GB of random bytes, written under ``--work`` and removed after: the first hash (the file's pages
+dropped from the page cache first, so it reads the disk), the digest-cache lookup every later start
+does, and an uncached re-hash from the page cache (the cost each rank paid at every start before
+the cache). The file's mtime is set an hour back, as a downloaded target's is (a file modified
+within ``RACY_S`` is never cached).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -65,14 +74,55 @@ def run(n: int, work: Path) -> dict:
             "batch_digest_gb_per_cpu_s": (ids.nbytes + mask.nbytes + lens.nbytes) / dig / 1e9}
 
 
+class _NoTemplate:
+    chat_template = None
+
+
+def target_digest(gb: float, work: Path) -> dict:
+    """The target identity's cost on ``gb`` GB of weights: first hash, cached lookup, warm re-hash."""
+    from dflash_prep.formats import target as tgt
+
+    d = work / "target"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    w = d / "model.safetensors"
+    nbytes, chunk = int(gb * 1e9), 64 << 20
+    t = time.perf_counter()
+    with open(w, "wb") as f:
+        for off in range(0, nbytes, chunk):
+            f.write(os.urandom(min(chunk, nbytes - off)))
+        f.flush()
+        os.fsync(f.fileno())
+    write_s = time.perf_counter() - t
+    old = time.time() - 3600
+    for f in (w, d / "config.json"):
+        os.utime(f, (old, old))
+    with open(w, "rb") as f:                        # the first read comes from the disk, not the page cache
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    t = time.perf_counter()
+    first = tgt.target_identity(d, _NoTemplate())["target_fingerprint"]
+    first_s = time.perf_counter() - t
+    if not (d / tgt.DIGEST_CACHE).is_file():
+        raise RuntimeError(f"{d}: the first hash wrote no digest cache")
+    cached = _timed(lambda: tgt.target_identity(d, _NoTemplate()), repeats=5)[0]
+    warm = _timed(lambda: tgt.target_identity(d, _NoTemplate(), cache=False), repeats=1)[0]
+    if tgt.target_identity(d, _NoTemplate(), cache=False)["target_fingerprint"] != first:
+        raise RuntimeError(f"{d}: the cached fingerprint differs from the uncached one")
+    return {"weight_bytes": nbytes, "write_s": write_s, "first_hash_s": first_s, "cached_lookup_s": cached,
+            "uncached_rehash_page_cache_s": warm, "first_hash_gb_per_s": nbytes / first_s / 1e9,
+            "rehash_gb_per_s": nbytes / warm / 1e9, "speedup_vs_rehash": warm / cached}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=100_000_000)
+    ap.add_argument("--target-gb", type=float, default=None,
+                    help="time the target identity on a weight file of this many GB instead")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp folder)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=a.work) as tmp:
-        res = run(a.n, Path(tmp))
+        res = run(a.n, Path(tmp)) if a.target_gb is None else target_digest(a.target_gb, Path(tmp))
     text = json.dumps(res, indent=2)
     print(text)
     if a.out:
