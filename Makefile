@@ -20,7 +20,7 @@ LOCK ?= -c $(if $(GPU),$(VENV)/constraints-gpu.txt,constraints.txt)
 # they cannot here (docs/reliability.md#one-import-name), so the first screen stays the pipeline
 QUIET_INSTALL := PYTHONWARNINGS="ignore:Editable installation"
 
-.PHONY: venv venv-vllm demo demo-dflash test test-jobs test-engines test-slow test-latest lock train bench bench-gpu bench-convergence clean
+.PHONY: venv venv-vllm demo demo-dflash test test-jobs test-engines test-any-cpu test-slow test-latest lock train bench bench-gpu bench-convergence clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -100,8 +100,21 @@ test-jobs: venv
 # Real vLLM (from .venv-vllm) on drafter exports built by the project's own code: strict load, lossless,
 # tau from the engine's counters, broken exports refused in one line, regenerate through vllm serve,
 # the states cache (tests/engine; docs/engines.md). CI runs it too.
+# A missing or broken engine fails this target, naming it (DFLASH_PREP_ENGINE_TESTS=require; a plain
+# pytest run skips the engine tests instead).
 test-engines: venv venv-vllm
-	$(BIN)/python -m pytest -q -m "engine and not gpu" tests/engine
+	DFLASH_PREP_ENGINE_TESTS=require $(BIN)/python -m pytest -q -m "engine and not gpu" tests/engine
+
+# The golden and float-numerics tests under the CPU's other vector-kernel levels (ATen's dispatch
+# follows the CPU; docs/reliability.md#any-cpu): what a fresh clone on a CPU without AVX-512 runs.
+# Levels the CPU lacks fall back to the best it has. CI runs it too.
+ANY_CPU_LEVELS ?= default avx2
+ANY_CPU_TESTS ?= tests/test_golden.py tests/train/test_dflash_train.py tests/train/test_recipe_loss.py \
+	tests/train/test_optim.py tests/train/test_resume.py
+test-any-cpu: venv
+	@for level in $(ANY_CPU_LEVELS); do echo "ATEN_CPU_CAPABILITY=$$level"; \
+		ATEN_CPU_CAPABILITY=$$level $(BIN)/python -m pytest -q -m "not slow and not gpu and not engine and not jobs" \
+			$(ANY_CPU_TESTS) || exit 1; done
 
 test-slow: venv
 	$(BIN)/python -m pytest -q -m "slow"

