@@ -7,7 +7,8 @@ shows at the step it starts, not after the run:
     step N (N % eval_every == 0, every rank)   the trainer saves its checkpoint (as --ckpt-every does)
     rank 0                                      links it to OUT/evals/step-NNNNNNN/checkpoint.pt and starts
                                                 ``python -m dflash_prep.train.engine_eval`` there, in a
-                                                process group of its own, and goes on training
+                                                process group of its own that dies with the trainer
+                                                (:func:`dflash_prep.engine.lifetime.spawn`), and goes on training
     the background process                      exports the checkpoint (python -m dflash_prep.train.export),
                                                 then runs ``dflash-prep evaluate`` on it: vLLM with and
                                                 without the drafter, and our own evaluator, on --eval-prompts;
@@ -30,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -38,6 +38,7 @@ from pathlib import Path
 
 from dflash_prep.engine.env import vllm_python
 from dflash_prep.engine.evaluate import evaluate_export
+from dflash_prep.engine.lifetime import Engine, spawn
 from dflash_prep.errors import ConfigError, DflashError
 from dflash_prep.train.export import export
 
@@ -64,6 +65,7 @@ class EngineEvals:
     def __init__(self, out: Path, *, target: str, prompts: str, every: int):
         self.root, self.target, self.prompts, self.every = Path(out) / "evals", target, prompts, every
         self.proc: subprocess.Popen | None = None
+        self.engine: Engine | None = None
         self.running: dict | None = None   # {"global_step", "dir", "tau_train", "t0"}
 
     def due(self, gstep: int) -> bool:
@@ -86,8 +88,8 @@ class EngineEvals:
         cmd = [sys.executable, "-m", "dflash_prep.train.engine_eval", str(d), "--target", str(self.target),
                "--prompts", str(self.prompts)]
         with open(d / "engine_eval.log", "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.engine = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = self.engine.proc
         self.running = {"global_step": gstep, "dir": d, "tau_train": tau_train, "t0": time.monotonic()}
         return None
 
@@ -104,13 +106,14 @@ class EngineEvals:
         try:
             self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            pass
+        self.engine.stop()   # SIGTERM: it stops its vLLM server first (lifetime.py); then SIGKILL
         return [self._finish()]
 
     def _finish(self) -> dict:
+        self.engine.stop()   # done: its group (and the watchdog) gone, its handlers no longer needed
         run, rc = self.running, self.proc.returncode
-        self.proc, self.running = None, None
+        self.proc, self.engine, self.running = None, None, None
         d, seconds = run["dir"], round(time.monotonic() - run["t0"], 1)
         rec = {"tau_train": run["tau_train"], "seconds": seconds, "report": str(d / "eval.json")}
         if rc != 0 or not (d / "eval.json").is_file():

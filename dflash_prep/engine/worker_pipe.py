@@ -6,7 +6,8 @@ The worker runs with the engine's python (:mod:`.env`), with this very ``dflash_
 ``PYTHONPATH`` (:func:`engine_shim`) and nothing else of the main venv. Commands go to its stdin, one
 JSON object a line; events come back on a pipe of their own (:class:`LineReader`), one JSON object a
 line; vLLM's own output goes to a log file. A worker silent for longer than the timeout is asked for
-its stacks (:data:`.states_worker.STACK_SIGNAL`) and the error names its log.
+its stacks (:data:`.states_worker.STACK_SIGNAL`) and the error names its log. The worker is started
+by :func:`.lifetime.spawn`: it and vLLM's processes die with the driver, however the driver ends.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from __future__ import annotations
 import json
 import os
 import select
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import dflash_prep
+from dflash_prep.engine.lifetime import spawn
 from dflash_prep.engine.states_worker import STACK_SIGNAL
 from dflash_prep.errors import EngineError
 
@@ -80,10 +81,13 @@ class Worker:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self.log_path, self.timeout_s = log, timeout_s
         self.log = open(log, "ab")
-        self.proc = subprocess.Popen([str(py), "-m", "dflash_prep.engine.states_worker", "--job", str(job),
-                                     "--events-fd", str(w), "--parent", str(os.getpid())], stdin=subprocess.PIPE, stdout=self.log,
-                                    stderr=subprocess.STDOUT, pass_fds=(w,), env=env, start_new_session=True)
-        os.close(w)
+        try:
+            self.engine = spawn([str(py), "-m", "dflash_prep.engine.states_worker", "--job", str(job),
+                                 "--events-fd", str(w)], stdin=subprocess.PIPE, stdout=self.log,
+                                stderr=subprocess.STDOUT, pass_fds=(w,), env=env)
+        finally:
+            os.close(w)
+        self.proc = self.engine.proc
         self.events = LineReader(r)
 
     def send(self, cmd: dict) -> None:
@@ -138,17 +142,14 @@ class Worker:
         except (EngineError, subprocess.TimeoutExpired):
             pass
         finally:
-            if self.proc.poll() is None:               # the worker's group: vLLM's engine processes too
-                try:
-                    os.killpg(self.proc.pid, signal.SIGTERM)
-                    self.proc.wait(timeout=30)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    try:
-                        os.killpg(self.proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-            for f in (self.proc.stdin, self.events, self.log):
-                try:
-                    f.close()
-                except OSError:
-                    pass
+            try:
+                self.engine.stop(timeout_s=30)         # the worker's group: vLLM's engine processes too
+            finally:
+                self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        for f in (self.proc.stdin, self.events, self.log):
+            try:
+                f.close()
+            except OSError:
+                pass

@@ -1,0 +1,145 @@
+"""The engine processes' lifetime (dflash_prep/engine/lifetime.py) without an engine: a driver
+starts a stand-in engine tree (a leader, a child that ignores SIGTERM, a grandchild) through
+``spawn`` and is then killed each way; nothing of the tree may be left. The same with the real
+vLLM is tests/engine/test_engine_lifetime.py (``engine`` marker)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from dflash_prep.engine import lifetime
+from dflash_prep.engine.lifetime import group_members, spawn
+
+# leader -> child (ignores SIGTERM) -> grandchild; each prints its pid; all sleep
+TREE = ("import os, signal, sys, time\n"
+        "if os.fork() == 0:\n"
+        "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "    if os.fork() == 0:\n"
+        "        print(os.getpid(), flush=True); time.sleep(600)\n"
+        "    print(os.getpid(), flush=True); time.sleep(600)\n"
+        "print(os.getpid(), flush=True); time.sleep(600)\n")
+
+DRIVER = ("import json, os, sys, threading, time\n"
+          "from dflash_prep.engine.lifetime import spawn\n"
+          "out = sys.argv[1]; where = sys.argv[2]\n"
+          "code = {tree!r}\n"
+          "box = {{}}\n"
+          "def start():\n"
+          "    box['e'] = spawn([sys.executable, '-c', code], grace_s=2.0, stdout=open(out, 'w'))\n"
+          "if where == 'thread':\n"
+          "    t = threading.Thread(target=start); t.start(); t.join()   # the starting thread ends here\n"
+          "else:\n"
+          "    start()\n"
+          "print(json.dumps({{'pid': box['e'].pid}}), flush=True)\n"
+          "time.sleep(600)\n").format(tree=TREE)
+
+
+def _alive(pids) -> list[int]:
+    return [p for p in pids if (f := lifetime._stat(p)) is not None and f[0] not in ("Z", "X")]
+
+
+def _start_driver(tmp_path, where: str = "main"):
+    p = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path / "tree.txt"), where], stdout=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    pgid = json.loads(p.stdout.readline())["pid"]
+    deadline = time.monotonic() + 30
+    while len((tmp_path / "tree.txt").read_text().split()) < 3:
+        assert time.monotonic() < deadline, "the stand-in engine did not start"
+        time.sleep(0.05)
+    tree = [int(x) for x in (tmp_path / "tree.txt").read_text().split()]
+    members = group_members(pgid)
+    assert set(tree) <= set(members) and len(members) == 4, (tree, members)   # + the watchdog
+    return p, pgid, members
+
+
+def _gone_within(pgid: int, pids: list[int], seconds: float) -> float:
+    t0 = time.monotonic()
+    while (group_members(pgid) or _alive(pids)) and time.monotonic() - t0 < seconds:
+        time.sleep(0.05)
+    assert not group_members(pgid) and not _alive(pids), (group_members(pgid), _alive(pids))
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("sig, rc", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, -signal.SIGINT),
+                                     (signal.SIGKILL, -signal.SIGKILL)], ids=["SIGTERM", "SIGINT", "SIGKILL"])
+def test_a_killed_driver_leaves_no_engine_process(tmp_path, sig, rc):
+    """SIGTERM, SIGINT: the driver stops the group (the child ignoring SIGTERM is killed after the
+    grace) before it ends with the signal's own status; SIGKILL: the watchdog does it."""
+    p, pgid, members = _start_driver(tmp_path)
+    try:
+        os.kill(p.pid, sig)
+        assert p.wait(timeout=30) == rc
+        if sig != signal.SIGKILL:
+            assert not _alive(members), "the driver ended before its engine was gone"
+        _gone_within(pgid, members, 20)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for q in _alive(members):
+            os.kill(q, signal.SIGKILL)
+
+
+def test_an_engine_started_from_a_thread_outlives_that_thread_not_the_driver(tmp_path):
+    """Linux's parent-death signal fires when the forking *thread* ends: from another thread it is
+    not set, the engine lives on after that thread, and the watchdog still stops it with the driver."""
+    p, pgid, members = _start_driver(tmp_path, where="thread")
+    try:
+        time.sleep(1.0)
+        assert len(_alive(members)) == 4, "the engine died with the thread that started it"
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+        _gone_within(pgid, members, 20)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for q in _alive(members):
+            os.kill(q, signal.SIGKILL)
+
+
+def test_the_handlers_live_as_long_as_the_engine(tmp_path):
+    before = {s: signal.getsignal(s) for s in lifetime.SIGNALS}
+    with spawn([sys.executable, "-c", "import time; time.sleep(60)"]) as e:
+        assert all(signal.getsignal(s) is lifetime._on_signal for s in lifetime.SIGNALS)
+        assert group_members(e.pid)
+    assert {s: signal.getsignal(s) for s in lifetime.SIGNALS} == before
+    assert not group_members(e.pid) and e.poll() == -signal.SIGTERM
+
+
+def test_an_engine_that_ends_takes_its_orphans_with_it(tmp_path):
+    """The leader exits on its own and leaves a child behind: the watchdog stops that child."""
+    code = "import os, time\nif os.fork() == 0:\n    time.sleep(600)\nprint(os.getpid())\n"
+    e = spawn([sys.executable, "-c", code], grace_s=1.0, stdout=subprocess.DEVNULL)
+    try:
+        assert e.proc.wait(timeout=30) == 0
+        _gone_within(e.pid, [], 20)
+    finally:
+        e.stop()
+
+
+def test_a_stopped_engine_runs_its_cleanup_once(tmp_path):
+    calls = []
+    e = spawn([sys.executable, "-c", "import time; time.sleep(60)"])
+    e.on_stop(lambda: calls.append(1))
+    e.stop(timeout_s=5)
+    e.stop(timeout_s=5)
+    assert calls == [1] and not group_members(e.pid)
+
+
+def test_spawn_from_a_thread_installs_no_handler():
+    before = signal.getsignal(signal.SIGTERM)
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("e", spawn([sys.executable, "-c", "import time; time.sleep(60)"])))
+    t.start()
+    t.join()
+    try:
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        box["e"].stop(timeout_s=5)
