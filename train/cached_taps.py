@@ -24,6 +24,15 @@ cast), so a run is bit for bit the same with or without it. The host memory it h
 ``summary.json`` reports how many micro-batches were read ahead and how long the step loop spent
 reading the others (``states_read``).
 
+**Verified on first read.** Opening a cache checks every shard's header against ``states.json``
+(cheap); the rows themselves are re-hashed (:func:`dflash_prep.formats.states.verify_shard`, the
+SHA-256 ``dflash-prep verify`` checks) the first time this run reads a shard, on the prefetch
+thread before the batch that needs it is handed over, several shards in parallel: a shard whose
+bytes changed after ``extract`` stops the run in one line naming it and the command that rebuilds
+it, before any step trains on it. Its cost is one extra read of the cache per run (measured in
+docs/states.md); ``--no-verify-states`` skips it, and the log header and ``summary.json``
+(``states_verify``) record that.
+
 Checked when the run starts, each refused in one line naming the ``dflash-prep extract`` command
 that builds the right cache: the cache was built for this ``--data`` (dataset fingerprint) and
 this ``--target`` (config and weights fingerprint), and holds every tap the run reads (the
@@ -35,24 +44,37 @@ checkpoint resumes only on a cache of the same dtype.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from dflash_prep.errors import FingerprintMismatch, FormatError
-from dflash_prep.formats.states import decode_torch, open_states
+from dflash_prep.formats.states import decode_torch, open_states, verify_shard
 from dflash_prep.objectives.target_taps import extract_command
 
 
+VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
+"""Shards re-hashed at once when a micro-batch first reads several (hashlib releases the GIL)."""
+
+
 class CachedTaps:
-    """Taps read from a :class:`dflash_prep.formats.states.StatesCache` (module docstring)."""
+    """Taps read from a :class:`dflash_prep.formats.states.StatesCache` (module docstring);
+    ``verify``: re-hash each shard on its first read (True), not (False), or None for a provider
+    that reads no cache (:class:`~.engine_taps.EngineTaps`)."""
 
     remote = False
 
-    def __init__(self, cache, taps, *, final: bool, embed_tokens, lm_head, num_layers: int, device: torch.device):
-        self.cache, self.device = cache, device
+    def __init__(self, cache, taps, *, final: bool, embed_tokens, lm_head, num_layers: int, device: torch.device,
+                 verify: bool | None = None):
+        self.cache, self.device, self.verify = cache, device, verify
+        self._verified: set[int] = set()        # shards re-hashed by this run
+        self._verify_lock = threading.Lock()    # the prefetch thread, and the step for a batch not read ahead
+        self.verify_s = 0.0
         self.embed_tokens, self.lm_head, self.num_layers = embed_tokens, lm_head, int(num_layers)
         self.tap_ids = [int(t) for t in taps]
         self.cols = np.array([cache.slot_of(t) for t in self.tap_ids], np.int64)   # cache slot of each run tap
@@ -63,8 +85,22 @@ class CachedTaps:
         self.ahead = self.on_step = 0      # micro-batches read on the prefetch thread / in the step
         self.on_step_s = 0.0
 
+    def _check_shards(self, sids) -> None:
+        """Re-hash the shards holding ``sids`` that this run has not read yet (module docstring)."""
+        with self._verify_lock:
+            todo = sorted({self.cache.shard_of(int(s)) for s in sids} - self._verified)
+            if not todo:
+                return
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(min(len(todo), VERIFY_THREADS)) as ex:
+                list(ex.map(lambda k: verify_shard(self.cache.shards[k], self.cache.command), todo))
+            self._verified.update(todo)
+            self.verify_s += time.perf_counter() - t0
+
     def _read(self, sids, lens, cols) -> torch.Tensor:
         """``[T, len(cols), H]`` float32 of the given slots of the documents, concatenated."""
+        if self.verify:
+            self._check_shards(sids)
         out = []
         for sid, n in zip(sids, lens):
             rows, scales = self.cache.sample(int(sid))
@@ -108,8 +144,14 @@ class CachedTaps:
         return (feats, got[1].to(self.device, non_blocking=True)) if final else feats
 
     def summary(self) -> dict:
-        """``summary.json``'s ``states_read``: micro-batches read ahead, and those read in the step loop."""
-        return {"states_read": {"ahead": self.ahead, "on_step": self.on_step, "on_step_s": round(self.on_step_s, 3)}}
+        """``summary.json``'s ``states_read``: micro-batches read ahead, and those read in the step loop;
+        for a cache, ``states_verify``: the shards re-hashed and the seconds it took, or that it was off."""
+        out = {"states_read": {"ahead": self.ahead, "on_step": self.on_step, "on_step_s": round(self.on_step_s, 3)}}
+        if self.verify is not None:
+            out["states_verify"] = ({"shards": len(self._verified), "of": len(self.cache.shards),
+                                     "seconds": round(self.verify_s, 3)} if self.verify
+                                    else "off (--no-verify-states): shards were not re-hashed")
+        return out
 
     def contract(self) -> dict:
         """What this provider adds to the run contract: the engine and the cache's dtype."""
@@ -151,5 +193,7 @@ def cached_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torc
         raise FingerprintMismatch(f"--states {cfg.states}: the cache {'; '.join(problems)}; build the right one with "
                                   f"`{cmd}`")
     embed, head = load_heads(o.target, device=device)
+    if not cfg.verify_states and os.environ.get("RANK", "0") == "0":
+        print(f"--no-verify-states: the shards of {cfg.states} are read without re-hashing them", flush=True)
     return CachedTaps(cache, layer_ids, final=final, embed_tokens=embed, lm_head=head,
-                      num_layers=int(hc.num_hidden_layers), device=device)
+                      num_layers=int(hc.num_hidden_layers), device=device, verify=bool(cfg.verify_states))

@@ -226,6 +226,10 @@ class TrainConfig:
     target runs every epoch)."""
     states: str = opt("", panel=RUN)
     """The states cache ``--target-engine vllm`` reads (``dflash-prep extract ... --out CACHE``)."""
+    verify_states: bool = opt(True, panel=RUN, flag="--verify-states/--no-verify-states")
+    """``--states``: re-hash each shard of the cache the first time the run reads it, on the prefetch
+    thread (a shard changed since ``extract`` stops the run); ``--no-verify-states`` skips it, and
+    the run's log header and ``summary.json`` say so."""
     states_dtype: str = opt("bf16", panel=RUN)
     """``--target-engine vllm`` without ``--states``: the engine's states rounded as a cache of this
     dtype stores them (bf16, fp8, fp32), the same values."""
@@ -259,6 +263,8 @@ class TrainConfig:
         if not online and (self.states_dtype != "bf16" or self.engine_args or self.engine_tokens != 32768):
             raise ConfigError("--states-dtype, --engine-arg and --engine-tokens set up the target in vLLM "
                               "(--target-engine vllm without --states); " + (
+        if not self.verify_states and not self.states:
+            raise ConfigError("--no-verify-states skips re-hashing a --states cache; there is none here: drop it")
                                   "a cache has its own, given to `dflash-prep extract`" if self.states else
                                   "add --target-engine vllm, or drop them"))
         if self.states_dtype not in STATES_DTYPES:

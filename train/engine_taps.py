@@ -27,6 +27,7 @@ import torch
 from dflash_prep.engine.extract import ExtractConfig, parse_engine_args
 from dflash_prep.engine.states_stream import StatesStream
 from dflash_prep.errors import FormatError
+from dflash_prep.formats.states import check_finite
 from dflash_prep.train.cached_taps import CachedTaps, _decode
 
 
@@ -45,6 +46,8 @@ class EngineTaps(CachedTaps):
                 raise FormatError(f"sample {int(sid)} has {len(ids)} tokens in the dataset, the micro-batch {n}")
             docs.append(ids)
         rows, scales = self.cache.states(docs)
+        check_finite(rows, scales, self.cache.key.dtype, np.concatenate([[0], np.cumsum(lens)]), sids,
+                     "the vLLM target", then="the run stops before training on it")
         return _decode(rows, scales, cols, self.cache.key.dtype)
 
     def summary(self) -> dict:

