@@ -259,12 +259,12 @@ class TrainConfig:
             raise ConfigError(f"--target-engine must be one of {', '.join(TARGET_ENGINES)}, got {self.target_engine!r}")
         if self.states and self.target_engine != "vllm":
             raise ConfigError("--states CACHE is read by --target-engine vllm; add it, or drop --states")
+        if not self.verify_states and not self.states:
+            raise ConfigError("--no-verify-states skips re-hashing a --states cache; there is none here: drop it")
         online = self.target_engine == "vllm" and not self.states
         if not online and (self.states_dtype != "bf16" or self.engine_args or self.engine_tokens != 32768):
             raise ConfigError("--states-dtype, --engine-arg and --engine-tokens set up the target in vLLM "
                               "(--target-engine vllm without --states); " + (
-        if not self.verify_states and not self.states:
-            raise ConfigError("--no-verify-states skips re-hashing a --states cache; there is none here: drop it")
                                   "a cache has its own, given to `dflash-prep extract`" if self.states else
                                   "add --target-engine vllm, or drop them"))
         if self.states_dtype not in STATES_DTYPES:
