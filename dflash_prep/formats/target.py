@@ -22,7 +22,9 @@ modified within :data:`RACY_S` of the hash (the bytes may still be moving) or it
 while it was read. A cache file that does not parse, has another format or version, or holds
 malformed entries is ignored and rewritten, never trusted. It is written atomically (a temp
 beside it, then a rename): ranks starting together each hash and the last rename wins, and a
-reader sees one whole file or none. The value is the same digest as without the cache; its cost
+reader sees one whole file or none. Entries are keyed by the stat keys themselves, so the views of
+one shared folder from several machines (each client mount its own device number) sit side by
+side instead of evicting each other (the newest :data:`MAX_ENTRIES` are kept). The value is the same digest as without the cache; its cost
 on a multi-GB file: docs/reliability.md#target-identity.
 """
 
@@ -41,6 +43,8 @@ DIGEST_CACHE = "dflash-prep-digests.json"
 DIGEST_FORMAT, DIGEST_VERSION = "dflash-prep/target-digests", 1
 RACY_S = 2.0
 """A file modified less than this many seconds before its hash started is hashed but not cached."""
+MAX_ENTRIES = 64
+"""Entries a cache file keeps, the newest first (old versions of the files, other machines' views)."""
 
 TARGET_CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 """The sizes of a target's ``config.json`` (its ``text_config`` for a multimodal model) that every
@@ -113,14 +117,17 @@ def _read_cache(p: Path) -> dict:
 
 
 def _write_cache(paths: list[Path], key: str, entry: dict) -> None:
-    """Add ``entry`` under ``key`` to the first cache file that can be written (keeping what another
-    rank wrote meanwhile); none writable only costs the next run a re-hash."""
+    """Add ``entry`` under ``key`` to the first cache file that can be written, keeping what other
+    ranks or machines wrote (the newest :data:`MAX_ENTRIES`); none writable only costs the next
+    run a re-hash."""
     from dflash_prep.formats.fileio import atomic_write_json
 
     for p in paths:
         try:
             entries = _read_cache(p) | {key: entry}
-            atomic_write_json(p, {"entries": entries}, format=DIGEST_FORMAT, version=DIGEST_VERSION)
+            keep = sorted(entries, key=lambda k: entries[k].get("written_ns", 0), reverse=True)[:MAX_ENTRIES]
+            atomic_write_json(p, {"entries": {k: entries[k] for k in keep}}, format=DIGEST_FORMAT,
+                              version=DIGEST_VERSION)
             return
         except OSError:
             continue
@@ -128,12 +135,15 @@ def _write_cache(paths: list[Path], key: str, entry: dict) -> None:
 
 def _sha_files(files: list[Path], *, cache: bool = True) -> str:
     """sha256 of each file's name, a NUL and its bytes, in order; through the digest cache (module
-    docstring) unless ``cache`` is False. All files are in one folder."""
+    docstring) unless ``cache`` is False. All files are in one folder. An entry is keyed by the
+    files' stat keys themselves, so the views of one folder from several machines (a shared
+    filesystem gives each client its own device number) are kept side by side, not overwritten
+    in turn."""
     if not cache:
         return _hash_files(files)
     paths = _cache_paths(files[0].parent)
-    key = "\n".join(f.name for f in files)
     stats = [_stat_key(f) for f in files]
+    key = hashlib.sha256(json.dumps(stats).encode()).hexdigest()
     for p in paths:
         hit = _read_cache(p).get(key)
         if hit is not None and hit["files"] == stats:
@@ -142,7 +152,7 @@ def _sha_files(files: list[Path], *, cache: bool = True) -> str:
     digest = _hash_files(files)
     settled = all(s[2] < start - int(RACY_S * 1e9) for s in stats) and [_stat_key(f) for f in files] == stats
     if settled:
-        _write_cache(paths, key, {"files": stats, "sha256": digest})
+        _write_cache(paths, key, {"files": stats, "sha256": digest, "written_ns": time.time_ns()})
     return digest
 
 

@@ -135,11 +135,35 @@ def test_a_forged_entry_for_other_stats_is_not_used(tmp_path):
     d = _folder(tmp_path)
     _ident(d)
     cache = json.loads((d / tgt.DIGEST_CACHE).read_text())
-    key = "\n".join(f.name for f in _weights(d))
-    cache["entries"][key]["sha256"] = "0" * 64
-    cache["entries"][key]["files"][1][2] += 1                   # another mtime
+    (key,) = [k for k, e in cache["entries"].items() if e["files"][0][0] == "config.json"]
+    forged = cache["entries"].pop(key)
+    forged["sha256"] = "0" * 64
+    forged["files"][1][2] += 1                                  # another mtime, under the real key
+    cache["entries"][key] = forged
     (d / tgt.DIGEST_CACHE).write_text(json.dumps(cache))
     assert _ident(d)["target_fingerprint"] == _by_hand(_weights(d))
+
+
+def test_another_machines_view_of_a_shared_folder_is_kept(tmp_path, hashed):
+    """A shared filesystem gives each client its own device number: an entry of another mount stays
+    beside ours (they do not evict each other at every start), and never answers for ours."""
+    d = _folder(tmp_path)
+    first = _ident(d)["target_fingerprint"]
+    cache = json.loads((d / tgt.DIGEST_CACHE).read_text())
+    (mine,) = [e for e in cache["entries"].values() if e["files"][0][0] == "config.json"]
+    other = json.loads(json.dumps(mine))
+    for f in other["files"]:
+        f[5] += 1                                               # the same files seen through another device
+    other["sha256"] = "1" * 64
+    key = hashlib.sha256(json.dumps(other["files"]).encode()).hexdigest()
+    cache["entries"] = {key: other}                             # the other machine wrote last, alone
+    (d / tgt.DIGEST_CACHE).write_text(json.dumps(cache))
+    hashed.clear()
+    assert _ident(d)["target_fingerprint"] == first and hashed      # its entry is not ours: re-hashed
+    entries = json.loads((d / tgt.DIGEST_CACHE).read_text())["entries"]
+    assert entries[key] == other and len(entries) == 3          # theirs kept, ours (weights, tokenizer) added
+    hashed.clear()
+    assert _ident(d)["target_fingerprint"] == first and hashed == []
 
 
 def _read_only(d: Path) -> bool:
