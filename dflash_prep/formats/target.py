@@ -80,6 +80,12 @@ def read_target_config(path: str | Path, *, need: tuple[str, ...] = TARGET_CONFI
     return cfg
 
 
+def is_digest_cache(f: Path) -> bool:
+    """The digest cache or one of its temps: what a folder's own fingerprint must leave out (it is
+    rewritten whenever a digest changes, not part of the model)."""
+    return f.name == DIGEST_CACHE or (f.name.startswith(f".{DIGEST_CACHE}.") and f.name.endswith(".tmp"))
+
+
 def _stat_key(f: Path) -> list:
     st = os.stat(f)
     return [f.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]

@@ -40,6 +40,7 @@ from urllib.parse import urlsplit
 
 from dflash_prep import errors
 from dflash_prep.errors import DflashError
+from dflash_prep.formats.target import is_digest_cache
 
 FAILURE_KINDS = ("bad_input", "refused", "timeout", "server_error", "bad_response", "empty")
 """Per-record failure kinds, in the order the summary prints them."""
@@ -354,12 +355,13 @@ class OpenAIEngine:
 def target_revision(path: Path) -> str:
     """Revision of a local model folder: the Hub commit of an HF cache snapshot
     (``.../snapshots/<commit>``), else a fingerprint of its small files' bytes (config,
-    tokenizer, generation config) and its weight files' names and sizes (cheap at any size)."""
+    tokenizer, generation config) and its weight files' names and sizes (cheap at any size); the
+    digest cache dflash-prep keeps there (formats/target.py) left out."""
     path = Path(path).resolve()
     if path.parent.name == "snapshots" and len(path.name) == 40:
         return path.name
     h = hashlib.sha256()
-    for f in sorted(p for p in path.iterdir() if p.is_file()):
+    for f in sorted(p for p in path.iterdir() if p.is_file() and not is_digest_cache(p)):
         h.update(f.name.encode() + b"\0")
         if f.stat().st_size <= 4 << 20:
             h.update(f.read_bytes())

@@ -331,3 +331,17 @@ def test_an_empty_target_config_is_refused_by_the_eagle3_trainer(empty):
                   lambda: plan(cfg, src.manifest(0))):        # a drafter rank, a split job's target rank
         with pytest.raises(ConfigError, match=r"target/config.json: no model_type, hidden_size, num_hidden_layers"):
             build()
+
+
+def test_the_cache_is_no_part_of_a_folders_own_revision(tmp_path):
+    """regenerate names a local model by a fingerprint of its small files: the digest cache and a
+    temp a kill left are not the model's."""
+    from dflash_prep.regenerate.engines import target_revision
+
+    d = _folder(tmp_path)
+    before = target_revision(d)
+    _ident(d)
+    (d / f".{tgt.DIGEST_CACHE}.999999.abcd1234.tmp").write_text("{")
+    assert (d / tgt.DIGEST_CACHE).is_file() and target_revision(d) == before
+    (d / "generation_config.json").write_text("{}")
+    assert target_revision(d) != before
