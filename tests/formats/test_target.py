@@ -6,7 +6,7 @@ rewritten; a read-only target folder leaves its digests in the per-user cache an
 written into it; ranks starting together leave one whole cache.
 
 The shared config reader: an empty ``config.json`` (``{}``) is refused in one line, naming the file
-and every missing key, by each entry point that reads a target's config: ``extract``, ``pack
+and every missing key, by each entry point that reads a target's config: ``extract``, ``analyze``/``pack
 --target-config``, ``evaluate`` and the trainer (dflash, dflash2, eagle3), before any engine starts.
 """
 
@@ -290,8 +290,9 @@ def _one_line(r) -> None:
     ["extract", "data", "--target", "target", "--out", "states", "--objective", "eagle3"],
     ["pack", "data", "--plan", "plan/plan.json", "--epochs", "0", "--world-size", "1", "--out", "man2",
      "--objective", "dflash", "--target-config", "target"],
+    ["analyze", "data", "--budget", "1600", "--out", "plan2", "--objective", "eagle3", "--target-config", "target"],
     ["evaluate", "--target", "target", "--export", "export", "--prompts", "prompts.jsonl", "--out", "eval.json"],
-], ids=["extract-dflash", "extract-eagle3", "pack", "evaluate"])
+], ids=["extract-dflash", "extract-eagle3", "pack", "analyze", "evaluate"])
 def test_an_empty_target_config_is_refused_in_one_line_by_the_cli(empty, monkeypatch, args):
     from typer.testing import CliRunner
 
