@@ -104,9 +104,12 @@ def _hash_files(files: list[Path]) -> str:
 def _cache_paths(folder: Path) -> list[Path]:
     """Where ``folder``'s digests are kept, in order: beside the files where the folder is
     writable, then the per-user cache (``$XDG_CACHE_HOME/dflash-prep/target-digests/``)."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-prep" / "target-digests"
-    user = base / (hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:32] + ".json")
-    return [folder / DIGEST_CACHE, user] if os.access(folder, os.W_OK | os.X_OK) else [user]
+    beside = [folder / DIGEST_CACHE] if os.access(folder, os.W_OK | os.X_OK) else []
+    try:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-prep" / "target-digests"
+    except (RuntimeError, KeyError):             # no $HOME and no passwd entry: beside the files or nowhere
+        return beside
+    return beside + [base / (hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:32] + ".json")]
 
 
 def _read_cache(p: Path) -> dict:
@@ -119,7 +122,8 @@ def _read_cache(p: Path) -> dict:
             and isinstance(obj.get("entries"), dict)):
         return {}
     return {k: v for k, v in obj["entries"].items() if isinstance(v, dict) and isinstance(v.get("files"), list)
-            and isinstance(v.get("sha256"), str) and len(v["sha256"]) == 64}
+            and isinstance(v.get("sha256"), str) and len(v["sha256"]) == 64
+            and type(v.get("written_ns", 0)) is int}
 
 
 def _write_cache(paths: list[Path], key: str, entry: dict) -> None:

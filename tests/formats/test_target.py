@@ -119,8 +119,10 @@ def test_a_file_modified_just_now_is_hashed_but_not_cached(tmp_path, hashed):
 
 @pytest.mark.parametrize("garbage", [b"\x00\xffnot json{", b'{"format": "dflash-prep/target-digests", "version": 99, '
                                      b'"entries": {}}', b'[1, 2]', b'{"format": "dflash-prep/target-digests", '
-                                     b'"version": 1, "entries": {"config.json": "x"}}'],
-                         ids=["bytes", "version", "list", "entries"])
+                                     b'"version": 1, "entries": {"config.json": "x"}}',
+                                     b'{"format": "dflash-prep/target-digests", "version": 1, "entries": {"k": '
+                                     b'{"files": [], "sha256": "' + b"0" * 64 + b'", "written_ns": "soon"}}}'],
+                         ids=["bytes", "version", "list", "entries", "written"])
 def test_a_cache_that_does_not_parse_is_ignored_and_rewritten(tmp_path, hashed, garbage):
     d = _folder(tmp_path)
     (d / tgt.DIGEST_CACHE).write_bytes(garbage)
