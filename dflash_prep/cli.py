@@ -459,10 +459,13 @@ def clean_cmd(
     paths: Annotated[Optional[list[Path]], typer.Argument(help="folders to search (3 levels deep); default: .")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="only list what would be removed")] = False,
 ):
-    """Remove what killed runs left behind: hidden temp folders and files, unheld lock files, dataset caches in TMPDIR. Each path it cannot remove is named with the reason, and the exit code is 1."""
+    """Remove what killed runs left behind: hidden temp folders and files, unheld lock files, dataset caches in TMPDIR, the online target's transport folders (dflash-prep-states.PID.HOST.*, in /dev/shm, TMPDIR or under the paths) whose process is gone. Each path it cannot remove is named with the reason, and the exit code is 1."""
+    from dflash_prep.engine.states_stream import default_scratch_roots, stale_scratch
     from dflash_prep.formats.outputs import find_stale, remove, size_of
 
-    found = find_stale(paths or [Path(".")])
+    roots = paths or [Path(".")]
+    found = sorted(set(find_stale(roots)) | set(stale_scratch(default_scratch_roots()))
+                   | set(stale_scratch(roots, depth=3)))
     for p in found:
         typer.echo(f"{'would remove' if dry_run else 'removing'} {p} ({size_of(p) / 2**20:.1f} MiB)")
     freed, failed = (sum(size_of(p) for p in found), []) if dry_run else remove(found)

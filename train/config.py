@@ -239,6 +239,10 @@ class TrainConfig:
     engine_tokens: int = opt(32768, panel=RUN)
     """``--target-engine vllm`` without ``--states``: most tokens per engine call; 1 = one document a
     call, a run then equal bit for bit to one on a cache built with ``extract --batch-tokens 1``."""
+    engine_scratch: str = opt("", panel=RUN)
+    """``--target-engine vllm`` without ``--states``: the folder each micro-batch's states pass through
+    on their way from the engine; empty = /dev/shm when the largest micro-batch fits its free
+    space, else TMPDIR, else ``--out`` (a line says so). A chosen folder too small stops the run."""
 
     def __post_init__(self):
         _positive_finite("--lr", self.lr)
@@ -262,9 +266,10 @@ class TrainConfig:
         if not self.verify_states and not self.states:
             raise ConfigError("--no-verify-states skips re-hashing a --states cache; there is none here: drop it")
         online = self.target_engine == "vllm" and not self.states
-        if not online and (self.states_dtype != "bf16" or self.engine_args or self.engine_tokens != 32768):
-            raise ConfigError("--states-dtype, --engine-arg and --engine-tokens set up the target in vLLM "
-                              "(--target-engine vllm without --states); " + (
+        if not online and (self.states_dtype != "bf16" or self.engine_args or self.engine_tokens != 32768
+                           or self.engine_scratch):
+            raise ConfigError("--states-dtype, --engine-arg, --engine-tokens and --engine-scratch set up the target "
+                              "in vLLM (--target-engine vllm without --states); " + (
                                   "a cache has its own, given to `dflash-prep extract`" if self.states else
                                   "add --target-engine vllm, or drop them"))
         if self.states_dtype not in STATES_DTYPES:

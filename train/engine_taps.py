@@ -72,6 +72,28 @@ def engine_devices(device: torch.device, engine_args: dict, visible: str | None 
     return {"CUDA_VISIBLE_DEVICES": ids[i] if i < len(ids) else str(i)}
 
 
+def largest_microbatch(manifests: str | os.PathLike | None) -> tuple[int, int] | None:
+    """``(tokens, longest document)`` of the largest micro-batch (real tokens: what the engine is
+    sent) over the run's packed epochs, for the transport's space check
+    (:func:`dflash_prep.engine.states_stream.scratch_folder`); None when there are no manifests to
+    read (a run on an in-memory source). Epochs packed later share the plan's budget."""
+    from dflash_prep.errors import DflashError
+    from dflash_prep.formats import manifest as manifest_mod
+
+    if not manifests:
+        return None
+    try:
+        epochs = manifest_mod.find_epochs(manifests)
+    except DflashError:
+        return None
+    tokens = longest = 0
+    for e in epochs:
+        m = manifest_mod.open(e, check_hashes=False)      # the loader checks them
+        tokens = max(tokens, int(m.table[:, manifest_mod.COL["real_tokens"]].max(initial=0)))
+        longest = max(longest, int(np.asarray(m.sample_lens).max(initial=0)))
+    return tokens, longest
+
+
 def engine_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torch.device, rank: int) -> EngineTaps:
     """The provider of ``--target-engine vllm`` without ``--states``: this rank's engine started,
     capturing the run's taps (and the final state when it reads it), in ``--states-dtype``."""
@@ -87,7 +109,9 @@ def engine_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torc
                        batch_tokens=cfg.engine_tokens, engine_args=parse_engine_args(cfg.engine_args),
                        timeout_s=cfg.target_timeout)
     stream = StatesStream(xc, identity=identity, log=out / f"engine-rank{rank}.log", timeout_s=cfg.target_timeout,
-                          env=engine_devices(device, dict(xc.engine_args)))
+                          env=engine_devices(device, dict(xc.engine_args)), scratch=cfg.engine_scratch or None,
+                          largest=largest_microbatch(cfg.manifests),
+                          copies=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     try:
         return EngineTaps(stream, ds, layer_ids, final=final, embed_tokens=embed, lm_head=head,
                           num_layers=stream.p["num_layers"], device=device)

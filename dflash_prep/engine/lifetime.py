@@ -25,7 +25,7 @@ through :func:`spawn`, which gives it three guards:
    default then ends the driver with the signal (exit status 143 in a shell, -15 to a parent),
    SIGINT's raises ``KeyboardInterrupt`` (the CLI exits 130; the trainer keeps its checkpoint).
 
-Measured (docs/engines.md#process-lifetime): the launcher adds one interpreter start (about 20 ms);
+Measured (docs/engines.md#process-lifetime): the launcher adds one interpreter start (about 40 ms);
 a real vLLM server is gone within a few seconds of any of the three signals.
 """
 
