@@ -348,3 +348,13 @@ def test_the_cache_is_no_part_of_a_folders_own_revision(tmp_path):
     assert (d / tgt.DIGEST_CACHE).is_file() and target_revision(d) == before
     (d / "generation_config.json").write_text("{}")
     assert target_revision(d) != before
+
+
+def test_the_digest_bench_times_a_real_hash_and_a_cached_lookup(tmp_path):
+    """``bench/hash_cost.py --target-gb`` on 20 MB: the first start hashes and writes the cache, a
+    later one only reads it (docs/reliability.md#target-identity has the 4 GB numbers)."""
+    from dflash_prep.bench.hash_cost import target_digest
+
+    r = target_digest(0.02, tmp_path)
+    assert r["weight_bytes"] == 20_000_000 and r["first_hash_s"] > 0 and r["uncached_rehash_page_cache_s"] > 0
+    assert r["cached_lookup_s"] < r["uncached_rehash_page_cache_s"], r
