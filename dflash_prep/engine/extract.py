@@ -124,6 +124,8 @@ class ExtractConfig:
                                draft_layers=self.draft_layers, target_layer_ids=self.target_layer_ids,
                                loss=self.loss, dtype=self.dtype)
         more = []
+        if self.shard_mb != DEFAULT_SHARD_MB:         # the shard plan: a resume must be given the same
+            more += ["--shard-mb", f"{self.shard_mb:g}"]
         if self.tensor_parallel_size != 1:
             more += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.pipeline_parallel_size != 1:

