@@ -30,8 +30,8 @@ SHA-256 ``dflash-prep verify`` checks) the first time this run reads a shard, on
 thread before the batch that needs it is handed over, several shards in parallel: a shard whose
 bytes changed after ``extract`` stops the run in one line naming it and the command that rebuilds
 it, before any step trains on it. Its cost is one extra read of the cache per run (measured in
-docs/states.md); ``--no-verify-states`` skips it, and the log header and ``summary.json``
-(``states_verify``) record that.
+docs/states.md); ``--no-check-states`` skips it, and the log header and ``summary.json``
+(``states_check``) record that.
 
 Checked when the run starts, each refused in one line naming the ``dflash-prep extract`` command
 that builds the right cache: the cache was built for this ``--data`` (dataset fingerprint) and
@@ -145,12 +145,12 @@ class CachedTaps:
 
     def summary(self) -> dict:
         """``summary.json``'s ``states_read``: micro-batches read ahead, and those read in the step loop;
-        for a cache, ``states_verify``: the shards re-hashed and the seconds it took, or that it was off."""
+        for a cache, ``states_check``: the shards re-hashed and the seconds it took, or that it was off."""
         out = {"states_read": {"ahead": self.ahead, "on_step": self.on_step, "on_step_s": round(self.on_step_s, 3)}}
         if self.verify is not None:
-            out["states_verify"] = ({"shards": len(self._verified), "of": len(self.cache.shards),
+            out["states_check"] = ({"shards": len(self._verified), "of": len(self.cache.shards),
                                      "seconds": round(self.verify_s, 3)} if self.verify
-                                    else "off (--no-verify-states): shards were not re-hashed")
+                                    else "off (--no-check-states): shards were not re-hashed")
         return out
 
     def contract(self) -> dict:
@@ -193,7 +193,7 @@ def cached_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torc
         raise FingerprintMismatch(f"--states {cfg.states}: the cache {'; '.join(problems)}; build the right one with "
                                   f"`{cmd}`")
     embed, head = load_heads(o.target, device=device)
-    if not cfg.verify_states and os.environ.get("RANK", "0") == "0":
-        print(f"--no-verify-states: the shards of {cfg.states} are read without re-hashing them", flush=True)
+    if not cfg.check_states and os.environ.get("RANK", "0") == "0":
+        print(f"--no-check-states: the shards of {cfg.states} are read without re-hashing them", flush=True)
     return CachedTaps(cache, layer_ids, final=final, embed_tokens=embed, lm_head=head,
-                      num_layers=int(hc.num_hidden_layers), device=device, verify=bool(cfg.verify_states))
+                      num_layers=int(hc.num_hidden_layers), device=device, verify=bool(cfg.check_states))

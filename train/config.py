@@ -226,9 +226,9 @@ class TrainConfig:
     target runs every epoch)."""
     states: str = opt("", panel=RUN)
     """The states cache ``--target-engine vllm`` reads (``dflash-prep extract ... --out CACHE``)."""
-    verify_states: bool = opt(True, panel=RUN, flag="--verify-states/--no-verify-states")
+    check_states: bool = opt(True, panel=DATA, flag="--check-states/--no-check-states")
     """``--states``: re-hash each shard of the cache the first time the run reads it, on the prefetch
-    thread (a shard changed since ``extract`` stops the run); ``--no-verify-states`` skips it, and
+    thread (a shard changed since ``extract`` stops the run); ``--no-check-states`` skips it, and
     the run's log header and ``summary.json`` say so."""
     states_dtype: str = opt("bf16", panel=RUN)
     """``--target-engine vllm`` without ``--states``: the engine's states rounded as a cache of this
@@ -263,8 +263,8 @@ class TrainConfig:
             raise ConfigError(f"--target-engine must be one of {', '.join(TARGET_ENGINES)}, got {self.target_engine!r}")
         if self.states and self.target_engine != "vllm":
             raise ConfigError("--states CACHE is read by --target-engine vllm; add it, or drop --states")
-        if not self.verify_states and not self.states:
-            raise ConfigError("--no-verify-states skips re-hashing a --states cache; there is none here: drop it")
+        if not self.check_states and not self.states:
+            raise ConfigError("--no-check-states skips re-hashing a --states cache; there is none here: drop it")
         online = self.target_engine == "vllm" and not self.states
         if not online and (self.states_dtype != "bf16" or self.engine_args or self.engine_tokens != 32768
                            or self.engine_scratch):

@@ -1,6 +1,6 @@
 """A states cache damaged after ``extract`` is never trained on silently: the trainer re-hashes
 each shard the first time a run reads it (train/cached_taps.py, on the prefetch thread) and stops
-in one line naming the shard and the command that rebuilds it; ``--no-verify-states`` skips that
+in one line naming the shard and the command that rebuilds it; ``--no-check-states`` skips that
 and the run records it. The cache is written with the project's own writer from the transformers
 target (tests/train/states_fixtures.py) over data tokenized with the target's tokenizer."""
 
@@ -80,12 +80,12 @@ def test_a_run_reports_the_shards_it_verified_or_that_it_did_not(world, tmp_path
     common = dict(world["inputs"], draft_layers=1, max_steps=3, target_engine="vllm", states=str(world["cache"]))
     a = train(build_config(out=str(tmp_path / "a"), **common))
     n = len(fmt.open_states(world["cache"]).shards)
-    v = a["states_verify"]
+    v = a["states_check"]
     assert 1 <= v["shards"] <= n and v["of"] == n and v["seconds"] >= 0, v
-    b = train(build_config(out=str(tmp_path / "b"), verify_states=False, **common))
-    assert b["states_verify"].startswith("off (--no-verify-states)")
+    b = train(build_config(out=str(tmp_path / "b"), check_states=False, **common))
+    assert b["states_check"].startswith("off (--no-check-states)")
     assert b["loss_last"] == a["loss_last"], "verifying must not change what is trained"
     header = json.loads((tmp_path / "b" / "log.jsonl").read_text().splitlines()[0])
-    assert header["config"]["verify_states"] is False
-    with pytest.raises(ConfigError, match="--no-verify-states .* there is none here"):
-        build_config(out=str(tmp_path / "c"), verify_states=False, **dict(world["inputs"], draft_layers=1))
+    assert header["config"]["check_states"] is False
+    with pytest.raises(ConfigError, match="--no-check-states .* there is none here"):
+        build_config(out=str(tmp_path / "c"), check_states=False, **dict(world["inputs"], draft_layers=1))
