@@ -89,7 +89,10 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
         os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None and not group_members(pgid):
+        # an exited leader not reaped yet is a zombie, not a member: done without waiting on Popen's
+        # lock (a signal handler may run while this thread holds it in Popen.wait)
+        if not group_members(pgid):
+            proc.poll()
             return
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):

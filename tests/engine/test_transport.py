@@ -120,3 +120,30 @@ def test_clean_removes_what_a_killed_stream_left(tmp_path):
     assert r.returncode == 0, r.stderr
     assert not in_tmp["dead"].exists() and not in_work["dead"].exists() and not in_work["nested dead"].exists()
     assert all(made[k].is_dir() for made in (in_tmp, in_work) for k in ("live", "other host"))
+
+
+@pytest.mark.engine
+def test_an_online_run_puts_its_transport_where_told_and_sizes_it_from_the_manifests(world, tmp_path):
+    """A real run with ``--engine-scratch``: the states pass through that folder (nothing left there
+    after the run), and the bytes it was checked for are the largest micro-batch's of the manifests."""
+    import numpy as np
+
+    from dflash_prep.engine.extract import ExtractConfig, plan_cache
+    from dflash_prep.formats import manifest as manifest_mod
+    from dflash_prep.objectives.target_taps import dflash_taps
+    from dflash_prep.tests.engine.conftest import dflash_inputs
+    from dflash_prep.train.config import build
+    from dflash_prep.train.loop import train
+
+    mine = tmp_path / "scratch"
+    mine.mkdir()
+    o = dflash_inputs(world, tmp_path)
+    r = train(build(out=str(tmp_path / "run"), max_steps=2, draft_layers=1, target_engine="vllm",
+                    engine_args=("dtype=float32",), engine_scratch=str(mine), **o))
+    t = r["target_engine"]["transport"]
+    m = manifest_mod.open(manifest_mod.find_epochs(o["manifests"])[0])
+    T = int(m.table[:, manifest_mod.COL["real_tokens"]].max())
+    p = plan_cache(ExtractConfig(data=world["data"], target=world["target"], out=tmp_path / "run", objective="dflash",
+                                 target_layer_ids=tuple(dflash_taps(4, 1)), loss="ce", dtype="bf16"), None)
+    assert t == {"folder": str(mine), "need_bytes": transport_bytes(p, T, int(np.max(m.sample_lens)), 32768)}, t
+    assert list(mine.iterdir()) == []
