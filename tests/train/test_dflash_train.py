@@ -17,7 +17,8 @@ from dflash_prep.train.config import build as build_config
 from dflash_prep.train.distributed import Dist
 from dflash_prep.train.loop import train, train_step
 
-from dflash_prep.tests.train.dflash_fixtures import dflash_cfg, dflash_grads_setup, gloo_dflash_worker, tiny_target
+from dflash_prep.tests.train.dflash_fixtures import (assert_same_update, dflash_cfg, dflash_grads_setup, gloo_dflash_worker,
+                                                      tiny_target)
 from dflash_prep.tests.train.train_fakes import FakeSource
 
 
@@ -46,23 +47,7 @@ def test_sum_w_over_two_ranks_equals_one_rank_two_accum(tmp_path, recipe):
     want = {n: p.grad for n, p in obj.model.named_parameters()}
     for n, g in want.items():
         torch.testing.assert_close(got["grads"][n], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
-    # the update, not the bits: both runs start from the same weights, so compare what the step moved.
-    # The gradients above agree to fp32 rounding of a sum taken in another order (2 ranks vs 2
-    # micro-batches). AdamW's first step is lr * g / (|g| + eps) per entry: equal up to rounding except
-    # where |g| is itself at rounding level. Muon orthogonalises each matrix's gradient with a quintic
-    # Newton-Schulz iteration that maps every singular value to about 1: a singular direction whose
-    # value is near the rounding level of the sum gets an O(lr) step whose sign and size follow that
-    # rounding, so two summation orders (or two CPUs' vector kernels) move a matrix differently by a
-    # fraction of its update. Measured (2026-12-06, ATEN_CPU_CAPABILITY=default/avx2/avx512, with and
-    # without deterministic kernels): at most 6.3e-3 of the update's Frobenius norm for Muon's matrices
-    # (avx2; 0 under default and avx512), 0 for AdamW's. The bounds, 5e-2 (Muon: 8x the worst seen)
-    # and 1e-3 (AdamW), still fail a step that is off by a few per cent.
-    muon_ids = {id(q) for g in opt.muon.param_groups for q in g["params"]} if hasattr(opt, "muon") else set()
-    muon = {n for n, p in obj.model.named_parameters() if id(p) in muon_ids}
-    for n, p in obj.model.named_parameters():
-        d_got, d_want = got["params"][n] - init[n], p.detach() - init[n]
-        bound = (5e-2 if n in muon else 1e-3) * d_want.norm() + 1e-7
-        assert (d_got - d_want).norm() <= bound, f"{n}: update differs by {(d_got - d_want).norm():.3g} > {bound:.3g}"
+    assert_same_update(got["params"], init, obj.model, opt)
     assert got["step"]["loss"] == pytest.approx(st["loss"], rel=1e-6)
     assert got["step"]["targets"] == pytest.approx(st["targets"], rel=1e-9)
     assert got["step"]["tau"] == pytest.approx(st["tau"]) and got["step"]["anchors"] == st["anchors"]
