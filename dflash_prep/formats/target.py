@@ -5,7 +5,7 @@ in one place, so a folder whose config lacks them (``{}``) is refused in one lin
 and every missing key, by ``extract``, ``evaluate``, the trainer and ``pack --target-config`` alike.
 
 :func:`target_identity`: sha256 of config.json and every weight file (``target_fingerprint``),
-of the tokenizer files, and of the chat template. Light on purpose (the standard library; the
+of the tokenizer files, and of the chat template. Light on purpose (the standard library and the project's file I/O; the
 tokenizer through transformers only when the caller has none), so that ``dflash-prep extract``
 and the trainer name a target the same way without importing each other.
 
@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from dflash_prep.errors import ConfigError, FormatError
+from dflash_prep.formats.fileio import atomic_write_json
 
 DIGEST_CACHE = "dflash-prep-digests.json"
 """The one file dflash-prep writes into a target folder (when it is writable)."""
@@ -130,8 +131,6 @@ def _write_cache(paths: list[Path], key: str, entry: dict) -> None:
     """Add ``entry`` under ``key`` to the first cache file that can be written, keeping what other
     ranks or machines wrote (the newest :data:`MAX_ENTRIES`); none writable only costs the next
     run a re-hash."""
-    from dflash_prep.formats.fileio import atomic_write_json
-
     for p in paths:
         try:
             entries = _read_cache(p) | {key: entry}
