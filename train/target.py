@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_prep.engine.extract import check_tokenizer
 from dflash_prep.errors import ConfigError, FormatError
 
 ATTN_IMPL = "dfprep_varlen"  # no "flash" in the name: transformers reads that as a hub kernel
@@ -184,8 +185,6 @@ def target_provider(cfg, ds, layer_ids, *, final: bool, identity: dict, device: 
     tapping ``layer_ids``. A dataset tokenized for another model is refused first, whichever it is
     (:func:`dflash_prep.engine.extract.check_tokenizer`; in-memory test data records no tokenizer)."""
     if getattr(ds, "meta", None) is not None:
-        from dflash_prep.engine.extract import check_tokenizer
-
         check_tokenizer(getattr(ds, "folder", cfg.data), ds.meta, cfg.options.target,
                         then=", then analyze and pack it for this run")
     if cfg.target_engine == "vllm" and cfg.states:
