@@ -1,7 +1,8 @@
 """No engine process outlives its driver (dflash_prep/engine/lifetime.py), with the real vLLM:
 ``dflash-prep evaluate`` (a ``vllm serve`` API server and its engine core), ``dflash-prep
 extract`` and an online trainer (``--target-engine vllm`` without ``--states``; the states
-worker, vLLM in it) are each started as a user would, killed once their engine is up, and then:
+worker, vLLM in it) are each started as a user would, killed once their engine is up, and so is a
+trainer with ``--eval-every`` once its background evaluation's server is up; and then:
 
 - the driver ends with the signal's status (SIGTERM: -15; SIGINT: the CLI's 130; SIGKILL: -9),
   and for SIGTERM and SIGINT only once its engine is gone;
@@ -57,16 +58,15 @@ def _pids() -> list[int]:
     return [int(d) for d in os.listdir("/proc") if d.isdigit()]
 
 
-def _child(driver: subprocess.Popen, needle: str, log: Path) -> int:
-    """The pid of the driver's child whose command line holds ``needle`` (the engine, its group's id)."""
+def _child(parent: int, needle: str, log: Path) -> int:
+    """The pid of ``parent``'s child whose command line holds ``needle`` (the engine, its group's id)."""
     deadline = time.monotonic() + UP_S
     while True:
         for pid in _pids():
             f = _stat(pid)
-            if f and int(f[1]) == driver.pid and needle in _cmdline(pid):
+            if f and int(f[1]) == parent and needle in _cmdline(pid):
                 return pid
-        assert driver.poll() is None, f"the driver ended ({driver.returncode}) before starting its engine: " \
-                                      f"{log.read_text(errors='replace')[-3000:]}"
+        assert _live(parent), f"{parent} ended before starting its engine: {log.read_text(errors='replace')[-3000:]}"
         assert time.monotonic() < deadline, f"no engine process in {UP_S:.0f} s"
         time.sleep(0.1)
 
@@ -136,7 +136,7 @@ def test_evaluate_leaves_no_vllm_server(built, engine_python, tmp_path, sig):
                      "--export", str(built["dflash"]), "--prompts", str(built["prompts"]),
                      "--out", str(tmp_path / "eval.json"), "--no-ours"], log,
                     {"DFLASH_PREP_VLLM_PYTHON": str(engine_python)})
-    server = _child(driver, "vllm.entrypoints.openai.api_server", log)
+    server = _child(driver.pid, "vllm.entrypoints.openai.api_server", log)
     port = int(re.search(r"--port (\d+)", _cmdline(server))[1])
 
     def healthy() -> bool:
@@ -157,7 +157,7 @@ def test_extract_leaves_no_states_worker(world, tmp_path, sig):
                      str(world["target"]), "--objective", "dflash", "--draft-layers", "1", "--dtype", "bf16",
                      "--shard-mb", "0.01", "--batch-tokens", "1", "--engine-arg", "dtype=float32", "--timeout", "240",
                      "--out", str(out)], log, {"DFLASH_PREP_VLLM_PYTHON": world["py"]})
-    worker = _child(driver, "dflash_prep.engine.states_worker", log)
+    worker = _child(driver.pid, "dflash_prep.engine.states_worker", log)
     _wait(lambda: any(out.glob("shard-*.states")), driver, log, "the first shard")   # the engine is up and working
     got = _kill_and_check(driver, sig, worker, str(out))
     assert not json.loads((out / "states.json").read_text())["complete"], "the build ended before the signal"
@@ -185,7 +185,7 @@ def test_an_online_trainer_leaves_no_states_worker(world, tmp_path, sig):
                      "--optimizer", "adamw", "--lr", "3e-3", "--warmup-steps", "1", "--device", "cpu", "--epochs", "200",
                      "--log-every", "1", "--no-progress", "--target-engine", "vllm", "--engine-arg", "dtype=float32",
                      "--out", str(run)], log, {"DFLASH_PREP_VLLM_PYTHON": world["py"], "TMPDIR": str(tmpdir)})
-    worker = _child(driver, "dflash_prep.engine.states_worker", log)
+    worker = _child(driver.pid, "dflash_prep.engine.states_worker", log)
 
     def stepped() -> bool:
         lines = (run / "log.jsonl").read_text().splitlines() if (run / "log.jsonl").exists() else []
@@ -204,3 +204,39 @@ def test_an_online_trainer_leaves_no_states_worker(world, tmp_path, sig):
     else:
         assert _transport(driver.pid) == [], "the stopped run left its transport folder"
     print(f"online trainer {sig.name}: {got}")
+
+
+EVAL_DRIVER = """import sys
+from dflash_prep.bench.tiny_engine import MASK_ID
+from dflash_prep.tests.train.dflash_fixtures import dflash_cfg
+from dflash_prep.tests.train.train_fakes import FakeSource
+from dflash_prep.train.loop import train
+out, target, prompts = sys.argv[1:4]
+cfg = dflash_cfg(out, target, mask_token_id=MASK_ID, draft_layers=1, max_steps=4, eval_every=1, eval_prompts=prompts)
+train(cfg, source=FakeSource(n=48, layout="varlen"))   # 4 steps, then it waits for the evaluation in flight
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_a_trainer_evaluating_every_step_leaves_no_evaluation_and_no_server(built, engine_python, tmp_path, sig):
+    """``--eval-every``: the trainer's background evaluation and the vLLM server that one started
+    (two process groups, one under the other) are both gone when the trainer is killed."""
+    log = tmp_path / "train.log"
+    driver = _start([sys.executable, "-c", EVAL_DRIVER, str(tmp_path / "run"), str(built["target"]),
+                     str(built["prompts"])], log, {"DFLASH_PREP_VLLM_PYTHON": str(engine_python)})
+    evaluation = _child(driver.pid, "dflash_prep.train.engine_eval", log)
+    server = _child(evaluation, "vllm.entrypoints.openai.api_server", tmp_path / "run" / "evals" / "step-0000001"
+                    / "engine_eval.log")                                   # the evaluation is the server's driver
+    port = int(re.search(r"--port (\d+)", _cmdline(server))[1])
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+    _wait(healthy, driver, log, "the evaluation's server answered /health")
+    outer = group_members(evaluation)
+    got = _kill_and_check(driver, sig, server, f"--port {port}", port=port)
+    assert not [p for p in outer if _live(p)] and not group_members(evaluation)
+    print(f"trainer --eval-every {sig.name}: {got}")

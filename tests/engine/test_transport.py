@@ -78,6 +78,17 @@ def test_the_users_folder_is_used_as_is_or_refused_when_too_small(tmp_path):
         scratch_folder(MiB, chosen=tmp_path / "missing", fallbacks=[], shm=shm)
 
 
+def test_engine_scratch_is_an_online_target_flag():
+    from dflash_prep.tests.train.dflash_fixtures import dflash_cfg, tiny_target
+
+    target = str(tiny_target())
+    assert dflash_cfg("o", target, target_engine="vllm", engine_scratch="/scratch").engine_scratch == "/scratch"
+    with pytest.raises(ConfigError, match="--engine-scratch set up the target in vLLM.*add --target-engine vllm"):
+        dflash_cfg("o", target, engine_scratch="/scratch")
+    with pytest.raises(ConfigError, match="a cache has its own"):
+        dflash_cfg("o", target, target_engine="vllm", states="c", engine_scratch="/scratch")
+
+
 def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
