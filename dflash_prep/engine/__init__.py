@@ -1,6 +1,9 @@
 """Serving engines: run an exported drafter, or the target itself, in the engine users deploy it with.
 
 - :mod:`.env`: where the engine's own venv is (``make venv-vllm``) and which vLLM it holds;
+- :mod:`.lifetime`: the one way an engine process is started (:func:`~.lifetime.spawn`): its own
+  process group, a watchdog and a parent-death signal, stopped on SIGTERM and SIGINT: no engine
+  process outlives the command that started it;
 - :mod:`.vllm_server`: start ``vllm.entrypoints.openai.api_server`` in its own process group,
   wait for it, read its speculative-decoding counters, stop every process it started;
 - :mod:`.evaluate`: ``dflash-prep evaluate``: an export served by vLLM with and without
