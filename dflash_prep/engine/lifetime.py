@@ -129,7 +129,7 @@ class Engine:
             raise
         finally:
             os.close(read)
-        self.pid = self.proc.pid
+        self.pid, self.driver = self.proc.pid, os.getpid()
         _register(self)
 
     def poll(self) -> int | None:
@@ -208,8 +208,8 @@ def _restore() -> None:
 
 def _on_signal(signum: int, frame) -> None:
     """SIGTERM or SIGINT while engines live: stop their groups, then what would have happened."""
-    with _STATE:
-        live, prev = list(_LIVE), _PREVIOUS.get(signum, signal.SIG_DFL)
+    with _STATE:   # a process forked from the driver inherits this handler, not the driver's engines
+        live, prev = [e for e in _LIVE if e.driver == os.getpid()], _PREVIOUS.get(signum, signal.SIG_DFL)
     for e in live:                                      # all told at once, then each waited for
         with contextlib.suppress(ProcessLookupError):
             os.killpg(e.pid, signal.SIGTERM)

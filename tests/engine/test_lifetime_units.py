@@ -143,3 +143,17 @@ def test_spawn_from_a_thread_installs_no_handler():
         assert signal.getsignal(signal.SIGTERM) is before
     finally:
         box["e"].stop(timeout_s=5)
+
+
+def test_a_process_forked_from_the_driver_does_not_stop_the_drivers_engine():
+    """A fork of the driver (a multiprocessing worker, say) inherits the handler: its own SIGTERM must
+    end it, not the driver's engine."""
+    with spawn([sys.executable, "-c", "import time; time.sleep(60)"]) as e:
+        pid = os.fork()
+        if pid == 0:                                   # the fork: waits for its SIGTERM
+            time.sleep(30)
+            os._exit(0)
+        time.sleep(0.2)
+        os.kill(pid, signal.SIGTERM)
+        assert os.waitpid(pid, 0)[1] == signal.SIGTERM  # ended by the signal itself
+        assert group_members(e.pid) and e.poll() is None, "the fork's SIGTERM stopped the driver's engine"
