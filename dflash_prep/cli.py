@@ -512,7 +512,8 @@ def evaluate_cmd(
     """Serve an exported drafter with vLLM (from .venv-vllm: make venv-vllm) as users would, with and without speculative decoding, on the same prompt token ids. Reports: strict load (every export tensor used, no draft parameter left unloaded), lossless (temperature 0: outputs equal with and without speculation), tau from vLLM's counters (1 + accepted / drafts, and per position), tokens/s both ways, vLLM's version and the exact --speculative-config JSON to paste; with --ours, tau from our own evaluator on the same prompts and whether the two agree within 2 %."""
     import json
 
-    from dflash_prep.engine.evaluate import evaluate_export, report_rows
+    from dflash_prep.engine.evaluate import evaluate_export
+    from dflash_prep.engine.report_table import report_rows
 
     res = evaluate_export(target=target, export=export, prompts=prompts, out=out,
                           num_speculative_tokens=num_speculative_tokens, max_tokens=max_tokens, temperature=temperature,

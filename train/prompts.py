@@ -2,7 +2,7 @@
 
 One rendering for every evaluator, so that they all see the same prompt tokens: our own loop
 (:mod:`dflash_prep.train.speculate`) and a serving engine given the ids
-(:mod:`dflash_prep.engine.evaluate`, vLLM's ``/v1/completions`` with a token-id prompt).
+(:mod:`dflash_prep.engine.prompts`, vLLM's ``/v1/completions`` with a token-id prompt).
 No torch here: the caller passes a tokenizer (transformers ``AutoTokenizer``).
 
 JSONL, one record a line: ``{"messages": [...]}`` (chat: rendered with the tokenizer's chat

@@ -1,83 +1,53 @@
 """``dflash-prep evaluate``: an exported drafter served by vLLM, with and without speculation.
 
-What it does, in order (:func:`evaluate_export`):
+What it does, in order (:func:`evaluate_export`); each step's own module says how:
 
-1. **Method.** The export's ``config.json`` ``architectures`` picks vLLM's method
-   (:data:`ARCHITECTURES`); anything else is refused in one line. ``k``
-   (``num_speculative_tokens``): vLLM's DFlash proposer runs one query for the bonus token and
-   ``k`` mask queries (``num_query_per_req = 1 + k``, ``vllm/v1/spec_decode/dflash.py``), so a
-   drafter trained on blocks of B (anchor + B-1 slots) is served with ``k = B - 1`` (a smaller k
-   uses the first k slots; more than B-1 is refused: the drafter never learned those slots).
-   EAGLE-3 chains ``k`` drafter passes, 7 by default.
-2. **Prompts.** Rendered once, here, by the same function our evaluator uses
-   (:func:`dflash_prep.train.prompts.load_prompts`: the target's chat template up to the first
-   assistant turn, encoded without special tokens) and sent to vLLM as token ids on
-   ``/v1/completions``, so that vLLM and our evaluator see the same prompt tokens by
-   construction; vLLM echoes them (``return_token_ids``) and the report checks it. The chat
-   endpoint would render the template again, with vLLM's transformers and its defaults.
+1. **Method** (:mod:`dflash_prep.engine.method`): the export's ``architectures`` picks vLLM's method
+   and ``k`` (``num_speculative_tokens``, ``B - 1`` for a DFlash drafter of block B).
+2. **Prompts** (:mod:`dflash_prep.engine.prompts`): rendered once, here, by the same function our
+   evaluator uses, and sent to vLLM as token ids on ``/v1/completions``, so that vLLM and our
+   evaluator see the same prompt tokens by construction; vLLM echoes them (``return_token_ids``)
+   and the report checks it.
 3. **Engine with speculation** (:func:`~dflash_prep.engine.vllm_server.vllm_server` with
-   ``--speculative-config``), the strict-load report written by our vLLM plugin
-   (:mod:`dflash_prep.engine.load_report`), then every prompt, one request at a time, with the
-   spec-decode counters read before and after each (per-prompt drafts and acceptances).
+   ``--speculative-config``), the strict-load verdict on the report written by our vLLM plugin
+   (:mod:`dflash_prep.engine.load_check`; a refused load is diagnosed there too), then every
+   prompt, one request at a time, with the spec-decode counters read before and after each
+   (per-prompt drafts and acceptances).
 4. **Engine without speculation**, same prompts and sampling.
-5. **Our evaluator** (``ours=True``, temperature 0 only: it decodes greedily):
-   :func:`dflash_prep.train.speculate.evaluate` in this process (torch), same prompts and
-   ``max_tokens``, block ``k + 1``, and vLLM's stop rule (``engine_stop``: vLLM emits the bonus
-   token with the accepted ones and verifies nothing once ``max_tokens`` are out; the reference
-   loop our evaluator follows by default verifies one more block when the last one ends one token
-   short, which on a drafter that is always rejected is one extra block per prompt).
+5. **Our evaluator** (:mod:`dflash_prep.engine.ours`; ``ours=True``, temperature 0 only) on the
+   same prompts and ``max_tokens``, with vLLM's stop rule, compared with the counters.
 
-The report (format ``dflash-prep/engine-eval`` v1, written atomically): strict load (every export
-tensor used, no draft parameter left unloaded: :func:`strict_load`), lossless (temperature 0:
-tokens with speculation == without, per prompt), tau from the counters (``1 + accepted /
-drafts``) and the acceptance rate per position, tokens/s both ways and their ratio (meaningless
-on CPU, where the target's forward costs next to nothing), vLLM's version and the exact
-``--speculative-config`` JSON, and ``tau_ours`` beside ``tau_vllm`` (pooled over blocks, as the
-counters pool) with whether they agree within 2 %.
+The report (format ``dflash-prep/engine-eval`` v1, written atomically; printed by
+:func:`dflash_prep.engine.report_table.report_rows`): strict load (every export tensor used, no
+draft parameter left unloaded), lossless (temperature 0: tokens with speculation == without, per
+prompt), tau from the counters (``1 + accepted / drafts``) and the acceptance rate per position,
+tokens/s both ways and their ratio (meaningless on CPU, where the target's forward costs next to
+nothing), vLLM's version and the exact ``--speculative-config`` JSON, and ``tau_ours`` beside
+``tau_vllm`` (pooled over blocks, as the counters pool) with whether they agree within 2 %.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dflash_prep.engine.load_check import read_load_report, refusal, strict_load, strict_message
+from dflash_prep.engine.load_report import ENV_VAR as LOAD_REPORT_VAR
+from dflash_prep.engine.method import Method, export_method
+from dflash_prep.engine.ours import evaluate_ours
+from dflash_prep.engine.prompts import render_prompts, target_tokenizer
 from dflash_prep.engine.vllm_server import SpecCounters, VllmServer, is_cpu_build, vllm_server
-from dflash_prep.errors import ConfigError, EngineError, FormatError
-from dflash_prep.formats.fileio import atomic_write_json, fingerprint_json, read_json
+from dflash_prep.errors import ConfigError, EngineError
+from dflash_prep.formats.fileio import atomic_write_json, fingerprint_json
 from dflash_prep.formats.target import read_target_config
 
 EVAL_FORMAT = "dflash-prep/engine-eval"
 EVAL_VERSION = 1
-ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2", "LlamaForCausalLMEagle3": "eagle3"}
-"""Export architecture -> our kind. vLLM's method is ``dflash`` for both DFlash kinds (it tells a
-DFlash2 export by its architecture) and ``eagle3``."""
-VLLM_METHOD = {"dflash": "dflash", "dflash2": "dflash", "eagle3": "eagle3"}
-EAGLE3_K = 7
-AGREE_REL = 0.02
-"""tau_ours and tau_vllm agree when they differ by at most 2 % of tau_ours."""
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 SPEEDUP_NOTE = ("CPU and a toy target: per-step engine overhead dominates, so fewer steps look faster; this ratio says "
                 "nothing about serving on a GPU")
-
-
-@dataclass(frozen=True)
-class Method:
-    """How vLLM serves one export."""
-
-    kind: str
-    """dflash, dflash2 or eagle3 (our objectives)."""
-    architecture: str
-    k: int
-    """``num_speculative_tokens``."""
-    block_size: int | None
-    """The drafter's trained block B (DFlash kinds); None for EAGLE-3."""
-
-    def speculative_config(self, export: Path) -> dict:
-        """The ``--speculative-config`` object (what users paste to serve the export)."""
-        return {"method": VLLM_METHOD[self.kind], "model": str(export), "num_speculative_tokens": self.k}
 
 
 @dataclass(frozen=True)
@@ -110,119 +80,6 @@ class EvaluateConfig:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_prompts < 0 or self.timeout_s <= 0 or self.max_model_len < 2:
             raise ConfigError("--max-prompts must be >= 0, --timeout > 0 and --max-model-len >= 2")
-
-
-# ----------------------------------------------------------------------------- the export
-def export_method(export: Path, k: int | None = None) -> Method:
-    """The :class:`Method` of an export folder (module docstring, step 1)."""
-    cfile = export / "config.json"
-    if not cfile.is_file():
-        raise FormatError(f"{cfile}: not found; point --export at an exported drafter folder "
-                          "(python -m dflash_prep.train.export RUN --out DIR)")
-    try:
-        c = json.loads(cfile.read_text())
-        archs = list(c.get("architectures") or [])
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError) as e:
-        raise FormatError(f"{cfile}: not a JSON object with an architectures list ({e})") from None
-    arch = next((a for a in archs if a in ARCHITECTURES), None)
-    if arch is None:
-        known = ", ".join(f"{a} ({m})" for a, m in ARCHITECTURES.items())
-        raise FormatError(f"{cfile}: architectures {archs} is not one this command serves; supported: {known}")
-    kind = ARCHITECTURES[arch]
-    if kind == "eagle3":
-        k = EAGLE3_K if k is None else k
-        if k < 1:
-            raise ConfigError(f"--num-speculative-tokens must be >= 1, got {k}")
-        return Method(kind, arch, k, None)
-    dfc = c.get("dflash_config") or {}
-    B = dfc.get("block_size") if dfc.get("block_size") is not None else c.get("block_size")
-    if not isinstance(B, int) or B < 2:
-        raise FormatError(f"{cfile}: no block_size >= 2 (dflash_config.block_size or block_size), got {B!r}")
-    k = B - 1 if k is None else k
-    if not 1 <= k <= B - 1:
-        raise ConfigError(f"--num-speculative-tokens {k}: a DFlash drafter of block {B} fills at most {B - 1} slots "
-                          f"after the bonus token (vLLM runs 1 + k queries); pass 1..{B - 1}")
-    return Method(kind, arch, k, B)
-
-
-def strict_load(report: dict) -> dict:
-    """The verdict on vLLM's load report: ``ok`` when every export tensor reached a draft parameter
-    (except those vLLM skips by name, listed with its reason) and no draft parameter was left
-    unloaded (a parameter the engine shares from the target counts as loaded)."""
-    params = report.get("params") or {}
-    unused = [n for n in report.get("unused", []) if n not in (report.get("engine_skips") or {})]
-    by = lambda s: sorted(n for n, p in params.items() if p["status"] == s)  # noqa: E731
-    missing = by("missing") + [f"{n} ({params[n]['elements_written']} of {_numel(params[n]['shape'])} elements loaded)"
-                               for n in by("partial")]
-    return {"ok": not unused and not missing and report.get("error") is None, "draft_class": report.get("draft_class"),
-            "tensors": len(report.get("tensors") or {}), "used": len(report.get("used") or []),
-            "unused": unused, "engine_skips": report.get("engine_skips") or {}, "missing": missing,
-            "shared_with_target": by("shared"), "unused_by_engine": by("unused"), "loaded": len(by("loaded"))}
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def render_prompts(target: Path, prompts_file: Path, limit: int) -> list[list[int]]:
-    """Prompt token ids, rendered as our evaluator renders them (module docstring, step 2)."""
-    from transformers import AutoTokenizer
-
-    from dflash_prep.train.prompts import load_prompts
-
-    try:
-        tok = AutoTokenizer.from_pretrained(str(target), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise FormatError(f"{target}: no tokenizer to render the prompts with ({e})") from None
-    return load_prompts(prompts_file, tok, limit=limit)
-
-
-def safetensors_shapes(path: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape from a ``.safetensors`` header (8-byte little-endian length, then JSON),
-    read without torch; {} when the file is unreadable."""
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n)) if 0 < n < 1 << 28 else {}
-    except (OSError, ValueError):
-        return {}
-    return {k: list(v.get("shape", [])) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
-
-
-def likely_causes(export: Path, target: Path, method: Method) -> list[str]:
-    """What in the export contradicts the target or itself, checked from the files alone; added to
-    an engine's refusal, whose own message (often ``ValueError: too many values to unpack``) does
-    not say. Never a reason to refuse by itself: the engine decides."""
-    try:
-        c = json.loads((export / "config.json").read_text())
-        L = int(json.loads((target / "config.json").read_text())["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-    out = []
-    if method.kind == "eagle3":
-        ids = c.get("eagle_aux_hidden_state_layer_ids") or []
-        bad = [j for j in ids if not 1 <= int(j) <= L - 1]
-        if bad:
-            out.append(f"eagle_aux_hidden_state_layer_ids {ids} (vLLM: inputs of layers 1..{L - 1}) reach outside the "
-                       f"target's {L} layers")
-        shapes = safetensors_shapes(export / "model.safetensors")
-        vd = c.get("draft_vocab_size")
-        for name in ("d2t", "lm_head.weight"):
-            if name in shapes and vd is not None and shapes[name][:1] != [int(vd)]:
-                out.append(f"config.json draft_vocab_size {vd} but {name} has {shapes[name][0]} rows")
-    else:
-        ids = (c.get("dflash_config") or {}).get("target_layer_ids") or []
-        bad = [j for j in ids if not 0 <= int(j) < L]
-        if bad:
-            out.append(f"dflash_config.target_layer_ids {ids} reach outside the target's {L} layers (0..{L - 1})")
-        if len(set(map(int, ids))) < len(ids):
-            out.append(f"dflash_config.target_layer_ids {ids} repeat a layer: vLLM captures each layer once, so its "
-                       f"fc gets fewer features than the drafter was trained on (train with distinct "
-                       f"--target-layer-ids)")
-    return out
 
 
 # ----------------------------------------------------------------------------- decoding through vLLM
@@ -278,50 +135,40 @@ def _serve(target: Path, cfg: EvaluateConfig, logs: Path, *, method: Method | No
     name = "spec" if method else "base"
     report_file = logs / f"{name}.load-report.json"
     report_file.unlink(missing_ok=True)
-    env = {"DFLASH_PREP_LOAD_REPORT": str(report_file)} if method else {}
+    env = {LOAD_REPORT_VAR: str(report_file)} if method else {}
     try:
         with vllm_server(target, log=logs / f"{name}.log", speculative_config=spec_config, env=env,
                          timeout_s=cfg.timeout_s, max_model_len=cfg.max_model_len, seed=cfg.seed, dtype=cfg.dtype,
                          request_timeout_s=cfg.timeout_s) as server:
-            load = _load_report(report_file, export) if method else None
+            load = read_load_report(report_file, export) if method else None
             if load is not None and not strict_load(load)["ok"]:
-                raise EngineError(_strict_message(export, strict_load(load)))
+                raise EngineError(strict_message(export, strict_load(load)))
             rows, total = decode_all(server, prompts, cfg, spec=method is not None)
             facts = {"version": server.version, "command": server.command, "start_s": server.start_s,
                      "log": str(server.log)}
     except EngineError as e:
         if method is None or str(e).startswith(f"{export}:"):
             raise
-        load = _load_report(report_file, export, required=False)
-        extra = ""
-        if load is not None and load.get("error"):
-            extra = f" (loading the draft: {load['error']})" if load["error"] not in str(e) else ""
-        if method.kind == "dflash2" and "Model Runner V1 does not support" in str(e):
-            raise EngineError(f"{export}: a DFlash2 export needs vLLM's V2 model runner (Triton; GPU), which this "
-                              f"vLLM build does not run; engine: {e}") from None
-        causes = likely_causes(export, target, method)
-        hint = f" [the export: {'; '.join(causes)}]" if causes else ""
-        raise EngineError(f"{export}: vLLM refused the export{extra}: {e}{hint}") from None
+        raise refusal(e, export=export, target=target, method=method, report_file=report_file) from None
     return rows, total, facts, load
 
 
-def _load_report(path: Path, export: Path | None, *, required: bool = True) -> dict | None:
-    if not path.is_file():
-        if required:
-            raise EngineError(f"{export}: vLLM started but our load-report plugin wrote no {path.name}; is dflash-prep "
-                              "installed in the engine's venv (`make venv-vllm` does it)?")
-        return None
-    return read_json(path, format="dflash-prep/vllm-load-report")
-
-
-def _strict_message(export: Path, s: dict) -> str:
-    parts = []
-    if s["missing"]:
-        parts.append(f"draft parameters left unloaded: {', '.join(s['missing'])} (the export lacks their tensors; "
-                     "vLLM does not check this for drafters and would serve them uninitialised)")
-    if s["unused"]:
-        parts.append(f"export tensors vLLM did not use: {', '.join(s['unused'])}")
-    return f"{export}: not a strict load into vLLM's {s['draft_class']}: " + "; ".join(parts)
+def compare_runs(spec_rows: list[dict], base_rows: list[dict], *, greedy: bool) -> tuple[list[dict], dict]:
+    """The report's ``per_prompt`` rows and its ``lossless`` section from the two engine runs on the
+    same prompts (:func:`decode_all`'s rows); nothing is claimed unless ``greedy``."""
+    per_prompt = []
+    for s, b in zip(spec_rows, base_rows):
+        same = s["tokens"] == b["tokens"]
+        mismatch = None if same else next((j for j, (x, y) in enumerate(zip(s["tokens"], b["tokens"])) if x != y),
+                                          min(len(s["tokens"]), len(b["tokens"])))
+        per_prompt.append({"prompt_tokens": s["prompt_tokens"], "new_tokens_spec": len(s["tokens"]),
+                           "new_tokens_base": len(b["tokens"]), "finish_reason": s["finish_reason"],
+                           "lossless": same if greedy else None, "first_mismatch": mismatch,
+                           "num_drafts": s["counters"]["num_drafts"],
+                           "num_accepted_tokens": s["counters"]["num_accepted_tokens"], "tau_vllm": s["tau"]})
+    n_equal = sum(p["lossless"] is True for p in per_prompt)
+    return per_prompt, {"checked": greedy, "equal": n_equal if greedy else None, "of": len(per_prompt),
+                        "ok": (n_equal == len(per_prompt)) if greedy else None}
 
 
 # ----------------------------------------------------------------------------- the evaluation
@@ -337,7 +184,7 @@ def evaluate_export(*, target: str | Path, export: str | Path, prompts: str | Pa
                          timeout_s=timeout_s, max_model_len=max_model_len, dtype=dtype)
     read_target_config(target)              # an empty or partial config.json: one line, before any engine
     method = export_method(export, num_speculative_tokens)
-    ids = render_prompts(target, prompts_file, cfg.max_prompts)
+    ids = render_prompts(target_tokenizer(target), prompts_file, cfg.max_prompts)
     longest = max(len(p) for p in ids) + cfg.max_tokens
     if longest > cfg.max_model_len:
         raise ConfigError(f"the longest prompt plus --max-tokens is {longest} tokens, over --max-model-len "
@@ -351,18 +198,8 @@ def evaluate_export(*, target: str | Path, export: str | Path, prompts: str | Pa
     phases["spec_engine"], t = time.monotonic() - t, time.monotonic()
     base_rows, _, base_engine, _ = _serve(target, cfg, logs, method=None, export=None, prompts=ids)
     phases["base_engine"] = time.monotonic() - t
-    per_prompt = []
-    for s, b in zip(spec_rows, base_rows):
-        same = s["tokens"] == b["tokens"]
-        mismatch = None if same else next((j for j, (x, y) in enumerate(zip(s["tokens"], b["tokens"])) if x != y),
-                                          min(len(s["tokens"]), len(b["tokens"])))
-        per_prompt.append({"prompt_tokens": s["prompt_tokens"], "new_tokens_spec": len(s["tokens"]),
-                           "new_tokens_base": len(b["tokens"]), "finish_reason": s["finish_reason"],
-                           "lossless": same if cfg.temperature == 0 else None, "first_mismatch": mismatch,
-                           "num_drafts": s["counters"]["num_drafts"],
-                           "num_accepted_tokens": s["counters"]["num_accepted_tokens"], "tau_vllm": s["tau"]})
     greedy = cfg.temperature == 0
-    n_equal = sum(p["lossless"] is True for p in per_prompt)
+    per_prompt, lossless = compare_runs(spec_rows, base_rows, greedy=greedy)
     tps = lambda rows: sum(len(r["tokens"]) for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9)  # noqa: E731
     spec_tps, base_tps = tps(spec_rows), tps(base_rows)
     echo = [r["same_prompt_tokens"] for r in spec_rows + base_rows]
@@ -378,8 +215,7 @@ def evaluate_export(*, target: str | Path, export: str | Path, prompts: str | Pa
                     "engine_saw_same_tokens": None if None in echo else all(echo)},
         "sampling": {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed},
         "strict_load": strict_load(load),
-        "lossless": {"checked": greedy, "equal": n_equal if greedy else None, "of": len(per_prompt),
-                     "ok": (n_equal == len(per_prompt)) if greedy else None},
+        "lossless": lossless,
         "vllm": {"tau": total.tau, **total.to_dict(), "acceptance_per_position": total.acceptance_per_position()},
         "throughput": {"spec_tokens_per_s": spec_tps, "base_tokens_per_s": base_tps,
                        "speedup": spec_tps / base_tps if base_tps else None,
@@ -391,99 +227,12 @@ def evaluate_export(*, target: str | Path, export: str | Path, prompts: str | Pa
         "per_prompt": per_prompt,
     }
     t = time.monotonic()
-    res["ours"] = _ours(target, export, prompts_file, cfg, method, total, per_prompt) if ours else {"skipped": "--no-ours"}
+    res["ours"] = (evaluate_ours(target, export, prompts_file, k=method.k, max_tokens=cfg.max_tokens,
+                                 max_prompts=cfg.max_prompts, temperature=cfg.temperature, total=total,
+                                 per_prompt=per_prompt) if ours else {"skipped": "--no-ours"})
     phases["ours"] = time.monotonic() - t
     res["seconds"] = round(time.monotonic() - t_start, 2)
     res["phases_s"] = {k: round(v, 2) for k, v in phases.items()}
     atomic_write_json(out, res, format=EVAL_FORMAT, version=EVAL_VERSION)
     return {"format": EVAL_FORMAT, "version": EVAL_VERSION, **res}
 
-
-def _ours(target: Path, export: Path, prompts_file: Path, cfg: EvaluateConfig, method: Method, total: SpecCounters,
-          per_prompt: list[dict]) -> dict:
-    """Our evaluator on the same prompts (module docstring, step 5) and how it compares with vLLM."""
-    if cfg.temperature != 0:
-        return {"skipped": "temperature > 0: our evaluator decodes greedily"}
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    from dflash_prep.train.speculate import EvalConfig, evaluate
-
-    # the report's table is the output: transformers' per-load "Loading weights" bars are noise here
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    # one decode step at a time on tiny forwards: torch's default (one thread per core) made this
-    # 6.5x slower on the 2-core VM (52 s against 8 s for the DFlash demo); $OMP_NUM_THREADS wins
-    threads = torch.get_num_threads()
-    if not os.environ.get("OMP_NUM_THREADS"):
-        torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            r = evaluate(target, export, prompts_file,
-                         EvalConfig(max_new_tokens=cfg.max_tokens, max_prompts=cfg.max_prompts,
-                                    block_size=method.k + 1, engine_stop=True))
-    finally:
-        torch.set_num_threads(threads)
-        if bars:
-            hf_logging.enable_progress_bar()
-    ours_rows = r["per_prompt"]
-    tau_v, pooled = total.tau, r["tau_pooled"]
-    rel = abs(tau_v - pooled) / pooled if tau_v is not None else None
-    differ = [{"prompt": i, "vllm": [p["num_drafts"], p["num_accepted_tokens"], p["new_tokens_spec"]],
-               "ours": [len(o["acceptance_lengths"]), sum(o["acceptance_lengths"]) - len(o["acceptance_lengths"]),
-                        o["new_tokens"]]}
-              for i, (o, p) in enumerate(zip(ours_rows, per_prompt))
-              if [len(o["acceptance_lengths"]), sum(o["acceptance_lengths"]) - len(o["acceptance_lengths"])]
-              != [p["num_drafts"], p["num_accepted_tokens"]]]
-    same_blocks = len(per_prompt) - len(differ)
-    same_length = sum(o["new_tokens"] == p["new_tokens_spec"] for o, p in zip(ours_rows, per_prompt))
-    for o, p in zip(ours_rows, per_prompt):
-        p["tau_ours"] = o["tau"]
-        p["blocks_ours"] = len(o["acceptance_lengths"])
-    return {"tau": r["tau"], "tau_pooled": pooled, "blocks": r["blocks"], "lossless": r["lossless"],
-            "proposer": r["drafter"]["proposer"], "block_size": r["block_size"], "stop_rule": "engine",
-            "rel_diff": rel, "agree": rel is not None and rel <= AGREE_REL,
-            "prompts_same_acceptance": same_blocks, "prompts_same_length": same_length, "of": len(per_prompt),
-            "differing_prompts": differ}
-
-
-def _f(x, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def report_rows(res: dict) -> list[tuple[str, str]]:
-    """The report as (what, value) rows for a two-column table (the CLI prints them)."""
-    s, v, t, o, loss = res["strict_load"], res["vllm"], res["throughput"], res["ours"], res["lossless"]
-    strict = "yes" if s["ok"] else "NO"
-    strict += (f": {s['used']}/{s['tensors']} tensors used, {s['loaded']} parameters loaded"
-               + (f", {len(s['shared_with_target'])} shared from the target" if s["shared_with_target"] else "")
-               + "".join(f"; {n} ignored ({why})" for n, why in s["engine_skips"].items()))
-    if s["missing"] or s["unused"]:
-        strict += f"; missing {s['missing']}, unused {s['unused']}"
-    rows = [("engine", res["engine"]["version"]),
-            ("export", f"{res['export']['architecture']} ({res['export']['kind']}), k = {res['export']['num_speculative_tokens']}"),
-            ("--speculative-config", res["engine"]["speculative_config_json"]),
-            ("prompts", f"{res['prompts']['n']} x <= {res['sampling']['max_tokens']} new tokens, temperature "
-                        f"{res['sampling']['temperature']:g}; engine saw our token ids: "
-                        f"{ {True: 'yes', False: 'NO', None: 'not echoed'}[res['prompts']['engine_saw_same_tokens']] }"),
-            ("strict load", strict),
-            ("lossless", f"{loss['equal']}/{loss['of']} outputs equal with and without speculation"
-             if loss["checked"] else "not claimed (temperature > 0)"),
-            ("tau (vLLM)", f"{_f(v['tau'])} = 1 + {v['num_accepted_tokens']} accepted / {v['num_drafts']} drafts"),
-            ("accepted per position", " ".join(f"{a:.2f}" for a in v["acceptance_per_position"]) or "-")]
-    if "skipped" in o:
-        rows.append(("tau (ours)", f"skipped: {o['skipped']}"))
-    else:
-        rows.append(("tau (ours)", f"{_f(o['tau_pooled'])} pooled ({_f(o['tau'])} mean over prompts), {o['blocks']} "
-                                   f"blocks; lossless {o['lossless']}"))
-        rows.append(("vLLM vs ours", f"{'agree' if o['agree'] else 'DISAGREE'} (|diff| {_f(o['rel_diff'] * 100, '.2f')} % "
-                                     f"of ours, limit {AGREE_REL * 100:g} %); same acceptance on "
-                                     f"{o['prompts_same_acceptance']}/{o['of']} prompts"
-                                     + "".join(f"; prompt {d['prompt']}: vLLM {d['vllm']}, ours {d['ours']} "
-                                               "(drafts, accepted, new tokens)" for d in o["differing_prompts"][:3])))
-    rows += [("tokens/s", f"spec {t['spec_tokens_per_s']:.1f}, base {t['base_tokens_per_s']:.1f}, speedup "
-                          f"{_f(t['speedup'], '.2f')}" + (f" ({t['note']})" if t["note"] else "")),
-             ("engine start", f"spec {res['engine']['spec']['start_s']:.1f} s, base {res['engine']['base']['start_s']:.1f} s"),
-             ("wall", f"{res['seconds']:.1f} s (" + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s"
-                                                       for k, v in (res.get("phases_s") or {}).items()) + ")")]
-    return rows

