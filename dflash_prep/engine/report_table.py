@@ -35,9 +35,10 @@ def report_rows(res: dict) -> list[tuple[str, str]]:
     if "skipped" in o:
         rows.append(("tau (ours)", f"skipped: {o['skipped']}"))
     else:
+        pct = None if o["rel_diff"] is None else o["rel_diff"] * 100     # None: vLLM drafted nothing (no tau)
         rows.append(("tau (ours)", f"{_f(o['tau_pooled'])} pooled ({_f(o['tau'])} mean over prompts), {o['blocks']} "
                                    f"blocks; lossless {o['lossless']}"))
-        rows.append(("vLLM vs ours", f"{'agree' if o['agree'] else 'DISAGREE'} (|diff| {_f(o['rel_diff'] * 100, '.2f')} % "
+        rows.append(("vLLM vs ours", f"{'agree' if o['agree'] else 'DISAGREE'} (|diff| {_f(pct, '.2f')} % "
                                      f"of ours, limit {AGREE_REL * 100:g} %); same acceptance on "
                                      f"{o['prompts_same_acceptance']}/{o['of']} prompts"
                                      + "".join(f"; prompt {d['prompt']}: vLLM {d['vllm']}, ours {d['ours']} "

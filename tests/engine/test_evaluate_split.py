@@ -243,6 +243,16 @@ def test_the_report_table_is_pinned():
     assert {name: report_rows(res) for name, res in reports().items()} == ROWS
 
 
+def test_a_run_in_which_vllm_drafted_nothing_renders():
+    """No drafts (every prompt done at its first token, ``--max-tokens 1``): no vLLM tau, so no relative
+    difference to print (a TypeError after the report was written, until 2026-12-06)."""
+    res = reports()["dflash disagree"]
+    res["ours"] = {**res["ours"], "rel_diff": None, "differing_prompts": []}
+    rows = dict(report_rows(res))
+    assert rows["tau (vLLM)"] == "- = 1 + 0 accepted / 0 drafts"
+    assert rows["vLLM vs ours"] == "DISAGREE (|diff| - % of ours, limit 2 %); same acceptance on 0/4 prompts"
+
+
 # ----------------------------------------------------------------------------- recorded before the split
 # (the pure functions' outputs on the inputs above; the rows as pprint wrote them)
 SKIP_T2D = {"t2d": "vLLM's DFlash and EAGLE-3 loaders skip it by name and map draft ids with d2t alone"}
