@@ -7,7 +7,10 @@
 - :mod:`.vllm_server`: start ``vllm.entrypoints.openai.api_server`` in its own process group,
   wait for it, read its speculative-decoding counters, stop every process it started;
 - :mod:`.evaluate`: ``dflash-prep evaluate``: an export served by vLLM with and without
-  speculation: strict load, lossless, tau from the engine's counters, beside our own evaluator;
+  speculation: strict load, lossless, tau from the engine's counters, beside our own evaluator.
+  Its parts: :mod:`.method` (the method and k an export asks for), :mod:`.load_check` (the
+  strict-load verdict and the diagnosis of a refused load), :mod:`.prompts` (the prompt token
+  ids), :mod:`.ours` (our evaluator beside the engine) and :mod:`.report_table` (the printed rows);
 - :mod:`.load_report`: runs *inside* vLLM (a ``vllm.general_plugins`` entry point) and reports
   which export tensors the engine used and which draft parameters it left unloaded;
 - :mod:`.extract`: ``dflash-prep extract``: the target's hidden states from vLLM, written once
