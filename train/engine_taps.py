@@ -26,7 +26,8 @@ import torch
 
 from dflash_prep.engine.extract import ExtractConfig, parse_engine_args
 from dflash_prep.engine.states_stream import StatesStream
-from dflash_prep.errors import FormatError
+from dflash_prep.errors import DflashError, FormatError
+from dflash_prep.formats import manifest as manifest_mod
 from dflash_prep.formats.states import check_finite
 from dflash_prep.train.cached_taps import CachedTaps, _decode
 
@@ -77,9 +78,6 @@ def largest_microbatch(manifests: str | os.PathLike | None) -> tuple[int, int] |
     sent) over the run's packed epochs, for the transport's space check
     (:func:`dflash_prep.engine.states_stream.scratch_folder`); None when there are no manifests to
     read (a run on an in-memory source). Epochs packed later share the plan's budget."""
-    from dflash_prep.errors import DflashError
-    from dflash_prep.formats import manifest as manifest_mod
-
     if not manifests:
         return None
     try:

@@ -8,8 +8,8 @@ through :func:`spawn`, which gives it three guards:
    workers) join it, so the group is what we stop: :func:`stop_group` sends SIGTERM to the group,
    SIGKILL after a bounded wait, then checks through ``/proc`` that no live member is left.
 2. **A watchdog in the group, for a driver that dies without a word** (SIGKILL, the OOM killer).
-   The command runs through this file as a launcher (``python -I -S lifetime.py ... -- CMD``,
-   standard library only), which forks the watchdog and then ``exec``\\ s CMD: CMD keeps the
+   The command runs through a launcher (:mod:`dflash_prep.engine.launcher`: ``python -I -S
+   launcher.py ... -- CMD``, standard library only), which forks the watchdog and then ``exec``\\ s CMD: CMD keeps the
    launcher's pid, so the pid the driver holds is the engine's own. The watchdog waits on the read
    end of a pipe whose only write end the driver holds (end of file: the driver is gone, however
    it died and whichever of its threads started the engine) and on a pidfd of the engine (it
@@ -32,9 +32,7 @@ a real vLLM server is gone within a few seconds of any of the three signals.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -42,44 +40,19 @@ import threading
 import time
 from pathlib import Path
 
-LAUNCHER = Path(__file__).resolve()
+from dflash_prep.engine import launcher
+from dflash_prep.engine.launcher import _stat, group_members  # noqa: F401 (re-exported: the driver's side reads groups too)
+from dflash_prep.errors import EngineError
+
+LAUNCHER = Path(launcher.__file__).resolve()
 GRACE_S = 5.0
 """Seconds the watchdog gives the group after SIGTERM before SIGKILL, when the driver is gone (no
 one waits for a clean shutdown then; the engine gets the time to release its device)."""
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """The driver's signals that stop its engines before they take effect."""
-PR_SET_PDEATHSIG = 1
 
 
 # ----------------------------------------------------------------------------- groups
-def _stat(pid: int) -> list[str] | None:
-    """``state ppid pgrp ...`` of ``/proc/PID/stat`` (None when the process is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2:].split()   # comm may hold spaces and parentheses
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group ``pgid`` (Linux ``/proc``; elsewhere a probe
-    with signal 0 says only whether any is left: ``[pgid]`` or ``[]``)."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-            return [pgid]
-        except ProcessLookupError:
-            return []
-    out = []
-    for d in proc.iterdir():
-        if d.name.isdigit():
-            fields = _stat(int(d.name))
-            if fields and len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                out.append(int(d.name))
-    return out
-
-
 def stop_group(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
     """SIGTERM to the group of ``proc`` (its leader), SIGKILL after ``timeout_s``, then wait until
     no live process of the group is left (:class:`~dflash_prep.errors.EngineError` if one survives
@@ -103,8 +76,6 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
     while (left := group_members(pgid)) and time.monotonic() < deadline:
         time.sleep(0.1)
     if left:
-        from dflash_prep.errors import EngineError   # not at the top: the launcher runs this file alone
-
         raise EngineError(f"the engine's processes {left} (group {pgid}) survived SIGKILL; kill them by hand")
 
 
@@ -116,14 +87,14 @@ class Engine:
     def __init__(self, cmd: list[str], *, grace_s: float, pass_fds: tuple[int, ...], popen: dict):
         read, self._lifeline = os.pipe()               # both ends close on exec: only the launcher gets `read`
         main = threading.current_thread() is threading.main_thread()
-        launcher = [sys.executable, "-I", "-S", str(LAUNCHER), "--lifeline", str(read), "--driver", str(os.getpid()),
+        argv = [sys.executable, "-I", "-S", str(LAUNCHER), "--lifeline", str(read), "--driver", str(os.getpid()),
                     "--pdeathsig", str(int(signal.SIGKILL) if main else 0), "--grace", str(grace_s),
                     "--", *map(str, cmd)]
         self.command = [str(c) for c in cmd]
         self._on_stop: list = []
         self._lock = threading.RLock()                 # reentrant: the signal handler may run inside stop()
         try:
-            self.proc = subprocess.Popen(launcher, pass_fds=(read, *pass_fds), start_new_session=True, **popen)
+            self.proc = subprocess.Popen(argv, pass_fds=(read, *pass_fds), start_new_session=True, **popen)
         except Exception:
             os.close(self._lifeline)
             raise
@@ -230,93 +201,3 @@ def _on_signal(signum: int, frame) -> None:
     signal.signal(signum, signal.SIG_DFL)               # the default: end with the signal itself
     signal.raise_signal(signum)
     os._exit(128 + signum)
-
-
-# ----------------------------------------------------------------------------- the launcher (engine side)
-def _set_pdeathsig(sig: int) -> None:
-    with contextlib.suppress(OSError, AttributeError):   # not Linux: the watchdog still stops the group
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
-
-
-def _gone(pid: int) -> bool:
-    fields = _stat(pid)
-    return fields is None or fields[0] in ("Z", "X")
-
-
-def _watch(leader: int, pidfd: int | None, lifeline: int, grace_s: float) -> None:
-    """The watchdog (module docstring, 2.); never returns."""
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(s, signal.SIG_IGN)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    keep = {0, 1, 2, lifeline} | ({pidfd} if pidfd is not None else set())
-    try:
-        fds = [int(f) for f in os.listdir("/proc/self/fd")]
-    except OSError:
-        fds = list(range(3, 1024))
-    for fd in fds:                  # the engine's pipes (commands, events) must see their end when it dies
-        if fd not in keep:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-    waits = [lifeline] + ([pidfd] if pidfd is not None else [])
-    while True:
-        ready = select.select(waits, [], [], None if pidfd is not None else 0.5)[0]
-        if lifeline in ready and os.read(lifeline, 1) == b"":
-            why = "its driver is gone"
-            break
-        if (pidfd is not None and pidfd in ready) or (pidfd is None and _gone(leader)):
-            why = "it exited"
-            break
-    me = os.getpid()
-    left = [p for p in group_members(os.getpgrp()) if p != me]
-    if left:
-        print(f"dflash-prep engine watchdog: engine {leader}: {why}; stopping the rest of its group {left}",
-              file=sys.stderr, flush=True)
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            for p in left:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(p, sig)
-            deadline = time.monotonic() + wait_s
-            while (left := [p for p in group_members(os.getpgrp()) if p != me]) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if not left:
-                break
-    os._exit(0)
-
-
-def _launch(argv: list[str]) -> int:
-    """``lifetime.py --lifeline FD --driver PID --pdeathsig SIG --grace S -- CMD...``: the watchdog
-    forked off (twice, so it is nobody's child to reap), then ``exec CMD`` in this very process."""
-    split = argv.index("--")
-    opts, cmd = dict(zip(argv[0:split:2], argv[1:split:2])), argv[split + 1:]
-    lifeline, driver = int(opts["--lifeline"]), int(opts["--driver"])
-    if int(opts["--pdeathsig"]):
-        _set_pdeathsig(int(opts["--pdeathsig"]))
-    if os.getppid() != driver:                          # the driver died before the line above
-        return 1
-    leader = os.getpid()
-    try:
-        pidfd = os.pidfd_open(leader)                   # the engine, across the exec below
-    except (AttributeError, OSError):
-        pidfd = None                                    # no pidfds: the watchdog polls /proc
-    mid = os.fork()
-    if mid == 0:
-        try:
-            if os.fork() == 0:
-                _watch(leader, pidfd, lifeline, float(opts["--grace"]))
-        finally:
-            os._exit(0)
-    os.waitpid(mid, 0)
-    os.close(lifeline)
-    if pidfd is not None:
-        os.close(pidfd)
-    try:
-        os.execvp(cmd[0], cmd)
-    except OSError as e:
-        print(f"dflash-prep: cannot run {cmd[0]}: {e.strerror}", file=sys.stderr, flush=True)
-        return 127
-
-
-if __name__ == "__main__":
-    sys.exit(_launch(sys.argv[1:]))
