@@ -129,6 +129,15 @@ def _start(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
                             stdin=subprocess.DEVNULL, start_new_session=True)
 
 
+def _healthy(port: int) -> bool:
+    """Whether the vLLM server on ``port`` answers ``/health``."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
 def test_evaluate_leaves_no_vllm_server(built, engine_python, tmp_path, sig):
     log = tmp_path / "evaluate.log"
@@ -138,14 +147,7 @@ def test_evaluate_leaves_no_vllm_server(built, engine_python, tmp_path, sig):
                     {"DFLASH_PREP_VLLM_PYTHON": str(engine_python)})
     server = _child(driver.pid, "vllm.entrypoints.openai.api_server", log)
     port = int(re.search(r"--port (\d+)", _cmdline(server))[1])
-
-    def healthy() -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-    _wait(healthy, driver, log, "the server answered /health")
+    _wait(lambda: _healthy(port), driver, log, "the server answered /health")
     got = _kill_and_check(driver, sig, server, f"--port {port}", port=port)
     print(f"evaluate {sig.name}: {got}")
 
@@ -228,14 +230,7 @@ def test_a_trainer_evaluating_every_step_leaves_no_evaluation_and_no_server(buil
     server = _child(evaluation, "vllm.entrypoints.openai.api_server", tmp_path / "run" / "evals" / "step-0000001"
                     / "engine_eval.log")                                   # the evaluation is the server's driver
     port = int(re.search(r"--port (\d+)", _cmdline(server))[1])
-
-    def healthy() -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-    _wait(healthy, driver, log, "the evaluation's server answered /health")
+    _wait(lambda: _healthy(port), driver, log, "the evaluation's server answered /health")
     outer = group_members(evaluation)
     got = _kill_and_check(driver, sig, server, f"--port {port}", port=port)
     assert not [p for p in outer if _live(p)] and not group_members(evaluation)

@@ -5,6 +5,7 @@ vLLM is tests/engine/test_engine_lifetime.py (``engine`` marker)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -46,7 +47,9 @@ def _alive(pids) -> list[int]:
     return [p for p in pids if (f := lifetime._stat(p)) is not None and f[0] not in ("Z", "X")]
 
 
-def _start_driver(tmp_path, where: str = "main"):
+@contextlib.contextmanager
+def _driver(tmp_path, where: str = "main"):
+    """``(driver, engine group, its members)`` of a stand-in driver; whatever is left is killed after."""
     p = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path / "tree.txt"), where], stdout=subprocess.PIPE,
                          text=True, start_new_session=True)
     pgid = json.loads(p.stdout.readline())["pid"]
@@ -57,7 +60,13 @@ def _start_driver(tmp_path, where: str = "main"):
     tree = [int(x) for x in (tmp_path / "tree.txt").read_text().split()]
     members = group_members(pgid)
     assert set(tree) <= set(members) and len(members) == 4, (tree, members)   # + the watchdog
-    return p, pgid, members
+    try:
+        yield p, pgid, members
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for q in _alive(members):
+            os.kill(q, signal.SIGKILL)
 
 
 def _gone_within(pgid: int, pids: list[int], seconds: float) -> float:
@@ -73,35 +82,23 @@ def _gone_within(pgid: int, pids: list[int], seconds: float) -> float:
 def test_a_killed_driver_leaves_no_engine_process(tmp_path, sig, rc):
     """SIGTERM, SIGINT: the driver stops the group (the child ignoring SIGTERM is killed after the
     grace) before it ends with the signal's own status; SIGKILL: the watchdog does it."""
-    p, pgid, members = _start_driver(tmp_path)
-    try:
+    with _driver(tmp_path) as (p, pgid, members):
         os.kill(p.pid, sig)
         assert p.wait(timeout=30) == rc
         if sig != signal.SIGKILL:
             assert not _alive(members), "the driver ended before its engine was gone"
         _gone_within(pgid, members, 20)
-    finally:
-        if p.poll() is None:
-            p.kill()
-        for q in _alive(members):
-            os.kill(q, signal.SIGKILL)
 
 
 def test_an_engine_started_from_a_thread_outlives_that_thread_not_the_driver(tmp_path):
     """Linux's parent-death signal fires when the forking *thread* ends: from another thread it is
     not set, the engine lives on after that thread, and the watchdog still stops it with the driver."""
-    p, pgid, members = _start_driver(tmp_path, where="thread")
-    try:
+    with _driver(tmp_path, where="thread") as (p, pgid, members):
         time.sleep(1.0)
         assert len(_alive(members)) == 4, "the engine died with the thread that started it"
         os.kill(p.pid, signal.SIGKILL)
         p.wait(timeout=30)
         _gone_within(pgid, members, 20)
-    finally:
-        if p.poll() is None:
-            p.kill()
-        for q in _alive(members):
-            os.kill(q, signal.SIGKILL)
 
 
 def test_the_handlers_live_as_long_as_the_engine(tmp_path):
