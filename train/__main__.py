@@ -99,6 +99,10 @@ def main(**options):
         typer.secho(f"error (rank {rank}): {e.filename + ': ' if e.filename else ''}{e.strerror or e}",
                     fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
+    except KeyboardInterrupt:  # SIGINT (Ctrl-C); engines it started are already stopped (engine/lifetime.py)
+        typer.secho(f"interrupted (rank {rank}); rerun the same command to resume from the run's last checkpoint",
+                    err=True)
+        raise typer.Exit(130) from None
     if s.get("role") == "target":   # a split job's target rank (--target-ranks)
         typer.echo(f"target rank {s['rank']}: served drafter rank(s) {s['served']} for {s['steps']} steps, busy "
                    f"{100 * s['busy_share']:.1f}% of {s['time_s']:.1f} s, {s['bytes_sent'] / 2**20:,.1f} MiB sent")
