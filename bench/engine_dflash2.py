@@ -48,17 +48,17 @@ PLUGIN = ("dflash_prep_load_report", "dflash_prep.engine.load_report:register")
 
 def find_engine() -> tuple[Path | None, str]:
     """``(python, "<distribution> <version>")`` of a vLLM, or ``(None, why there is none)``."""
-    from dflash_prep.engine.env import vllm_python, vllm_version
+    from dflash_prep.engine.env import engine_python, engine_version
     from dflash_prep.errors import EngineError
 
     try:
-        py = vllm_python()
-        return py, vllm_version(py)
+        py = engine_python("vllm")
+        return py, engine_version("vllm", py)
     except EngineError as e:
         why = str(e)
     if importlib.util.find_spec("vllm") is not None:
         try:
-            return Path(sys.executable), vllm_version(sys.executable)
+            return Path(sys.executable), engine_version("vllm", sys.executable)
         except EngineError as e:
             why = str(e)
     return None, f"no vLLM on this machine: {why}"

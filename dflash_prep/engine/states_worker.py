@@ -2,7 +2,7 @@
 ``LLM`` over token-id prompts, each sample's hidden states quantized as the states cache stores
 them, written into a cache shard or handed to the trainer.
 
-Run with the engine's python (:func:`dflash_prep.engine.env.vllm_python`) by
+Run with the engine's python (:func:`dflash_prep.engine.env.engine_python`) by
 :mod:`dflash_prep.engine.worker_pipe`, never by hand, through :func:`dflash_prep.engine.lifetime.spawn`:
 it dies with the driver however the driver ends (a parent-death signal and a watchdog), so a killed
 build's worker never goes on with the commands already in its stdin, writing shards behind the back

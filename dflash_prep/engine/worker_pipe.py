@@ -2,12 +2,13 @@
 ``dflash-prep extract`` (:mod:`.extract`: shards of a states cache) and the trainer's online target
 (:mod:`dflash_prep.train.engine_taps`: a micro-batch's states, no disk).
 
-The worker runs with the engine's python (:mod:`.env`), with this very ``dflash_prep`` first on its
+The worker is the engine's own (its backend's ``worker_module``, :mod:`.backends`; vLLM's is
+:mod:`.states_worker`). It runs with the engine's python (:mod:`.env`), with this very ``dflash_prep`` first on its
 ``PYTHONPATH`` (:func:`engine_shim`) and nothing else of the main venv. Commands go to its stdin, one
 JSON object a line; events come back on a pipe of their own (:class:`LineReader`), one JSON object a
-line; vLLM's own output goes to a log file. A worker silent for longer than the timeout is asked for
+line; the engine's own output goes to a log file. A worker silent for longer than the timeout is asked for
 its stacks (:data:`.states_worker.STACK_SIGNAL`) and the error names its log. The worker is started
-by :func:`.lifetime.spawn`: it and vLLM's processes die with the driver, however the driver ends.
+by :func:`.lifetime.spawn`: it and the engine's processes die with the driver, however the driver ends.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 import dflash_prep
+from dflash_prep.engine import backends
 from dflash_prep.engine.lifetime import spawn
 from dflash_prep.engine.states_worker import STACK_SIGNAL
 from dflash_prep.errors import EngineError
@@ -70,19 +72,22 @@ class LineReader:
 
 
 class Worker:
-    """The engine-side worker process (:mod:`.states_worker`) and its two pipes: JSON commands on its
-    stdin, JSON events back on a pipe of their own (vLLM's output goes to ``log``)."""
+    """The engine-side worker process (the backend ``engine``'s ``worker_module``) and its two pipes:
+    JSON commands on its stdin, JSON events back on a pipe of their own (the engine's output goes to
+    ``log``)."""
 
-    def __init__(self, py: Path, job: Path, log: Path, shim: str, timeout_s: float, env: dict | None = None):
+    def __init__(self, py: Path, job: Path, log: Path, shim: str, timeout_s: float, env: dict | None = None, *,
+                 engine: str):
+        b = backends.get(engine)
         r, w = os.pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([shim, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-               **(env or {})}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        self.log_path, self.timeout_s = log, timeout_s
+               **b.quiet_env, **(env or {})}
+        for k, v in b.cpu_env.items():
+            env.setdefault(k, v)
+        self.log_path, self.timeout_s, self.label = log, timeout_s, b.label
         self.log = open(log, "ab")
         try:
-            self.engine = spawn([str(py), "-m", "dflash_prep.engine.states_worker", "--job", str(job),
+            self.engine = spawn([str(py), "-m", b.worker_module, "--job", str(job),
                                  "--events-fd", str(w)], stdin=subprocess.PIPE, stdout=self.log,
                                 stderr=subprocess.STDOUT, pass_fds=(w,), env=env)
         finally:
@@ -101,13 +106,13 @@ class Worker:
         line = self.events.readline(timeout_s or self.timeout_s)
         if line is None:
             where = "its stacks are at the end of" if self._dump_stacks() else "see"
-            raise EngineError(f"the vLLM worker sent nothing for {timeout_s or self.timeout_s:.0f} s; {where} "
+            raise EngineError(f"the {self.label} worker sent nothing for {timeout_s or self.timeout_s:.0f} s; {where} "
                               f"{self.log_path} (raise --timeout if the engine is only slow)")
         if not line:
             raise self._died()
         ev = json.loads(line)
         if ev.get("event") == "error":
-            raise EngineError(f"vLLM worker: {ev['message']} (its log: {self.log_path})")
+            raise EngineError(f"{self.label} worker: {ev['message']} (its log: {self.log_path})")
         return ev
 
     def _dump_stacks(self) -> bool:
@@ -131,7 +136,7 @@ class Worker:
             rc = None
         tail = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()][-1:] \
             if self.log_path.exists() else []
-        return EngineError(f"the vLLM worker stopped (exit {rc}): {tail[0].strip() if tail else 'no output'} "
+        return EngineError(f"the {self.label} worker stopped (exit {rc}): {tail[0].strip() if tail else 'no output'} "
                            f"(its log: {self.log_path})")
 
     def close(self, ok: bool) -> None:
@@ -143,7 +148,7 @@ class Worker:
             pass
         finally:
             try:
-                self.engine.stop(timeout_s=30)         # the worker's group: vLLM's engine processes too
+                self.engine.stop(timeout_s=30)         # the worker's group: the engine's processes too
             finally:
                 self._close_pipes()
 

@@ -25,12 +25,12 @@ REQUIRE_VAR = "DFLASH_PREP_ENGINE_TESTS"
 
 def _find_engine():
     """``(python, "<distribution> <version>")`` of the engine, or ``(None, why there is none)``."""
-    from dflash_prep.engine.env import vllm_python, vllm_version
+    from dflash_prep.engine.env import engine_python, engine_version
     from dflash_prep.errors import EngineError
 
     try:
-        py = vllm_python()
-        return py, vllm_version(py)
+        py = engine_python("vllm")
+        return py, engine_version("vllm", py)
     except EngineError as e:
         return None, str(e)
 
@@ -60,12 +60,12 @@ def engine_build(engine_python) -> dict:
     vLLM's V2 model runner, which runs only with CUDA; tests assert the answer each build gives."""
     import subprocess
 
-    from dflash_prep.engine.env import vllm_version
+    from dflash_prep.engine.env import engine_version
 
     probe = "import torch; print(int(torch.cuda.is_available()))"
     r = subprocess.run([str(engine_python), "-c", probe], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"{engine_python}: cannot import torch: {r.stderr[-500:]}"
-    return {"version": vllm_version(engine_python), "cuda": r.stdout.strip() == "1"}
+    return {"version": engine_version("vllm", engine_python), "cuda": r.stdout.strip() == "1"}
 
 
 @pytest.fixture(scope="session")

