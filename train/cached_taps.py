@@ -1,11 +1,12 @@
 """The third taps provider: a drafter's target hidden states read from a states cache.
 
-``--target-engine vllm --states CACHE``: the target ran once, in vLLM, over every sample
-(``dflash-prep extract``, :mod:`dflash_prep.engine.extract`), and :class:`CachedTaps` serves its
-states through the same ``taps(b, *, epoch, final)`` seam as :class:`~.split.taps.LocalTaps` (the
-target in this process) and :class:`~.split.taps.RemoteTaps` (a split job's target rank): the
-concatenated taps ``[T, k*H]`` of a micro-batch's documents, in its manifest order and in the
-run's tap order, and with ``final`` the final-normed last hidden states ``[T, H]``. The target's
+``--target-engine vllm --states CACHE`` (:mod:`dflash_prep.train.engines.vllm`): the target ran
+once, in vLLM, over every sample (``dflash-prep extract``, :mod:`dflash_prep.engine.extract`), and
+:class:`CachedTaps` serves its states through the same ``taps(b, *, epoch, final)`` seam as
+:class:`~.split.taps.LocalTaps` (the target in this process) and :class:`~.split.taps.RemoteTaps`
+(a split job's target rank): the concatenated taps ``[T, k*H]`` of a micro-batch's documents, in
+its manifest order and in the run's tap order, and with ``final`` the final-normed last hidden
+states ``[T, H]``. The target's
 ``embed_tokens`` and ``lm_head`` are loaded from its folder without building it
 (:func:`~.split.taps.load_heads`); its layers are never loaded.
 
@@ -53,6 +54,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_prep.engine import backends
 from dflash_prep.errors import FingerprintMismatch, FormatError
 from dflash_prep.formats.states import decode_torch, open_states, verify_shard
 from dflash_prep.objectives.target_taps import extract_command
@@ -70,8 +72,8 @@ class CachedTaps:
     remote = False
 
     def __init__(self, cache, taps, *, final: bool, embed_tokens, lm_head, num_layers: int, device: torch.device,
-                 verify: bool | None = None):
-        self.cache, self.device, self.verify = cache, device, verify
+                 verify: bool | None = None, engine: str = backends.DEFAULT):
+        self.cache, self.device, self.verify, self.engine = cache, device, verify, engine
         self._verified: set[int] = set()        # shards re-hashed by this run
         self._verify_lock = threading.Lock()    # the prefetch thread, and the step for a batch not read ahead
         self.verify_s = 0.0
@@ -155,7 +157,7 @@ class CachedTaps:
 
     def contract(self) -> dict:
         """What this provider adds to the run contract: the engine and the cache's dtype."""
-        return {"target_engine": "vllm", "states_dtype": self.cache.key.dtype}
+        return {"target_engine": self.engine, "states_dtype": self.cache.key.dtype}
 
 
 def _decode(rows: np.ndarray, scales, cols: np.ndarray, dtype: str) -> torch.Tensor:
@@ -196,4 +198,5 @@ def cached_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torc
     if not cfg.check_states and os.environ.get("RANK", "0") == "0":
         print(f"--no-check-states: the shards of {cfg.states} are read without re-hashing them", flush=True)
     return CachedTaps(cache, layer_ids, final=final, embed_tokens=embed, lm_head=head,
-                      num_layers=int(hc.num_hidden_layers), device=device, verify=bool(cfg.check_states))
+                      num_layers=int(hc.num_hidden_layers), device=device, verify=bool(cfg.check_states),
+                      engine=cfg.target_engine)

@@ -23,11 +23,11 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 from dflash_prep.errors import ConfigError
+from dflash_prep.train import engines
 
 ATTN_BACKENDS = ("auto", "reference", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("adamw", "muon")
-TARGET_ENGINES = ("hf", "vllm")
 STATES_DTYPES = ("bf16", "fp8", "fp32")     # dflash_prep.formats.states.DTYPES, without importing numpy here
 
 
@@ -259,25 +259,27 @@ class TrainConfig:
             raise ConfigError(f"--target-ranks must be >= 0 and --target-prefetch >= 1, got {self.target_ranks} "
                               f"and {self.target_prefetch}")
         _positive_finite("--target-timeout", self.target_timeout)
-        if self.target_engine not in TARGET_ENGINES:
-            raise ConfigError(f"--target-engine must be one of {', '.join(TARGET_ENGINES)}, got {self.target_engine!r}")
-        if self.states and self.target_engine != "vllm":
-            raise ConfigError("--states CACHE is read by --target-engine vllm; add it, or drop --states")
+        in_engine = self.target_engine != engines.BUILTIN      # hf: the transformers target, no engine
+        if in_engine:
+            engines.get(self.target_engine)                    # one of train/engines, else: "must be one of hf, ..."
+        if self.states and not in_engine:
+            raise ConfigError(f"--states CACHE is read by {engines.flags()}; add it, or drop --states")
         if not self.check_states and not self.states:
             raise ConfigError("--no-check-states skips re-hashing a --states cache; there is none here: drop it")
-        online = self.target_engine == "vllm" and not self.states
+        online = in_engine and not self.states
         if not online and (self.states_dtype != "bf16" or self.engine_args or self.engine_tokens != 32768
                            or self.engine_scratch):
             raise ConfigError("--states-dtype, --engine-arg, --engine-tokens and --engine-scratch set up the target "
-                              "in vLLM (--target-engine vllm without --states); " + (
+                              f"in {engines.labels()} ({engines.flags()} without --states); " + (
                                   "a cache has its own, given to `dflash-prep extract`" if self.states else
-                                  "add --target-engine vllm, or drop them"))
+                                  f"add {engines.flags()}, or drop them"))
         if self.states_dtype not in STATES_DTYPES:
             raise ConfigError(f"--states-dtype must be one of {', '.join(STATES_DTYPES)}, got {self.states_dtype!r}")
         if self.engine_tokens < 1:
             raise ConfigError(f"--engine-tokens must be at least 1, got {self.engine_tokens}")
-        if self.target_engine == "vllm" and self.target_ranks:
-            raise ConfigError("--target-engine vllm runs the target in vLLM (beside each rank, or once into --states), "
+        if in_engine and self.target_ranks:
+            raise ConfigError(f"--target-engine {self.target_engine} runs the target in "
+                              f"{engines.get(self.target_engine).label} (beside each rank, or once into --states), "
                               "not on --target-ranks; drop --target-ranks")
         if self.prefetch < 1:
             raise ConfigError(f"--prefetch must be at least 1 step, got {self.prefetch}")
@@ -305,9 +307,9 @@ class TrainConfig:
         if not isinstance(self.options, spec.options):
             raise ConfigError(f"--objective {self.objective} needs its options ({spec.options.__name__}), "
                               f"got {type(self.options).__name__}")
-        if self.target_engine == "vllm" and spec.serve is None:
-            raise ConfigError(f"--target-engine vllm: --objective {self.objective} trains on no frozen target; drop "
-                              "--target-engine" + (" and --states" if self.states else ""))
+        if in_engine and spec.serve is None:
+            raise ConfigError(f"--target-engine {self.target_engine}: --objective {self.objective} trains on no frozen "
+                              "target; drop --target-engine" + (" and --states" if self.states else ""))
         if not self.optimizer:                      # the objective's recipe
             object.__setattr__(self, "optimizer", spec.options.optimizer)
         if self.optimizer not in OPTIMIZERS:

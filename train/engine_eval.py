@@ -41,10 +41,14 @@ from dflash_prep.engine.env import engine_python
 from dflash_prep.engine.evaluate import evaluate_export
 from dflash_prep.engine.lifetime import Engine, spawn
 from dflash_prep.errors import ConfigError, DflashError
+from dflash_prep.train import engines
 from dflash_prep.train.export import export
 
 FINAL_WAIT_S = 1800.0
 """At the end of training, how long the evaluation in flight is waited for before it is stopped."""
+EVAL_ENGINE = backends.DEFAULT
+"""The engine the evaluation serves in (``dflash-prep evaluate``'s); its trainer side
+(:mod:`dflash_prep.train.engines`) names the report section its tau is read from."""
 
 
 def check(cfg, spec) -> None:
@@ -57,7 +61,7 @@ def check(cfg, spec) -> None:
                           f"{cfg.objective} run has none")
     if not Path(cfg.eval_prompts).is_file():
         raise ConfigError(f"--eval-prompts {cfg.eval_prompts}: no such file")
-    engine_python(backends.DEFAULT)   # an EngineError naming `make venv-vllm` when the engine venv is missing
+    engine_python(EVAL_ENGINE)   # an EngineError naming `make venv-vllm` when the engine venv is missing
 
 
 class EngineEvals:
@@ -123,8 +127,9 @@ class EngineEvals:
             return {"global_step": run["global_step"], "eval": {**rec, "failed": why, "log": str(d / "engine_eval.log")}}
         r = json.loads((d / "eval.json").read_text())
         ours = r.get("ours") or {}
+        tau_engine = r[engines.get(EVAL_ENGINE).report_section]["tau"]
         return {"global_step": run["global_step"],
-                "eval": {**rec, "tau_engine": r["vllm"]["tau"], "tau_ours": ours.get("tau_pooled"),
+                "eval": {**rec, "tau_engine": tau_engine, "tau_ours": ours.get("tau_pooled"),
                          "lossless": r["lossless"].get("ok"), "agree": ours.get("agree"), "engine": r["engine"]["version"]}}
 
 

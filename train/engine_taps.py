@@ -48,7 +48,7 @@ class EngineTaps(CachedTaps):
             docs.append(ids)
         rows, scales = self.cache.states(docs)
         check_finite(rows, scales, self.cache.key.dtype, np.concatenate([[0], np.cumsum(lens)]), sids,
-                     "the vLLM target", then="the run stops before training on it")
+                     self.cache.folder, then="the run stops before training on it")
         return _decode(rows, scales, cols, self.cache.key.dtype)
 
     def summary(self) -> dict:
@@ -93,7 +93,8 @@ def largest_microbatch(manifests: str | os.PathLike | None) -> tuple[int, int] |
 
 
 def engine_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torch.device, rank: int) -> EngineTaps:
-    """The provider of ``--target-engine vllm`` without ``--states``: this rank's engine started,
+    """The provider of ``--target-engine vllm`` without ``--states`` (:mod:`dflash_prep.train.engines.vllm`;
+    any engine's: ``cfg.target_engine`` names its backend): this rank's engine started,
     capturing the run's taps (and the final state when it reads it), in ``--states-dtype``."""
     from dflash_prep.train.split.taps import load_heads
 
@@ -105,14 +106,14 @@ def engine_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torc
                        target_layer_ids=tuple(sorted(set(int(t) for t in layer_ids))),
                        loss="kl" if final and cfg.objective != "eagle3" else "ce", dtype=cfg.states_dtype,
                        batch_tokens=cfg.engine_tokens, engine_args=parse_engine_args(cfg.engine_args),
-                       timeout_s=cfg.target_timeout)
+                       timeout_s=cfg.target_timeout, engine=cfg.target_engine)
     stream = StatesStream(xc, identity=identity, log=out / f"engine-rank{rank}.log", timeout_s=cfg.target_timeout,
                           env=engine_devices(device, dict(xc.engine_args)), scratch=cfg.engine_scratch or None,
                           largest=largest_microbatch(cfg.manifests),
                           copies=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     try:
         return EngineTaps(stream, ds, layer_ids, final=final, embed_tokens=embed, lm_head=head,
-                          num_layers=stream.p["num_layers"], device=device)
+                          num_layers=stream.p["num_layers"], device=device, engine=cfg.target_engine)
     except BaseException:
         stream.close(ok=False)
         raise

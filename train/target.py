@@ -15,21 +15,22 @@
   returns the final-normed last hidden states; the LM head is left to the caller, which applies
   it to the labelled positions only, in chunks (:mod:`dflash_prep.train.chunked_kl`).
 - **Identity** (:func:`dflash_prep.formats.target.target_identity`, part of the run contract).
-- **Where it runs** (:func:`target_provider`): here, on a split job's target rank, or in vLLM
-  (``--target-engine vllm``: its states read from a cache, or computed online beside the rank).
+- **Where it runs** (:func:`target_provider`): here, on a split job's target rank, or in a serving
+  engine (``--target-engine vllm``, :mod:`dflash_prep.train.engines`: its states read from a cache,
+  or computed online beside the rank).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from dflash_prep.engine.extract import check_tokenizer
 from dflash_prep.errors import ConfigError, FormatError
+from dflash_prep.train import engines
 
 ATTN_IMPL = "dfprep_varlen"  # no "flash" in the name: transformers reads that as a hub kernel
 """Name of the packed document-causal attention in transformers' registry."""
@@ -178,24 +179,18 @@ class FrozenTarget:
 
 def target_provider(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torch.device, place=None):
     """Where this drafter rank's target hidden states come from (a taps provider,
-    :mod:`dflash_prep.train.split.taps`): ``--target-engine vllm``'s states cache
-    (:class:`~dflash_prep.train.cached_taps.CachedTaps`), or without ``--states`` the target in vLLM
-    beside this rank (:class:`~dflash_prep.train.engine_taps.EngineTaps`), else a split job's target rank (``place``:
+    :mod:`dflash_prep.train.split.taps`): a serving engine's (``--target-engine vllm``, its module in
+    :mod:`dflash_prep.train.engines`: the states cache, :class:`~dflash_prep.train.cached_taps.CachedTaps`,
+    or without ``--states`` the target in vLLM beside this rank,
+    :class:`~dflash_prep.train.engine_taps.EngineTaps`), else a split job's target rank (``place``:
     :class:`~dflash_prep.train.split.taps.RemoteTaps`), else a :class:`FrozenTarget` in this process
     tapping ``layer_ids``. A dataset tokenized for another model is refused first, whichever it is
     (:func:`dflash_prep.engine.extract.check_tokenizer`; in-memory test data records no tokenizer)."""
     if getattr(ds, "meta", None) is not None:
         check_tokenizer(getattr(ds, "folder", cfg.data), ds.meta, cfg.options.target,
                         then=", then analyze and pack it for this run")
-    if cfg.target_engine == "vllm" and cfg.states:
-        from dflash_prep.train.cached_taps import cached_taps
-
-        return cached_taps(cfg, ds, layer_ids, final=final, identity=identity, device=device)
-    if cfg.target_engine == "vllm":
-        from dflash_prep.train.engine_taps import engine_taps
-
-        return engine_taps(cfg, ds, layer_ids, final=final, identity=identity, device=device,
-                           rank=int(os.environ.get("RANK", "0")))
+    if cfg.target_engine != engines.BUILTIN:
+        return engines.get(cfg.target_engine).taps(cfg, ds, layer_ids, final=final, identity=identity, device=device)
     if place is not None:
         from dflash_prep.train.split.taps import remote_taps
 
