@@ -134,7 +134,8 @@ def engine_message(log_text: str, engine: str = backends.DEFAULT) -> str | None:
     """The root cause in an engine's log: the last exception line (``SomeError: message``) that is
     not one of the engine's wrappers (its backend's ``log_wrappers``: vLLM's "Engine core
     initialization failed. See root cause above"); a pydantic ``ValidationError`` keeps its
-    indented detail lines ("Value error, Model Runner V1 does not support: ..."). None when the log has none. The log prefix (process, time, file) is cut."""
+    indented detail lines ("Value error, Model Runner V1 does not support: ..."). None when the log
+    has none. The log prefix (process, time, file) is cut."""
     lines = log_text.splitlines()
     found = []
     for i, line in enumerate(lines):
