@@ -1,11 +1,14 @@
 """Serving engines: run an exported drafter, or the target itself, in the engine users deploy it with.
 
-- :mod:`.env`: where the engine's own venv is (``make venv-vllm``) and which vLLM it holds;
+- :mod:`.backends`: one record per serving engine, found by name (:mod:`.backends.vllm` holds
+  everything that is vLLM's: its venv, server command, metric names, speculative methods, states
+  worker); the generic modules below ask it by name (docs/engines.md#adding-an-engine);
+- :mod:`.env`: where an engine's own venv is (``make venv-vllm``) and which version it holds;
 - :mod:`.lifetime`: the one way an engine process is started (:func:`~.lifetime.spawn`): its own
   process group, a watchdog and a parent-death signal, stopped on SIGTERM and SIGINT: no engine
   process outlives the command that started it;
-- :mod:`.vllm_server`: start ``vllm.entrypoints.openai.api_server`` in its own process group,
-  wait for it, read its speculative-decoding counters, stop every process it started;
+- :mod:`.vllm_server`: start an engine's server (vLLM's ``vllm.entrypoints.openai.api_server``) in
+  its own process group, wait for it, read its speculative-decoding counters, stop every process it started;
 - :mod:`.evaluate`: ``dflash-prep evaluate``: an export served by vLLM with and without
   speculation: strict load, lossless, tau from the engine's counters, beside our own evaluator.
   Its parts: :mod:`.method` (the method and k an export asks for), :mod:`.load_check` (the
