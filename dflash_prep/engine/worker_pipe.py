@@ -3,12 +3,13 @@
 (:mod:`dflash_prep.train.engine_taps`: a micro-batch's states, no disk).
 
 The worker is the engine's own (its backend's ``worker_module``, :mod:`.backends`; vLLM's is
-:mod:`.states_worker`). It runs with the engine's python (:mod:`.env`), with this very ``dflash_prep`` first on its
-``PYTHONPATH`` (:func:`engine_shim`) and nothing else of the main venv. Commands go to its stdin, one
-JSON object a line; events come back on a pipe of their own (:class:`LineReader`), one JSON object a
-line; the engine's own output goes to a log file. A worker silent for longer than the timeout is asked for
-its stacks (:data:`.states_worker.STACK_SIGNAL`) and the error names its log. The worker is started
-by :func:`.lifetime.spawn`: it and the engine's processes die with the driver, however the driver ends.
+:mod:`.states_worker`). It runs with the engine's python (:mod:`.env`), with this very
+``dflash_prep`` first on its ``PYTHONPATH`` (:func:`engine_shim`) and nothing else of the main
+venv. Commands go to its stdin, one JSON object a line; events come back on a pipe of their own
+(:class:`LineReader`), one JSON object a line; the engine's own output goes to a log file. A worker
+silent for longer than the timeout is asked for its stacks (:data:`.states_worker.STACK_SIGNAL`)
+and the error names its log. The worker is started by :func:`.lifetime.spawn`: it and the engine's
+processes die with the driver, however the driver ends.
 """
 
 from __future__ import annotations
