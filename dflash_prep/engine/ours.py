@@ -49,8 +49,10 @@ def evaluate_ours(target: Path, export: Path, prompts_file: Path, *, k: int, max
         if bars:
             hf_logging.enable_progress_bar()
     ours_rows = r["per_prompt"]
+    if not r["blocks"]:     # nothing drafted (every prompt done at its first token): no tau, as vLLM's counters
+        r = {**r, "tau": None, "tau_pooled": None}
     tau_v, pooled = total.tau, r["tau_pooled"]
-    rel = abs(tau_v - pooled) / pooled if tau_v is not None else None
+    rel = abs(tau_v - pooled) / pooled if tau_v is not None and pooled is not None else None
     differ = [{"prompt": i, "vllm": [p["num_drafts"], p["num_accepted_tokens"], p["new_tokens_spec"]],
                "ours": [len(o["acceptance_lengths"]), sum(o["acceptance_lengths"]) - len(o["acceptance_lengths"]),
                         o["new_tokens"]]}

@@ -12,6 +12,13 @@ def _f(x, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _verdict(agree: bool, rel_diff: float | None) -> str:
+    if rel_diff is None:                # a tau missing on one side: nothing was drafted
+        return "not compared (no tau: nothing drafted)"
+    return (f"{'agree' if agree else 'DISAGREE'} (|diff| {rel_diff * 100:.2f} % of ours, "
+            f"limit {AGREE_REL * 100:g} %)")
+
+
 def report_rows(res: dict) -> list[tuple[str, str]]:
     """The report as (what, value) rows for a two-column table (the CLI prints them)."""
     s, v, t, o, loss = res["strict_load"], res["vllm"], res["throughput"], res["ours"], res["lossless"]
@@ -35,11 +42,9 @@ def report_rows(res: dict) -> list[tuple[str, str]]:
     if "skipped" in o:
         rows.append(("tau (ours)", f"skipped: {o['skipped']}"))
     else:
-        pct = None if o["rel_diff"] is None else o["rel_diff"] * 100     # None: vLLM drafted nothing (no tau)
         rows.append(("tau (ours)", f"{_f(o['tau_pooled'])} pooled ({_f(o['tau'])} mean over prompts), {o['blocks']} "
                                    f"blocks; lossless {o['lossless']}"))
-        rows.append(("vLLM vs ours", f"{'agree' if o['agree'] else 'DISAGREE'} (|diff| {_f(pct, '.2f')} % "
-                                     f"of ours, limit {AGREE_REL * 100:g} %); same acceptance on "
+        rows.append(("vLLM vs ours", f"{_verdict(o['agree'], o['rel_diff'])}; same acceptance on "
                                      f"{o['prompts_same_acceptance']}/{o['of']} prompts"
                                      + "".join(f"; prompt {d['prompt']}: vLLM {d['vllm']}, ours {d['ours']} "
                                                "(drafts, accepted, new tokens)" for d in o["differing_prompts"][:3])))

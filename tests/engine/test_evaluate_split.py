@@ -244,13 +244,16 @@ def test_the_report_table_is_pinned():
 
 
 def test_a_run_in_which_vllm_drafted_nothing_renders():
-    """No drafts (every prompt done at its first token, ``--max-tokens 1``): no vLLM tau, so no relative
-    difference to print (a TypeError after the report was written, until 2026-12-06)."""
+    """No drafts (every prompt done at its first token, ``--max-tokens 1``): no tau either way, so no
+    relative difference to judge by (``evaluate`` refused to write our evaluator's NaN tau until 2026-12-06)."""
     res = reports()["dflash disagree"]
-    res["ours"] = {**res["ours"], "rel_diff": None, "differing_prompts": []}
+    res["ours"] = {**res["ours"], "tau": None, "tau_pooled": None, "blocks": 0, "rel_diff": None,
+                   "differing_prompts": []}
     rows = dict(report_rows(res))
     assert rows["tau (vLLM)"] == "- = 1 + 0 accepted / 0 drafts"
-    assert rows["vLLM vs ours"] == "DISAGREE (|diff| - % of ours, limit 2 %); same acceptance on 0/4 prompts"
+    assert rows["tau (ours)"] == "- pooled (- mean over prompts), 0 blocks; lossless False"
+    assert rows["vLLM vs ours"] == ("not compared (no tau: nothing drafted); same acceptance on 0/4 "
+                                    "prompts")
 
 
 # ----------------------------------------------------------------------------- recorded before the split
