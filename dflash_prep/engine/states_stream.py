@@ -56,6 +56,7 @@ from dflash_prep.engine.extract import (ExtractConfig, check_vocab, engine_args,
                                         write_input)
 from dflash_prep.engine.worker_pipe import Worker, engine_shim
 from dflash_prep.errors import ConfigError, EngineError
+from dflash_prep.formats.outputs import pid_alive
 
 START_TIMEOUT_S = 1800.0
 """Seconds the engine may take to start (load the target, profile, allocate its cache) before the
@@ -126,16 +127,6 @@ def scratch_folder(need: int | None, *, chosen: str | os.PathLike | None, fallba
                       "--engine-tokens or the plan's token budget")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def stale_scratch(folders, *, depth: int = 1) -> list[Path]:
     """Temp folders of streams whose process is gone (``dflash-prep-states.PID.HOST.*`` with HOST this
     host and PID not alive) directly in ``folders``, or down to ``depth`` levels below them."""
@@ -149,7 +140,7 @@ def stale_scratch(folders, *, depth: int = 1) -> list[Path]:
         for e in entries:
             m = _SCRATCH.match(e.name)
             if m:
-                if m["host"] == host and not _alive(int(m["pid"])) and e.is_dir() and not e.is_symlink():
+                if m["host"] == host and not pid_alive(int(m["pid"])) and e.is_dir() and not e.is_symlink():
                     found.append(e)
             elif level < depth and e.is_dir() and not e.is_symlink():
                 walk(e, level + 1)

@@ -142,7 +142,8 @@ def _acquire(lp: Path, target: Path, deadline: float) -> int:
 
 
 # ----------------------------------------------------------------------------- debris
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (this process counts; another user's counts too)."""
     if pid == os.getpid():
         return True
     try:
@@ -190,7 +191,7 @@ def _caches() -> list[Path]:
     with contextlib.suppress(OSError):
         for p in tmp.iterdir():
             m = _CACHE.match(p.name)
-            if m and not _alive(int(m["pid"])):
+            if m and not pid_alive(int(m["pid"])):
                 out.append(p)
     return out
 
@@ -211,7 +212,7 @@ def find_stale(paths: Iterable[str | os.PathLike], *, depth: int = 3, caches: bo
         for p in entries:
             t = _temp_pid(p.name)
             if t is not None:
-                if not _alive(t[1]):
+                if not pid_alive(t[1]):
                     found.append(p)
                 continue
             if _LOCK.match(p.name) and p.is_file() and not _held(p):
