@@ -50,12 +50,17 @@ def _alive(pids) -> list[int]:
 @contextlib.contextmanager
 def _driver(tmp_path, where: str = "main"):
     """``(driver, engine group, its members)`` of a stand-in driver; whatever is left is killed after."""
+    err = open(tmp_path / "driver.err", "w")
     p = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path / "tree.txt"), where], stdout=subprocess.PIPE,
-                         text=True, start_new_session=True)
+                         stderr=err, text=True, start_new_session=True)
+    err.close()
     pgid = json.loads(p.stdout.readline())["pid"]
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while len((tmp_path / "tree.txt").read_text().split()) < 3:
-        assert time.monotonic() < deadline, "the stand-in engine did not start"
+        assert time.monotonic() < deadline, (      # what there is to see if it ever fails (once in a loaded suite)
+            f"the stand-in engine did not start in 60 s: tree {(tmp_path / 'tree.txt').read_text().split()}, group "
+            f"{group_members(pgid)}, driver {'alive' if p.poll() is None else p.returncode}, its stderr: "
+            f"{(tmp_path / 'driver.err').read_text()[-1500:]}")
         time.sleep(0.05)
     tree = [int(x) for x in (tmp_path / "tree.txt").read_text().split()]
     members = group_members(pgid)
