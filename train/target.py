@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_prep.engine.extract import check_tokenizer
 from dflash_prep.errors import ConfigError, FormatError
+from dflash_prep.tokenize.identity import check_tokenizer
 from dflash_prep.train import engines
 
 ATTN_IMPL = "dfprep_varlen"  # no "flash" in the name: transformers reads that as a hub kernel
@@ -185,7 +185,7 @@ def target_provider(cfg, ds, layer_ids, *, final: bool, identity: dict, device: 
     :class:`~dflash_prep.train.engine_taps.EngineTaps`), else a split job's target rank (``place``:
     :class:`~dflash_prep.train.split.taps.RemoteTaps`), else a :class:`FrozenTarget` in this process
     tapping ``layer_ids``. A dataset tokenized for another model is refused first, whichever it is
-    (:func:`dflash_prep.engine.extract.check_tokenizer`; in-memory test data records no tokenizer)."""
+    (:func:`dflash_prep.tokenize.identity.check_tokenizer`; in-memory test data records no tokenizer)."""
     if getattr(ds, "meta", None) is not None:
         check_tokenizer(getattr(ds, "folder", cfg.data), ds.meta, cfg.options.target,
                         then=", then analyze and pack it for this run")

@@ -24,7 +24,6 @@ A build with other options over an existing cache is refused unless ``--overwrit
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shlex
@@ -48,7 +47,7 @@ from dflash_prep.formats.target import load_tokenizer, read_target_config, targe
 from dflash_prep.objectives.dflash import RECIPE_DRAFT_LAYERS
 from dflash_prep.objectives.target_taps import DRAFTER_OBJECTIVES, extract_command, states_need, vllm_layer_id
 from dflash_prep.progress import progress as progress_bar
-from dflash_prep.tokenize.encoders import template_sha
+from dflash_prep.tokenize.identity import check_tokenizer
 
 DEFAULT_SHARD_MB = 1024.0
 DEFAULT_BATCH_TOKENS = 32768
@@ -354,63 +353,6 @@ def check_vocab(ids: np.ndarray, vocab: int, what: str) -> None:
         bad = int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())
         raise FormatError(f"{what} hold token id {bad}, outside the target's vocabulary ({vocab}); tokenize with "
                           "the target's tokenizer")
-
-
-VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
-"""The files that decide a text's token ids; ``dflash-prep tokenize`` records each one's SHA-256 in
-the dataset's ``meta.json`` (``tokenizer.files``)."""
-
-
-def _file_sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _template_of(tokenizer) -> str | None:
-    """The chat template ``dflash-prep tokenize --tokenizer TARGET`` renders with (None: it has none)."""
-    try:
-        return tokenizer.get_chat_template()
-    except ValueError:                                # transformers: the tokenizer has no chat template
-        return None
-
-
-def _identity_text(name: str, files: dict, template_sha256: str | None) -> str:
-    vocab = ", ".join(f"{n} {files[n][:12]}" for n in VOCAB_FILES if n in files) or "no tokenizer files"
-    return f"{name} ({vocab}; chat template {template_sha256[:12] if template_sha256 else 'none'})"
-
-
-def check_tokenizer(data, meta: dict, target, tokenizer=None, *, then: str) -> None:
-    """Refuse a dataset tokenized for another model than ``target`` (the target's hidden states of
-    those ids would be meaningless, and a cache of them would still verify), in one line naming
-    both identities and the ``dflash-prep tokenize`` command that fixes it (``then``: what to do
-    with its output).
-
-    The same tokenizer: every vocabulary file (:data:`VOCAB_FILES`) that both the dataset's record
-    and the target's folder hold has the same SHA-256, and they share at least one (the byte
-    tokenizer has none). The same chat template: the SHA-256 of the template the data was rendered
-    with equals that of the target's (``tokenizer``'s, loaded from ``target`` when None). A
-    template chosen with ``tokenize --chat-template`` (the record says so) is the user's explicit
-    choice, and passes."""
-    target = Path(target)
-    t = meta.get("tokenizer") or {}
-    theirs = {n: h for n, h in (t.get("files") or {}).items() if n in VOCAB_FILES}
-    ours = {n: _file_sha(target / n) for n in VOCAB_FILES if (target / n).is_file()}
-    common = theirs.keys() & ours.keys()
-    same_vocab = bool(common) and all(theirs[n] == ours[n] for n in common)
-    tmpl = t.get("chat_template") or {}
-    target_tmpl = template_sha(_template_of(tokenizer if tokenizer is not None else load_tokenizer(target)))
-    same_template = tmpl.get("source") == "--chat-template" or tmpl.get("sha256") == target_tmpl
-    if same_vocab and same_template:
-        return
-    what = "another vocabulary" if not same_vocab else "another chat template"
-    name = "the built-in byte tokenizer" if t.get("name") == "byte" else str(t.get("name") or "an unrecorded tokenizer")
-    raise FingerprintMismatch(
-        f"{data} was tokenized for another model ({what}): with {_identity_text(name, theirs, tmpl.get('sha256'))}, "
-        f"the target has {_identity_text(str(target), ours, target_tmpl)}; re-tokenize it with the target's tokenizer "
-        f"(`dflash-prep tokenize INPUTS --tokenizer {target} --out NEW_DATA`){then}")
 
 
 def write_input(folder: Path, tag: str, ids: np.ndarray, lens: np.ndarray) -> str:

@@ -376,7 +376,8 @@ def _control_tokens(hf, added: dict) -> list[str]:
     return [a.content for a in added.values() if a.special or a.content in listed]
 
 
-def _file_hashes(folder: Path) -> dict[str, str]:
+def tokenizer_file_hashes(folder: Path) -> dict[str, str]:
+    """SHA-256 of each tokenizer file in ``folder`` (:data:`TOKENIZER_FILES`): what ``meta.json`` records."""
     return {n: hashlib.sha256((folder / n).read_bytes()).hexdigest()
             for n in TOKENIZER_FILES if (folder / n).is_file()}
 
@@ -420,7 +421,7 @@ def load_tokenizer(spec: str, *, chat_template: str | None = None) -> ByteTokeni
     if not getattr(hf, "is_fast", False):
         raise ConfigError(f"--tokenizer {spec}: transformers loaded a slow (Python) tokenizer; save it with "
                           "a tokenizer.json (tokenizer.save_pretrained) so the fast backend can be used")
-    files = _file_hashes(folder) if path.is_dir() else {path.name: hashlib.sha256(path.read_bytes()).hexdigest()}
+    files = tokenizer_file_hashes(folder) if path.is_dir() else {path.name: hashlib.sha256(path.read_bytes()).hexdigest()}
     template = chat_template
     if template is None and path.is_dir():
         try:

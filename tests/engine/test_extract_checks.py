@@ -77,7 +77,8 @@ def test_extract_refuses_another_tokenizers_data_before_the_engine(datasets, tmp
 def test_another_chat_template_is_refused_an_explicit_one_passes(datasets, tmp_path):
     """The same vocabulary rendered with another model's template is another model's data; a
     template the user chose with ``tokenize --chat-template`` is recorded as such and passes."""
-    from dflash_prep.engine.extract import check_tokenizer, extract
+    from dflash_prep.engine.extract import extract
+    from dflash_prep.tokenize.identity import check_tokenizer
     from dflash_prep.formats.dataset import read_meta
 
     target = datasets["target"]
