@@ -85,7 +85,7 @@ demo: venv
 # $(DEMO_DFLASH)/drafter/ and $(DEMO_DFLASH)/eval.json. Not part of `make test`.
 DEMO_DFLASH ?= demo-dflash
 OBJECTIVE ?= dflash
-demo-dflash: venv
+demo-dflash: venv venv-vllm
 	DEMO_DFLASH=$(DEMO_DFLASH) OBJECTIVE=$(OBJECTIVE) PY=$(BIN)/python bash train/recipes/demo_dflash.sh
 
 # make test: the suite but for four marked sets, each run by a target of its own: `slow` (full-size

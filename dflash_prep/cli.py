@@ -136,6 +136,7 @@ def tokenize_cmd(
     overwrite: Annotated[bool, typer.Option(help="Rebuild even if the output is up to date.")] = False,
     engine: Annotated[str, typer.Option(help="local (this machine's processes) or ray (a Ray cluster; byte-identical output; pip install 'dflash-prep[ray]').")] = "local",
     address: Annotated[Optional[str], typer.Option(help="--engine ray: the cluster, 'auto' (ray start on this machine) or HOST:PORT; default: a Ray started for this run.")] = None,
+    thinking: Annotated[str, typer.Option(help="Serving mode recorded in meta.json: auto (from regenerate's --reasoning per record), or on/off declared for data that does not say.")] = "auto",
 ):
     """Tokenize a corpus into Arrow shards, lengths.npy and meta.json (ids and loss mask as transformers' chat template gives them)."""
     from dflash_prep.tokenize.chat import MaskOptions
@@ -146,7 +147,7 @@ def tokenize_cmd(
     cfg = TokenizeConfig(inputs=tuple(inputs), out=out, tokenizer=tokenizer, chat_template=chat_template, format=format,
                          text_field=text_field, messages_field=messages_field, role_map=role_map, mask=mask,
                          max_len=max_len, on_overflow=on_overflow, on_error=on_error, num_proc=num_proc,
-                         shard_mb=shard_mb, overwrite=overwrite, engine=engine, address=address)
+                         shard_mb=shard_mb, overwrite=overwrite, engine=engine, address=address, thinking=thinking)
     meta = tokenize(cfg, progress=True)   # a bar on a terminal, log lines elsewhere
     if meta["up_to_date"]:
         typer.echo(f"{out} is up to date (same input contents, tokenizer and options); pass --overwrite to rebuild")
@@ -482,54 +483,98 @@ def clean_cmd(
 # --- evaluate (dflash_prep.engine) -----------------------------------------------------------
 _ENG = "Engine"
 _EVALUATE_EPILOG = (
-    "Examples (make venv-vllm first; docs/engines.md):\n\n"
-    "  dflash-prep evaluate --target demo-dflash/target --export demo-dflash/drafter "
-    "--prompts demo-dflash/corpus/heldout.jsonl --out eval-vllm.json\n\n"
+    "Examples (make venv-vllm first; docs/evaluation.md):\n\n"
+    "  dflash-prep evaluate --target T --export D --bench gsm8k,humaneval,mt-bench --n 32 --out eval.json\n\n"
+    "  dflash-prep evaluate --target T --export ours/ --export public/ --bench all --thinking off --out cmp.json   "
+    "(one table: one row per drafter, DFlash and EAGLE-3 alike)\n\n"
+    "  dflash-prep evaluate --target T --export D --prompts heldout.jsonl --out eval.json   (your own prompts)\n\n"
     "  dflash-prep evaluate ... --temperature 0.7 --no-ours   (sampled: acceptance only)\n\n"
-    "k: a DFlash drafter of block B is served with num_speculative_tokens = B - 1 (vLLM drafts the bonus "
-    "token's B - 1 followers); EAGLE-3 chains 7. The engine runs from .venv-vllm (or $DFLASH_PREP_VLLM_PYTHON); "
-    "its logs and load report go to OUT_STEM.logs/. A refused export is one line that keeps the engine's own "
-    "message; DFlash2 needs vLLM's V2 model runner (GPU).")
+    "Shipped sets: gsm8k, humaneval, mbpp, mt-bench (two turns, the second after the target's own first answer). "
+    "One engine without speculation for the whole run, one with speculation per export. k: a DFlash drafter of block "
+    "B is served with num_speculative_tokens = B - 1; EAGLE-3 chains 7. --thinking auto renders with the mode the "
+    "drafter was trained in (its config.json), and a line warns when the mode or the target's chat template differs "
+    "from training. Writes OUT (JSON), OUT_STEM.md (the table), OUT_STEM.png (tau per set, acceptance per position) "
+    "and the engines' logs under OUT_STEM.logs/. The engine runs from .venv-vllm (or $DFLASH_PREP_VLLM_PYTHON); "
+    "DFlash2 needs vLLM's V2 model runner (GPU).")
 
 
 @command("evaluate", epilog=_EVALUATE_EPILOG)
 def evaluate_cmd(
     target: Annotated[Path, typer.Option(help="the target model folder (transformers format, with its tokenizer)")],
-    export: Annotated[Path, typer.Option(help="the exported drafter folder (python -m dflash_prep.train.export): DFlashDraftModel, DFlash2DraftModel or LlamaForCausalLMEagle3")],
-    prompts: Annotated[Path, typer.Option(help='JSONL of {"messages": [...]} (rendered with the target\'s chat template up to the first assistant turn) or {"prompt": "..."}')],
-    out: Annotated[Path, typer.Option(help="report JSON to write; the engines' logs and load report go to OUT_STEM.logs/ beside it")],
-    num_speculative_tokens: Annotated[Optional[int], typer.Option(help="k: DFlash: default block_size - 1 (vLLM runs the bonus token + k mask queries); EAGLE-3: default 7", rich_help_panel=_ENG)] = None,
+    export: Annotated[list[Path], typer.Option(help="an exported drafter folder (python -m dflash_prep.train.export): DFlashDraftModel, DFlash2DraftModel or LlamaForCausalLMEagle3; repeat to compare drafters side by side on one base run")],
+    out: Annotated[Path, typer.Option(help="report JSON to write; OUT_STEM.md, OUT_STEM.png and the engines' logs (OUT_STEM.logs/) go beside it")],
+    bench: Annotated[Optional[str], typer.Option(help="shipped prompt sets, comma-separated, or 'all': gsm8k, humaneval, mbpp, mt-bench (docs/evaluation.md: sources, licences, prompt formats)")] = None,
+    prompts: Annotated[Optional[Path], typer.Option(help='your own prompts: JSONL of {"messages": [...]} (rendered with the target\'s chat template up to the first assistant turn) or {"prompt": "..."}; a set named after the file')] = None,
+    n: Annotated[int, typer.Option("--n", help="prompts sampled from each --bench set, deterministically from --seed (0 = the whole set)")] = 0,
+    seed: Annotated[int, typer.Option(help="the --bench sample's seed, and the engine's: request i of a set samples with seed + i")] = 0,
+    thinking: Annotated[str, typer.Option(help="the chat template's enable_thinking: on, off, or auto (the mode the drafter was trained in, recorded in its config.json; the template's default when unrecorded)")] = "auto",
+    save_prompts: Annotated[Optional[Path], typer.Option(help='write DIR/<set>.jsonl: the exact token ids sent, one {"prompt_token_ids": [...]} a line, to replay in another tool')] = None,
+    num_speculative_tokens: Annotated[Optional[int], typer.Option(help="k for every export: DFlash: default block_size - 1 (vLLM runs the bonus token + k mask queries); EAGLE-3: default 7", rich_help_panel=_ENG)] = None,
     max_tokens: Annotated[int, typer.Option(help="new tokens per prompt, at most (vLLM and our evaluator alike)")] = 64,
     temperature: Annotated[float, typer.Option(help="0: greedy, lossless checked; > 0: sampled, acceptance only")] = 0.0,
-    max_prompts: Annotated[int, typer.Option(help="the first N prompts (0 = all)")] = 0,
-    seed: Annotated[int, typer.Option(help="engine seed; request i samples with seed + i")] = 0,
-    ours: Annotated[bool, typer.Option(help="also run our own evaluator (train/speculate.py, torch, this process) and compare tau")] = True,
+    max_prompts: Annotated[int, typer.Option(help="the first N prompts of --prompts FILE (0 = all)")] = 0,
+    ours: Annotated[bool, typer.Option(help="also run our own evaluator (train/speculate.py, torch, this process) and compare tau per set")] = True,
     timeout: Annotated[float, typer.Option(help="seconds an engine start (and each request) may take before it is stopped", rich_help_panel=_ENG)] = 600.0,
-    max_model_len: Annotated[int, typer.Option(help="vLLM's --max-model-len", rich_help_panel=_ENG)] = 2048,
+    max_model_len: Annotated[int, typer.Option(help="vLLM's --max-model-len; 0: what the longest prompt needs, within the target's max_position_embeddings", rich_help_panel=_ENG)] = 0,
     dtype: Annotated[str, typer.Option(help="vLLM's --dtype: float32 (what our evaluator computes in), bfloat16, float16 or auto (the CPU build then picks bfloat16 on AVX512-BF16 CPUs)", rich_help_panel=_ENG)] = "float32",
-    json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON instead of a table")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON (without per-prompt rows) instead of tables")] = False,
 ):
-    """Serve an exported drafter with vLLM (from .venv-vllm: make venv-vllm) as users would, with and without speculative decoding, on the same prompt token ids. Reports: strict load (every export tensor used, no draft parameter left unloaded), lossless (temperature 0: outputs equal with and without speculation), tau from vLLM's counters (1 + accepted / drafts, and per position), tokens/s both ways, vLLM's version and the exact --speculative-config JSON to paste; with --ours, tau from our own evaluator on the same prompts and whether the two agree within 2 %."""
+    """Serve exported drafters with vLLM (from .venv-vllm: make venv-vllm) as users would, with and without speculative decoding, on the same prompt token ids, per benchmark. Per drafter and set: strict load (every export tensor used, no draft parameter left unloaded), lossless (temperature 0: outputs equal with and without speculation), tau from vLLM's counters (1 + accepted / drafts, and per position), tokens/s both ways, the exact --speculative-config JSON to paste; with --ours, tau from our own evaluator on the same prompts and whether the two agree within 2 %. One table (rows: drafters, columns: sets) and a picture."""
     import json
 
-    from dflash_prep.engine.evaluate import evaluate_export
+    from dflash_prep.engine.evaluate import cell, evaluate_exports
     from dflash_prep.engine.report_table import report_rows
+    from dflash_prep.evalsets import parse_benchmarks
 
-    res = evaluate_export(target=target, export=export, prompts=prompts, out=out,
-                          num_speculative_tokens=num_speculative_tokens, max_tokens=max_tokens, temperature=temperature,
-                          ours=ours, max_prompts=max_prompts, seed=seed, timeout_s=timeout, max_model_len=max_model_len,
-                          dtype=dtype)
+    benches = parse_benchmarks(bench) if bench else []
+    res = evaluate_exports(target=target, exports=export, out=out, benches=benches, prompts=prompts,
+                           save_prompts_dir=save_prompts, num_speculative_tokens=num_speculative_tokens, ours=ours,
+                           max_tokens=max_tokens, temperature=temperature, max_prompts=max_prompts, n=n, seed=seed,
+                           timeout_s=timeout, max_model_len=max_model_len, dtype=dtype, thinking=thinking)
     if json_out:
-        typer.echo(json.dumps({k: v for k, v in res.items() if k != "per_prompt"}, indent=2, allow_nan=False))
+        slim = {**res, "exports": [{**e, "sets": {k: {kk: vv for kk, vv in c.items() if kk != "per_prompt"}
+                                                  for k, c in e["sets"].items()}} for e in res["exports"]]}
+        typer.echo(json.dumps(slim, indent=2, allow_nan=False))
         return
     from rich.table import Table
 
-    table = Table(show_header=True)
-    table.add_column("", no_wrap=True)
-    table.add_column(f"vLLM evaluation: {out}", overflow="fold")
-    for k, v in report_rows(res):
-        table.add_row(k, v)
-    console().print(table)
+    if len(res["exports"]) == 1 and len(res["sets"]) == 1:     # one drafter on one set: every fact, two columns
+        table = Table(show_header=True)
+        table.add_column("", no_wrap=True)
+        table.add_column(f"vLLM evaluation: {out}", overflow="fold")
+        for k, v in report_rows(cell(res)):
+            table.add_row(k, v)
+        console().print(table)
+    _print_tau_tables(res)
+    typer.echo(f"report: {out}; table: {out.with_suffix('.md')}; picture: {out.with_suffix('.png')}"
+               + (f"; prompts sent: {save_prompts}/" if save_prompts else ""))
+
+
+def _print_tau_tables(res: dict) -> None:
+    """tau per drafter and set, then the per-set details (the report's .md, as terminal tables)."""
+    from rich.table import Table
+
+    from dflash_prep.engine.report_table import markdown_table
+
+    def flush(rows: list[list[str]]) -> None:
+        if rows:
+            t = Table(show_header=True)
+            for h in rows[0]:
+                t.add_column(h, overflow="fold")
+            for r in rows[2:]:                         # rows[1] is the markdown's |---| line
+                t.add_row(*r)
+            console().print(t)
+
+    rows: list[list[str]] = []
+    for line in markdown_table(res).splitlines():      # the markdown's tables as rich tables, its text as is
+        if line.startswith("|"):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+            continue
+        flush(rows)
+        rows = []
+        if line.strip():
+            typer.echo(line.lstrip("# "))
+    flush(rows)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -194,6 +194,11 @@ class TrainConfig:
     evaluation at a time (a due one is skipped, and logged so, while another runs). 0 = off."""
     eval_prompts: str = opt("", panel=RUN)
     """Held-out prompts for ``--eval-every`` (chat JSONL, as ``dflash-prep evaluate --prompts``)."""
+    eval_bench: str = opt("", panel=RUN)
+    """Shipped benchmark sets for ``--eval-every``, comma-separated (``gsm8k,mt-bench``, or ``all``;
+    as ``dflash-prep evaluate --bench``): tau per set is logged beside the trainer's."""
+    eval_n: int = opt(8, panel=RUN)
+    """Prompts sampled from each ``--eval-bench`` set (small: an evaluation runs while training goes on)."""
     progress: bool = opt(True, panel=RUN)
     """Show a progress bar on rank 0."""
     wandb: str = opt("", panel=RUN)
@@ -285,9 +290,11 @@ class TrainConfig:
             raise ConfigError(f"--prefetch must be at least 1 step, got {self.prefetch}")
         if self.log_every < 1:
             raise ConfigError(f"--log-every must be at least 1, got {self.log_every}")
-        if self.eval_every and not self.eval_prompts:
+        if self.eval_every and not (self.eval_prompts or self.eval_bench):
             raise ConfigError("--eval-every needs --eval-prompts FILE (held-out chat JSONL, as `dflash-prep evaluate "
-                              "--prompts` takes)")
+                              "--prompts` takes) and/or --eval-bench SETS (e.g. gsm8k,mt-bench)")
+        if self.eval_n < 0:
+            raise ConfigError(f"--eval-n must be >= 0 (0: whole sets), got {self.eval_n}")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

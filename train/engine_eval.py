@@ -11,18 +11,21 @@ shows at the step it starts, not after the run:
                                                 (:func:`dflash_prep.engine.lifetime.spawn`), and goes on training
     the background process                      exports the checkpoint (python -m dflash_prep.train.export),
                                                 then runs ``dflash-prep evaluate`` on it: vLLM with and
-                                                without the drafter, and our own evaluator, on --eval-prompts;
-                                                its report is OUT/evals/step-NNNNNNN/eval.json
+                                                without the drafter, and our own evaluator, on --eval-prompts
+                                                and --eval-bench's sets (--eval-n prompts each); its report is
+                                                OUT/evals/step-NNNNNNN/eval.json
     every later step, rank 0                    polls (no wait); a finished evaluation becomes a log.jsonl
                                                 record ``{"global_step": N, "eval": {"tau_engine", "tau_ours",
-                                                "tau_train", "lossless", ...}}``
+                                                "tau_train", "lossless", "per_set": {set: {"tau_engine",
+                                                "tau_ours", "lossless"}}, ...}}``
 
 One evaluation runs at a time: a step that falls due while one runs is recorded as skipped (an
 engine start alone takes tens of seconds on a CPU; queueing would fall ever further behind). When
 training ends the one in flight is waited for, at most ``FINAL_WAIT_S``, so its record is not lost.
 ``tau_train`` is the trainer's own expected tau at step N (the mean acceptance its per-slot
 accuracies imply on training blocks); ``tau_engine`` is vLLM's, from its counters, on held-out
-prompts; ``tau_ours`` is our evaluator's on the same prompts.
+prompts, pooled over the sets (``per_set``: each set's own); ``tau_ours`` is our evaluator's on the
+same prompts.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from pathlib import Path
 
 from dflash_prep.engine import backends
 from dflash_prep.engine.env import engine_python
-from dflash_prep.engine.evaluate import evaluate_export
+from dflash_prep.engine.evaluate import evaluate_exports
 from dflash_prep.engine.lifetime import Engine, spawn
 from dflash_prep.errors import ConfigError, DflashError
 from dflash_prep.train import engines
@@ -59,16 +62,21 @@ def check(cfg, spec) -> None:
     if spec.export is None:
         raise ConfigError(f"--eval-every evaluates a drafter export in the serving engine; an --objective "
                           f"{cfg.objective} run has none")
-    if not Path(cfg.eval_prompts).is_file():
+    if cfg.eval_prompts and not Path(cfg.eval_prompts).is_file():
         raise ConfigError(f"--eval-prompts {cfg.eval_prompts}: no such file")
+    if cfg.eval_bench:
+        from dflash_prep.evalsets import parse_benchmarks
+
+        parse_benchmarks(cfg.eval_bench)   # an unknown name: one line naming the shipped ones
     engine_python(EVAL_ENGINE)   # an EngineError naming `make venv-vllm` when the engine venv is missing
 
 
 class EngineEvals:
     """Rank 0's evaluations of checkpoints in the engine, one background process at a time."""
 
-    def __init__(self, out: Path, *, target: str, prompts: str, every: int):
+    def __init__(self, out: Path, *, target: str, prompts: str, every: int, bench: str = "", n: int = 8):
         self.root, self.target, self.prompts, self.every = Path(out) / "evals", target, prompts, every
+        self.bench, self.n = bench, n
         self.proc: subprocess.Popen | None = None
         self.engine: Engine | None = None
         self.running: dict | None = None   # {"global_step", "dir", "tau_train", "t0"}
@@ -91,7 +99,8 @@ class EngineEvals:
         except OSError:
             shutil.copy2(checkpoint, d / "checkpoint.pt")
         cmd = [sys.executable, "-m", "dflash_prep.train.engine_eval", str(d), "--target", str(self.target),
-               "--prompts", str(self.prompts)]
+               *(["--prompts", str(self.prompts)] if self.prompts else []),
+               *(["--bench", self.bench, "--n", str(self.n)] if self.bench else [])]
         with open(d / "engine_eval.log", "wb") as log:
             self.engine = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.proc = self.engine.proc
@@ -126,11 +135,21 @@ class EngineEvals:
             why = "stopped at the end of training" if rc is not None and rc < 0 else (lines[-1] if lines else f"exit {rc}")
             return {"global_step": run["global_step"], "eval": {**rec, "failed": why, "log": str(d / "engine_eval.log")}}
         r = json.loads((d / "eval.json").read_text())
-        ours = r.get("ours") or {}
-        tau_engine = r[engines.get(EVAL_ENGINE).report_section]["tau"]
+        section = engines.get(EVAL_ENGINE).report_section
+        e = r["exports"][0]
+        per_set = {name: {"tau_engine": c[section]["tau"], "tau_ours": (c.get("ours") or {}).get("tau_pooled"),
+                          "lossless": c["lossless"].get("ok"), "agree": (c.get("ours") or {}).get("agree")}
+                   for name, c in e["sets"].items()}
+        blocks = sum((c.get("ours") or {}).get("blocks") or 0 for c in e["sets"].values())
+        ours = (sum(((c.get("ours") or {}).get("tau_pooled") or 0) * ((c.get("ours") or {}).get("blocks") or 0)
+                    for c in e["sets"].values()) / blocks) if blocks else None   # pooled over every block, as vLLM's
+        flags = [s["lossless"] for s in per_set.values()]
+        agree = [s["agree"] for s in per_set.values()]
         return {"global_step": run["global_step"],
-                "eval": {**rec, "tau_engine": tau_engine, "tau_ours": ours.get("tau_pooled"),
-                         "lossless": r["lossless"].get("ok"), "agree": ours.get("agree"), "engine": r["engine"]["version"]}}
+                "eval": {**rec, "tau_engine": e[section]["tau"], "tau_ours": ours,
+                         "lossless": None if None in flags else all(flags),
+                         "agree": None if None in agree else all(agree), "per_set": per_set,
+                         "engine": r["engine"]["version"]}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,11 +158,16 @@ def main(argv: list[str] | None = None) -> int:
                                  description="Export a training checkpoint and evaluate it in vLLM (--eval-every).")
     ap.add_argument("dir", type=Path, help="the evaluation folder holding checkpoint.pt")
     ap.add_argument("--target", required=True, type=Path)
-    ap.add_argument("--prompts", required=True, type=Path)
+    ap.add_argument("--prompts", type=Path, help="a held-out prompts file (dflash-prep evaluate --prompts)")
+    ap.add_argument("--bench", default="", help="shipped sets, comma-separated (dflash-prep evaluate --bench)")
+    ap.add_argument("--n", type=int, default=8, help="prompts sampled from each --bench set")
     a = ap.parse_args(argv)
     try:
+        from dflash_prep.evalsets import parse_benchmarks
+
         export(a.dir / "checkpoint.pt", a.dir / "export", overwrite=True)
-        evaluate_export(target=a.target, export=a.dir / "export", prompts=a.prompts, out=a.dir / "eval.json")
+        evaluate_exports(target=a.target, exports=[a.dir / "export"], prompts=a.prompts, out=a.dir / "eval.json",
+                         benches=parse_benchmarks(a.bench) if a.bench else [], n=a.n, log=print)
     except DflashError as e:
         print(f"error: {e}", flush=True)
         return 1

@@ -250,9 +250,13 @@ def summarize(per_prompt: list[dict], block_size: int) -> dict:
             "blocks": len(lens), "histogram": hist[1:]}
 
 
-def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_file: str | Path,
-             cfg: EvalConfig = EvalConfig()) -> dict:
+def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_file: str | Path | None,
+             cfg: EvalConfig = EvalConfig(), *, prompt_ids: list[list[int]] | None = None) -> dict:
     """Speculative decoding of every prompt with the exported drafter; the result dict.
+
+    The prompts are ``prompts_file`` rendered by :func:`~dflash_prep.train.prompts.load_prompts`, or
+    ``prompt_ids`` as given (token ids already rendered, e.g. by ``dflash-prep evaluate`` for its
+    benchmark sets; ``prompts_file`` is then only recorded, and may be None).
 
     Refuses a drafter whose export records a different target (the run contract's
     ``target_fingerprint``). Keys: ``format``/``version``; ``target`` (path and
@@ -288,7 +292,12 @@ def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_file: str 
                           "pass the target folder the drafter was trained on")
     target.set_layers(meta["target_layer_ids"])
     stop = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
-    prompts = load_prompts(prompts_file, tok, limit=cfg.max_prompts)
+    if prompt_ids is not None:
+        prompts = [list(p) for p in (prompt_ids[:cfg.max_prompts] if cfg.max_prompts else prompt_ids)]
+        if not prompts or not all(prompts):
+            raise ConfigError("no prompts, or an empty one, to evaluate")
+    else:
+        prompts = load_prompts(prompts_file, tok, limit=cfg.max_prompts)
     greedy: list[Decoded | None] = [None] * len(prompts)
     results = {}
     for name, proposer in proposers:
@@ -324,7 +333,7 @@ def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_file: str 
             "target": {"path": str(target_dir), **ident},
             "drafter": {"path": str(drafter_dir), "fingerprint": folder_fingerprint(drafter_dir),
                         "architecture": meta["architecture"], "proposer": main_name},
-            "prompts": {"path": str(prompts_file), "n": len(prompts)},
+            "prompts": {"path": None if prompts_file is None else str(prompts_file), "n": len(prompts)},
             "block_size": B, "temperature": 0.0, "max_new_tokens": cfg.max_new_tokens,
             **head, "variants": variants, "config": asdict(cfg), "per_prompt": per_prompt}
 

@@ -54,3 +54,58 @@ def report_rows(res: dict) -> list[tuple[str, str]]:
              ("wall", f"{res['seconds']:.1f} s (" + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s"
                                                        for k, v in (res.get("phases_s") or {}).items()) + ")")]
     return rows
+
+
+_KIND = {"dflash": "DFlash", "dflash2": "DFlash2", "eagle3": "EAGLE-3"}
+
+
+def _cell_tau(c: dict) -> str:
+    """A table cell: vLLM's tau, marked where the run was not lossless or ours disagrees."""
+    tau = _f(c["vllm"]["tau"], ".2f")
+    marks = ""
+    if c["lossless"]["checked"] and not c["lossless"]["ok"]:
+        marks += " (not lossless)"
+    o = c["ours"] or {}
+    if "skipped" not in o and o.get("rel_diff") is not None and not o.get("agree"):
+        marks += " (ours differs)"
+    return tau + marks
+
+
+def markdown_table(res: dict) -> str:
+    """A v2 report as markdown: tau per drafter (rows) and prompt set (columns) in the layout drafter
+    cards use, then one detail row per drafter and set (the ``<out stem>.md`` beside the report)."""
+    sets = [s["name"] for s in res["sets"]]
+    smp = res["sampling"]
+    think = res["thinking"]
+    mode = {None: "template default", True: "on", False: "off"}[think["enable_thinking"]]
+    lines = [f"# tau per benchmark: vLLM {res['engine']['version']}, temperature {smp['temperature']:g}, "
+             f"thinking {mode}, <= {smp['max_tokens']} new tokens", "",
+             "tau = 1 + accepted / drafts, from vLLM's spec-decode counters over each set.", "",
+             "| drafter | method | " + " | ".join(sets) + " | all |",
+             "|---|---|" + "---:|" * (len(sets) + 1)]
+    for e in res["exports"]:
+        lines.append(f"| {e['label']} | {_KIND.get(e['kind'], e['kind'])}, k = {e['num_speculative_tokens']} | "
+                     + " | ".join(_cell_tau(e["sets"][s]) for s in sets) + f" | {_f(e['vllm']['tau'], '.2f')} |")
+    counts = ", ".join(f"{s['name']} {s['prompts']} prompts" + (f" ({s['conversations']} conversations)"
+                                                                if s["prompts"] != s["conversations"] else "")
+                       for s in res["sets"])
+    lines += ["", f"Prompts: {counts}; seed {smp['seed']}.", "",
+              "| drafter | set | tau (vLLM) | tau (ours) | agree | lossless | accepted per position | tokens/s spec / base |",
+              "|---|---|---:|---:|---|---|---|---:|"]
+    for e in res["exports"]:
+        for s in sets:
+            c = e["sets"][s]
+            o, loss, t = c["ours"] or {}, c["lossless"], c["throughput"]
+            ours = "-" if "skipped" in o else _f(o.get("tau_pooled"), ".3f")
+            agree = "-" if "skipped" in o or o.get("rel_diff") is None else \
+                f"{'yes' if o['agree'] else 'NO'} ({o['rel_diff'] * 100:.2f} %)"
+            lossless = f"{loss['equal']}/{loss['of']}" if loss["checked"] else "not claimed"
+            acc = " ".join(f"{a:.2f}" for a in c["vllm"]["acceptance_per_position"]) or "-"
+            lines.append(f"| {e['label']} | {s} | {_f(c['vllm']['tau'], '.3f')} | {ours} | {agree} | {lossless} | "
+                         f"{acc} | {t['spec_tokens_per_s']:.1f} / {t['base_tokens_per_s']:.1f} |")
+    notes = [w for e in res["exports"] for w in e.get("warnings") or []]
+    notes += sorted({c["throughput"]["note"] for e in res["exports"] for c in e["sets"].values()
+                     if c["throughput"]["note"]})
+    if notes:
+        lines += [""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"

@@ -78,6 +78,18 @@ class SpecCounters:
             accepted_per_position=tuple(a - b for a, b in zip(pad(self.accepted_per_position),
                                                               pad(before.accepted_per_position))))
 
+    def __add__(self, other: SpecCounters) -> SpecCounters:
+        """The counters of two disjoint stretches together (e.g. the prompt sets of one run)."""
+        n = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        pad = lambda xs: list(xs) + [0] * (n - len(xs))  # noqa: E731
+        return SpecCounters(
+            num_drafts=self.num_drafts + other.num_drafts,
+            num_draft_tokens=(None if self.num_draft_tokens is None or other.num_draft_tokens is None
+                              else self.num_draft_tokens + other.num_draft_tokens),
+            num_accepted_tokens=self.num_accepted_tokens + other.num_accepted_tokens,
+            accepted_per_position=tuple(a + b for a, b in zip(pad(self.accepted_per_position),
+                                                              pad(other.accepted_per_position))))
+
     @property
     def tau(self) -> float | None:
         """Mean acceptance length, ``1 + accepted / drafts`` (the bonus token counts one); None

@@ -4,6 +4,7 @@ stalling the step loop, and log.jsonl puts the engine's tau beside the trainer's
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -40,4 +41,6 @@ def test_checkpoints_are_evaluated_in_the_background_one_at_a_time(built, tmp_pa
     d = out / "evals" / "step-0000002"
     assert (d / "export" / "config.json").is_file() and (d / "eval.json").is_file()
     assert not (d / "checkpoint.pt").exists()      # the export and the report are what it keeps
-    assert json.loads((d / "eval.json").read_text())["vllm"]["tau"] == two["tau_engine"]
+    report = json.loads((d / "eval.json").read_text())
+    assert report["exports"][0]["vllm"]["tau"] == two["tau_engine"]
+    assert list(two["per_set"]) == [Path(built["prompts"]).stem]

@@ -1,0 +1,138 @@
+"""The prompt sets of one ``dflash-prep evaluate`` run, as the token ids every engine and our
+evaluator are sent.
+
+A set is a shipped benchmark (:mod:`dflash_prep.evalsets`: a deterministic sample of ``n`` of its
+prompts, already in the benchmark's prompt format) or the user's own ``--prompts FILE`` (its first
+``--max-prompts``, named after the file). Every prompt is rendered here, once, by
+:func:`dflash_prep.train.prompts.render_messages` (the rendering our evaluator uses), with the
+run's ``enable_thinking`` (None: the chat template's default), and sent as token ids, so the
+engines and our evaluator see the same tokens by construction.
+
+Multi-turn sets (MT-Bench): the first turns are sent first; the second turn of each conversation is
+rendered after the target's **own** first answer, which the engine **without** speculation gives
+(:meth:`PromptSet.add_second_turns`). Every drafter is then evaluated on the same second-turn
+prompts; at temperature 0 that answer is also what any lossless speculative run decodes.
+
+``--save-prompts DIR`` writes each set's ids as sent (:func:`save_prompts`): ``DIR/<set>.jsonl``,
+one ``{"prompt_token_ids": [...]}`` a line, in the order sent, for replay in another tool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_prep.errors import ConfigError
+from dflash_prep.formats.fileio import fingerprint_json
+
+
+@dataclass
+class PromptSet:
+    """One set's prompts: the user turns of each conversation (shipped sets) and the ids sent."""
+
+    name: str
+    source: dict
+    """Where the prompts come from: ``{"kind": "shipped", ...manifest facts, "n", "of", "seed"}`` or
+    ``{"kind": "file", "path", "max_prompts"}``."""
+    turns: list[tuple[str, ...]] | None
+    """Each conversation's user turns (None for a file: rendered by ``load_prompts``)."""
+    ids: list[list[int]] = field(default_factory=list)
+    """The prompts sent, in order: every first turn, then (multi-turn sets, once the base run has
+    answered them) every second turn."""
+    turn_of: list[int] = field(default_factory=list)
+    """1 or 2: the turn each prompt of :attr:`ids` asks."""
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.turns is not None and any(len(t) > 1 for t in self.turns)
+
+    def first_turn_count(self) -> int:
+        return sum(1 for t in self.turn_of if t == 1)
+
+    def add_second_turns(self, tokenizer, answers: list[list[int]], enable_thinking: bool | None) -> list[list[int]]:
+        """Render every second turn after the target's own first answer (``answers``: the new token
+        ids of each first-turn prompt, in order), append them to :attr:`ids`; the new prompts."""
+        from dflash_prep.train.prompts import render_messages
+
+        if not self.multi_turn:
+            return []
+        if len(answers) != len(self.turns):
+            raise ValueError(f"{self.name}: {len(answers)} first answers for {len(self.turns)} conversations")
+        new = []
+        for turns, answer in zip(self.turns, answers):
+            if len(turns) < 2:
+                continue
+            text = tokenizer.decode(answer, skip_special_tokens=True)
+            msgs = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": text},
+                    {"role": "user", "content": turns[1]}]
+            new.append(render_messages(tokenizer, msgs, enable_thinking=enable_thinking))
+        self.ids += new
+        self.turn_of += [2] * len(new)
+        return new
+
+    def facts(self) -> dict:
+        """The report's record of the set."""
+        return {"name": self.name, **self.source, "prompts": len(self.ids),
+                "conversations": len(self.turns) if self.turns is not None else len(self.ids),
+                "turns": max(self.turn_of, default=1),
+                "tokens_fingerprint": fingerprint_json(self.ids),
+                "prompt_tokens": {"min": min(map(len, self.ids)), "max": max(map(len, self.ids)),
+                                  "mean": round(sum(map(len, self.ids)) / len(self.ids), 1)} if self.ids else None}
+
+
+def shipped_set(name: str, tokenizer, *, n: int, seed: int, enable_thinking: bool | None) -> PromptSet:
+    """A shipped benchmark's sample of ``n`` (0: all), first turns rendered."""
+    from dflash_prep.evalsets import describe, sample_benchmark
+    from dflash_prep.train.prompts import render_messages
+
+    items = sample_benchmark(name, n, seed)
+    d = describe(name)
+    src = d.get("source") or {}
+    source = {"kind": "shipped", "n": len(items), "of": d["count"], "seed": seed, "license": d.get("license"),
+              "repo": src.get("repo"), "path": src.get("path"), "commit": src.get("commit"),
+              "ids": [it.id for it in items]}
+    ps = PromptSet(name=name, source=source, turns=[tuple(it.turns) for it in items])
+    ps.ids = [render_messages(tokenizer, [{"role": "user", "content": it.turns[0]}], enable_thinking=enable_thinking)
+              for it in items]
+    ps.turn_of = [1] * len(ps.ids)
+    return ps
+
+
+def file_set(path: Path, tokenizer, *, limit: int, enable_thinking: bool | None) -> PromptSet:
+    """The user's own prompts file (its first ``limit``; 0: all), named after the file."""
+    from dflash_prep.train.prompts import load_prompts
+
+    ids = load_prompts(path, tokenizer, limit=limit, enable_thinking=enable_thinking)
+    return PromptSet(name=Path(path).stem, source={"kind": "file", "path": str(path), "max_prompts": limit},
+                     turns=None, ids=ids, turn_of=[1] * len(ids))
+
+
+def build_sets(tokenizer, *, benches: list[str], prompts: Path | None, n: int, max_prompts: int, seed: int,
+               enable_thinking: bool | None) -> list[PromptSet]:
+    """The run's sets, in the order given: the benchmarks, then the file; names must differ."""
+    sets = [shipped_set(b, tokenizer, n=n, seed=seed, enable_thinking=enable_thinking) for b in benches]
+    if prompts is not None:
+        sets.append(file_set(prompts, tokenizer, limit=max_prompts, enable_thinking=enable_thinking))
+    if not sets:
+        raise ConfigError("nothing to evaluate: pass --bench NAMES (shipped sets) and/or --prompts FILE")
+    names = [s.name for s in sets]
+    dup = sorted({x for x in names if names.count(x) > 1})
+    if dup:
+        raise ConfigError(f"two prompt sets named {dup[0]!r}: rename the --prompts file (sets are named after it)")
+    return sets
+
+
+def save_prompts(sets: list[PromptSet], folder: Path) -> list[Path]:
+    """``folder/<set>.jsonl`` per set (module docstring), each written atomically; the paths."""
+    import json
+
+    from dflash_prep.formats.fileio import atomic_write_bytes
+
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for s in sets:
+        p = folder / f"{s.name}.jsonl"
+        atomic_write_bytes(p, "".join(json.dumps({"prompt_token_ids": ids}, separators=(",", ":")) + "\n"
+                                      for ids in s.ids).encode())
+        out.append(p)
+    return out

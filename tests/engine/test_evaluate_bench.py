@@ -1,0 +1,93 @@
+"""``dflash-prep evaluate --bench``: two drafters of different methods side by side on three shipped
+benchmarks in one run of a real vLLM (one engine without speculation, one with per export), per
+set: tau from the counters' change over that set, lossless, our evaluator within 2 %; MT-Bench's
+second turns asked after the target's own first answers; the ids sent saved for replay; the table
+and the picture.
+
+Three engine starts (about 30 s each on 2 loaded cores); ``make test-engines``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dflash_prep.engine.evaluate import cell
+from dflash_prep.formats.fileio import fingerprint_json
+
+pytestmark = pytest.mark.engine
+SETS = ["gsm8k", "humaneval", "mt-bench"]
+
+
+@pytest.fixture(scope="module")
+def run(built, engine_python, tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    env = {**os.environ, "COLUMNS": "200", "DFLASH_PREP_VLLM_PYTHON": str(engine_python)}
+    r = subprocess.run([sys.executable, "-m", "dflash_prep.cli", "evaluate", "--target", str(built["target"]),
+                        "--export", str(built["dflash"]), "--export", str(built["eagle3"]),
+                        "--bench", ",".join(SETS), "--n", "3", "--seed", "5", "--max-tokens", "12",
+                        "--save-prompts", str(d / "sent"), "--out", str(d / "r.json"), "--timeout", "300"],
+                       capture_output=True, text=True, env=env, timeout=900, cwd=d)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return d, json.loads((d / "r.json").read_text()), r
+
+
+@pytest.mark.timeout(900)
+def test_each_drafter_on_each_set_is_lossless_and_agrees_with_ours(run):
+    _, res, _ = run
+    assert res["version"] == 2 and [s["name"] for s in res["sets"]] == SETS
+    assert [(s["prompts"], s["conversations"], s["turns"]) for s in res["sets"]] == [(3, 3, 1), (3, 3, 1), (6, 3, 2)]
+    assert [e["kind"] for e in res["exports"]] == ["dflash", "eagle3"]
+    for i, e in enumerate(res["exports"]):
+        assert e["strict_load"]["ok"]
+        pooled = {"num_drafts": 0, "num_accepted_tokens": 0}
+        for s in SETS:
+            c = cell(res, i, s)
+            v = c["vllm"]
+            assert c["lossless"] == {"checked": True, "equal": c["prompts"]["n"], "of": c["prompts"]["n"], "ok": True}
+            assert c["prompts"]["engine_saw_same_tokens"] is True
+            assert v["num_drafts"] > 0 and v["tau"] == 1 + v["num_accepted_tokens"] / v["num_drafts"]
+            # the set's counters are the change over its own prompts
+            assert sum(p["num_drafts"] for p in c["per_prompt"]) == v["num_drafts"]
+            assert sum(p["num_accepted_tokens"] for p in c["per_prompt"]) == v["num_accepted_tokens"]
+            assert c["ours"]["agree"] and c["ours"]["lossless"], (e["label"], s, c["ours"])
+            pooled = {k: pooled[k] + v[k] for k in pooled}
+        assert {k: e["vllm"][k] for k in pooled} == pooled
+
+
+@pytest.mark.timeout(900)
+def test_the_second_turn_follows_the_targets_own_first_answer(run, built):
+    from transformers import AutoTokenizer
+
+    d, res, _ = run
+    tok = AutoTokenizer.from_pretrained(str(built["target"]))
+    sent = [json.loads(ln)["prompt_token_ids"] for ln in (d / "sent" / "mt-bench.jsonl").read_text().splitlines()]
+    assert len(sent) == 6
+    c = cell(res, 0, "mt-bench")
+    firsts, seconds = sent[:3], sent[3:]
+    for first, second in zip(firsts, seconds):
+        assert len(second) > len(first)
+        assert tok.decode(second).startswith(tok.decode(first))     # the conversation so far, then the answer
+    # the answer the second turn carries is the base engine's (= the speculative one's: lossless)
+    assert all(p["new_tokens_base"] >= 1 for p in c["per_prompt"][:3])
+
+
+@pytest.mark.timeout(900)
+def test_saved_prompts_are_the_ids_sent_and_the_table_and_picture_are_written(run):
+    d, res, r = run
+    for s in res["sets"]:
+        lines = (d / "sent" / f"{s['name']}.jsonl").read_text().splitlines()
+        ids = [json.loads(ln)["prompt_token_ids"] for ln in lines]
+        assert fingerprint_json(ids) == s["tokens_fingerprint"] and len(ids) == s["prompts"]
+    md = (d / "r.md").read_text()
+    head = next(ln for ln in md.splitlines() if ln.startswith("| drafter | method"))
+    assert head == "| drafter | method | gsm8k | humaneval | mt-bench | all |"
+    rows = [ln for ln in md.splitlines() if ln.startswith("| dflash |") or ln.startswith("| eagle3 |")]
+    assert len(rows) == 2 + 2 * len(SETS)                      # the tau row, then one detail row per set
+    assert (d / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "tau per benchmark" in r.stdout and "eagle3" in r.stdout
+    assert res["saved_prompts"] == [str(d / "sent" / f"{s}.jsonl") for s in SETS]
