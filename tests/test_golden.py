@@ -95,12 +95,17 @@ VOLATILE = {"meta.json": ("created_by", "source", "meta_fingerprint"),
 # ``is_causal: false`` (the one added key: the public model makes sliding layers causal without it).
 # Its weights were pinned by the file's SHA-256 until that failed on CPUs without AVX-512 (issue 40):
 # now by their layout and norms, recorded from a1691cd's code (the same algorithm) under BOUNDS.
+# data/meta.json and recipe-export/config.json were re-recorded when the serving (thinking) mode began
+# to travel with the drafter: meta.json gained its ``serving_mode`` block (here mode unknown: synth's
+# records carry no regenerate field) and the export's config.json the ``dflash_prep`` block (that mode,
+# the chat-template hash, the dataset fingerprint and the run's recipe). Every shard, plan, manifest,
+# loss and weight value is unchanged.
 GOLDEN: dict[str, str] = {
     "anchor_digest": "s1d2:4f137ac1cb9e8adf75402496323d50cc",
     "data/anchor_candidates.npy": "a3df4e833d122a28d3627236edc37e6715a2a44a3295db27b815fb7353ef7f53",
     "data/dataset_info.json": "42bc9a3736243c3b4d5e80f641c538db1c48fbf4ab28bc550218e9f12f12edbf",
     "data/lengths.npy": "63737af94936a2b47b70adba69f07fc4e6bbbce486102812b255758b743e28b4",
-    "data/meta.json": "7cc25b0004245ccedf5912bc8de344e543da9ccd74fa20aa88f2d47a7a75be9f",
+    "data/meta.json": "926f64c259b9df8732ea3ecb784b6543291d20a493ebfe365474580b0fff0181",
     "data/shard-00000.arrow": "3cf29ae65a25783e1f86bcf240b17e29642d1bbf6408d64736341580ac02ed0f",
     "data/state.json": "902e2b0c7495d55ff5210d6cd66ac0c4f08f9a1417b3f5e921173b0a76603d28",
     "data/supervised.npy": "b8fd0f7e3d3202f31478b849ff4e8839e29ff507c9effdf40e6a3cb337308e65",
@@ -148,7 +153,7 @@ GOLDEN: dict[str, str] = {
     "manifests/lm-varlen/root.json": "48d79a5cb449605397c11d89b9bd9f578b956bcb966dcb5586eda47134987081",
     "plan/analyze-report.json": "38377cb88ba135fb2b93d6de6e3196520c7e54f845a2cbc12ecf9e8a09636456",
     "plan/plan.json": "2c511c4522741c69b7d0d7df819cd474429edc5792ef73877cbcb3bcf4907e44",
-    "recipe-export/config.json": "65bf24fb68b2e7a653456d9b4286b11dc87aa02fe29d9da667e0a3df7ae6bb80",
+    "recipe-export/config.json": "348a60b0d5578c3917955076f236ffcf068c57a8e4a3d8e5ca7abe87fa49c4c7",
     "recipe-export/weight_layout": "2bcdff53d6c83311f0ec46d6e46cbc691ac4130f2e7c7b5456f72c1bbbed96fd",
     "recipe-export/weight_norms":
         "fc.weight=2.122166982897796; "

@@ -8,6 +8,11 @@ contract names its objective (``run_key["contract"]["objective"]``), and that ob
 through one atomic folder rename: a DFlash drafter as the public DFlash folder
 (:mod:`dflash_prep.train.objectives.dflash.export`), and so on for each drafter objective. An LM
 run has no export here: it saves its transformers folder (``OUT/hf``) itself.
+
+Every export's ``config.json`` also carries our own ``dflash_prep`` block (:func:`provenance`):
+the serving (thinking) mode and chat-template hash of the data the drafter was trained on, the
+dataset's fingerprint and the run's recipe; vLLM ignores it, ``dflash-prep evaluate`` reads it
+(:mod:`dflash_prep.engine.serving_mode`).
 """
 
 from __future__ import annotations
@@ -15,9 +20,32 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dflash_prep.engine.serving_mode import export_block
 from dflash_prep.errors import ConfigError, DflashError, FormatError
 
 DTYPES = ("float32", "bfloat16", "float16")
+RECIPE_OPTIONS = ("lr", "muon_lr", "min_lr_ratio", "warmup_steps", "weight_decay", "betas", "grad_clip", "epochs",
+                  "max_steps", "seed")
+"""The run config's training options the export's recipe records (beside the run contract)."""
+TARGET_IDENTITY = ("target_fingerprint", "tokenizer_hash", "chat_template_hash")
+"""Run-contract fields that name the target rather than the recipe (left out of the recipe)."""
+
+
+def provenance(obj: dict) -> dict:
+    """The ``dflash_prep`` block of a loaded checkpoint's export (:func:`~dflash_prep.engine.serving_mode.export_block`):
+    the serving mode its dataset recorded (the checkpoint's ``extra["serving_mode"]``; a checkpoint
+    from before it: unknown), the dataset fingerprint (``run_key["data_fingerprint"]``) and the recipe:
+    the run contract (objective, loss, block size, optimizer, anchors, ...) without the target's
+    identity, the training options of :data:`RECIPE_OPTIONS` and the steps trained. Nothing in it
+    depends on paths or the machine."""
+    extra, run_key = obj.get("extra") or {}, obj.get("run_key") or {}
+    config = extra.get("config") or {}
+    contract = {k: v for k, v in (run_key.get("contract") or {}).items() if k not in TARGET_IDENTITY}
+    recipe = {**contract, **{k: config[k] for k in RECIPE_OPTIONS if k in config},
+              **{k: run_key[k] for k in ("world_size", "grad_accum", "pack_budget") if k in run_key},
+              "steps": int((obj.get("cursor") or {}).get("global_step", 0))}
+    return export_block(serving=extra.get("serving_mode"), dataset_fingerprint=run_key.get("data_fingerprint"),
+                        recipe=recipe)
 
 
 def export(run: str | Path, out: str | Path, *, dtype: str = "float32", overwrite: bool = False) -> dict:

@@ -58,6 +58,7 @@ from dflash_prep.train.objectives.registry import get as trainer_spec
 from dflash_prep.train.optim import build_optimizer
 from dflash_prep.train.runlog import FORMAT_VERSION, SUMMARY_FORMAT, RunLog, check_run_folder, finite
 from dflash_prep.train.source import tokenizer_field
+from dflash_prep.tokenize.thinking import dataset_serving_mode
 
 
 def train_step(model, opt: torch.optim.Optimizer, sb: StepBatches, *, lr: float, grad_clip: float,
@@ -245,7 +246,8 @@ class _Run:
         if self.d.is_main:
             ckpt.save(self.ckpt_path, model=self.obj.model, optimizer=self.opt, schedule=self.sched.state(),
                       rng=rng_all, cursor={"epoch": self.epoch, "step": self.step, "global_step": self.gstep},
-                      run_key=self.run_key, model_config=self.mcfg, extra={"config": self.cfg.flat()})
+                      run_key=self.run_key, model_config=self.mcfg,
+                      extra={"config": self.cfg.flat(), "serving_mode": dataset_serving_mode(self.ds)})
         distributed.barrier(self.d)
 
 
@@ -330,7 +332,8 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist, place=None) -> dict:
                        continuation=run.run_key.get("continuation"))
     out, obj = Path(cfg.out), run.obj
     header = {"config": cfg.flat(), "model": run.mcfg, "params": obj.num_parameters(),
-              "run_key": run.run_key, "world_size": d.world_size, "device": str(d.device),
+              "run_key": run.run_key, "serving_mode": dataset_serving_mode(run.ds), "world_size": d.world_size,
+              "device": str(d.device),
               "resumed_from": {"epoch": run.epoch, "step": run.step, "global_step": run.gstep} if run.resumed else None}
     log = RunLog(out / "log.jsonl", header, fresh=not run.resumed, enabled=d.is_main, keep_through=run.gstep)
     if log.dropped:

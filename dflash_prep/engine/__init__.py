@@ -14,6 +14,8 @@
   Its parts: :mod:`.method` (the method and k an export asks for), :mod:`.load_check` (the
   strict-load verdict and the diagnosis of a refused load), :mod:`.prompts` (the prompt token
   ids), :mod:`.ours` (our evaluator beside the engine) and :mod:`.report_table` (the printed rows);
+- :mod:`.serving_mode`: the serving (thinking) mode and chat-template hash an export was trained
+  with (its ``config.json`` ``dflash_prep`` block): ``evaluate --thinking auto`` and its warnings;
 - :mod:`.load_report`: runs *inside* vLLM (a ``vllm.general_plugins`` entry point) and reports
   which export tensors the engine used and which draft parameters it left unloaded;
 - :mod:`.extract`: ``dflash-prep extract``: the target's hidden states from vLLM, written once

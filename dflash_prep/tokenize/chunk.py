@@ -14,6 +14,7 @@ import numpy as np
 from dflash_prep.errors import InputError
 from dflash_prep.tokenize import records as rec
 from dflash_prep.tokenize.chat import mark, plan_rows
+from dflash_prep.tokenize.thinking import record_mode, zero_counts
 
 MAX_EXAMPLES = 5
 
@@ -37,8 +38,10 @@ def process_records(tok, cfg, records: list[dict], *, schema: str, fields: tuple
 
     Returns ``ids`` (sum L,) int32, ``mask`` (sum L,) uint8, ``lengths`` (n,) int32,
     ``records`` (n,) int64 global record index of each row, ``source_ids`` (n,) the
-    record's own ``id`` or None, ``stats`` and ``examples`` (``(index, reason)`` of the
-    first bad records skipped under ``--on-error skip``). A bad record raises
+    record's own ``id`` or None, ``stats``, ``examples`` (``(index, reason)`` of the
+    first bad records skipped under ``--on-error skip``) and ``thinking``: the records that
+    produced a sample, counted by the mode their answers were written in
+    (:func:`dflash_prep.tokenize.thinking.record_mode`). A bad record raises
     :class:`BadRecord` (its index in ``records``) under ``--on-error fail``. An expanded
     conversation yields several rows with the same ``records`` entry.
     """
@@ -56,6 +59,7 @@ def process_records(tok, cfg, records: list[dict], *, schema: str, fields: tuple
                 bad(k, str(e))
                 encoded.append(None)
     ids_l, mask_l, lens, rec_l, sid_l = [], [], [], [], []
+    kept_records: dict[int, None] = {}  # the records that produced a sample, in order, once each
     for k, enc in zip(owner, encoded):
         if enc is None or k in bad.skipped:
             continue
@@ -70,6 +74,10 @@ def process_records(tok, cfg, records: list[dict], *, schema: str, fields: tuple
         lens.append(kept[0].shape[0])
         rec_l.append(first_record + k)
         sid_l.append(rec.record_id(records[k]))
+        kept_records[k] = None
+    thinking = zero_counts()
+    for k in kept_records:
+        thinking[record_mode(records[k])] += 1
     return {
         "ids": np.concatenate(ids_l) if ids_l else np.zeros(0, np.int32),   # (sum L,) int32
         "mask": np.concatenate(mask_l) if mask_l else np.zeros(0, np.uint8),  # (sum L,) uint8
@@ -77,6 +85,7 @@ def process_records(tok, cfg, records: list[dict], *, schema: str, fields: tuple
         "records": np.asarray(rec_l, np.int64),                             # (n,)
         "source_ids": sid_l,                                                # (n,) str | None
         "rows": len(records), "stats": bad.stats, "examples": bad.examples,
+        "thinking": thinking,                                               # records per mode
     }
 
 

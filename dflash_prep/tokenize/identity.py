@@ -20,6 +20,22 @@ VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", 
 the dataset's ``meta.json`` (``tokenizer.files``)."""
 
 
+def chat_template_sha256(template: str | None) -> str | None:
+    """SHA-256 (hex) of a chat template's text, None for no template: the one hash of a template.
+
+    ``tokenize`` records it for the template it rendered with (``meta.json``
+    ``tokenizer.chat_template.sha256`` and ``serving_mode.chat_template_sha256``), the export
+    carries it (``config.json`` ``dflash_prep.chat_template_sha256``), and ``evaluate`` compares it
+    with its target's (:func:`tokenizer_template_sha256`) to warn of a drafter served under
+    another template."""
+    return template_sha(template)
+
+
+def tokenizer_template_sha256(tokenizer) -> str | None:
+    """:func:`chat_template_sha256` of a transformers tokenizer's chat template (None: it has none)."""
+    return chat_template_sha256(_template_of(tokenizer))
+
+
 def _template_of(tokenizer) -> str | None:
     """The chat template ``dflash-prep tokenize --tokenizer TARGET`` renders with (None: it has none)."""
     try:
@@ -52,7 +68,7 @@ def check_tokenizer(data, meta: dict, target, tokenizer=None, *, then: str) -> N
     common = theirs.keys() & ours.keys()
     same_vocab = bool(common) and all(theirs[n] == ours[n] for n in common)
     tmpl = t.get("chat_template") or {}
-    target_tmpl = template_sha(_template_of(tokenizer if tokenizer is not None else load_tokenizer(target)))
+    target_tmpl = tokenizer_template_sha256(tokenizer if tokenizer is not None else load_tokenizer(target))
     same_template = tmpl.get("source") == "--chat-template" or tmpl.get("sha256") == target_tmpl
     if same_vocab and same_template:
         return

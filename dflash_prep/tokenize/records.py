@@ -70,7 +70,7 @@ class Source:
     """One loaded input file or folder.
 
     ``rows`` is a ``datasets.Dataset`` restricted to the schema's columns (``fields``, plus
-    ``id`` when present), or a list of dicts from the line-by-line fallback; ``lines`` maps a row to its 1-based JSON line
+    ``id`` and ``regenerate`` when present), or a list of dicts from the line-by-line fallback; ``lines`` maps a row to its 1-based JSON line
     where known. ``bad_lines`` counts malformed lines skipped under ``--on-error skip``.
     """
 
@@ -178,7 +178,8 @@ def detect_schema(path: str, columns: list[str], fmt: str, text_field: str,
     optional = {"alpaca": ("input", "system")}
 
     def fields(schema: str) -> tuple[str, ...]:
-        extra = [c for c in optional.get(schema, ()) + ("id",) if c in columns]
+        # the record's own id, and regenerate's record of how its answers were made (the thinking mode)
+        extra = [c for c in optional.get(schema, ()) + ("id", "regenerate") if c in columns]
         return need[schema] + tuple(extra)
 
     if fmt == "auto":

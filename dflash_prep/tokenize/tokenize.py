@@ -31,6 +31,9 @@ Semantics:
   only when it holds a dataset ``meta.json`` (never a user's folder, an input or the
   working directory: :func:`dflash_prep.formats.outputs.check_out`). The write holds the folder's
   advisory lock, and first clears the debris of killed runs (:mod:`dflash_prep.formats.outputs`).
+- ``meta.json``'s ``serving_mode``: the thinking mode the data was made in, from regenerate's
+  per-record ``--reasoning`` or ``--thinking on|off``, and the chat template's SHA-256
+  (:mod:`dflash_prep.tokenize.thinking`); the trainer carries it into the drafter's export;
 - inputs are checked before loading (:mod:`dflash_prep.tokenize.inputcheck`): regular files only
   (no FIFO or device), UTF-8, JSON nested at most 64 levels.
 
@@ -63,7 +66,9 @@ from dflash_prep.tokenize import inputcheck
 from dflash_prep.tokenize import records as rec
 from dflash_prep.tokenize.chat import MaskOptions, read_template_arg
 from dflash_prep.tokenize.chunk import MAX_EXAMPLES, BadRecord, process_records
-from dflash_prep.tokenize.encoders import load_tokenizer, template_sha
+from dflash_prep.tokenize.encoders import load_tokenizer
+from dflash_prep.tokenize.identity import chat_template_sha256
+from dflash_prep.tokenize.thinking import THINKING, describe, serving_mode, serving_mode_of, zero_counts
 from dflash_prep.tokenize.ray_engine import ray_results
 
 MAX_SHARD_MB = 1 << 20  # 1 TiB: beyond any file system's comfort, and finite
@@ -94,6 +99,9 @@ class TokenizeConfig:
             the output is byte-identical, so it is not fingerprinted.
         address: ``--address`` of the Ray cluster (``auto``: the one ``ray start`` runs here;
             None: a Ray started for this run).
+        thinking: ``--thinking``: ``auto`` records the serving mode the records say
+            (:mod:`dflash_prep.tokenize.thinking`); ``on``/``off`` declares it for data that does not
+            say (refused when records contradict it). Changes only ``meta.json``'s ``serving_mode``.
     """
 
     inputs: tuple[str, ...]
@@ -114,6 +122,7 @@ class TokenizeConfig:
     overwrite: bool = False
     engine: str = "local"
     address: str | None = None
+    thinking: str = "auto"
 
     def __post_init__(self):
         if not self.inputs:
@@ -137,11 +146,17 @@ class TokenizeConfig:
             raise ConfigError(f"--engine must be 'local' or 'ray', got {self.engine!r}")
         if self.chunk_rows < 1:
             raise ConfigError("chunk_rows must be positive")
+        if self.thinking not in THINKING:
+            raise ConfigError(f"--thinking must be one of {', '.join(THINKING)}, got {self.thinking!r}")
 
     def options(self) -> dict:
-        """The fields that change the output (fingerprinted; the template is in the tokenizer's fingerprint)."""
+        """The fields that change the output (fingerprinted; the template is in the tokenizer's fingerprint).
+
+        ``thinking`` only when declared: ``auto`` is what every dataset was before the option
+        existed, so their fingerprints (and the shards that carry them) stay what they were."""
         keys = ("format", "text_field", "messages_field", "role_map", "max_len", "on_overflow", "on_error")
-        return {**{k: getattr(self, k) for k in keys}, "mask": self.mask.to_dict()}
+        declared = {"thinking": self.thinking} if self.thinking != "auto" else {}
+        return {**{k: getattr(self, k) for k in keys}, "mask": self.mask.to_dict(), **declared}
 
 
 # ----------------------------------------------------------------------------- workers
@@ -250,6 +265,7 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
              "cut_tokens": 0, "dropped_tokens": 0, "expanded": 0, "expanded_rows": 0, "escaped": 0}
     examples: list[str] = [e for s in sources for e in s.bad_examples][:MAX_EXAMPLES]
     lengths, mask_counts, loss_tokens = [], [], 0
+    thinking = zero_counts()   # records that produced samples, per serving mode
     _STATE.clear()
     _STATE.update(sources=sources, cfg=cfg, tokenizer=cfg.tokenizer, tok=tok)
     bar = _progress(progress, total_rows)
@@ -271,6 +287,8 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
             loss_tokens += int(r["mask"].sum(dtype=np.int64))
             for k, v in r["stats"].items():
                 stats[k] += v
+            for k, v in r["thinking"].items():
+                thinking[k] += v
             examples += r["examples"][: MAX_EXAMPLES - len(examples)]
             bar.advance(r["rows"])
     except rec.RecordError as e:
@@ -282,6 +300,8 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
             pool.terminate()
             pool.join()
         _STATE.clear()
+    template_sha256 = chat_template_sha256(tok.chat_template)
+    serving = serving_mode(thinking, declared=cfg.thinking, template_sha256=template_sha256)  # before any file
     shards = writer.finish()
     lengths_arr = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)  # (N,) int32
     if lengths_arr.shape[0] == 0:
@@ -297,12 +317,13 @@ def _run(cfg: TokenizeConfig, tok, sources, tmp: Path, key: str, progress: bool)
         "inputs_fingerprint": key,
         "created_by": f"dflash-prep {__version__}",
         "tokenizer": {**tok.info.to_dict(), "files": tok.files,
-                      "chat_template": {"sha256": template_sha(tok.chat_template),
+                      "chat_template": {"sha256": template_sha256,
                                         "source": "--chat-template" if cfg.chat_template else
                                         ("built-in ChatML" if cfg.tokenizer == "byte" else "tokenizer"),
                                         "generation_blocks": bool(tok.has_generation)}},
         "options": cfg.options(),
         "mask": cfg.mask.to_dict(),
+        "serving_mode": serving,
         "counts": {"samples": n, "records": total_rows + sum(s.bad_lines for s in sources),
                    "truncated": stats["truncated"], "dropped": stats["dropped"], "skipped": stats["skipped"],
                    "no_loss": stats["no_loss"], "expanded_conversations": stats["expanded"],
@@ -339,5 +360,6 @@ def summary_rows(meta: dict) -> list[tuple[str, str]]:
         ("escaped", f"{c['escaped_control_tokens']:,} records whose content spells a control token (kept as text)"),
         ("shards", f"{len(meta['shards'])}"),
         ("tokenizer", f"{meta['tokenizer']['name']} (vocab {meta['tokenizer']['vocab_size']:,})"),
+        ("serving mode", describe(serving_mode_of(meta))),
         ("fingerprint", meta["fingerprint"]),
     ]

@@ -23,6 +23,9 @@ gets, through one atomic folder rename (nothing half-written is ever visible und
   ``input_layernorm``, ``post_attention_layernorm``, ``norm``, ``fc``, ``hidden_norm``): our
   :class:`~dflash_prep.train.objectives.dflash.drafter.Drafter` uses those names, so the keys match the public
   module one to one (it has no ``embed_tokens``/``lm_head``: those are the target's);
+- ``config.json``'s ``dflash_prep`` block, for an export of a run (not a bare drafter): the
+  serving mode and chat template the data was made with, the dataset fingerprint and the recipe
+  (:func:`dflash_prep.train.export.provenance`); the public loader and vLLM ignore it;
 - ``export.json`` (format ``dflash-prep/drafter-export`` v1): where it came from (checkpoint
   path, its SHA fingerprint and step, the run contract the checkpoint recorded) and the
   fingerprints of ``config.json`` and ``model.safetensors``, which :func:`load_export` checks.
@@ -41,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_prep.engine.serving_mode import BLOCK_KEY
 from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
 from dflash_prep.formats.fileio import atomic_dir, atomic_write_bytes, atomic_write_json, fingerprint_bytes, read_json
 
@@ -216,20 +220,27 @@ def _load_strict(drafter: Drafter, state: dict, *, where: str) -> None:
 # ----------------------------------------------------------------------------- export / load
 def export(run: str | Path, out: str | Path, *, dtype: str = "float32", overwrite: bool = False) -> dict:
     """Write the public DFlash folder for ``run`` at ``out`` (module docstring); the sidecar dict."""
-    drafter, info = load_run(run)
-    return write_export(drafter, out, source=info, dtype=dtype, overwrite=overwrite)
+    from dflash_prep.train import checkpoint as ckpt
+
+    path = ckpt.path_of(run)
+    return export_checkpoint(ckpt.load(path), path, out, dtype=dtype, overwrite=overwrite)
 
 
 def export_checkpoint(obj: dict, path: Path, out: str | Path, *, dtype: str = "float32",
                       overwrite: bool = False) -> dict:
     """:func:`export` of a loaded checkpoint (the objective's ``export`` hook, :mod:`dflash_prep.train.export`)."""
+    from dflash_prep.train.export import provenance
+
     drafter, info = drafter_of_checkpoint(obj, path)
-    return write_export(drafter, out, source=info, dtype=dtype, overwrite=overwrite)
+    return write_export(drafter, out, source=info, dtype=dtype, overwrite=overwrite, provenance=provenance(obj))
 
 
 def write_export(drafter: Drafter, out: str | Path, *, source: dict, dtype: str = "float32",
-                 overwrite: bool = False, public=None, sidecar_extra: dict | None = None) -> dict:
-    """Write ``drafter`` as a public DFlash folder; ``source`` goes into ``export.json``.
+                 overwrite: bool = False, public=None, sidecar_extra: dict | None = None,
+                 provenance: dict | None = None) -> dict:
+    """Write ``drafter`` as a public DFlash folder; ``source`` goes into ``export.json``,
+    ``provenance`` (a run's, :func:`dflash_prep.train.export.provenance`) into ``config.json`` as
+    its ``dflash_prep`` block.
 
     A variant reuses it: ``public(cfg, dtype=...)`` builds its ``config.json`` dict (default
     :func:`public_config`), ``sidecar_extra`` is merged into the sidecar (its ``kind``, its
@@ -241,7 +252,8 @@ def write_export(drafter: Drafter, out: str | Path, *, source: dict, dtype: str 
     cfg = drafter.config
     tensors = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in drafter.state_dict().items()}
     weights = save(tensors, metadata={"format": "pt"})
-    config = (json.dumps((public or public_config)(cfg, dtype=dtype), indent=2) + "\n").encode()
+    config = (json.dumps(with_provenance((public or public_config)(cfg, dtype=dtype), provenance), indent=2)
+              + "\n").encode()
     summary = (f"{cfg.num_layers} draft layers, B = {cfg.block_size}, taps {list(cfg.target_layer_ids)}, "
                f"mask {cfg.mask_token_id}")
     sidecar = {"source": source, "drafter_config": cfg.to_dict(), "summary": summary, "dtype": dtype,
@@ -252,6 +264,11 @@ def write_export(drafter: Drafter, out: str | Path, *, source: dict, dtype: str 
         atomic_write_bytes(tmp / WEIGHTS_FILE, weights)
         atomic_write_json(tmp / SIDECAR_FILE, sidecar, format=EXPORT_FORMAT, version=EXPORT_VERSION)
     return sidecar
+
+
+def with_provenance(config: dict, provenance: dict | None) -> dict:
+    """``config`` with the run's ``dflash_prep`` block last (none for a bare drafter's export)."""
+    return config if provenance is None else {**config, BLOCK_KEY: provenance}
 
 
 def read_folder(path: Path, *, fmt: str, versions: tuple[int, ...]) -> tuple[dict, dict, dict | None]:

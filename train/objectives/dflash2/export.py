@@ -20,6 +20,8 @@ z-lab/dflash ``DFlash2DraftModel`` at 10129599, vLLM ``qwen3_dflash2.py``; docs/
     ``output_multiplier: 1.0`` (vLLM reads the DFlash2 fields only here). Our unary logits are
     the target head's raw logits, so the multiplier is 1 and there is no
     ``final_logit_softcapping``;
+  - for an export of a run, our ``dflash_prep`` block (serving mode, chat-template hash, dataset
+    fingerprint, recipe: :func:`dflash_prep.train.export.provenance`), which vLLM ignores;
 
 - ``model.safetensors``: the drafter's state dict as is: DFlash's tensors plus
   ``layers.N.{attention_conv,mlp_conv}.{base_kernel [2, T, H], kernel_projection.weight [2*T*G, H]}``
@@ -144,20 +146,23 @@ def _summary(cfg: DFlash2Config) -> str:
 
 
 def write_export(drafter: DFlash2Drafter, out: str | Path, *, source: dict, dtype: str = "float32",
-                 overwrite: bool = False) -> dict:
-    """Write ``drafter`` as a public DFlash2 folder (module docstring); the sidecar dict."""
+                 overwrite: bool = False, provenance: dict | None = None) -> dict:
+    """Write ``drafter`` as a public DFlash2 folder (module docstring); the sidecar dict; a run's
+    ``provenance`` goes into ``config.json`` as its ``dflash_prep`` block."""
     if not isinstance(drafter, DFlash2Drafter):
         raise FormatError(f"a DFlash2 export takes a DFlash2Drafter, got {type(drafter).__name__}")
     return dflash_export.write_export(drafter, out, source=source, dtype=dtype, overwrite=overwrite,
-                                      public=public_config,
+                                      public=public_config, provenance=provenance,
                                       sidecar_extra={"kind": KIND, "summary": _summary(drafter.config)})
 
 
 def export_checkpoint(obj: dict, path: Path, out: str | Path, *, dtype: str = "float32",
                       overwrite: bool = False) -> dict:
     """The DFlash2 objective's ``export`` hook: a loaded checkpoint ``obj`` (read from ``path``) -> ``out``."""
+    from dflash_prep.train.export import provenance
+
     drafter, info = drafter_of_checkpoint(obj, path, drafter_type=DFlash2Drafter)
-    return write_export(drafter, out, source=info, dtype=dtype, overwrite=overwrite)
+    return write_export(drafter, out, source=info, dtype=dtype, overwrite=overwrite, provenance=provenance(obj))
 
 
 def load_export(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[DFlash2Drafter, dict]:

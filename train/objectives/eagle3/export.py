@@ -21,6 +21,8 @@ visible under ``DIR``):
   where ``l`` are our ``target_layer_ids`` (outputs of 0-based layers); plus ``num_target_layers``
   when known. (vLLM: ``llama.py`` appends ``hidden_states + residual`` before layer ``idx`` when ``idx
   in aux_hidden_state_layers``; SGLang: ``set_eagle3_layers_to_capture`` stores ``val + 1``.)
+  An export of a run adds our ``dflash_prep`` block (serving mode, chat-template hash, dataset
+  fingerprint, recipe: :func:`dflash_prep.train.export.provenance`), which both engines ignore.
 - ``model.safetensors``: exactly the drafter's state dict, the names SpecForge saves and both engines
   read: ``embed_tokens.weight`` (the target's embedding; vLLM and SGLang share the target's anyway),
   ``fc.weight``, ``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``,
@@ -137,8 +139,11 @@ def config_from_public(c: dict, *, path: str | Path = CONFIG_FILE) -> Eagle3Conf
 
 # ----------------------------------------------------------------------------- write / load
 def write_export(drafter: Eagle3Drafter, out: str | Path, *, source: dict, dtype: str = "float32",
-                 overwrite: bool = False) -> dict:
-    """Write ``drafter`` as an engine-loadable folder at ``out`` (module docstring); the sidecar dict."""
+                 overwrite: bool = False, provenance: dict | None = None) -> dict:
+    """Write ``drafter`` as an engine-loadable folder at ``out`` (module docstring); the sidecar dict;
+    a run's ``provenance`` goes into ``config.json`` as its ``dflash_prep`` block."""
+    from dflash_prep.train.objectives.dflash.export import with_provenance
+
     from safetensors.torch import save
 
     if dtype not in DTYPES:
@@ -148,7 +153,7 @@ def write_export(drafter: Eagle3Drafter, out: str | Path, *, source: dict, dtype
     tensors = {k: v.detach().to("cpu", EXACT_DTYPES.get(k, DTYPES[dtype])).contiguous()
                for k, v in drafter.state_dict().items()}
     weights = save(tensors, metadata={"format": "pt"})
-    config = (json.dumps(public_config(cfg, dtype=dtype), indent=2) + "\n").encode()
+    config = (json.dumps(with_provenance(public_config(cfg, dtype=dtype), provenance), indent=2) + "\n").encode()
     sidecar = {"source": source, "drafter_config": cfg.to_dict(), "dtype": dtype,
                "config_fingerprint": fingerprint_bytes(config), "weights_fingerprint": fingerprint_bytes(weights),
                "parameters": int(sum(t.numel() for k, t in tensors.items() if k not in EXACT_DTYPES))}

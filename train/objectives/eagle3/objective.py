@@ -248,6 +248,7 @@ def build(cfg, ds, device: torch.device, manifest=None, place=None) -> Eagle3Obj
 def export_checkpoint(obj: dict, path, out, *, dtype: str = "float32", overwrite: bool = False) -> dict:
     """The engines' EAGLE-3 folder from a loaded checkpoint (:mod:`dflash_prep.train.export`)."""
     from dflash_prep.train.objectives.dflash.export import file_fingerprint
+    from dflash_prep.train.export import provenance
     from dflash_prep.train.objectives.eagle3.export import write_export
 
     try:
@@ -261,5 +262,5 @@ def export_checkpoint(obj: dict, path, out, *, dtype: str = "float32", overwrite
                           f"unexpected {missing.unexpected_keys[:5]})")
     info = {"checkpoint": str(path), "checkpoint_fingerprint": file_fingerprint(path),
             "global_step": int(obj["cursor"].get("global_step", 0)), "run_key": obj["run_key"]}
-    side = write_export(drafter, out, source=info, dtype=dtype, overwrite=overwrite)
+    side = write_export(drafter, out, source=info, dtype=dtype, overwrite=overwrite, provenance=provenance(obj))
     return {**side, "summary": f"EAGLE-3, draft vocabulary {cfg.draft_vocab_size}, taps {list(cfg.target_layer_ids)}"}
