@@ -13,9 +13,10 @@ evaluate`` does (``$DFLASH_PREP_VLLM_PYTHON``, ``.venv-vllm``), and in this inte
   :data:`bench.gpu_all.NOT_RUN` (nothing was checked, so nothing passed);
 - ``--smoke``: ``"smoke"``, the export built and vLLM found or not, no engine started
   (``make test-engines`` starts it on CPU);
-- otherwise ``dflash-prep evaluate`` on the export (6 prompts, 32 new tokens, float32, temperature
-  0): ``"served"`` with the strict load, the lossless count, vLLM's tau and ours; exit 0 only when
-  the load was strict and every prompt lossless. A refusal is ``"refused"`` with the engine's
+- otherwise ``dflash-prep evaluate`` on the export on two shipped benchmarks (:data:`BENCH`,
+  :data:`BENCH_N` prompts each; MT-Bench's second turns after the target's own answers; 32 new
+  tokens, float32, temperature 0): ``"served"`` with the strict load, the lossless count, vLLM's tau
+  and ours, pooled and per benchmark; exit 0 only when the load was strict and every prompt lossless. A refusal is ``"refused"`` with the engine's
   line: expected on a machine without CUDA (exit 0, ``expected: true``), a failure on a GPU.
 
 vLLM loads the project's load-report plugin through the ``vllm.general_plugins`` entry point of
@@ -23,7 +24,8 @@ the installed distribution. When the engine is this interpreter and dflash-prep 
 it (the GPU machine: ``PYTHONPATH=.``), the step puts a minimal ``.dist-info`` declaring that entry
 point on the engine's ``PYTHONPATH``, so the strict-load check runs there too.
 Output: ``--out/engine_dflash2.json`` (format ``dflash-prep/bench-engine-dflash2`` v1), and where an
-engine started, ``--out/eval.json`` (``dflash-prep evaluate``'s report) with its logs in ``--out/eval.logs/``.
+engine started, ``--out/eval.json`` (``dflash-prep evaluate``'s report, v2), its table ``eval.md``
+and its logs in ``--out/eval.logs/``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ from dflash_prep.formats.fileio import atomic_write_json
 
 FORMAT = "dflash-prep/bench-engine-dflash2"
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = ("gsm8k", "mt-bench")
+"""The shipped benchmarks the served export is evaluated on: one single-turn, one two-turn."""
+BENCH_N = 4
 PLUGIN = ("dflash_prep_load_report", "dflash_prep.engine.load_report:register")
 """The ``vllm.general_plugins`` entry point pyproject.toml declares (name, object)."""
 
@@ -88,12 +93,11 @@ def _cuda() -> str | None:
 def run(work: Path, out: Path, *, smoke: bool, timeout_s: float = 240.0, dtype: str = "float32") -> dict:
     """Build under ``work``, find vLLM, serve (unless there is none or ``smoke``; the evaluation's
 JSON and the engines' logs go to ``out``); the record (module docstring)."""
-    from dflash_prep.bench.tiny_engine import build_exports, build_target, write_prompts
+    from dflash_prep.bench.tiny_engine import build_exports, build_target
 
     t0 = time.monotonic()
     target = build_target(work)
     export = build_exports(work, target, kinds=("dflash2",))["dflash2"]
-    prompts = write_prompts(work / "prompts.jsonl", 6)
     python, version = find_engine()
     rec = dict(cuda=_cuda(), vllm=version if python else None, vllm_python=str(python) if python else None,
                export={"architecture": json.loads((export / "config.json").read_text())["architectures"][0],
@@ -103,7 +107,7 @@ JSON and the engines' logs go to ``out``); the record (module docstring)."""
     if smoke:
         return dict(rec, status="smoke", reason="--smoke starts no engine; make test-engines serves exports in vLLM on CPU",
                     passed=True)
-    from dflash_prep.engine.evaluate import evaluate_export
+    from dflash_prep.engine.evaluate import evaluate_exports
     from dflash_prep.errors import EngineError
 
     os.environ["DFLASH_PREP_VLLM_PYTHON"] = str(python)
@@ -112,16 +116,19 @@ JSON and the engines' logs go to ``out``); the record (module docstring)."""
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
         rec["load_report_plugin"] = "shim .dist-info on PYTHONPATH"
     try:
-        res = evaluate_export(target=target, export=export, prompts=prompts, out=out / "eval.json", max_tokens=32,
-                              timeout_s=timeout_s, dtype=dtype)
+        res = evaluate_exports(target=target, exports=[export], benches=list(BENCH), out=out / "eval.json",
+                               n=BENCH_N, max_tokens=32, timeout_s=timeout_s, dtype=dtype, log=print)
     except EngineError as e:
         expected = rec["cuda"] is None and "V2 model runner" in str(e)
         return dict(rec, status="refused", error=str(e), expected=expected, passed=expected)
-    strict, lossless = res["strict_load"], res["lossless"]
-    return dict(rec, status="served", strict_load=strict, lossless=lossless, tau_vllm=res["vllm"]["tau"],
-                tau_ours=(res["ours"] or {}).get("tau"), seconds=res["seconds"],
-                speculative_config=res["engine"]["speculative_config_json"],
-                passed=bool(strict.get("ok")) and lossless["ok"] is True)
+    e = res["exports"][0]
+    sets = {name: {"tau_vllm": c["vllm"]["tau"], "tau_ours": (c["ours"] or {}).get("tau_pooled"),
+                   "agree": (c["ours"] or {}).get("agree"), "lossless": c["lossless"]}
+            for name, c in e["sets"].items()}
+    lossless_ok = all(c["lossless"]["ok"] is True for c in e["sets"].values())
+    return dict(rec, status="served", strict_load=e["strict_load"], sets=sets, tau_vllm=e["vllm"]["tau"],
+                seconds=res["seconds"], speculative_config=e["speculative_config_json"],
+                passed=bool(e["strict_load"].get("ok")) and lossless_ok)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -442,7 +442,10 @@ def evaluate_exports(*, target: str | Path, exports: list[str | Path], out: str 
     from dflash_prep.engine.report_table import markdown_table
 
     atomic_write_bytes(out.with_suffix(".md"), markdown_table(full).encode())
-    write_plot(full, out.with_suffix(".png"))
+    try:
+        write_plot(full, out.with_suffix(".png"))
+    except ImportError as e:              # matplotlib is a dependency, but a bare GPU image may lack it
+        say(f"note: no picture ({e}); the table is in {out.with_suffix('.md')}")
     return full
 
 
