@@ -1,0 +1,165 @@
+"""Rebuild ``data/`` and ``manifest.json`` from the upstream files, so anyone can check how they were made.
+
+    python -m dflash_prep.evalsets.build --gsm8k test.jsonl --humaneval HumanEval.jsonl.gz \\
+        --mt-bench question.jsonl --mbpp sanitized-mbpp.json [--out DIR]
+
+Each input is the file named in :data:`dflash_prep.evalsets.sources.SOURCES` at its commit (``git
+show COMMIT:PATH`` in a clone gives it). A set keeps only what its prompts need: the upstream id and
+the user text, one ``{"id", "turns"}`` object a line in upstream order; MBPP keeps its test split.
+The JSON lines are gzip-compressed at level 9 with mtime 0, no file name and Python's fixed header
+(OS byte 255), so the same inputs give the same bytes on any machine with the same zlib (the
+committed files were made with zlib 1.2.13; another zlib, zlib-ng say, may compress differently,
+which changes only the file's sha256: the manifest's ``content_sha256`` of the lines stays). The manifest records, per set, both
+hashes, the count, the upstream file's git blob id and sha256, the commit, the licence, the
+attribution and the prompt format (docs/evaluation.md#benchmark-prompt-sets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import io
+import json
+import sys
+from pathlib import Path
+
+from dflash_prep.errors import DflashError, InputError
+from dflash_prep.evalsets.sets import FORMAT, ROOT, VERSION
+from dflash_prep.evalsets.sources import CONVENTION, MBPP_TEST_IDS, NOT_SHIPPED, SOURCES, SetSource
+from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json, strict_dumps
+
+
+def git_blob_id(data: bytes) -> str:
+    """The id git gives a file of these bytes (``git hash-object``), to match the upstream tree."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def deterministic_gzip(data: bytes) -> bytes:
+    """gzip at level 9 with mtime 0 and no file name: the bytes depend only on ``data`` (and zlib)."""
+    buf = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", compresslevel=9, fileobj=buf, mtime=0) as f:
+        f.write(data)
+    return buf.getvalue()
+
+
+def _json_lines(path: Path, data: bytes) -> list[dict]:
+    """Upstream JSON lines, each an object; a blank or malformed line is refused (ids are line indices)."""
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text ({e}); pass the upstream file as is") from None
+    out = []
+    for i, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            raise InputError(f"{path}:{i}: not a JSON object ({e}); pass the upstream file as is") from None
+        if not isinstance(rec, dict):
+            raise InputError(f"{path}:{i}: not a JSON object; pass the upstream file as is")
+        out.append(rec)
+    return out
+
+
+def _field(path: Path, where: int | str, rec: dict, key: str, kind: type) -> object:
+    value = rec.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise InputError(f"{path}: record {where} has no {kind.__name__} field {key!r}; is this the "
+                         "upstream file the option names?")
+    return value
+
+
+def read_upstream(src: SetSource, path: str | Path) -> tuple[bytes, list[dict]]:
+    """The upstream file's bytes and its records reduced to ``{"id": str, "turns": [str, ...]}``."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: file not found (--{src.name} names the upstream {src.repo}:{src.path})")
+    data = path.read_bytes()
+    if src.name == "mbpp":
+        try:
+            rows = json.loads(data)
+        except ValueError as e:
+            raise InputError(f"{path}: not JSON ({e}); pass the upstream sanitized-mbpp.json as is") from None
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise InputError(f"{path}: expected a JSON list of objects (sanitized-mbpp.json)")
+        recs = []
+        for i, r in enumerate(rows):
+            if _field(path, i, r, "task_id", int) in MBPP_TEST_IDS:
+                recs.append({"id": str(r["task_id"]), "turns": [_field(path, i, r, "prompt", str)]})
+    else:
+        text = gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
+        rows = _json_lines(path, text)
+        if src.name == "gsm8k":
+            recs = [{"id": str(i), "turns": [_field(path, i, r, "question", str)]} for i, r in enumerate(rows)]
+        elif src.name == "humaneval":
+            recs = [{"id": _field(path, i, r, "task_id", str), "turns": [_field(path, i, r, "prompt", str)]}
+                    for i, r in enumerate(rows)]
+        else:  # mt-bench: two user turns
+            recs = []
+            for i, r in enumerate(rows):
+                turns = _field(path, i, r, "turns", list)
+                if len(turns) != src.turns or not all(isinstance(t, str) for t in turns):
+                    raise InputError(f"{path}: record {i} has {len(turns)} turns, expected {src.turns} strings")
+                recs.append({"id": str(_field(path, i, r, "question_id", int)), "turns": list(turns)})
+    ids = [r["id"] for r in recs]
+    if not recs or len(set(ids)) != len(ids):
+        raise InputError(f"{path}: {len(recs)} records with {len(set(ids))} distinct ids; a set needs at least "
+                         "one record and unique ids (samples are keyed by id)")
+    return data, recs
+
+
+def build(inputs: dict[str, str | Path], *, commits: dict[str, str] | None = None, out: str | Path = ROOT) -> dict:
+    """Write ``out/data/<name>.jsonl.gz`` for every set and then ``out/manifest.json``; return the manifest.
+
+    ``inputs`` maps each name of :data:`SOURCES` to its upstream file; ``commits`` overrides the
+    recorded upstream commit of a set (default: the one in :data:`SOURCES`)."""
+    commits = commits or {}
+    missing = [s.name for s in SOURCES if s.name not in inputs]
+    if missing:
+        raise InputError(f"no upstream file for {', '.join(missing)}; every set is rebuilt together")
+    out = Path(out)
+    read = [(src, *read_upstream(src, inputs[src.name])) for src in SOURCES]  # every input checked before a write
+    entries = []
+    for src, upstream, recs in read:
+        lines = "".join(strict_dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in recs).encode()
+        shipped = deterministic_gzip(lines)
+        rel = f"data/{src.name}.jsonl.gz"
+        atomic_write_bytes(out / rel, shipped)
+        entries.append({
+            "name": src.name, "file": rel, "count": len(recs), "sha256": hashlib.sha256(shipped).hexdigest(),
+            "content_sha256": hashlib.sha256(lines).hexdigest(), "turns": src.turns,
+            "record": {"id": src.id_from, "turns": src.text_from},
+            "source": {"repo": src.repo, "path": src.path, "commit": commits.get(src.name, src.commit),
+                       "git_blob": git_blob_id(upstream), "sha256": hashlib.sha256(upstream).hexdigest(),
+                       "subset": src.subset},
+            "license": src.license, "copyright": src.copyright, "attribution": src.attribution,
+            "prompt_format": {"template": src.template, "placeholder": src.placeholder,
+                              "applies_to": "each user turn", "convention": CONVENTION},
+        })
+    manifest = {"notice": "NOTICE", "sets": entries, "not_shipped": list(NOT_SHIPPED)}
+    atomic_write_json(out / "manifest.json", manifest, format=FORMAT, version=VERSION)
+    return {"format": FORMAT, "version": VERSION, **manifest}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dflash_prep.evalsets.build", description=__doc__.split("\n\n")[0])
+    for src in SOURCES:
+        ap.add_argument(f"--{src.name}", required=True, type=Path, metavar="FILE", dest=f"file:{src.name}",
+                        help=f"{src.repo}:{src.path} at --{src.name}-commit")
+        ap.add_argument(f"--{src.name}-commit", default=src.commit, metavar="SHA", dest=f"commit:{src.name}",
+                        help=f"the upstream commit to record (default {src.commit})")
+    ap.add_argument("--out", type=Path, default=ROOT, help=f"where to write manifest.json and data/ (default {ROOT})")
+    args = vars(ap.parse_args(argv))
+    try:
+        manifest = build({s.name: args[f"file:{s.name}"] for s in SOURCES},
+                         commits={s.name: args[f"commit:{s.name}"] for s in SOURCES}, out=args["out"])
+    except DflashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for e in manifest["sets"]:
+        print(f"{e['name']:<10} {e['count']:>5} records  {e['file']}  sha256 {e['sha256'][:16]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

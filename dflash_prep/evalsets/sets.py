@@ -1,0 +1,169 @@
+"""Read the shipped benchmark prompt sets: names, integrity-checked records, deterministic samples.
+
+Each set is ``data/<name>.jsonl.gz`` beside ``manifest.json`` (format ``dflash-prep/evalsets``
+version 1). A record is ``{"id": str, "turns": [str, ...]}``: the upstream id and the upstream user
+text, unformatted. :func:`load_benchmark` checks the file's sha256, its content's sha256 and its
+record count against the manifest, then writes each turn into the benchmark's prompt format (the
+manifest's template), so what a caller gets is what the drafter papers send the target.
+
+Sampling ranks every record by ``sha256(f"{seed}:{name}:{id}")`` and keeps the ``n`` smallest,
+returned in upstream order. It uses no random generator, so it is the same on every Python, numpy
+and platform; a record's rank depends only on its own key, so the sample of ``n`` lies inside the
+sample of ``n + 1`` (growing a sample keeps what was measured), and another seed gives another one.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_prep.errors import ConfigError, FormatError
+from dflash_prep.formats.fileio import read_json
+
+FORMAT = "dflash-prep/evalsets"
+VERSION = 1
+#: The folder that ships with the package (manifest.json and data/).
+ROOT = Path(__file__).resolve().parent
+_REBUILD = "reinstall dflash-prep or rebuild it with `python -m dflash_prep.evalsets.build`"
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One benchmark question, ready to send."""
+
+    bench: str
+    """The set's name (``gsm8k``, ``humaneval``, ``mbpp``, ``mt-bench``)."""
+    id: str
+    """The upstream id: task_id, question_id, or the 0-based line index (GSM8K)."""
+    turns: tuple[str, ...]
+    """User turns already in the benchmark's prompt format: 1, or 2 for MT-Bench (the second is
+    asked after the target's own answer to the first)."""
+
+
+_ENTRY_KEYS = ("name", "file", "count", "sha256", "content_sha256", "turns", "prompt_format")
+
+
+def _manifest(root: str | Path | None) -> tuple[Path, dict]:
+    """The folder and its checked manifest (a FormatError in one line if it lacks what readers use)."""
+    root = ROOT if root is None else Path(root)
+    path = root / "manifest.json"
+    manifest = read_json(path, format=FORMAT, versions=(VERSION,))
+    sets = manifest.get("sets")
+    if not isinstance(sets, list) or not all(isinstance(e, dict) and all(k in e for k in _ENTRY_KEYS) for e in sets):
+        raise FormatError(f"{path}: 'sets' must list entries with {', '.join(_ENTRY_KEYS)}; {_REBUILD}")
+    return root, manifest
+
+
+def _entries(manifest: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in manifest["sets"]}
+
+
+def _unknown(name: str, manifest: dict) -> ConfigError:
+    """The one-line refusal of a name that is not shipped (a known-but-omitted set says why)."""
+    known = ", ".join([e["name"] for e in manifest["sets"]] + ["all"])
+    for skipped in manifest.get("not_shipped", ()):
+        if skipped["name"] == name:
+            return ConfigError(f"benchmark {name!r} is not shipped: {skipped['reason']} (shipped: {known})")
+    what = f"unknown benchmark {name!r}" if name.strip(", ") else f"no benchmark named in {name!r}"
+    return ConfigError(f"{what}; choose from {known}, comma-separated")
+
+
+def benchmark_names(*, root: str | Path | None = None) -> list[str]:
+    """The shipped sets, in the manifest's fixed order."""
+    return [e["name"] for e in _manifest(root)[1]["sets"]]
+
+
+def parse_benchmarks(spec: str, *, root: str | Path | None = None) -> list[str]:
+    """``"gsm8k,mt-bench"`` or ``"all"`` -> set names in the order given, duplicates dropped.
+
+    Raises ConfigError (one line) for an empty spec or a name that is not shipped, naming the
+    shipped ones and, for a set left out on purpose (math500), why."""
+    _, manifest = _manifest(root)
+    names = [p.strip() for p in spec.split(",") if p.strip()]
+    if not names:
+        raise _unknown(spec, manifest)
+    out: list[str] = []
+    for name in names:
+        chosen = [e["name"] for e in manifest["sets"]] if name == "all" else [name]
+        if name != "all" and name not in _entries(manifest):
+            raise _unknown(name, manifest)
+        out.extend(n for n in chosen if n not in out)
+    return out
+
+
+def describe(name: str, *, root: str | Path | None = None) -> dict:
+    """The manifest's entry for ``name``: file, count, hashes, source, licence, attribution, format."""
+    _, manifest = _manifest(root)
+    entry = _entries(manifest).get(name)
+    if entry is None:
+        raise _unknown(name, manifest)
+    return json.loads(json.dumps(entry))  # a copy: callers may edit it
+
+
+def _decode(path: Path, data: bytes) -> tuple[bytes, list]:
+    """The JSON lines inside the gzip bytes ``data`` (and those lines' bytes, for their hash)."""
+    try:
+        raw = gzip.decompress(data)
+        return raw, [json.loads(line) for line in raw.decode("utf-8").splitlines()]
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError, ValueError) as e:
+        raise FormatError(f"{path}: not gzip-compressed JSON lines ({e}); {_REBUILD}") from None
+
+
+def load_benchmark(name: str, *, root: str | Path | None = None) -> list[BenchPrompt]:
+    """Every record of ``name``, in upstream order, each turn in the benchmark's prompt format.
+
+    ``root`` is a folder holding ``manifest.json`` and ``data/`` (default: the copy that ships
+    with the package). Raises FormatError (one line) when the file is missing, its bytes or
+    content differ from the manifest's sha256, or it holds another number of records."""
+    root_dir, manifest = _manifest(root)
+    entry = _entries(manifest).get(name)
+    if entry is None:
+        raise _unknown(name, manifest)
+    path = root_dir / entry["file"]
+    if not path.is_file():
+        raise FormatError(f"{path}: file not found; {_REBUILD}")
+    data = path.read_bytes()
+    got = hashlib.sha256(data).hexdigest()
+    if got != entry["sha256"]:
+        raise FormatError(f"{path}: sha256 {got[:16]}... differs from the manifest's {entry['sha256'][:16]}..., "
+                          f"so the file was changed or is corrupt; {_REBUILD}")
+    raw, records = _decode(path, data)
+    content = hashlib.sha256(raw).hexdigest()
+    if content != entry["content_sha256"] or len(records) != entry["count"]:
+        raise FormatError(f"{path}: {len(records)} records with content sha256 {content[:16]}..., the manifest "
+                          f"says {entry['count']} with {entry['content_sha256'][:16]}...; {_REBUILD}")
+    fmt = entry["prompt_format"]
+    template, placeholder = fmt["template"], fmt["placeholder"]
+    out = []
+    for i, rec in enumerate(records):
+        ok = isinstance(rec, dict) and isinstance(rec.get("id"), str) and isinstance(rec.get("turns"), list)
+        if not ok or len(rec["turns"]) != entry["turns"] or not all(isinstance(t, str) for t in rec["turns"]):
+            raise FormatError(f"{path}: record {i} is not {{'id': str, 'turns': [{entry['turns']} str]}}; {_REBUILD}")
+        out.append(BenchPrompt(bench=name, id=rec["id"],
+                               turns=tuple(template.replace(placeholder, t) for t in rec["turns"])))
+    return out
+
+
+def sample_key(name: str, id: str, seed: int) -> str:
+    """A record's rank in every sample of ``name`` under ``seed`` (smaller is taken first)."""
+    return hashlib.sha256(f"{seed}:{name}:{id}".encode()).hexdigest()
+
+
+def sample_benchmark(name: str, n: int, seed: int, *, root: str | Path | None = None) -> list[BenchPrompt]:
+    """``n`` records of ``name`` (all when ``n`` is 0 or at least the count), in upstream order.
+
+    The ``n`` records with the smallest :func:`sample_key` under ``seed``; see the module docstring
+    for why this is platform-independent and nested."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(f"sample size must be a whole number >= 0 (0 takes every record), got {n!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"sample seed must be a whole number, got {seed!r}")
+    prompts = load_benchmark(name, root=root)
+    if n == 0 or n >= len(prompts):
+        return prompts
+    ranked = sorted(range(len(prompts)), key=lambda i: (sample_key(name, prompts[i].id, seed), i))
+    return [prompts[i] for i in sorted(ranked[:n])]
