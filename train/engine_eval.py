@@ -44,6 +44,7 @@ from dflash_prep.engine.env import engine_python
 from dflash_prep.engine.evaluate import evaluate_exports
 from dflash_prep.engine.lifetime import Engine, spawn
 from dflash_prep.errors import ConfigError, DflashError
+from dflash_prep.evalsets import parse_benchmarks
 from dflash_prep.train import engines
 from dflash_prep.train.export import export
 
@@ -65,8 +66,6 @@ def check(cfg, spec) -> None:
     if cfg.eval_prompts and not Path(cfg.eval_prompts).is_file():
         raise ConfigError(f"--eval-prompts {cfg.eval_prompts}: no such file")
     if cfg.eval_bench:
-        from dflash_prep.evalsets import parse_benchmarks
-
         parse_benchmarks(cfg.eval_bench)   # an unknown name: one line naming the shipped ones
     engine_python(EVAL_ENGINE)   # an EngineError naming `make venv-vllm` when the engine venv is missing
 
@@ -163,8 +162,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=8, help="prompts sampled from each --bench set")
     a = ap.parse_args(argv)
     try:
-        from dflash_prep.evalsets import parse_benchmarks
-
         export(a.dir / "checkpoint.pt", a.dir / "export", overwrite=True)
         evaluate_exports(target=a.target, exports=[a.dir / "export"], prompts=a.prompts, out=a.dir / "eval.json",
                          benches=parse_benchmarks(a.bench) if a.bench else [], n=a.n, log=print)

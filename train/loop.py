@@ -289,7 +289,7 @@ def _setup(cfg: TrainConfig, source, d: distributed.Dist, place=None) -> _Run:
         _resume(run, state)
     if cfg.eval_every and d.is_main:
         run.evals = engine_eval.EngineEvals(Path(cfg.out), target=cfg.options.target, prompts=cfg.eval_prompts,
-                                            every=cfg.eval_every)
+                                            every=cfg.eval_every, bench=cfg.eval_bench, n=cfg.eval_n)
     return run
 
 
@@ -456,6 +456,8 @@ def _log_evals(records: list[dict], log) -> None:
             f3 = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
             what = (f"tau_engine {f3(e['tau_engine'])} (ours {f3(e['tau_ours'])}, trainer {f3(e['tau_train'])}), "
                     f"lossless {e['lossless']}, {e['seconds']:.0f} s")
+            if len(e.get("per_set") or {}) > 1:
+                what += "; " + ", ".join(f"{k} {f3(v['tau_engine'])}" for k, v in e["per_set"].items())
         else:
             what = e.get("skipped") or f"failed: {e['failed']} (see {e.get('log')})"
         print(f"eval of global step {r['global_step']}: {what}", flush=True)

@@ -50,10 +50,14 @@ from dflash_prep.engine.method import Method, export_method
 from dflash_prep.engine.ours import compare_ours, decode_ours
 from dflash_prep.engine.prompt_sets import PromptSet, build_sets, save_prompts
 from dflash_prep.engine.prompts import target_tokenizer
+from dflash_prep.engine.report_plot import write_plot
+from dflash_prep.engine.report_table import markdown_table
+from dflash_prep.engine.serving_mode import mode_warnings, resolve_thinking
 from dflash_prep.engine.vllm_server import SpecCounters, VllmServer, is_cpu_build, vllm_server
 from dflash_prep.errors import ConfigError, EngineError
 from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json
 from dflash_prep.formats.target import read_target_config
+from dflash_prep.tokenize.identity import tokenizer_template_sha256
 
 EVAL_FORMAT = "dflash-prep/engine-eval"
 EVAL_VERSION = 2
@@ -282,9 +286,6 @@ def prepare(*, target: str | Path, exports: list[str | Path], benches: list[str]
     """Everything but the engines: each export's method, the serving mode and its warnings, the
     prompt sets' first-turn ids and ``--max-model-len``; every refusal here comes before an engine
     starts, in one line."""
-    from dflash_prep.engine.serving_mode import mode_warnings, resolve_thinking
-    from dflash_prep.tokenize.identity import chat_template_sha256
-
     cfg = EvaluateConfig(**config)
     target = Path(target).resolve()
     exports = [Path(e).resolve() for e in exports]
@@ -295,7 +296,7 @@ def prepare(*, target: str | Path, exports: list[str | Path], benches: list[str]
     read_target_config(target)              # an empty or partial config.json: one line, before any engine
     methods = [export_method(e, num_speculative_tokens) for e in exports]
     tok = target_tokenizer(target)
-    template_sha = chat_template_sha256(getattr(tok, "chat_template", None))
+    template_sha = tokenizer_template_sha256(tok)
     enable_thinking, thinking_why = resolve_thinking(cfg.thinking, exports)
     requested = "default" if enable_thinking is None else ("on" if enable_thinking else "off")
     warnings = {str(e): mode_warnings(export_dir=e, requested=requested, template_sha=template_sha) for e in exports}
@@ -438,9 +439,6 @@ def evaluate_exports(*, target: str | Path, exports: list[str | Path], out: str 
     res["phases_s"] = {k: round(v, 2) for k, v in phases.items()}
     atomic_write_json(out, res, format=EVAL_FORMAT, version=EVAL_VERSION)
     full = {"format": EVAL_FORMAT, "version": EVAL_VERSION, **res}
-    from dflash_prep.engine.report_plot import write_plot
-    from dflash_prep.engine.report_table import markdown_table
-
     atomic_write_bytes(out.with_suffix(".md"), markdown_table(full).encode())
     try:
         write_plot(full, out.with_suffix(".png"))

@@ -19,11 +19,13 @@ one ``{"prompt_token_ids": [...]}`` a line, in the order sent, for replay in ano
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_prep.errors import ConfigError
-from dflash_prep.formats.fileio import fingerprint_json
+from dflash_prep.evalsets import describe, sample_benchmark
+from dflash_prep.formats.fileio import atomic_write_bytes, fingerprint_json
 
 
 @dataclass
@@ -82,7 +84,6 @@ class PromptSet:
 
 def shipped_set(name: str, tokenizer, *, n: int, seed: int, enable_thinking: bool | None) -> PromptSet:
     """A shipped benchmark's sample of ``n`` (0: all), first turns rendered."""
-    from dflash_prep.evalsets import describe, sample_benchmark
     from dflash_prep.train.prompts import render_messages
 
     items = sample_benchmark(name, n, seed)
@@ -124,10 +125,6 @@ def build_sets(tokenizer, *, benches: list[str], prompts: Path | None, n: int, m
 
 def save_prompts(sets: list[PromptSet], folder: Path) -> list[Path]:
     """``folder/<set>.jsonl`` per set (module docstring), each written atomically; the paths."""
-    import json
-
-    from dflash_prep.formats.fileio import atomic_write_bytes
-
     folder.mkdir(parents=True, exist_ok=True)
     out = []
     for s in sets:
