@@ -34,3 +34,22 @@ def test_missing_prompts_and_missing_engine_are_one_line_each(tmp_path, monkeypa
     with pytest.raises(EngineError, match="make venv-vllm") as e:
         engine_eval.check(cfg, trainer_spec("dflash"))
     assert "\n" not in str(e.value)
+
+
+def test_shipped_sets_alone_are_enough_and_an_unknown_one_is_refused(tmp_path, monkeypatch):
+    cfg = build_config(out="x", objective="dflash", target=str(tmp_path), eval_every=2, eval_bench="gsm8k,mt-bench",
+                       eval_n=4)
+    monkeypatch.setenv("DFLASH_PREP_VLLM_PYTHON", str(tmp_path / "no-python"))
+    with pytest.raises(EngineError, match="make venv-vllm"):      # past the sets: only the engine is missing
+        engine_eval.check(cfg, trainer_spec("dflash"))
+    cfg = build_config(out="x", objective="dflash", target=str(tmp_path), eval_every=2, eval_bench="gsm8k,aime")
+    with pytest.raises(ConfigError, match="aime") as e:
+        engine_eval.check(cfg, trainer_spec("dflash"))
+    assert "\n" not in str(e.value) and "gsm8k" in str(e.value)
+    with pytest.raises(ConfigError, match="--eval-n must be >= 0"):
+        build_config(out="x", objective="dflash", target=str(tmp_path), eval_every=2, eval_bench="gsm8k", eval_n=-1)
+
+
+def test_the_background_command_names_the_sets(tmp_path):
+    evals = engine_eval.EngineEvals(tmp_path, target="T", prompts="", every=2, bench="gsm8k", n=3)
+    assert evals.bench == "gsm8k" and evals.n == 3 and evals.due(4) and not evals.due(3)
