@@ -82,11 +82,14 @@ demo: venv
 # a tiny Qwen3 target built and trained as an LM, a drafter trained on it, exported in the public
 # DFlash format and evaluated by speculative decoding (OBJECTIVE=dflash2: then a DFlash2 drafter
 # warm-started from it, exported as DFlash2DraftModel, tau with and without its selector). Leaves $(DEMO_DFLASH)/target/,
-# $(DEMO_DFLASH)/drafter/ and $(DEMO_DFLASH)/eval.json. Not part of `make test`.
+# $(DEMO_DFLASH)/drafter/ and $(DEMO_DFLASH)/eval.json; last, the export served by vLLM per benchmark
+# ($(DEMO_DFLASH)/eval-bench.{json,md,png}; it needs .venv-vllm, built here unless ENGINE_EVAL=0 skips
+# the step). Not part of `make test`.
 DEMO_DFLASH ?= demo-dflash
 OBJECTIVE ?= dflash
-demo-dflash: venv venv-vllm
-	DEMO_DFLASH=$(DEMO_DFLASH) OBJECTIVE=$(OBJECTIVE) PY=$(BIN)/python bash train/recipes/demo_dflash.sh
+ENGINE_EVAL ?= auto
+demo-dflash: venv $(if $(filter 0,$(ENGINE_EVAL)),,venv-vllm)
+	DEMO_DFLASH=$(DEMO_DFLASH) OBJECTIVE=$(OBJECTIVE) ENGINE_EVAL=$(ENGINE_EVAL) PY=$(BIN)/python bash train/recipes/demo_dflash.sh
 
 # make test: the suite but for four marked sets, each run by a target of its own: `slow` (full-size
 # and sweep tests), `jobs` (whole multi-process jobs: split jobs over gloo, the GPU script's steps),
