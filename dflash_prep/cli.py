@@ -501,7 +501,7 @@ _EVALUATE_EPILOG = (
 @command("evaluate", epilog=_EVALUATE_EPILOG)
 def evaluate_cmd(
     target: Annotated[Path, typer.Option(help="the target model folder (transformers format, with its tokenizer)")],
-    export: Annotated[list[Path], typer.Option(help="an exported drafter folder (python -m dflash_prep.train.export): DFlashDraftModel, DFlash2DraftModel or LlamaForCausalLMEagle3; repeat to compare drafters side by side on one base run")],
+    export: Annotated[list[Path], typer.Option(metavar="DIR", help="an exported drafter folder (python -m dflash_prep.train.export): DFlashDraftModel, DFlash2DraftModel or LlamaForCausalLMEagle3; repeat to compare drafters side by side on one base run")],
     out: Annotated[Path, typer.Option(help="report JSON to write; OUT_STEM.md, OUT_STEM.png and the engines' logs (OUT_STEM.logs/) go beside it")],
     bench: Annotated[Optional[str], typer.Option(help="shipped prompt sets, comma-separated, or 'all': gsm8k, humaneval, mbpp, mt-bench (docs/evaluation.md: sources, licences, prompt formats)")] = None,
     prompts: Annotated[Optional[Path], typer.Option(help='your own prompts: JSONL of {"messages": [...]} (rendered with the target\'s chat template up to the first assistant turn) or {"prompt": "..."}; a set named after the file')] = None,
