@@ -558,11 +558,13 @@ def _print_tau_tables(res: dict) -> None:
 
     def flush(rows: list[list[str]]) -> None:
         if rows:
-            t = Table(show_header=True)
-            for h in rows[0]:
-                t.add_column(h, overflow="fold")
+            # the acceptance per position is in the .md and the picture: without it the table fits 80 columns
+            keep = [i for i, h in enumerate(rows[0]) if h != "accepted per position"]
+            t = Table(show_header=True, pad_edge=False, padding=(0, 1))
+            for i in keep:
+                t.add_column(rows[0][i], overflow="fold", no_wrap=i < 2)   # the drafter and set names stay whole
             for r in rows[2:]:                         # rows[1] is the markdown's |---| line
-                t.add_row(*r)
+                t.add_row(*[r[i] for i in keep])
             console().print(t)
 
     rows: list[list[str]] = []

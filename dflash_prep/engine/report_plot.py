@@ -44,7 +44,9 @@ def write_plot(res: dict, path: Path) -> Path:
     mode = {None: "template default", True: "on", False: "off"}[res["thinking"]["enable_thinking"]]
     ax1.set_title(f"tau per set: vLLM {res['engine']['version']}, T = {res['sampling']['temperature']:g}, "
                   f"thinking {mode}", fontsize=10)
-    ax1.legend(fontsize=8, loc="upper right")
+    top = max([e["sets"][s]["vllm"]["tau"] or 0.0 for e in exports for s in sets] + [1.0])
+    ax1.set_ylim(0, top * 1.25)                      # room for the legend above the bars
+    ax1.legend(fontsize=8, loc="upper left", ncol=min(len(exports), 2))
     for j, e in enumerate(exports):
         for i, s in enumerate(sets):
             acc = e["sets"][s]["vllm"]["acceptance_per_position"]
@@ -57,7 +59,7 @@ def write_plot(res: dict, path: Path) -> Path:
     ax2.set_title("acceptance per position", fontsize=10)
     ax2.grid(alpha=0.3)
     if ax2.lines:
-        ax2.legend(fontsize=7, loc="upper right")
+        ax2.legend(fontsize=7, loc="lower left", ncol=max(1, len(exports)))
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, metadata={"Software": PNG_SOFTWARE})

@@ -90,7 +90,7 @@ def markdown_table(res: dict) -> str:
                                                                 if s["prompts"] != s["conversations"] else "")
                        for s in res["sets"])
     lines += ["", f"Prompts: {counts}; seed {smp['seed']}.", "",
-              "| drafter | set | tau (vLLM) | tau (ours) | agree | lossless | accepted per position | tokens/s spec / base |",
+              "| drafter | set | tau vLLM | tau ours | agree | lossless | accepted per position | tok/s spec / base |",
               "|---|---|---:|---:|---|---|---|---:|"]
     for e in res["exports"]:
         for s in sets:
@@ -98,11 +98,11 @@ def markdown_table(res: dict) -> str:
             o, loss, t = c["ours"] or {}, c["lossless"], c["throughput"]
             ours = "-" if "skipped" in o else _f(o.get("tau_pooled"), ".3f")
             agree = "-" if "skipped" in o or o.get("rel_diff") is None else \
-                f"{'yes' if o['agree'] else 'NO'} ({o['rel_diff'] * 100:.2f} %)"
+                f"{'yes' if o['agree'] else 'NO'} {o['rel_diff'] * 100:.2f}%"
             lossless = f"{loss['equal']}/{loss['of']}" if loss["checked"] else "not claimed"
             acc = " ".join(f"{a:.2f}" for a in c["vllm"]["acceptance_per_position"]) or "-"
             lines.append(f"| {e['label']} | {s} | {_f(c['vllm']['tau'], '.3f')} | {ours} | {agree} | {lossless} | "
-                         f"{acc} | {t['spec_tokens_per_s']:.1f} / {t['base_tokens_per_s']:.1f} |")
+                         f"{acc} | {t['spec_tokens_per_s']:.0f} / {t['base_tokens_per_s']:.0f} |")
     notes = [w for e in res["exports"] for w in e.get("warnings") or []]
     notes += sorted({c["throughput"]["note"] for e in res["exports"] for c in e["sets"].values()
                      if c["throughput"]["note"]})

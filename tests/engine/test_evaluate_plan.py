@@ -210,7 +210,7 @@ def test_the_table_puts_drafters_in_rows_and_benchmarks_in_columns():
     assert lines[i + 2] == "| ours | DFlash, k = 3 | 2.50 | 1.50 (not lossless) | 2.50 |"
     assert lines[i + 3] == "| public | EAGLE-3, k = 7 | 1.80 | 2.00 (ours differs) | 1.80 |"
     assert "Prompts: gsm8k 2 prompts, mt-bench 2 prompts (1 conversations); seed 0." in md
-    assert "| public | mt-bench | 2.000 | 2.200 | NO (9.00 %) | 2/2 | 1.00 0.00 0.00 | 10.0 / 8.0 |" in lines
+    assert "| public | mt-bench | 2.000 | 2.200 | NO 9.00% | 2/2 | 1.00 0.00 0.00 | 10 / 8 |" in lines
     assert lines[-1] == "- public: trained with thinking on, evaluated off"
 
 
