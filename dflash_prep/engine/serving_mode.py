@@ -80,7 +80,7 @@ def mode_warnings(*, export_dir: Path, requested: str, template_sha: str | None)
     if requested not in ("on", "off", "default"):
         raise ConfigError(f"requested must be on, off or default, got {requested!r}")
     block = training_mode(export_dir)
-    name, out = Path(export_dir).name or str(export_dir), []
+    name, out = str(export_dir), []           # the path: two exports are often both named "drafter"
     trained = _known(block)
     if trained is None:
         if requested == "default":
