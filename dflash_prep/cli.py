@@ -163,7 +163,7 @@ def regenerate_cmd(
     inputs: Annotated[list[str], typer.Argument(help="Chat corpus: JSONL/JSON/Parquet/Arrow files, globs, folders (as for tokenize); prompt-only records welcome.")],
     out: Annotated[Path, typer.Option(help="Output folder: chat.jsonl (what tokenize reads) + regenerate.json + index.")],
     engine: Annotated[str, typer.Option(help="openai (an OpenAI-compatible server: vLLM, SGLang, transformers serve) or hf (in-process transformers).")] = "openai",
-    base_url: Annotated[Optional[str], typer.Option(help="openai: the server, e.g. http://127.0.0.1:8000/v1.")] = None,
+    base_url: Annotated[Optional[list[str]], typer.Option(metavar="URL", help="openai: the server, e.g. http://127.0.0.1:8000/v1; repeat it for several (balanced by requests in flight; one that dies hands its requests to the others).")] = None,
     model: Annotated[Optional[str], typer.Option(help="openai: the model name the server serves (GET /v1/models).")] = None,
     target: Annotated[Optional[Path], typer.Option(help="hf: local model folder.")] = None,
     revision: Annotated[Optional[str], typer.Option(help="Recorded as the target's revision (hf: computed by default).")] = None,
@@ -175,7 +175,7 @@ def regenerate_cmd(
     max_tokens: Annotated[int, typer.Option(help="Most new tokens per turn; a cut turn is marked truncated.")] = 1024,
     seed: Annotated[Optional[int], typer.Option(help="Base seed: each request gets one derived from (seed, record, message).")] = None,
     extra_body: Annotated[Optional[str], typer.Option(help="JSON object merged into every request, e.g. '{\"top_k\": 20}' for vLLM/SGLang.")] = None,
-    concurrency: Annotated[int, typer.Option(help="openai: requests in flight.")] = 8,
+    concurrency: Annotated[int, typer.Option(help="openai: requests in flight, across all servers.")] = 8,
     batch_size: Annotated[int, typer.Option(help="hf: prompts per generate call.")] = 8,
     device: Annotated[str, typer.Option(help="hf: torch device (auto = cuda if available).")] = "auto",
     timeout: Annotated[float, typer.Option(help="openai: seconds to wait for one answer.")] = 600.0,
@@ -185,7 +185,8 @@ def regenerate_cmd(
     on_error: Annotated[str, typer.Option(help="fail at the first failed record, or skip and count it.")] = "fail",
     overwrite: Annotated[bool, typer.Option(help="Start over in an output written with other settings.")] = False,
 ):
-    """Have the target model write the assistant turns of a corpus (resumable; reruns do nothing)."""
+    """Have the target model write the assistant turns of a corpus (resumable; reruns do nothing).
+    Several --base-url: requests balanced over them; one that dies hands its requests to the others."""
     import json
 
     from dflash_prep.regenerate.engines import Sampling
@@ -196,8 +197,8 @@ def regenerate_cmd(
         sampling = Sampling(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, extra_body=extra)
     except ValueError as e:  # JSONDecodeError is a ValueError
         raise typer.BadParameter(str(e)) from None
-    cfg = RegenerateConfig(inputs=tuple(inputs), out=out, engine=engine, base_url=base_url, model=model, target=target,
-                           revision=revision, turns=turns, keep_assistant=keep_assistant, reasoning=reasoning,
+    cfg = RegenerateConfig(inputs=tuple(inputs), out=out, engine=engine, base_url=tuple(base_url or ()), model=model,
+                           target=target, revision=revision, turns=turns, keep_assistant=keep_assistant, reasoning=reasoning,
                            sampling=sampling, concurrency=concurrency, batch_size=batch_size, device=device,
                            timeout=timeout, retries=retries, format=format, text_field=text_field, on_error=on_error,
                            overwrite=overwrite)

@@ -22,7 +22,8 @@ Both return a :class:`Reply` per request. What can go wrong is split in two:
 - :class:`EngineError`: the engine itself cannot work (unreachable server, a model name the
   server does not serve, a target folder that does not load); the run stops whatever
   ``--on-error`` says, since every further record would fail the same way. A resumed run
-  continues where it stopped.
+  continues where it stopped. An unreachable server is its subclass :class:`ServerDown`:
+  with several servers (:mod:`.servers`) the others take its requests instead.
 """
 
 from __future__ import annotations
@@ -56,6 +57,15 @@ BODY_EXCERPT = 300  # characters of a server's error body quoted in a message
 class EngineError(errors.EngineError):
     """The engine cannot serve any record: fix the server, the model name or the target (the
     project's one :class:`~dflash_prep.errors.EngineError`, so a caller catches both kinds alike)."""
+
+
+class ServerDown(EngineError):
+    """The server stopped answering: connection errors (refused, reset) through every retry."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
+        """The failure alone (e.g. ``ConnectionRefusedError: ...; 6 tries``), for a warning."""
 
 
 class RequestFailed(DflashError):
@@ -125,6 +135,8 @@ class Reply:
     completion_tokens: int | None
     token_ids: tuple[int, ...] | None = None
     """The generated ids, eos included (in-process engine only; not written to the output)."""
+    server: dict | None = None
+    """Which server answered (:attr:`OpenAIEngine.server`), set by :class:`.servers.ServerPool`."""
 
 
 def _excerpt(data: bytes | str) -> str:
@@ -243,9 +255,9 @@ class OpenAIEngine:
             self._drop_conn()
         return r.status, {k.lower(): v for k, v in r.getheaders()}, data
 
-    def _fatal(self, message: str) -> EngineError:
+    def _fatal(self, message: str, kind: type[EngineError] = EngineError, **kw) -> EngineError:
         """Record the first fatal error and stop every worker; returns the error to raise."""
-        err = EngineError(message)
+        err = kind(message, **kw)
         if self.fatal is None:
             self.fatal = err
         self.stop.set()
@@ -263,7 +275,8 @@ class OpenAIEngine:
         last = ""
         for attempt in range(self.retries + 1):
             if self.stop.is_set():
-                raise EngineError(str(self.fatal) if self.fatal else f"{what}: stopped")
+                raise (type(self.fatal) if self.fatal else EngineError)(str(self.fatal) if self.fatal
+                                                                        else f"{what}: stopped")
             retry_after = None
             try:
                 status, headers, data = self._send(method, path, body)
@@ -294,7 +307,8 @@ class OpenAIEngine:
             if attempt < self.retries:
                 self._backoff(attempt, retry_after)
         raise self._fatal(f"{what}: cannot reach the server at {url} ({last}; {self.retries + 1} tries). Start "
-                          "the server, or fix --base-url (e.g. http://127.0.0.1:8000/v1)")
+                          "the server, or fix --base-url (e.g. http://127.0.0.1:8000/v1)", ServerDown,
+                          reason=f"{last}; {self.retries + 1} tries")
 
     # -- API --------------------------------------------------------------------------
     def check(self) -> None:
@@ -313,6 +327,22 @@ class OpenAIEngine:
         self._model_confirmed = self.model in listed
         owner = next((m.get("owned_by") for m in models if m.get("id") == self.model), None)
         self.server = {"software": owner if owner in SERVER_SOFTWARE else None, "version": self._server_version()}
+
+    def responds(self, timeout: float) -> bool:
+        """Whether ``GET /v1/models`` answers 200 within ``timeout`` seconds, on a connection of its
+        own, one try: tells a dead server from one that is only slow on one request."""
+        cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+        c = cls(self.host, self.port, timeout=timeout)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            c.request("GET", self.prefix + "/models", headers=headers)
+            r = c.getresponse()
+            r.read()
+            return r.status == 200
+        except (OSError, http.client.HTTPException):
+            return False
+        finally:
+            c.close()
 
     def _server_version(self) -> str | None:
         """``GET /version`` at the server's root (vLLM and SGLang answer ``{"version": ...}``); None

@@ -34,6 +34,11 @@ Semantics:
   empty answer stop the run under ``--on-error fail`` (the record is not written, so a
   resume retries it) or are counted under ``skip`` (kept in ``failures.log``; a resume does
   not retry them). An unreachable server or an unknown model always stops the run.
+- Several servers (``--base-url`` repeated, :mod:`.servers`): requests go to the least busy
+  live server; one that dies midway hands its requests to the others, and the run stops only
+  when none is left. Records do not say which URL answered (a resume may use other servers),
+  only the server's software and version; ``regenerate.json``'s ``stats.last_run.servers``
+  lists each server, the requests it answered and why it died.
 """
 
 from __future__ import annotations
@@ -53,7 +58,8 @@ from rich.progress import TextColumn
 
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.fileio import fingerprint_json
-from dflash_prep.regenerate.engines import HFEngine, OpenAIEngine, RequestFailed, Sampling, target_revision
+from dflash_prep.regenerate.engines import HFEngine, RequestFailed, Sampling, target_revision
+from dflash_prep.regenerate.servers import ServerPool
 from dflash_prep.regenerate.store import Entry, Store
 from dflash_prep.regenerate.turns import Conversation, failure_entry, to_conversation
 from dflash_prep.tokenize import records as rec
@@ -75,8 +81,9 @@ class RegenerateConfig:
     """Output folder (chat.jsonl + regenerate.json + index)."""
     engine: str = "openai"
     """openai (an OpenAI-compatible server) or hf (in-process transformers)."""
-    base_url: str | None = None
-    """openai: the server, e.g. http://127.0.0.1:8000/v1."""
+    base_url: str | tuple[str, ...] | None = None
+    """openai: the server, e.g. http://127.0.0.1:8000/v1, or several (balanced, with failover:
+    :mod:`.servers`); not part of the run's fingerprint, so a resume may name other servers."""
     model: str | None = None
     """openai: the model name the server serves."""
     target: Path | None = None
@@ -91,7 +98,7 @@ class RegenerateConfig:
     """keep, strip or disable."""
     sampling: Sampling = field(default_factory=Sampling)
     concurrency: int = 8
-    """openai: requests in flight."""
+    """openai: requests in flight, across all servers."""
     batch_size: int = 8
     """hf: prompts per generate call."""
     device: str = "auto"
@@ -117,8 +124,10 @@ class RegenerateConfig:
         one_of("reasoning", self.reasoning, REASONING)
         one_of("on-error", self.on_error, ("fail", "skip"))
         one_of("format", self.format, rec.FORMATS)
-        if self.engine == "openai" and not (self.base_url and self.model):
+        if self.engine == "openai" and not (self.base_urls and self.model):
             raise ConfigError("--engine openai needs --base-url (e.g. http://127.0.0.1:8000/v1) and --model")
+        if len(set(self.base_urls)) < len(self.base_urls):
+            raise ConfigError(f"--base-url names a server twice: {', '.join(self.base_urls)}")
         if self.engine == "hf" and self.target is None:
             raise ConfigError("--engine hf needs --target DIR (a local transformers model folder)")
         if self.keep_assistant and self.turns == "last":
@@ -128,6 +137,13 @@ class RegenerateConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.timeout <= 0 or self.retries < 0:
             raise ConfigError(f"--timeout must be > 0 and --retries >= 0, got {self.timeout}, {self.retries}")
+
+    @property
+    def base_urls(self) -> tuple[str, ...]:
+        """``base_url`` as a tuple: () without one, one URL or several."""
+        if self.base_url is None:
+            return ()
+        return (self.base_url,) if isinstance(self.base_url, str) else tuple(self.base_url)
 
 
 # ----------------------------------------------------------------------------- progress
@@ -242,8 +258,8 @@ def _run(cfg, store: Store, sources, total: int, bad_lines: int, target: dict, p
     if store.done >= total:  # every record was written before a crash at the very end
         engine, drive = None, None
     elif cfg.engine == "openai":
-        engine = OpenAIEngine(base_url=cfg.base_url, model=cfg.model, sampling=cfg.sampling,
-                              timeout=cfg.timeout, retries=cfg.retries)
+        engine = ServerPool(base_urls=cfg.base_urls, model=cfg.model, sampling=cfg.sampling,
+                            timeout=cfg.timeout, retries=cfg.retries)
         engine.check()
         target["server"] = engine.server
         drive = _drive_openai
@@ -261,26 +277,31 @@ def _run(cfg, store: Store, sources, total: int, bad_lines: int, target: dict, p
     this = {"records": store.done - start, "requests": bar.requests, "completion_tokens": bar.tokens,
             "elapsed_s": round(elapsed, 3), "requests_per_s": round(bar.requests / max(elapsed, 1e-9), 3),
             "tokens_per_s": round(bar.tokens / max(elapsed, 1e-9), 1)}
+    if isinstance(engine, ServerPool):
+        this["servers"] = engine.report()
     failures = store.failures()
     stats = store.finish({"malformed_lines_skipped": bad_lines, "last_run": this})
     return {"up_to_date": False, "out": str(cfg.out), "stats": stats, "failures": failures, **this}
 
 
-def _drive_openai(cfg, engine: OpenAIEngine, store: Store, sources, target: dict, bar: Progress) -> None:
+def _drive_openai(cfg, engine: ServerPool, store: Store, sources, target: dict, bar: Progress) -> None:
     """N worker threads answer whole conversations; the main thread writes them in input
-    order, at most ``window`` records ahead of the oldest unwritten one (bounded memory)."""
+    order, at most ``window`` records ahead of the oldest unwritten one (bounded memory).
+    A record names the server (software, version) that answered its last turn."""
 
     def work(conv: Conversation) -> Entry:
+        served = None
         try:
             while conv.pending:
                 reply = engine.chat(conv.request(), conv.what())
                 bar.reply(reply.completion_tokens)
                 conv.accept(reply)
+                served = reply.server
         except RequestFailed as e:
             if cfg.on_error == "fail":
                 raise
             return failure_entry(conv.index, conv.source, e.kind, str(e))
-        return conv.entry(target)
+        return conv.entry(target if served is None else {**target, "server": served})
 
     window = max(64, 4 * cfg.concurrency)
     jobs = _jobs(sources, store.done)
@@ -382,6 +403,9 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
             ("tokens", f"{st.get('prompt_tokens', 0):,} prompt, {st.get('completion_tokens', 0):,} completion")]
     if st.get("failed"):
         rows.append(("failed", ", ".join(f"{k} {v:,}" for k, v in st["failed"].items())))
+    if len(s.get("servers", ())) > 1:
+        rows.append(("servers", "; ".join(f"{v['url']} {v['requests']:,} requests" + (" (died)" if v["died"] else "")
+                                          for v in s["servers"])))
     if not s["up_to_date"]:
         rows.append(("this run", f"{s['records']:,} records, {s['requests']:,} requests in {s['elapsed_s']:.1f} s: "
                                  f"{s['requests_per_s']:.2f} req/s, {s['tokens_per_s']:,.0f} tok/s"))

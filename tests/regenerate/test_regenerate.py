@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,35 @@ def test_kill_midway_resume_equals_one_run(server, corpus, one_run, tmp_path, ta
 
     meta = tokenize(TokenizeConfig(inputs=(str(out),), out=tmp_path / "tok", tokenizer=str(target), max_len=4096))
     assert meta["counts"]["samples"] == total, meta["counts"]
+
+
+def test_two_servers_one_killed_midway_equals_one_run(server, corpus, one_run, tmp_path, capfd):
+    """A second real ``transformers serve`` beside the session's, named first (so ties give it
+    work); its process group SIGKILLed once a few records are written: its requests go to the
+    other server, each record is written once, and the output is the one-server run's, byte for
+    byte (stand-ins for the balancing order and hung servers: test_servers.py)."""
+    from dflash_prep.bench.regenerate_speed import local_server
+
+    out, total = tmp_path / "o", N_MESSAGES + N_SHAREGPT
+    with local_server(server["target"], "--log-level", "warning", log=tmp_path / "serve2.log",
+                      timeout_s=180) as (url2, _, proc), ThreadPoolExecutor(1) as ex:
+        job = ex.submit(run, _cfg(server, corpus, out, base_url=(url2, server["url"])))
+        deadline = time.monotonic() + 120
+        while entries_on_disk(out) < 4 and not job.done() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.killpg(proc.pid, signal.SIGKILL)
+        at_kill = entries_on_disk(out)
+        s = job.result(timeout=300)
+    assert 4 <= at_kill < total, f"killed after {at_kill} of {total} records: not midway"
+    assert s["stats"]["records_written"] == total and not s["stats"]["failed"]
+    recs = [json.loads(ln) for ln in (out / "chat.jsonl").read_text().splitlines()]
+    assert [r["regenerate"]["record"] for r in recs] == list(range(total))     # each record once, in order
+    assert (out / "chat.jsonl").read_bytes() == (one_run / "chat.jsonl").read_bytes()
+    killed, alive = json.loads((out / "regenerate.json").read_text())["stats"]["last_run"]["servers"]
+    assert (killed["url"], alive["url"]) == (url2, server["url"])
+    assert killed["died"] and alive["died"] is None and killed["requests"] > 0 and alive["requests"] > 0
+    assert killed["requests"] + alive["requests"] == s["requests"]
+    assert capfd.readouterr().err.count(f"warning: server {url2} is down") == 1
 
 
 def test_crash_after_the_last_record_finishes_without_the_server(server, corpus, one_run, tmp_path):
