@@ -370,12 +370,14 @@ def extract_cmd(
     engine_arg: Annotated[Optional[list[str]], typer.Option(help="any other vllm.LLM argument, KEY=VALUE (JSON values), repeated: e.g. gpu_memory_utilization=0.9, dtype=float32", rich_help_panel=_ENGINE)] = None,
     timeout: Annotated[float, typer.Option(help="seconds to wait for the engine to start, and for any one batch; past it, the worker's stacks go to CACHE/extract.log", rich_help_panel=_ENGINE)] = 900.0,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace a states cache built with other settings", rich_help_panel=_IO)] = False,
+    node_rank: Annotated[int, typer.Option(help="this machine's rank among --num-nodes building one cache into the same --out on shared storage", rich_help_panel=_ENGINE)] = 0,
+    num_nodes: Annotated[int, typer.Option(help="machines building the cache together, each its share of the same shards (run the same command on each, with its --node-rank); the cache is the same for any number", rich_help_panel=_ENGINE)] = 1,
 ):
     """Run the target once in vLLM over every sample and store the hidden states a drafter trains on.
 
     The trainer then reads them instead of running the target, every epoch: `python -m dflash_prep.train --objective dflash --target T --target-engine vllm --states CACHE ...`. Pass the same --objective, --draft-layers or --target-layer-ids and --loss as that run; a cache that lacks what a run reads is refused with the command that builds it. Without a cache, `--target-engine vllm` alone runs the target in vLLM beside the trainer, online (no disk, the target every epoch).
 
-    Size per token: the taps (and the final state) x hidden x 2 bytes in bf16, about half in fp8; analyze and pack print it for your target. vLLM comes from its own venv (make venv-vllm, or $DFLASH_PREP_VLLM_PYTHON); --tensor-parallel-size, --pipeline-parallel-size and --enable-expert-parallel are vLLM's own. A stopped build resumes where it stopped when rerun; `dflash-prep verify CACHE` re-hashes it. docs/states.md.
+    Size per token: the taps (and the final state) x hidden x 2 bytes in bf16, about half in fp8; analyze and pack print it for your target. vLLM comes from its own venv (make venv-vllm, or $DFLASH_PREP_VLLM_PYTHON); --tensor-parallel-size, --pipeline-parallel-size and --enable-expert-parallel are vLLM's own. A stopped build resumes where it stopped when rerun; `dflash-prep verify CACHE` re-hashes it. Across machines: the same command on each with --node-rank i --num-nodes N, into one folder on shared storage; each node builds its share, and the last to finish completes the cache (docs/states.md#across-machines).
     """
     from dflash_prep.engine.extract import ExtractConfig, extract, parse_engine_args
 
@@ -383,10 +385,18 @@ def extract_cmd(
                         target_layer_ids=tuple(target_layer_ids or ()), loss=loss, dtype=dtype, shard_mb=shard_mb,
                         batch_tokens=batch_tokens, tensor_parallel_size=tensor_parallel_size,
                         pipeline_parallel_size=pipeline_parallel_size, enable_expert_parallel=enable_expert_parallel,
-                        engine_args=parse_engine_args(engine_arg), timeout_s=timeout, overwrite=overwrite)
+                        engine_args=parse_engine_args(engine_arg), timeout_s=timeout, overwrite=overwrite,
+                        node_rank=node_rank, num_nodes=num_nodes)
     s = extract(cfg, progress=True)
+    if not s["complete"]:
+        from dflash_prep.engine.nodes import progress_line
+
+        typer.echo(progress_line(s, out))
+        return
     what = f"taps {s['taps']}" + (" + final" if s["final"] else "")
     head = f"{out} is complete; nothing to do (same data, target and settings)" if s["up_to_date"] else f"wrote {out}"
+    if s["num_nodes"] > 1 and not s["up_to_date"]:
+        head += f" (node {s['node_rank']} of {s['num_nodes']}: {s['shards_written']} shard(s) now, the cache complete)"
     typer.echo(f"{head}: {s['samples']:,} samples, {s['tokens']:,} tokens, {what}, {s['dtype']} "
                f"({s['bytes_per_token']:,} B/token), {s['bytes'] / 2**20:,.1f} MiB in {s['shards']} shard(s); "
                f"{s['engine']}")

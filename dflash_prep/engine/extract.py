@@ -20,6 +20,12 @@ renamed into place whole, and a rerun with the same options writes only the shar
 missing; a complete cache with the same key is reported up to date. The folder is locked for
 the whole build (:func:`dflash_prep.formats.outputs.lock`): a second build of it fails at once.
 A build with other options over an existing cache is refused unless ``--overwrite``.
+
+Across machines (``--node-rank i --num-nodes N``, :mod:`.nodes`): node i builds its share of the
+same plan into the same folder (:func:`.nodes.node_share`); the shards, and so the cache, are the
+same for every N. The nodes agree on one ``states.json`` (created by the first, compared by the
+others), each holds a lock and cleans debris of its own share only, and the node that finds every
+shard in place writes the complete header.
 """
 
 from __future__ import annotations
@@ -35,14 +41,14 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_prep.engine import backends
+from dflash_prep.engine import backends, nodes
 from dflash_prep.engine.env import engine_python, engine_version
 from dflash_prep.engine.worker_pipe import Worker, engine_shim
 from dflash_prep.errors import ConfigError, FingerprintMismatch, FormatError
 from dflash_prep.formats import states as fmt
 from dflash_prep.formats.dataset import LENGTHS_FILE, open_dataset, read_meta
-from dflash_prep.formats.fileio import atomic_write_json, follow_link, load_npy
-from dflash_prep.formats.outputs import check_out, lock
+from dflash_prep.formats.fileio import atomic_create_json, atomic_write_json, follow_link, load_npy
+from dflash_prep.formats.outputs import check_out
 from dflash_prep.formats.target import load_tokenizer, read_target_config, target_identity
 from dflash_prep.objectives.dflash import RECIPE_DRAFT_LAYERS
 from dflash_prep.objectives.target_taps import DRAFTER_OBJECTIVES, extract_command, states_need, vllm_layer_id
@@ -107,9 +113,18 @@ class ExtractConfig:
     """The engine's python (None: :func:`dflash_prep.engine.env.engine_python`)."""
     engine: str = backends.DEFAULT
     """The serving engine that computes the states (:mod:`dflash_prep.engine.backends`)."""
+    node_rank: int = 0
+    """This machine's rank among ``num_nodes`` building one cache together (:mod:`.nodes`)."""
+    num_nodes: int = 1
+    """Machines building the cache into one shared folder, each its share of the same shard plan
+    (1: this process builds every shard)."""
 
     def __post_init__(self):
         backends.get(self.engine)
+        nodes.check_node(self.node_rank, self.num_nodes)
+        if self.overwrite and self.num_nodes > 1:
+            raise ConfigError("--overwrite with --num-nodes > 1: one node cannot replace a cache the other nodes are "
+                              "filling; delete the old cache first (or choose another --out), then start every node")
         if self.objective not in DRAFTER_OBJECTIVES:
             raise ConfigError(f"--objective must be one of {', '.join(DRAFTER_OBJECTIVES)}, got {self.objective!r}")
         if self.dtype not in fmt.DTYPES:
@@ -124,7 +139,8 @@ class ExtractConfig:
             raise ConfigError("--tensor-parallel-size and --pipeline-parallel-size must be >= 1")
 
     def command(self) -> str:
-        """The command line of this build, its engine flags included."""
+        """The command line of this build, its engine flags included; the same for every node of a
+        build across machines (each adds its ``--node-rank`` and ``--num-nodes``)."""
         base = extract_command(data=self.data, target=self.target, out=self.out, objective=self.objective,
                                draft_layers=self.draft_layers, target_layer_ids=self.target_layer_ids,
                                loss=self.loss, dtype=self.dtype)
@@ -200,23 +216,56 @@ def cache_header(cfg: ExtractConfig, p: dict, out: Path, engine: dict) -> dict:
             "plan": [list(x) for x in p["plan"]], "command": cfg.command()}
 
 
+def _same_build(h: dict, p: dict, args: dict) -> bool:
+    """Whether header ``h`` is of this build: the same key, shard plan and engine arguments (a
+    compute dtype or a parallelism changes the numbers, if not the key)."""
+    return (h.get("fingerprint") == p["fingerprint"] and [tuple(x) for x in h.get("plan", [])] == p["plan"]
+            and h.get("engine", {}).get("args") == args)
+
+
+def _other_settings(out: Path, h: dict, cfg: ExtractConfig) -> FingerprintMismatch:
+    if cfg.num_nodes > 1:
+        return FingerprintMismatch(
+            f"{out} holds a states cache of other settings ({h.get('command', '?')}), started by another node or an "
+            f"earlier build: every node of a build runs the same command but for --node-rank; start node "
+            f"{cfg.node_rank} with those options, or choose another --out")
+    return FingerprintMismatch(f"{out} holds a states cache of other settings ({h.get('command', '?')}); pass "
+                               "--overwrite to replace it, or choose another --out")
+
+
 def _existing(out: Path, p: dict, cfg: ExtractConfig, args: dict) -> dict | None:
-    """The header of a cache already in ``out`` when it is this build's: the same key, shard plan and
-    engine arguments (a compute dtype or a parallelism changes the numbers, if not the key); else
-    refuse, or None under --overwrite. Whether the engine is the same is :func:`_same_engine`'s."""
-    if not out.exists() or not any(out.iterdir()):
+    """The header of a cache already in ``out`` when it is this build's (:func:`_same_build`); else
+    refuse, or None under --overwrite. Whether the engine is the same is :func:`_same_engine`'s. A
+    folder of temps only (another node's, before its header is in place) counts as empty."""
+    if not out.exists() or nodes.only_temps(out):
         return None
     if not fmt.is_states(out):
         raise ConfigError(f"{out} exists and is not a states cache; choose another --out (nothing was touched)")
     h = fmt.read_header(out)
-    same = (h.get("fingerprint") == p["fingerprint"] and [tuple(x) for x in h.get("plan", [])] == p["plan"]
-            and h.get("engine", {}).get("args") == args)
-    if same:
+    if _same_build(h, p, args):
         return h
     if not cfg.overwrite:
-        raise FingerprintMismatch(f"{out} holds a states cache of other settings ({h.get('command', '?')}); pass "
-                                  "--overwrite to replace it, or choose another --out")
+        raise _other_settings(out, h, cfg)
     return None
+
+
+def _shared_header(out: Path, h: dict | None, mine: dict, p: dict, cfg: ExtractConfig, args: dict,
+                   version: str) -> dict:
+    """The ``states.json`` every node of a build across machines agrees on: created from ``mine``
+    only when absent (the first node's stays), else the one in place, which must be of this build
+    (one line otherwise); a complete one whose shards are no longer all there is made incomplete
+    again (each node writes the same bytes)."""
+    if h is None:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_create_json(out / fmt.HEADER_FILE, mine, format=fmt.FORMAT, version=fmt.VERSION)
+        h = fmt.read_header(out)
+        if not _same_build(h, p, args):
+            raise _other_settings(out, h, cfg)
+        _same_engine(out, h, cfg, version)
+    if h.get("complete"):
+        h = {**{k: v for k, v in h.items() if k not in ("shards", "totals", "build")}, "complete": False}
+        atomic_write_json(out / fmt.HEADER_FILE, h, format=fmt.FORMAT, version=fmt.VERSION)
+    return h
 
 
 def _same_engine(out: Path, h: dict, cfg: ExtractConfig, version: str) -> None:
@@ -242,31 +291,44 @@ def _clear(out: Path) -> None:
             f.unlink()
 
 
-def _done_shards(out: Path, p: dict) -> dict[int, dict]:
-    """Shards already in place and belonging to this build (a foreign or broken one is deleted)."""
+def _shard_entry(out: Path, p: dict, k: int) -> dict | None:
+    """Shard k's table entry when its file is in place and of this build, else None (no file, or a
+    foreign or broken one)."""
+    a, b = p["plan"][k]
+    f = out / fmt.shard_name(k)
+    if not f.exists():
+        return None
+    try:
+        head, digest = fmt.read_shard_header(f)
+    except FormatError:
+        return None
+    if head["cache_fingerprint"] != p["fingerprint"] or head["index"] != k or head["samples"] != [a, b]:
+        return None
+    return {"file": f.name, "samples": [a, b], "tokens": int(head["tokens"]), "bytes": f.stat().st_size,
+            "sha256": digest}
+
+
+def _done_shards(out: Path, p: dict, share: list[int], *, own_folder: bool) -> dict[int, dict]:
+    """The shards of ``share`` already in place and belonging to this build (a foreign or broken one
+    is deleted); with ``own_folder`` (one node) also the shards past the plan (a shorter dataset)."""
     done = {}
-    for k, (a, b) in enumerate(p["plan"]):
-        f = out / fmt.shard_name(k)
-        if not f.exists():
-            continue
-        try:
-            head, digest = fmt.read_shard_header(f)
-            ok = head["cache_fingerprint"] == p["fingerprint"] and head["index"] == k and head["samples"] == [a, b]
-        except FormatError:
-            ok = False
-        if not ok:
-            f.unlink()
-            continue
-        done[k] = {"file": f.name, "samples": [a, b], "tokens": int(head["tokens"]), "bytes": f.stat().st_size,
-                   "sha256": digest}
-    for f in out.glob("shard-*.states"):            # shards past the plan (a shorter dataset): not ours now
-        if f.name not in {fmt.shard_name(k) for k in range(len(p["plan"]))}:
-            f.unlink()
+    for k in share:
+        e = _shard_entry(out, p, k)
+        if e is not None:
+            done[k] = e
+        elif (out / fmt.shard_name(k)).exists():
+            (out / fmt.shard_name(k)).unlink()
+    if own_folder:
+        for f in out.glob("shard-*.states"):        # shards past the plan (a shorter dataset): not ours now
+            if f.name not in {fmt.shard_name(k) for k in range(len(p["plan"]))}:
+                f.unlink()
     return done
 
 
 def extract(cfg: ExtractConfig, *, progress: bool = True, on_event=None) -> dict:
-    """Build (or finish) the cache ``cfg.out``; returns its summary (``up_to_date`` when it was complete)."""
+    """Build (or finish) the cache ``cfg.out``, or node ``cfg.node_rank``'s share of it; returns its
+    summary (``up_to_date`` when it was complete) and the node's report (:func:`.nodes.node_report`:
+    whether the cache is complete now, the shards present, the missing ones by node rank)."""
     out = follow_link(check_out(cfg.out, inputs=[cfg.data, cfg.target]))
     p = plan_cache(cfg)
     lens = np.asarray(p["lens"], np.int64)
@@ -277,28 +339,43 @@ def extract(cfg: ExtractConfig, *, progress: bool = True, on_event=None) -> dict
     py = Path(cfg.python) if cfg.python else engine_python(cfg.engine)
     version = engine_version(cfg.engine, py)
     args = engine_args(cfg, version)
-    with lock(out, inside=True):
+    tokens = nodes.shard_tokens(p["plan"], lens)
+    share = nodes.node_share(tokens, cfg.node_rank, cfg.num_nodes)
+    one = cfg.num_nodes == 1
+    with nodes.node_lock(out, tokens, cfg.node_rank, cfg.num_nodes):
         h = _existing(out, p, cfg, args)
         if h is not None and h.get("complete"):
             try:
                 fmt.open_states(out)                  # every shard still in place and matching: done
-                return {**_summary(h), "up_to_date": True}
+                return {**_summary(h), "up_to_date": True,
+                        **nodes.node_report(cfg.node_rank, cfg.num_nodes, tokens, range(len(tokens)), 0)}
             except FormatError:
                 pass                                  # a shard deleted (verify's advice) or broken: rebuild it
         if h is not None:                             # shards will be added: by the engine that wrote the rest
             _same_engine(out, h, cfg, version)
-        if h is None and out.exists():
-            _clear(out)
-        out.mkdir(parents=True, exist_ok=True)
-        header = cache_header(cfg, p, out, {"name": cfg.engine, "version": version, "python": str(py), "args": args})
-        atomic_write_json(out / fmt.HEADER_FILE, header, format=fmt.FORMAT, version=fmt.VERSION)
-        done = _done_shards(out, p)
-        todo = [k for k in range(len(p["plan"])) if k not in done]
+        mine = cache_header(cfg, p, out, {"name": cfg.engine, "version": version, "python": str(py), "args": args})
+        if one:
+            if h is None and out.exists():
+                _clear(out)
+            out.mkdir(parents=True, exist_ok=True)
+            header = mine
+            atomic_write_json(out / fmt.HEADER_FILE, header, format=fmt.FORMAT, version=fmt.VERSION)
+        else:
+            header = _shared_header(out, h, mine, p, cfg, args, version)
+        done = _done_shards(out, p, share, own_folder=one)
+        todo = [k for k in share if k not in done]
         if todo:
-            tokens = int(sum(lens[a:b].sum() for a, b in (p["plan"][k] for k in todo)))
-            done.update(_run_worker(cfg, p, out, py, args, todo, tokens, progress, on_event))
-        finish_header(out, header, done, lens, {"seconds": round(time.monotonic() - t0, 1), "shards_written": len(todo)})
-    return {**_summary(header), "up_to_date": False, "shards_written": len(todo)}
+            n = int(sum(tokens[k] for k in todo))
+            done.update(_run_worker(cfg, p, out, py, args, todo, n, progress, on_event))
+        if not one:                                   # the other nodes' shards in place by now (read only)
+            done = {**{k: e for k in range(len(p["plan"])) if (e := _shard_entry(out, p, k))}, **done}
+        complete = len(done) == len(p["plan"])
+        if complete:                                  # one node: its own seconds; nodes: the same bytes from each
+            build = ({"seconds": round(time.monotonic() - t0, 1), "shards_written": len(todo)} if one
+                     else {"num_nodes": cfg.num_nodes})
+            finish_header(out, header, done, lens, build)
+    return {**_summary(header, done), "up_to_date": False,
+            **nodes.node_report(cfg.node_rank, cfg.num_nodes, tokens, done, len(todo))}
 
 
 def finish_header(out: Path, header: dict, entries: dict[int, dict], lens, build: dict) -> dict:
@@ -311,9 +388,14 @@ def finish_header(out: Path, header: dict, entries: dict[int, dict], lens, build
     return header
 
 
-def _summary(h: dict) -> dict:
-    return {"command": h.get("command"), "samples": h["totals"]["samples"], "tokens": h["totals"]["tokens"],
-            "bytes": h["totals"]["bytes"], "shards": len(h["shards"]), "dtype": h["key"]["dtype"],
+def _summary(h: dict, done: dict[int, dict] | None = None) -> dict:
+    """The cache's summary; while it is incomplete, the dataset's totals and the bytes of ``done``."""
+    if h.get("complete"):
+        size = {"samples": h["totals"]["samples"], "tokens": h["totals"]["tokens"], "bytes": h["totals"]["bytes"]}
+    else:
+        size = {"samples": h["dataset"]["samples"], "tokens": h["dataset"]["tokens"],
+                "bytes": int(sum(e["bytes"] for e in (done or {}).values()))}
+    return {"command": h.get("command"), **size, "shards": len(h["plan"]), "dtype": h["key"]["dtype"],
             "taps": h["key"]["taps"], "final": h["key"]["final"], "bytes_per_token": h["bytes_per_token"],
             "engine": h["engine"]["version"], "seconds": h.get("build", {}).get("seconds")}
 
@@ -367,7 +449,8 @@ def _run_worker(cfg: ExtractConfig, p: dict, out: Path, py: Path, args: dict, to
                 progress: bool, on_event) -> dict[int, dict]:
     ds = open_dataset(cfg.data)
     lens = np.asarray(p["lens"], np.int64)
-    tmp = Path(tempfile.mkdtemp(prefix=f".spool.{os.getpid()}.", suffix=".tmp", dir=out))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{nodes.spool_prefix(cfg.node_rank, cfg.num_nodes)}{os.getpid()}.",
+                                suffix=".tmp", dir=out))
     job = worker_job(cfg, p, args, tmp / "spool", cache=out)
     (tmp / "job.json").write_text(json.dumps(job))
     inputs: dict[int, str] = {}
@@ -380,7 +463,8 @@ def _run_worker(cfg: ExtractConfig, p: dict, out: Path, py: Path, args: dict, to
         inputs[k] = write_input(out, f"{k:05d}", cat, lens[a:b])
 
     done: dict[int, dict] = {}
-    worker = Worker(py, tmp / "job.json", out / fmt.LOG_FILE, engine_shim(tmp), cfg.timeout_s, engine=cfg.engine)
+    log = out / nodes.log_name(cfg.node_rank, cfg.num_nodes)
+    worker = Worker(py, tmp / "job.json", log, engine_shim(tmp), cfg.timeout_s, engine=cfg.engine)
     ok = False
     try:
         prepare(todo[0])

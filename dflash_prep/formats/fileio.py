@@ -160,6 +160,38 @@ def atomic_write_json(path: str | os.PathLike, obj: dict, *, format: str, versio
     atomic_write_bytes(path, (strict_dumps(body, indent=2) + "\n").encode())
 
 
+def atomic_create_json(path: str | os.PathLike, obj: dict, *, format: str, version: int) -> bool:
+    """Write ``obj`` as :func:`atomic_write_json` does, but only when ``path`` does not exist yet;
+    True when this call created it. For a file several processes (on several machines, on shared
+    storage) may write at once, which must never replace another's: the complete temp is hard-linked
+    to the final name, which fails when the name exists (atomic on local disks and NFS). Where the
+    file system has no hard links, it is renamed into place when absent (a writer racing there may
+    replace an equal file: callers read it back and compare)."""
+    path = Path(path)
+    body = {"format": format, "version": version, **{k: v for k, v in obj.items() if k not in ("format", "version")}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write((strict_dumps(body, indent=2) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+        _publish_mode(Path(tmp), is_dir=False)
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:                          # no hard links here (some FUSE / object-store mounts)
+            if path.exists():
+                return False
+            os.replace(tmp, path)
+            return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
 def atomic_save_npy(path: str | os.PathLike, arr: np.ndarray) -> None:
     with atomic_file(path) as f:
         np.save(f, np.ascontiguousarray(arr), allow_pickle=False)

@@ -7,7 +7,8 @@ Layout of a cache folder::
     states.json           header: format, version, complete, fingerprint + key, slots, dataset,
                           target, engine, the shard plan, the shard table (when complete), command
     shard-NNNNN.states    the states of samples [start, end) of the plan, one file per shard
-    extract.log           the engine's own output of the last run (not read back)
+    extract.log           the engine's own output of the last run (not read back; a build across
+                          machines writes one per node, extract.node-I-of-N.log)
 
 **What is stored.** Per token, ``S`` slots of the target's hidden size ``H``: the distinct taps
 the run needs, sorted (our ids: tap ``l`` is the output of decoder layer ``l``,
@@ -88,6 +89,18 @@ STORAGE = {"bf16": np.dtype("<u2"), "fp8": np.dtype("u1"), "fp32": np.dtype("<f4
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.states"
+
+
+def index_ranges(ks, most: int = 8) -> str:
+    """Shard indices for a one-line message: ``"0-3, 7, 9-10"`` (the first ``most`` runs, then ``...``)."""
+    ks, runs = sorted(int(k) for k in ks), []
+    for k in ks:
+        if runs and k == runs[-1][1] + 1:
+            runs[-1][1] = k
+        else:
+            runs.append([k, k])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:most])
+    return text + (", ..." if len(runs) > most else "")
 
 
 def bytes_per_token(slots: int, hidden: int, dtype: str) -> int:
@@ -446,8 +459,14 @@ def open_states(folder: str | os.PathLike) -> StatesCache:
     folder = Path(folder)
     header = read_header(folder)
     if not header.get("complete"):
-        raise FormatError(f"{folder}: the states cache is incomplete (a build was stopped); finish it by rerunning "
-                          f"{header.get('command', 'dflash-prep extract')}")
+        plan = header.get("plan") or []
+        gone = [k for k in range(len(plan)) if not (folder / shard_name(k)).is_file()]
+        what = (f"shard(s) {index_ranges(gone)} of {len(plan)} missing" if gone else
+                f"all {len(plan)} shards in place, not yet recorded")
+        raise FormatError(f"{folder}: the states cache is incomplete ({what}: a build was stopped, or nodes of a "
+                          f"build across machines are still running); finish it by rerunning "
+                          f"{header.get('command', 'dflash-prep extract')} (across machines: each node's command, "
+                          "with its --node-rank and --num-nodes)")
     shards = [Shard(p, head) for p, head, _ in _check_table(folder, header)]
     return StatesCache(folder, header, shards)
 
