@@ -22,7 +22,8 @@
   into a states cache (:mod:`dflash_prep.formats.states`) that the trainer reads every epoch
   (``--target-engine vllm --states CACHE``); :mod:`.states_worker` is its engine side, run with
   the engine's python, :mod:`.worker_pipe` the pipe to it, and :mod:`.states_connector` the KV
-  connector vLLM loads to hand the states over (docs/states.md);
+  connector vLLM loads to hand the states over (docs/states.md); :mod:`.nodes` splits one build
+  over machines (``--node-rank i --num-nodes N``: each node's share of the shards, one folder);
 - :mod:`.states_stream`: the same worker serving a micro-batch's states when the trainer asks,
   with no cache (``--target-engine vllm`` without ``--states``, :mod:`dflash_prep.train.engine_taps`).
 

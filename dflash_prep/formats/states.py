@@ -43,7 +43,9 @@ resumed build writes exactly the shards a straight one does. Each shard is writt
 name and renamed (:func:`dflash_prep.formats.fileio.atomic_file`): a shard file under its final
 name is complete, and a killed build loses at most the shards in flight. ``states.json`` is
 written first with ``complete: false`` and the plan, and again with the shard table when every
-shard is in place; readers refuse an incomplete cache.
+shard is in place; readers refuse an incomplete cache in one line naming the missing shards. A
+build across machines (``extract --node-rank i --num-nodes N``) writes the same shards, each
+node its share (:mod:`dflash_prep.engine.nodes`).
 
 **Fingerprint** (``fingerprint``): :class:`StatesKey`, the contents' identity: dataset
 fingerprint, target fingerprint (``target_identity``'s, over config.json and the weights), the

@@ -216,6 +216,14 @@ def test_nodes_of_other_options_and_overlapping_builds_are_refused(data, tmp_pat
         "a refused node touched the header or started its engine"
     slow.kill()
     slow.communicate()
+    plain = _node(data, tmp_path / "plain", 60.0)            # and a node while a single build runs
+    while not (tmp_path / "plain" / "extract.log").exists():
+        assert plain.poll() is None and time.monotonic() < deadline + 120, plain.communicate()
+        time.sleep(0.05)
+    msg = _refused(_node(data, tmp_path / "plain", node_rank=1, num_nodes=2))
+    assert f"is being built by a single-node extract (pid {plain.pid} on " in msg, msg
+    plain.kill()
+    plain.communicate()
     with pytest.raises(ConfigError, match="--overwrite with --num-nodes > 1"):
         from dflash_prep.engine.extract import ExtractConfig
 
