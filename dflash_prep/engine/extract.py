@@ -347,6 +347,7 @@ def extract(cfg: ExtractConfig, *, progress: bool = True, on_event=None) -> dict
         if h is not None and h.get("complete"):
             try:
                 fmt.open_states(out)                  # every shard still in place and matching: done
+                nodes.remove_debris(out, tokens, cfg.node_rank, cfg.num_nodes)
                 return {**_summary(h), "up_to_date": True,
                         **nodes.node_report(cfg.node_rank, cfg.num_nodes, tokens, range(len(tokens)), 0)}
             except FormatError:
@@ -362,6 +363,7 @@ def extract(cfg: ExtractConfig, *, progress: bool = True, on_event=None) -> dict
             atomic_write_json(out / fmt.HEADER_FILE, header, format=fmt.FORMAT, version=fmt.VERSION)
         else:
             header = _shared_header(out, h, mine, p, cfg, args, version)
+        nodes.remove_debris(out, tokens, cfg.node_rank, cfg.num_nodes)   # this build's, now it is agreed
         done = _done_shards(out, p, share, own_folder=one)
         todo = [k for k in share if k not in done]
         if todo:

@@ -164,7 +164,9 @@ def _check_others(out: Path, tokens, node_rank: int, num_nodes: int) -> None:
 def remove_debris(out: Path, tokens, node_rank: int, num_nodes: int) -> None:
     """Delete what killed builds of this node's share left in ``out`` (module docstring); one node
     (N = 1) owns the folder and deletes every temp in it, as a single build always did. Called under
-    the node's lock, after :func:`_check_others`: no live writer owns any of it."""
+    :func:`node_lock`, once the folder's header is known to be of this build (a node started with
+    another ``--shard-mb`` has another plan, and its share's indices name other nodes' shards): no
+    live writer owns any of it."""
     if not out.is_dir():
         return
     if num_nodes == 1:
@@ -188,10 +190,9 @@ def remove_debris(out: Path, tokens, node_rank: int, num_nodes: int) -> None:
 @contextlib.contextmanager
 def node_lock(out: Path, tokens, node_rank: int, num_nodes: int) -> Iterator[None]:
     """Hold node ``node_rank``'s lock of the cache ``out`` for the ``with`` body, after refusing to
-    run beside an overlapping node of another N and removing this node's debris (module docstring)."""
+    run beside an overlapping node of another N (module docstring)."""
     with lock(lock_target(out, node_rank, num_nodes)):
         _check_others(out, tokens, node_rank, num_nodes)
-        remove_debris(out, tokens, node_rank, num_nodes)
         yield
 
 

@@ -202,6 +202,12 @@ def test_nodes_of_other_options_and_overlapping_builds_are_refused(data, tmp_pat
         assert slow.poll() is None and time.monotonic() < deadline, slow.communicate()
         time.sleep(0.05)
     header = (out / fmt.HEADER_FILE).read_bytes()
+    planted = [out / f".{fmt.shard_name(k)}.99999.abcdefgh.tmp" for k in range(16)]   # as node 0's in flight
+    for f in planted:
+        f.write_bytes(b"x")
+    msg = _refused(_node(data, out, node_rank=1, num_nodes=2, shard_mb=0.05))   # another plan, other indices
+    assert "holds a states cache of other settings" in msg, msg
+    assert all(f.exists() for f in planted), "a node of other options deleted temps of the running node"
     msg = _refused(_node(data, out, node_rank=1, num_nodes=2, dtype="fp8"))
     assert "holds a states cache of other settings" in msg and "start node 1 with those options" in msg, msg
     msg = _refused(_node(data, out, node_rank=1, num_nodes=2, engine_args=[["gpu_memory_utilization", 0.5]]))
