@@ -157,6 +157,11 @@ class ExtractConfig:
             more += ["--engine-arg", f"{k}={v if isinstance(v, str) else json.dumps(v)}"]
         return base + (" " + shlex.join(more) if more else "")
 
+    def node_command(self) -> str:
+        """:meth:`command` with this node's ``--node-rank`` and ``--num-nodes`` (when there are several)."""
+        return self.command() + (f" --node-rank {self.node_rank} --num-nodes {self.num_nodes}"
+                                 if self.num_nodes > 1 else "")
+
 
 def _target_config(target: Path) -> dict:
     return read_target_config(target)       # one line naming every missing key (an empty config.json)
@@ -281,7 +286,7 @@ def _same_engine(out: Path, h: dict, cfg: ExtractConfig, version: str) -> None:
     old = f"{var}={shlex.quote(py)} " if py else f"{var}=<a python with it> "
     raise FingerprintMismatch(
         f"{out} was started with {was or 'an unrecorded engine'}, this is {version}: a cache never mixes shards of "
-        f"two engine versions. Finish it with the old one (`{old}{cfg.command()}`), or rebuild it under this one "
+        f"two engine versions. Finish it with the old one (`{old}{cfg.node_command()}`), or rebuild it under this one "
         "into a new folder (--out NEW) or here with --overwrite")
 
 
