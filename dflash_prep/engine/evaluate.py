@@ -412,9 +412,10 @@ def evaluate_exports(*, target: str | Path, exports: list[str | Path], out: str 
                                          per_prompt=c["per_prompt"])
                 at += len(s.ids)
             phases[f"ours_{i + 1}"] = time.monotonic() - t
-        pooled = SpecCounters()
-        for c in cells.values():
-            pooled = pooled + c.pop("_total")
+        totals = [c.pop("_total") for c in cells.values()]
+        pooled = totals[0]
+        for t_ in totals[1:]:             # (starting from SpecCounters() would lose num_draft_tokens: None + n)
+            pooled = pooled + t_
         runs.append({"label": _labels(exports)[i], "path": str(export), "architecture": method.architecture,
                      "kind": method.kind, "block_size": method.block_size, "num_speculative_tokens": method.k,
                      "speculative_config": method.speculative_config(export),

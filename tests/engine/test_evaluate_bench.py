@@ -44,7 +44,7 @@ def test_each_drafter_on_each_set_is_lossless_and_agrees_with_ours(run):
     assert [e["kind"] for e in res["exports"]] == ["dflash", "eagle3"]
     for i, e in enumerate(res["exports"]):
         assert e["strict_load"]["ok"]
-        pooled = {"num_drafts": 0, "num_accepted_tokens": 0}
+        pooled = {"num_drafts": 0, "num_accepted_tokens": 0, "num_draft_tokens": 0}
         for s in SETS:
             c = cell(res, i, s)
             v = c["vllm"]
