@@ -207,11 +207,12 @@ def compare_runs(spec_rows: list[dict], base_rows: list[dict], *, greedy: bool) 
 
 
 def needed_model_len(target: Path, sets: list[PromptSet], tokenizer, max_tokens: int,
-                     enable_thinking: bool | None) -> tuple[int, int]:
+                     enable_thinking: bool | None, *, draft: int = 0) -> tuple[int, int]:
     """(the ``--max-model-len`` the run needs, the target's ``max_position_embeddings``): the longest
     first-turn prompt plus ``max_tokens``; a second turn is bounded by its prompt rendered around an
     empty first answer plus twice ``max_tokens`` (the answer's ids, re-encoded from text, may come back
-    longer) plus ``max_tokens``; rounded up to 16."""
+    longer) plus ``max_tokens``; plus ``draft + 1`` (the most tokens a step drafts, and its bonus:
+    vLLM drafts fewer near the length limit, which would change tau), rounded up to 16."""
     from dflash_prep.train.prompts import render_messages
 
     need = max(len(p) for s in sets for p in s.ids) + max_tokens
@@ -222,6 +223,7 @@ def needed_model_len(target: Path, sets: list[PromptSet], tokenizer, max_tokens:
                         {"role": "user", "content": turns[1]}]
                 need = max(need, len(render_messages(tokenizer, msgs, enable_thinking=enable_thinking))
                            + 3 * max_tokens)
+    need += draft + 1
     limit = int(read_target_config(target).get("max_position_embeddings") or 0)
     return -(-need // 16) * 16, limit
 
@@ -302,7 +304,8 @@ def prepare(*, target: str | Path, exports: list[str | Path], benches: list[str]
     warnings = {str(e): mode_warnings(export_dir=e, requested=requested, template_sha=template_sha) for e in exports}
     sets = build_sets(tok, benches=list(benches), prompts=Path(prompts) if prompts is not None else None, n=cfg.n,
                       max_prompts=cfg.max_prompts, seed=cfg.seed, enable_thinking=enable_thinking)
-    need, limit = needed_model_len(target, sets, tok, cfg.max_tokens, enable_thinking)
+    need, limit = needed_model_len(target, sets, tok, cfg.max_tokens, enable_thinking,
+                                   draft=max(m.k for m in methods))
     if cfg.max_model_len == 0:
         if limit and need > limit:
             raise ConfigError(f"the longest prompt plus --max-tokens needs {need} tokens, over the target's "
