@@ -72,7 +72,7 @@ class CachedTaps:
     remote = False
 
     def __init__(self, cache, taps, *, final: bool, embed_tokens, lm_head, num_layers: int, device: torch.device,
-                 verify: bool | None = None, engine: str = backends.DEFAULT):
+                 verify: bool | None = None, engine: str = backends.DEFAULT, dtype: torch.dtype | None = None):
         self.cache, self.device, self.verify, self.engine = cache, device, verify, engine
         self._verified: set[int] = set()        # shards re-hashed by this run
         self._verify_lock = threading.Lock()    # the prefetch thread, and the step for a batch not read ahead
@@ -82,7 +82,9 @@ class CachedTaps:
         self.cols = np.array([cache.slot_of(t) for t in self.tap_ids], np.int64)   # cache slot of each run tap
         self.final_col = cache.final_slot if final else None
         self.read_cols = self.cols if self.final_col is None else np.append(self.cols, self.final_col)  # one read
-        self.dtype = embed_tokens.weight.dtype
+        # the taps' dtype: the heads' (a drafter rank), or ``dtype`` for a provider without heads (a split
+        # job's target rank, which only sends the taps: the same dtype load_heads gives the drafters)
+        self.dtype = dtype if dtype is not None else embed_tokens.weight.dtype
         self.pin = device.type == "cuda"
         self.ahead = self.on_step = 0      # micro-batches read on the prefetch thread / in the step
         self.on_step_s = 0.0

@@ -282,10 +282,10 @@ class TrainConfig:
             raise ConfigError(f"--states-dtype must be one of {', '.join(STATES_DTYPES)}, got {self.states_dtype!r}")
         if self.engine_tokens < 1:
             raise ConfigError(f"--engine-tokens must be at least 1, got {self.engine_tokens}")
-        if in_engine and self.target_ranks:
-            raise ConfigError(f"--target-engine {self.target_engine} runs the target in "
-                              f"{engines.get(self.target_engine).label} (beside each rank, or once into --states), "
-                              "not on --target-ranks; drop --target-ranks")
+        if self.states and self.target_ranks:
+            raise ConfigError(f"--states {self.states}: every drafter rank reads the cache itself, so --target-ranks "
+                              f"have no target to run; drop --target-ranks (or --states, to run the target in "
+                              f"{engines.get(self.target_engine).label} on the target ranks)")
         if self.prefetch < 1:
             raise ConfigError(f"--prefetch must be at least 1 step, got {self.prefetch}")
         if self.log_every < 1:

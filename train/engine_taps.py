@@ -29,6 +29,7 @@ from dflash_prep.engine.states_stream import StatesStream
 from dflash_prep.errors import DflashError, FormatError
 from dflash_prep.formats import manifest as manifest_mod
 from dflash_prep.formats.states import check_finite
+from dflash_prep.formats.target import read_target_config
 from dflash_prep.train.cached_taps import CachedTaps, _decode
 
 
@@ -92,16 +93,25 @@ def largest_microbatch(manifests: str | os.PathLike | None) -> tuple[int, int] |
     return tokens, longest
 
 
-def engine_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torch.device, rank: int) -> EngineTaps:
+def engine_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torch.device, rank: int,
+                heads: bool = True) -> EngineTaps:
     """The provider of ``--target-engine vllm`` without ``--states`` (:mod:`dflash_prep.train.engines.vllm`;
     any engine's: ``cfg.target_engine`` names its backend): this rank's engine started,
-    capturing the run's taps (and the final state when it reads it), in ``--states-dtype``."""
+    capturing the run's taps (and the final state when it reads it), in ``--states-dtype``.
+    ``heads=False``: a split job's target rank (:func:`dflash_prep.train.split.worker.serve`), which
+    sends the taps and loads no embedding or LM head; its taps come out in the dtype the drafters'
+    heads have (:func:`~dflash_prep.train.split.taps.load_heads`), so they receive what this
+    provider gives a colocated rank, bit for bit."""
     from dflash_prep.train.split.taps import load_heads
 
     o = cfg.options
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    embed, head = load_heads(o.target, device=device)      # before the engine: a bad target fails in seconds
+    if heads:
+        embed, head = load_heads(o.target, device=device)  # before the engine: a bad target fails in seconds
+    else:
+        embed = head = None
+        read_target_config(o.target)                        # a bad target still fails in seconds
     xc = ExtractConfig(data=Path(cfg.data), target=Path(o.target), out=out, objective=cfg.objective,
                        target_layer_ids=tuple(sorted(set(int(t) for t in layer_ids))),
                        loss="kl" if final and cfg.objective != "eagle3" else "ce", dtype=cfg.states_dtype,
@@ -111,9 +121,10 @@ def engine_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torc
                           env=engine_devices(device, dict(xc.engine_args)), scratch=cfg.engine_scratch or None,
                           largest=largest_microbatch(cfg.manifests),
                           copies=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    dtype = None if heads else (torch.bfloat16 if device.type == "cuda" else torch.float32)   # load_heads' rule
     try:
         return EngineTaps(stream, ds, layer_ids, final=final, embed_tokens=embed, lm_head=head,
-                          num_layers=stream.p["num_layers"], device=device, engine=cfg.target_engine)
+                          num_layers=stream.p["num_layers"], device=device, engine=cfg.target_engine, dtype=dtype)
     except BaseException:
         stream.close(ok=False)
         raise

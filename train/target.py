@@ -179,22 +179,24 @@ class FrozenTarget:
 
 def target_provider(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torch.device, place=None):
     """Where this drafter rank's target hidden states come from (a taps provider,
-    :mod:`dflash_prep.train.split.taps`): a serving engine's (``--target-engine vllm``, its module in
+    :mod:`dflash_prep.train.split.taps`): a split job's target rank first, then a serving engine's (``--target-engine vllm``, its module in
     :mod:`dflash_prep.train.engines`: the states cache, :class:`~dflash_prep.train.cached_taps.CachedTaps`,
     or without ``--states`` the target in vLLM beside this rank,
-    :class:`~dflash_prep.train.engine_taps.EngineTaps`), else a split job's target rank (``place``:
-    :class:`~dflash_prep.train.split.taps.RemoteTaps`), else a :class:`FrozenTarget` in this process
+    :class:`~dflash_prep.train.engine_taps.EngineTaps`), a split job's target rank (``place``:
+    :class:`~dflash_prep.train.split.taps.RemoteTaps`, whatever runs the target there), else a :class:`FrozenTarget` in this process
     tapping ``layer_ids``. A dataset tokenized for another model is refused first, whichever it is
     (:func:`dflash_prep.tokenize.identity.check_tokenizer`; in-memory test data records no tokenizer)."""
     if getattr(ds, "meta", None) is not None:
         check_tokenizer(getattr(ds, "folder", cfg.data), ds.meta, cfg.options.target,
                         then=", then analyze and pack it for this run")
-    if cfg.target_engine != engines.BUILTIN:
-        return engines.get(cfg.target_engine).taps(cfg, ds, layer_ids, final=final, identity=identity, device=device)
-    if place is not None:
+    if place is not None:                  # a split job's drafter: its target rank runs the target, in an engine or not
         from dflash_prep.train.split.taps import remote_taps
 
-        return remote_taps(place, cfg.options.target, timeout=cfg.target_timeout, device=device)
+        contract = {} if cfg.target_engine == engines.BUILTIN else {"target_engine": cfg.target_engine,
+                                                                     "states_dtype": cfg.states_dtype}
+        return remote_taps(place, cfg.options.target, timeout=cfg.target_timeout, device=device, contract=contract)
+    if cfg.target_engine != engines.BUILTIN:
+        return engines.get(cfg.target_engine).taps(cfg, ds, layer_ids, final=final, identity=identity, device=device)
     return FrozenTarget(cfg.options.target, layer_ids, device=device)
 
 

@@ -146,10 +146,10 @@ def test_engine_options_are_checked():
         dflash_cfg("o", target, states="c")
     with pytest.raises(ConfigError, match="must be one of hf, vllm"):
         dflash_cfg("o", target, target_engine="sglang")
-    with pytest.raises(ConfigError, match="drop --target-ranks"):
+    with pytest.raises(ConfigError, match="every drafter rank reads the cache itself.*drop --target-ranks"):
         dflash_cfg("o", target, target_engine="vllm", states="c", target_ranks=1)
-    with pytest.raises(ConfigError, match="drop --target-ranks"):
-        dflash_cfg("o", target, target_engine="vllm", target_ranks=1)
+    split = dflash_cfg("o", target, target_engine="vllm", target_ranks=1, engine_tokens=1)   # vLLM on the target ranks
+    assert (split.target_ranks, split.target_engine, split.states) == (1, "vllm", "")
     with pytest.raises(ConfigError, match="a cache has its own, given to `dflash-prep extract`"):
         dflash_cfg("o", target, target_engine="vllm", states="c", states_dtype="fp8")
     with pytest.raises(ConfigError, match="add --target-engine vllm, or drop them"):

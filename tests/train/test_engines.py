@@ -54,8 +54,10 @@ def test_the_config_takes_its_engines_from_the_registry(other):
         dflash_cfg("o", target, target_engine="nope")
     with pytest.raises(ConfigError, match="--states CACHE is read by --target-engine vllm or --target-engine other"):
         dflash_cfg("o", target, states="c")
-    with pytest.raises(ConfigError, match="--target-engine other runs the target in Other .* drop --target-ranks"):
-        dflash_cfg("o", target, target_engine="other", target_ranks=1)
+    with pytest.raises(ConfigError, match="every drafter rank reads the cache itself, so --target-ranks have no "
+                                          "target to run; drop --target-ranks .* in Other on the target ranks"):
+        dflash_cfg("o", target, target_engine="other", states="c", target_ranks=1)
+    assert dflash_cfg("o", target, target_engine="other", target_ranks=1).target_ranks == 1
 
 
 def test_the_provider_is_the_named_engine_s(other):
@@ -63,3 +65,27 @@ def test_the_provider_is_the_named_engine_s(other):
     ds = SimpleNamespace(meta=None)                    # in-memory data: no tokenizer record to check
     got = target_provider(cfg, ds, [1, 2], final=True, identity={"id": 1}, device=torch.device("cpu"))
     assert got == "other's provider" and other == [("c", (1, 2), True, {"id": 1}, torch.device("cpu"))]
+
+
+def test_a_split_jobs_drafter_takes_its_taps_from_the_target_rank_whatever_the_engine(other, monkeypatch):
+    """A split job's drafter rank never starts an engine: its target rank does (train/split/worker.py);
+    the run contract records the engine as a colocated engine run does."""
+    import dflash_prep.train.split.taps as taps_mod
+
+    seen = {}
+    monkeypatch.setattr(taps_mod, "remote_taps", lambda place, target, **kw: seen.update(kw) or "remote")
+    cfg = dflash_cfg("o", str(tiny_target()), target_engine="other", target_ranks=1)
+    got = target_provider(cfg, SimpleNamespace(meta=None), [1, 2], final=False, identity={}, device=torch.device("cpu"),
+                          place=object())
+    assert got == "remote" and other == []
+    assert seen["contract"] == {"target_engine": "other", "states_dtype": "bf16"}
+
+
+def test_a_target_ranks_engine_over_several_gpus_is_refused_in_one_line():
+    from dflash_prep.train.split.worker import target_rank_provider
+
+    cfg = dflash_cfg("o", str(tiny_target()), target_engine="vllm", target_ranks=1,
+                     engine_args=("tensor_parallel_size=2",))
+    with pytest.raises(ConfigError, match="an engine over 2 GPUs .* is not placed by split jobs yet") as e:
+        target_rank_provider(cfg, None, [1, 2], final=False, device=torch.device("cpu"), rank=0)
+    assert "\n" not in str(e.value)

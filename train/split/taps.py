@@ -71,8 +71,9 @@ class RemoteTaps:
     remote = True
 
     def __init__(self, receiver: TapsReceiver, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module, *,
-                 device: torch.device, target_config=None, roles=None):
+                 device: torch.device, target_config=None, roles=None, contract: dict | None = None):
         self.receiver, self.embed_tokens, self.lm_head, self.device = receiver, embed_tokens, lm_head, device
+        self._contract = dict(contract or {})
         self.target_config, self.roles = target_config, roles
         self.num_layers = int(getattr(target_config, "num_hidden_layers", 0))
         self._wait0 = 0.0
@@ -92,8 +93,10 @@ class RemoteTaps:
         return (got[0], got[1]) if final else got[0]
 
     def contract(self) -> dict:
-        """Nothing: where the target runs is not part of the run contract."""
-        return {}
+        """Where the target runs is not part of the run contract; what it runs in is: the engine and
+        its states dtype when the target ranks run it in one (``--target-engine``), as a colocated
+        engine run records them, so a checkpoint moves between the two."""
+        return dict(self._contract)
 
     def step_stats(self, epoch: int, step: int) -> dict:
         """The target rank's timing of ``(epoch, step)`` (:data:`STEP_STATS`), sent after the step's taps."""
@@ -209,7 +212,8 @@ def _heads(path: Path, keys: dict, tied: bool, device: torch.device, dtype: torc
     return embed, head
 
 
-def remote_taps(place, target: str | Path, *, timeout: float, device: torch.device) -> RemoteTaps:
+def remote_taps(place, target: str | Path, *, timeout: float, device: torch.device,
+                contract: dict | None = None) -> RemoteTaps:
     """The :class:`RemoteTaps` of a drafter rank's :class:`~dflash_prep.train.split.roles.Place`: taps from its target
     rank (over NCCL on CUDA, so the link's tensors live on ``device``; else through the CPU,
     :func:`~dflash_prep.train.split.link.link_device`), heads from ``target``."""
@@ -222,4 +226,4 @@ def remote_taps(place, target: str | Path, *, timeout: float, device: torch.devi
     from transformers import AutoConfig
 
     return RemoteTaps(recv, embed, head, device=device, target_config=AutoConfig.from_pretrained(target),
-                      roles=place.roles)
+                      roles=place.roles, contract=contract)

@@ -196,8 +196,6 @@ def serve(cfg, place, d, source=None, *, plan=dflash_plan) -> dict:
     from dflash_prep.train import rescale
     from dflash_prep.train import split
     from dflash_prep.train.source import FileSource
-    from dflash_prep.train.target import FrozenTarget
-    from dflash_prep.train.split.taps import LocalTaps
 
     distributed.set_determinism(d.device)
     start = split.await_start(place)
@@ -206,7 +204,7 @@ def serve(cfg, place, d, source=None, *, plan=dflash_plan) -> dict:
         source = FileSource(cfg.data, cfg.plan, cfg.manifests, pack_missing=False)
     source = rescale.source_for(source, start["continuation"], single)
     build_one, layer_ids, final = plan(cfg, source.manifest(int(start["epoch"])))
-    provider = LocalTaps(FrozenTarget(cfg.options.target, layer_ids, device=d.device))
+    provider = target_rank_provider(cfg, source.dataset, layer_ids, final=final, device=d.device, rank=place.rank)
     sender = sender_for(place, prefetch=cfg.target_prefetch, timeout=cfg.target_timeout, device=link_device(d.device))
     autocast = distributed.autocast_for(d.device, cfg.bf16)
 
@@ -215,14 +213,55 @@ def serve(cfg, place, d, source=None, *, plan=dflash_plan) -> dict:
         with autocast(), (force_backend(cfg.attn) if cfg.attn != "auto" else contextlib.nullcontext()):
             yield
 
-    worker = TargetWorker(source, provider, sender, roles=place.roles, target_rank=place.rank,
-                          build=lambda mb, epoch: build_one(source.dataset, mb, epoch), device=d.device,
-                          autocast=forward_ctx, final=final, step_stats=True)
+    def build(mb, epoch):
+        b = build_one(source.dataset, mb, epoch)
+        ahead = getattr(provider, "read_ahead", None)
+        if ahead is not None:        # an engine: its states asked on the builder thread, ahead of the sends
+            ahead(b)
+        return b
+
+    worker = TargetWorker(source, provider, sender, roles=place.roles, target_rank=place.rank, build=build,
+                          device=d.device, autocast=forward_ctx, final=final, step_stats=True)
     split.ready(place)
     limit = start["max_steps"]
-    timings = worker.run(range(cfg.epochs), start=(int(start["epoch"]), int(start["step"])),
-                         max_steps=None if limit is None else max(0, limit - int(start["global_step"])))
+    try:
+        timings = worker.run(range(cfg.epochs), start=(int(start["epoch"]), int(start["step"])),
+                             max_steps=None if limit is None else max(0, limit - int(start["global_step"])))
+    finally:
+        close = getattr(provider, "close", None)
+        if close is not None:
+            close()
     wall = sum(t.wall_s for t in timings)
-    return {"role": "target", "rank": place.rank, "served": place.served, "steps": len(timings),
-            "busy_share": sum(t.busy_s for t in timings) / wall if wall > 0 else 0.0,
-            "bytes_sent": sender.bytes_sent, "messages": sender.messages, "time_s": wall}
+    out = {"role": "target", "rank": place.rank, "served": place.served, "steps": len(timings),
+           "busy_share": sum(t.busy_s for t in timings) / wall if wall > 0 else 0.0,
+           "bytes_sent": sender.bytes_sent, "messages": sender.messages, "time_s": wall}
+    summary = getattr(provider, "summary", None)
+    return out | (summary() if summary is not None else {})
+
+
+def target_rank_provider(cfg, ds, layer_ids, *, final: bool, device: torch.device, rank: int):
+    """What computes a target rank's taps: the transformers target in this process
+    (:class:`~dflash_prep.train.split.taps.LocalTaps`), or with ``--target-engine`` the target in that
+    engine, started by this rank on its own devices (:func:`dflash_prep.train.engine_taps.engine_taps`
+    without heads: the rows a colocated engine run reads, decoded by the same code, so the drafters
+    receive the same taps bit for bit). An engine parallel over several GPUs (``tensor_parallel_size``
+    or ``pipeline_parallel_size`` > 1) is refused here: each target rank's engine gets this rank's GPU."""
+    from dflash_prep.train import engines
+    from dflash_prep.train.split.taps import LocalTaps
+    from dflash_prep.train.target import FrozenTarget
+
+    if cfg.target_engine == engines.BUILTIN:
+        return LocalTaps(FrozenTarget(cfg.options.target, layer_ids, device=device))
+    from dflash_prep.engine.extract import parse_engine_args
+    from dflash_prep.formats.target import target_identity
+    from dflash_prep.train.engine_taps import engine_taps
+
+    args = dict(parse_engine_args(cfg.engine_args))
+    degree = int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
+    if degree > 1:
+        raise ConfigError(f"--target-ranks with --target-engine {cfg.target_engine}: each target rank's engine runs "
+                          f"on that rank's GPU; an engine over {degree} GPUs (tensor/pipeline parallel) is not placed "
+                          "by split jobs yet: run it colocated (--target-engine without --target-ranks, the user "
+                          "placing it) or build a cache with `dflash-prep extract`")
+    return engine_taps(cfg, ds, layer_ids, final=final, identity=target_identity(cfg.options.target), device=device,
+                       rank=rank, heads=False)
