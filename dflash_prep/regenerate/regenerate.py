@@ -11,9 +11,10 @@ Semantics:
 - Input: what ``tokenize`` reads (``records.expand``: files, globs, folders, save_to_disk
   folders; ``messages``, ``sharegpt`` or ``text`` schema; a ``text`` record is one user
   prompt). Assistant messages are optional: prompt-only records are the point.
-- Modules: :mod:`.regen_turns` (validation, slots, contexts, reasoning, records),
-  :mod:`.regen_store` (the output folder), :mod:`.engines` (who generates); this one holds
-  the config, the progress display and the two drivers below.
+- Modules: :mod:`.turns` (validation, slots, contexts, reasoning, records), :mod:`.store`
+  (the output folder), :mod:`.engines` (who generates), :mod:`.servers` (several OpenAI-compatible
+  servers as one engine); this one holds the config, the progress display and the two drivers
+  below.
 - Slots: every assistant message of a conversation, plus one at the end when it ends with a
   user or tool message. ``--turns all`` fills the slots in order, each request seeing the
   conversation up to that slot with the earlier slots already regenerated (or, with
