@@ -29,7 +29,9 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from dflash_prep.engine.extract import parse_engine_args
 from dflash_prep.errors import ConfigError
+from dflash_prep.formats.target import target_identity
 
 from dflash_prep.train.data import Prefetcher, iter_steps
 from dflash_prep.train.split.roles import Roles
@@ -252,8 +254,6 @@ def target_rank_provider(cfg, ds, layer_ids, *, final: bool, device: torch.devic
 
     if cfg.target_engine == engines.BUILTIN:
         return LocalTaps(FrozenTarget(cfg.options.target, layer_ids, device=device))
-    from dflash_prep.engine.extract import parse_engine_args
-    from dflash_prep.formats.target import target_identity
     from dflash_prep.train.engine_taps import engine_taps
 
     args = dict(parse_engine_args(cfg.engine_args))
