@@ -372,14 +372,22 @@ def extract_cmd(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace a states cache built with other settings", rich_help_panel=_IO)] = False,
     node_rank: Annotated[int, typer.Option(help="this machine's rank among --num-nodes building one cache into the same --out on shared storage", rich_help_panel=_ENGINE)] = 0,
     num_nodes: Annotated[int, typer.Option(help="machines building the cache together, each its share of the same shards (run the same command on each, with its --node-rank); the cache is the same for any number", rich_help_panel=_ENGINE)] = 1,
+    engine: Annotated[str, typer.Option(help="local: one engine here (or this node's share with --node-rank); ray: --replicas engines as tasks of a Ray cluster, each building one share (its own GPUs: TP x PP each)", rich_help_panel=_ENGINE)] = "local",
+    replicas: Annotated[int, typer.Option(help="--engine ray: how many engine replicas build the cache together", rich_help_panel=_ENGINE)] = 2,
+    address: Annotated[Optional[str], typer.Option(help="--engine ray: 'auto' (the cluster `ray start` runs here) or HOST:PORT; unset: a Ray started for this run", rich_help_panel=_ENGINE)] = None,
 ):
     """Run the target once in vLLM over every sample and store the hidden states a drafter trains on.
 
     The trainer then reads them instead of running the target, every epoch: `python -m dflash_prep.train --objective dflash --target T --target-engine vllm --states CACHE ...`. Pass the same --objective, --draft-layers or --target-layer-ids and --loss as that run; a cache that lacks what a run reads is refused with the command that builds it. Without a cache, `--target-engine vllm` alone runs the target in vLLM beside the trainer, online (no disk, the target every epoch).
 
-    Size per token: the taps (and the final state) x hidden x 2 bytes in bf16, about half in fp8; analyze and pack print it for your target. vLLM comes from its own venv (make venv-vllm, or $DFLASH_PREP_VLLM_PYTHON); --tensor-parallel-size, --pipeline-parallel-size and --enable-expert-parallel are vLLM's own. A stopped build resumes where it stopped when rerun; `dflash-prep verify CACHE` re-hashes it. Across machines: the same command on each with --node-rank i --num-nodes N, into one folder on shared storage; each node builds its share, and the last to finish completes the cache (docs/states.md#across-machines).
+    Size per token: the taps (and the final state) x hidden x 2 bytes in bf16, about half in fp8; analyze and pack print it for your target. vLLM comes from its own venv (make venv-vllm, or $DFLASH_PREP_VLLM_PYTHON); --tensor-parallel-size, --pipeline-parallel-size and --enable-expert-parallel are vLLM's own. A stopped build resumes where it stopped when rerun; `dflash-prep verify CACHE` re-hashes it. Across machines: the same command on each with --node-rank i --num-nodes N, into one folder on shared storage; each node builds its share, and the last to finish completes the cache (docs/states.md#across-machines). Or let Ray place them: --engine ray --replicas N [--address auto].
     """
     from dflash_prep.engine.extract import ExtractConfig, extract, parse_engine_args
+
+    if engine not in ("local", "ray"):
+        from dflash_prep.errors import ConfigError
+
+        raise ConfigError(f"--engine must be local or ray, got {engine!r}")
 
     cfg = ExtractConfig(data=data, target=target, out=out, objective=objective, draft_layers=draft_layers,
                         target_layer_ids=tuple(target_layer_ids or ()), loss=loss, dtype=dtype, shard_mb=shard_mb,
@@ -387,7 +395,12 @@ def extract_cmd(
                         pipeline_parallel_size=pipeline_parallel_size, enable_expert_parallel=enable_expert_parallel,
                         engine_args=parse_engine_args(engine_arg), timeout_s=timeout, overwrite=overwrite,
                         node_rank=node_rank, num_nodes=num_nodes)
-    s = extract(cfg, progress=True)
+    if engine == "ray":
+        from dflash_prep.engine.ray_replicas import extract_on_ray
+
+        s = extract_on_ray(cfg, replicas=replicas, address=address, log=typer.echo)
+    else:
+        s = extract(cfg, progress=True)
     if not s["complete"]:
         from dflash_prep.engine.nodes import progress_line
 
