@@ -54,7 +54,7 @@ import numpy as np
 
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.outputs import is_temp_name, lock, remove, stale_of
-from dflash_prep.formats.states import index_ranges
+from dflash_prep.formats.states import LOG_FILE, index_ranges
 
 
 def check_node(node_rank: int, num_nodes: int) -> None:
@@ -101,7 +101,7 @@ def node_tag(node_rank: int, num_nodes: int) -> str:
 
 def log_name(node_rank: int, num_nodes: int) -> str:
     """The engine log of a node in the cache folder (one node: ``extract.log``, as always)."""
-    return "extract.log" if num_nodes == 1 else f"extract.{node_tag(node_rank, num_nodes)}.log"
+    return LOG_FILE if num_nodes == 1 else f"extract.{node_tag(node_rank, num_nodes)}.log"
 
 
 def spool_prefix(node_rank: int, num_nodes: int) -> str:
