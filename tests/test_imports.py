@@ -19,7 +19,7 @@ PACKAGE = ROOT / "dflash_prep"
 HEAVY = {"torch", "triton", "transformers", "ray", "matplotlib", "safetensors", "wandb", "jinja2", "tokenizers",
          "datasets", "huggingface_hub", "sentencepiece", "pyarrow", "vllm"}
 # modules whose in-function imports of dflash_prep modules are by design (start-up time)
-LAZY_OK = {"dflash_prep.cli", "dflash_prep.cli_objectives", "dflash_prep.train.__main__"}
+LAZY_OK = {"dflash_prep.cli", "dflash_prep.cli_objectives", "dflash_prep.cli_engine", "dflash_prep.train.__main__"}
 
 
 def modules() -> dict[str, tuple[Path, bool]]:
