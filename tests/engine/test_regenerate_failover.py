@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,8 @@ import pytest
 from dflash_prep.engine.vllm_server import vllm_server
 from dflash_prep.regenerate.engines import Sampling
 from dflash_prep.regenerate.regenerate import RegenerateConfig, run
-from dflash_prep.regenerate.store import entries_on_disk
+
+from dflash_prep.tests.engine.regen_kill import build_regen_target, kill_midway, write_prompts
 
 pytestmark = pytest.mark.engine
 MAX_TOKENS = 16
@@ -37,20 +36,12 @@ KILL_AFTER = 4  # records on disk when the second server is killed
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    words = "list tuple loop value key string parse file number graph".split()
-    path = tmp_path_factory.mktemp("failover") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Explain {words[i % 10]} {i}."}]})
-                            + "\n" for i in range(N)))
-    return path
+    return write_prompts(tmp_path_factory.mktemp("failover") / "prompts.jsonl", N)
 
 
 @pytest.fixture(scope="module")
 def target(engine_python, tmp_path_factory) -> Path:
-    """The regenerate tests' tiny random Qwen3 (non-empty answers; head_dim 32 for vLLM's CPU build)."""
-    from dflash_prep.train.target_init import TargetSpec, build_target, default_texts
-
-    spec = TargetSpec(vocab_size=512, hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=128)
-    return build_target(tmp_path_factory.mktemp("failover-target") / "target", spec, default_texts(60_000))
+    return build_regen_target(tmp_path_factory.mktemp("failover-target") / "target")
 
 
 def _records(out: Path) -> list[dict]:
@@ -75,11 +66,7 @@ def test_two_servers_one_killed_midway_lose_and_duplicate_nothing(target, corpus
                "--timeout", "120"]
         client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-        deadline = time.monotonic() + 240
-        while entries_on_disk(two) < KILL_AFTER and client.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.001)
-        os.killpg(b.pid, signal.SIGKILL)          # the whole engine: API server, engine core, worker
-        at_kill = entries_on_disk(two)
+        at_kill = kill_midway(client, two, b.pid, after=KILL_AFTER)   # the client held still meanwhile
         stdout, err = client.communicate(timeout=300)
     assert client.returncode == 0, err[-3000:]
     assert KILL_AFTER <= at_kill < N, f"the server died after {at_kill} of {N} records: not midway"

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -25,9 +24,12 @@ from dflash_prep.regenerate.engines import Sampling
 from dflash_prep.regenerate.regenerate import RegenerateConfig, run
 from dflash_prep.regenerate.store import entries_on_disk
 
+from dflash_prep.tests.engine.regen_kill import build_regen_target, kill_midway, write_prompts
+
 pytestmark = pytest.mark.engine
 MAX_TOKENS = 12
 N = 16
+N_KILL = 48
 
 OFFLINE = textwrap.dedent('''
     import json, sys
@@ -50,20 +52,12 @@ OFFLINE = textwrap.dedent('''
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """Single-turn prompts (the answer is the whole generated turn, as LLM.chat gives it)."""
-    words = "list tuple loop value key string parse file number graph".split()
-    path = tmp_path_factory.mktemp("regen-vllm") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Explain {words[i % 10]} {i}."}]})
-                            + "\n" for i in range(N)))
-    return path
+    return write_prompts(tmp_path_factory.mktemp("regen-vllm") / "prompts.jsonl", N)
 
 
 @pytest.fixture(scope="module")
 def target(engine_python, tmp_path_factory) -> Path:
-    """The regenerate tests' tiny random Qwen3 (its answers are non-empty text; head_dim 32 for vLLM's CPU build)."""
-    from dflash_prep.train.target_init import TargetSpec, build_target, default_texts
-
-    spec = TargetSpec(vocab_size=512, hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=128)
-    return build_target(tmp_path_factory.mktemp("regen-target") / "target", spec, default_texts(60_000))
+    return build_regen_target(tmp_path_factory.mktemp("regen-target") / "target")
 
 
 @pytest.fixture(scope="module")
@@ -111,29 +105,30 @@ def test_every_record_names_the_engine_and_its_version(served, one_run):
     assert all(r["target"]["engine"] == "openai" and r["target"]["name"] == served.model for r in recs)
 
 
-def test_a_server_killed_midway_then_restarted_loses_and_duplicates_nothing(target, corpus, one_run, tmp_path):
-    out, port = tmp_path / "out", free_port()
-    log = tmp_path / "vllm.log"
-    with vllm_server(target, log=log, port=port, max_num_seqs=4) as srv:
+def test_a_server_killed_midway_then_restarted_loses_and_duplicates_nothing(target, tmp_path):
+    """N_KILL records, the server killed once 4 are on disk (the client held still meanwhile,
+    tests/engine/regen_kill.py), a restarted server for the rest: each record once, in order, and
+    the bytes of the answers a straight run against the restarted server writes."""
+    corpus, out, port = write_prompts(tmp_path / "prompts.jsonl", N_KILL), tmp_path / "out", free_port()
+    with vllm_server(target, log=tmp_path / "vllm.log", port=port, max_num_seqs=4) as srv:
         cmd = [sys.executable, "-m", "dflash_prep.cli", "regenerate", str(corpus), "--out", str(out), "--base-url",
                f"{srv.base_url}/v1", "--model", srv.model, "--concurrency", "1", "--max-tokens", str(MAX_TOKENS),
                "--temperature", "0", "--retries", "1", "--timeout", "60"]
         client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-        deadline = time.monotonic() + 240
-        while entries_on_disk(out) < 4 and client.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        os.killpg(srv.pid, signal.SIGKILL)           # the whole engine: API server, engine core, worker
+        at_kill = kill_midway(client, out, srv.pid, after=4)
         _, err = client.communicate(timeout=120)
     before = entries_on_disk(out)
     assert client.returncode == 1, err[-2000:]
     assert "cannot reach the server" in err, err[-2000:]
-    assert 4 <= before < N, f"the server died after {before} of {N} records: not midway"
+    assert 4 <= at_kill <= before < N_KILL, f"the server died after {at_kill} of {N_KILL} records: not midway"
     assert json.loads((out / "regenerate.json").read_text())["complete"] is False
 
     with vllm_server(target, log=tmp_path / "vllm2.log", port=port, max_num_seqs=4) as srv:
         s = run(_cfg(srv.base_url, srv.model, corpus, out))
-    assert (s["records"], s["stats"]["records_done"]) == (N - before, N)
+        straight = run(_cfg(srv.base_url, srv.model, corpus, tmp_path / "straight", concurrency=1))
+    assert (s["records"], s["stats"]["records_done"]) == (N_KILL - before, N_KILL)
+    assert straight["stats"]["records_written"] == N_KILL and not straight["stats"]["failed"], straight["stats"]
     recs = [json.loads(ln) for ln in (out / "chat.jsonl").read_text().splitlines()]
-    assert [r["regenerate"]["record"] for r in recs] == list(range(N))       # each record once, in order
-    assert _answers(out) == _answers(one_run)                                # and what one run writes
+    assert [r["regenerate"]["record"] for r in recs] == list(range(N_KILL))  # each record once, in order
+    assert _answers(out) == _answers(tmp_path / "straight")                 # and what one run writes
