@@ -21,7 +21,9 @@ through :func:`spawn`, which gives it three guards:
    forked exits, so an engine started from another thread is left to the watchdog alone.
 3. **Handlers for SIGTERM and SIGINT in the driver** while at least one engine lives (installed
    from the main thread, the previous ones restored when the last engine stops): the signal stops
-   every live engine's group as in 1., then goes to the handler that was there before. SIGTERM's
+   every live engine's group as in 1., SIGKILL after ``GRACE_S`` (not :meth:`Engine.stop`'s 20 s:
+   nested drivers, a trainer over its evaluation over a vLLM server, would otherwise each wait the
+   full 20 s for a server that hangs in its shutdown), then goes to the handler that was there before. SIGTERM's
    default then ends the driver with the signal (exit status 143 in a shell, -15 to a parent),
    SIGINT's raises ``KeyboardInterrupt`` (the CLI exits 130; the trainer keeps its checkpoint).
 
@@ -186,7 +188,7 @@ def _on_signal(signum: int, frame) -> None:
             os.killpg(e.pid, signal.SIGTERM)
     for e in reversed(live):
         try:
-            e.stop()
+            e.stop(timeout_s=GRACE_S)   # a signal wants the driver gone: the watchdog's grace, not stop()'s 20 s
         except Exception as err:  # noqa: BLE001 - one engine that will not die must not keep the others alive
             print(f"error: {err}", file=sys.stderr, flush=True)
     with _STATE:

@@ -109,8 +109,8 @@ def _kill_and_check(driver: subprocess.Popen, sig: int, engine: int, marker: str
         while left() and time.monotonic() - t0 < GONE_S:
             time.sleep(0.1)
         gone_s = time.monotonic() - t0
-        assert not left(), f"{left()} still running {GONE_S:.0f} s after {signal.Signals(sig).name} of the driver: " \
-                           f"{[_cmdline(p)[:200] for p in left()]}"
+        assert not left(), f"{left()} still running {GONE_S:.0f} s after {signal.Signals(sig).name} of the driver " \
+                           f"(which exited after {exit_s:.1f} s): {[_cmdline(p)[:200] for p in left()]}"
         if sig != signal.SIGKILL:
             assert not left_at_exit, f"the driver ended before its engine {left_at_exit}"
         if port is not None:

@@ -159,3 +159,48 @@ def test_a_process_forked_from_the_driver_does_not_stop_the_drivers_engine():
         os.kill(pid, signal.SIGTERM)
         assert os.waitpid(pid, 0)[1] == signal.SIGTERM  # ended by the signal itself
         assert group_members(e.pid) and e.poll() is None, "the fork's SIGTERM stopped the driver's engine"
+
+
+# a driver whose engine is itself a driver (a trainer over its evaluation over a vLLM server); the
+# innermost engine ignores SIGTERM, as a server that hangs in its shutdown does
+NESTED = ("import os, sys, time\n"
+          "from dflash_prep.engine.lifetime import spawn\n"
+          "depth, pids = int(sys.argv[1]), sys.argv[2]\n"
+          "open(pids, 'a').write(f'{{os.getpid()}}\\n')\n"
+          "if depth == 0:\n"
+          "    import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+          "else:\n"
+          "    e = spawn([sys.executable, '-c', {code!r}, str(depth - 1), pids])\n"
+          "time.sleep(600)\n")
+
+
+def test_a_signal_stops_nested_engines_within_the_grace_not_twenty_seconds(tmp_path):
+    """SIGTERM to the outer driver: its handler gives the middle one ``GRACE_S``, the middle one gives
+    the hung innermost ``GRACE_S``; the driver is gone in about that and the whole tree well inside
+    the 20 s each plain ``stop()`` allows (before, the outer waited out 20 s, then the watchdog 5 more)."""
+    code = NESTED.format(code="")
+    code = NESTED.format(code=code)                 # the middle driver's source holds the innermost one's
+    pids = tmp_path / "pids.txt"
+    p = subprocess.Popen([sys.executable, "-c", NESTED.format(code=code), "2", str(pids)], start_new_session=True,
+                         stderr=subprocess.DEVNULL)
+    tree: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids.read_text().split() if pids.exists() else []) < 3:
+            assert time.monotonic() < deadline and p.poll() is None, "the nested engines did not start in 60 s"
+            time.sleep(0.05)
+        outer, middle, inner = map(int, pids.read_text().split())
+        tree += group_members(middle) + group_members(inner)
+        time.sleep(0.5)                              # the innermost has set SIG_IGN
+        t0 = time.monotonic()
+        os.kill(outer, signal.SIGTERM)
+        assert p.wait(timeout=30) == -signal.SIGTERM
+        exit_s = time.monotonic() - t0
+        gone_s = _gone_within(inner, tree, 20) + exit_s
+        assert exit_s < 2 * lifetime.GRACE_S + 3, exit_s
+        assert gone_s < 3 * lifetime.GRACE_S, gone_s
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for q in _alive(tree):
+            os.kill(q, signal.SIGKILL)
