@@ -59,19 +59,24 @@ class EngineTaps(CachedTaps):
         self.cache.close()
 
 
-def engine_devices(device: torch.device, engine_args: dict, visible: str | None = None) -> dict:
-    """The engine's ``CUDA_VISIBLE_DEVICES``: a drafter rank on ``cuda:i`` gives its engine the same
-    GPU (vLLM would otherwise take the first visible one on every rank), unless the engine is
-    parallel (``tensor_parallel_size`` or ``pipeline_parallel_size`` > 1: the user places it, with
-    ``CUDA_VISIBLE_DEVICES`` set for the job). ``visible``: the job's own list (default: the
-    environment's)."""
-    parallel = int(engine_args.get("tensor_parallel_size", 1)) * int(engine_args.get("pipeline_parallel_size", 1)) > 1
-    if device.type != "cuda" or parallel:
+def engine_devices(device: torch.device, engine_args: dict, visible: str | None = None,
+                   gpus: tuple[int, ...] | None = None) -> dict:
+    """The engine's ``CUDA_VISIBLE_DEVICES``: a split job's target rank gives its engine ``gpus``
+    (:mod:`dflash_prep.train.split.gpus`: any number); a drafter rank on ``cuda:i`` gives its
+    engine the same GPU (vLLM would otherwise take the first visible one on every rank), unless
+    the engine is parallel (``tensor_parallel_size`` or ``pipeline_parallel_size`` > 1: the user
+    places it, with ``CUDA_VISIBLE_DEVICES`` set for the job). ``visible``: the job's own list
+    (default: the environment's)."""
+    from dflash_prep.train.split.gpus import engine_visible
+
+    if device.type != "cuda":
+        return {}
+    if gpus:
+        return {"CUDA_VISIBLE_DEVICES": engine_visible(tuple(gpus), visible)}
+    if int(engine_args.get("tensor_parallel_size", 1)) * int(engine_args.get("pipeline_parallel_size", 1)) > 1:
         return {}
     i = torch.cuda.current_device() if device.index is None else int(device.index)
-    visible = visible if visible is not None else os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [x.strip() for x in visible.split(",") if x.strip()] if visible else []
-    return {"CUDA_VISIBLE_DEVICES": ids[i] if i < len(ids) else str(i)}
+    return {"CUDA_VISIBLE_DEVICES": engine_visible((i,), visible)}
 
 
 def largest_microbatch(manifests: str | os.PathLike | None) -> tuple[int, int] | None:
@@ -94,14 +99,14 @@ def largest_microbatch(manifests: str | os.PathLike | None) -> tuple[int, int] |
 
 
 def engine_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torch.device, rank: int,
-                heads: bool = True) -> EngineTaps:
+                heads: bool = True, gpus: tuple[int, ...] | None = None) -> EngineTaps:
     """The provider of ``--target-engine vllm`` without ``--states`` (:mod:`dflash_prep.train.engines.vllm`;
     any engine's: ``cfg.target_engine`` names its backend): this rank's engine started,
     capturing the run's taps (and the final state when it reads it), in ``--states-dtype``.
     ``heads=False``: a split job's target rank (:func:`dflash_prep.train.split.worker.serve`), which
     sends the taps and loads no embedding or LM head; its taps come out in the dtype the drafters'
     heads have (:func:`~dflash_prep.train.split.taps.load_heads`), so they receive what this
-    provider gives a colocated rank, bit for bit."""
+    provider gives a colocated rank, bit for bit; ``gpus``: its engine's GPUs (torch indices), on CUDA."""
     from dflash_prep.train.split.taps import load_heads
 
     o = cfg.options
@@ -118,7 +123,7 @@ def engine_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torc
                        batch_tokens=cfg.engine_tokens, engine_args=parse_engine_args(cfg.engine_args),
                        timeout_s=cfg.target_timeout, engine=cfg.target_engine)
     stream = StatesStream(xc, identity=identity, log=out / f"engine-rank{rank}.log", timeout_s=cfg.target_timeout,
-                          env=engine_devices(device, dict(xc.engine_args)), scratch=cfg.engine_scratch or None,
+                          env=engine_devices(device, dict(xc.engine_args), gpus=gpus), scratch=cfg.engine_scratch or None,
                           largest=largest_microbatch(cfg.manifests),
                           copies=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     dtype = None if heads else (torch.bfloat16 if device.type == "cuda" else torch.float32)   # load_heads' rule

@@ -187,7 +187,7 @@ def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = 
     ``manifests``; tests pass any object with the same members. With ``cfg.target_ranks`` the
     job is split (:mod:`dflash_prep.train.split`): a target rank returns its own summary.
     """
-    job = dist_ctx or distributed.setup(cfg.device)
+    job = dist_ctx or distributed.setup(cfg.device, cuda_index=split.cuda_index(cfg) if cfg.target_ranks else None)
     d, place = job, None
     try:
         if cfg.target_ranks:

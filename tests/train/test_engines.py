@@ -79,13 +79,3 @@ def test_a_split_jobs_drafter_takes_its_taps_from_the_target_rank_whatever_the_e
                           place=object())
     assert got == "remote" and other == []
     assert seen["contract"] == {"target_engine": "other", "states_dtype": "bf16"}
-
-
-def test_a_target_ranks_engine_over_several_gpus_is_refused_in_one_line():
-    from dflash_prep.train.split.worker import target_rank_provider
-
-    cfg = dflash_cfg("o", str(tiny_target()), target_engine="vllm", target_ranks=1,
-                     engine_args=("tensor_parallel_size=2",))
-    with pytest.raises(ConfigError, match="an engine over 2 GPUs .* is not placed by split jobs yet") as e:
-        target_rank_provider(cfg, None, [1, 2], final=False, device=torch.device("cpu"), rank=0)
-    assert "\n" not in str(e.value)

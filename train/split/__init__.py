@@ -33,6 +33,15 @@ from dflash_prep.train.split.roles import Place, Roles
 from dflash_prep.train.split.roles import join as join_roles
 
 
+def cuda_index(cfg):
+    """What :func:`~dflash_prep.train.distributed.setup` calls with torch's GPU count for this
+    process's ``cuda:i`` in a split job: :mod:`dflash_prep.train.split.gpus`' layout (each target
+    rank's engine on GPUs of its own, ``tensor_parallel_size x pipeline_parallel_size`` of them)."""
+    from dflash_prep.train.split import gpus
+
+    return lambda count: gpus.for_job(cfg, count).device
+
+
 def join(cfg, d: distributed.Dist) -> Place:
     """This process's :class:`~dflash_prep.train.split.roles.Place` in a job of ``d.world_size`` ranks, ``cfg.target_ranks`` of them targets."""
     roles = Roles(cfg.target_ranks, d.world_size - cfg.target_ranks)

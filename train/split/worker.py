@@ -29,7 +29,6 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from dflash_prep.engine.extract import parse_engine_args
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.target import target_identity
 
@@ -246,9 +245,11 @@ def target_rank_provider(cfg, ds, layer_ids, *, final: bool, device: torch.devic
     (:class:`~dflash_prep.train.split.taps.LocalTaps`), or with ``--target-engine`` the target in that
     engine, started by this rank on its own devices (:func:`dflash_prep.train.engine_taps.engine_taps`
     without heads: the rows a colocated engine run reads, decoded by the same code, so the drafters
-    receive the same taps bit for bit). An engine parallel over several GPUs (``tensor_parallel_size``
-    or ``pipeline_parallel_size`` > 1) is refused here: each target rank's engine gets this rank's GPU."""
+    receive the same taps bit for bit). On CUDA the engine gets this rank's GPUs of the node's
+    layout (:mod:`dflash_prep.train.split.gpus`): ``tensor_parallel_size x pipeline_parallel_size``
+    of them, the first shared with this process."""
     from dflash_prep.train import engines
+    from dflash_prep.train.split import gpus
     from dflash_prep.train.split.taps import LocalTaps
     from dflash_prep.train.target import FrozenTarget
 
@@ -256,12 +257,6 @@ def target_rank_provider(cfg, ds, layer_ids, *, final: bool, device: torch.devic
         return LocalTaps(FrozenTarget(cfg.options.target, layer_ids, device=device))
     from dflash_prep.train.engine_taps import engine_taps
 
-    args = dict(parse_engine_args(cfg.engine_args))
-    degree = int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
-    if degree > 1:
-        raise ConfigError(f"--target-ranks with --target-engine {cfg.target_engine}: each target rank's engine runs "
-                          f"on that rank's GPU; an engine over {degree} GPUs (tensor/pipeline parallel) is not placed "
-                          "by split jobs yet: run it colocated (--target-engine without --target-ranks, the user "
-                          "placing it) or build a cache with `dflash-prep extract`")
+    place = gpus.for_job(cfg, torch.cuda.device_count()).engine if device.type == "cuda" else None
     return engine_taps(cfg, ds, layer_ids, final=final, identity=target_identity(cfg.options.target), device=device,
-                       rank=rank, heads=False)
+                       rank=rank, heads=False, gpus=place)
