@@ -168,13 +168,17 @@ TRAIN_CPU_ARGS ?= --device cpu --max-steps 50
 TORCHRUN_ARGS ?= --standalone
 ARGS ?=
 # --target-ranks K in ARGS (docs/target-ranks.md): on GPUs the K target ranks take K of the local
-# GPUs (pack for the rest); on CPU the job is K + 2 processes. TRAIN_NPROC overrides the count
-# (e.g. when K comes from a --config file).
+# GPUs, or K*t with --engine-arg tensor_parallel_size=T (x pipeline_parallel_size) = t GPUs per
+# engine (pack for the rest: one GPU per drafter rank); on CPU the job is K + 2 processes.
+# TRAIN_NPROC overrides the count (e.g. when K comes from a --config file).
 TRAIN_NPROC ?=
 train: venv
 	@ngpu=$$($(BIN)/python -c "import torch; print(torch.cuda.device_count())"); \
 	k=$$(echo " $(ARGS) " | sed -n 's/.* --target-ranks[ =]\([0-9][0-9]*\) .*/\1/p'); k=$${k:-0}; \
-	if [ "$$ngpu" -gt 0 ]; then nproc=$$ngpu; extra=""; else nproc=$$((2 + k)); extra="$(TRAIN_CPU_ARGS)"; fi; \
+	tp=$$(echo " $(ARGS) " | sed -n 's/.* --engine-arg[ =]tensor_parallel_size=\([0-9][0-9]*\) .*/\1/p'); \
+	pp=$$(echo " $(ARGS) " | sed -n 's/.* --engine-arg[ =]pipeline_parallel_size=\([0-9][0-9]*\) .*/\1/p'); \
+	t=$$(( $${tp:-1} * $${pp:-1} )); \
+	if [ "$$ngpu" -gt 0 ]; then nproc=$$((ngpu - k * (t - 1))); extra=""; else nproc=$$((2 + k)); extra="$(TRAIN_CPU_ARGS)"; fi; \
 	nproc=$${TRAIN_NPROC:-$$nproc}; \
 	echo "train: $$nproc process(es) ($$([ "$$ngpu" -gt 0 ] && echo "NCCL, $$ngpu GPU(s)" || echo "gloo, CPU"))$$([ "$$k" -gt 0 ] && echo ", $$k of them target ranks")"; \
 	$(BIN)/python -m dflash_prep.train.launch $(TORCHRUN_ARGS) --nproc_per_node $$nproc -m dflash_prep.train --data $(TRAIN_DATA) --plan $(TRAIN_PLAN) \
