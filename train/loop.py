@@ -56,7 +56,7 @@ from dflash_prep.train.lr import Schedule
 from dflash_prep.train.objectives import build_objective, serve_target
 from dflash_prep.train.objectives.registry import get as trainer_spec
 from dflash_prep.train.optim import build_optimizer
-from dflash_prep.train.runlog import FORMAT_VERSION, SUMMARY_FORMAT, RunLog, check_run_folder, finite
+from dflash_prep.train.runlog import FORMAT_VERSION, SUMMARY_FORMAT, TARGET_SUMMARY_FORMAT, RunLog, check_run_folder, finite
 from dflash_prep.train.source import tokenizer_field
 from dflash_prep.tokenize.thinking import dataset_serving_mode
 
@@ -195,7 +195,11 @@ def train(cfg: TrainConfig, *, source=None, dist_ctx: distributed.Dist | None = 
             handshake.begin()
             split.prepare(cfg, place, source)
             if place.is_target:
-                return serve_target(cfg, place, job, source)
+                summary = serve_target(cfg, place, job, source)
+                Path(cfg.out).mkdir(parents=True, exist_ok=True)
+                atomic_write_json(Path(cfg.out) / f"target-rank{place.rank}.json", finite(summary),
+                                  format=TARGET_SUMMARY_FORMAT, version=FORMAT_VERSION)
+                return summary
             d = place.dist
         out = Path(cfg.out)
         if not d.is_main:

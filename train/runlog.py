@@ -18,6 +18,8 @@ from dflash_prep.train import checkpoint as ckpt
 
 LOG_FORMAT = "dflash-prep/train-log"
 SUMMARY_FORMAT = "dflash-prep/train-summary"
+TARGET_SUMMARY_FORMAT = "dflash-prep/train-target-summary"
+"""``OUT/target-rank<global rank>.json``: a split job's target rank's summary (what it printed)."""
 FORMAT_VERSION = 1
 
 

@@ -84,6 +84,9 @@ def test_one_target_rank_two_drafters_equal_the_colocated_run(runs):
     assert target["role"] == "target" and target["steps"] == STEPS and target["served"] == [0, 1]
     import json
 
+    written = json.loads((runs["split"] / "target-rank0.json").read_text())   # what it returned (and printed)
+    assert (written.pop("format"), written.pop("version")) == ("dflash-prep/train-target-summary", 1)
+    assert written == json.loads(json.dumps(target))
     s = json.loads((runs["split"] / "summary.json").read_text())
     assert s["bottleneck"] in ("target", "drafter") and 1 <= s["suggested_target_ranks"] <= 2
     assert (s["target_ranks"], s["drafter_ranks"], s["world_size"]) == (1, 2, 2)
