@@ -26,7 +26,10 @@ a run cut short keeps everything it measured. Steps, correctness first:
 8. ``engine-dflash2`` (:mod:`bench.engine_dflash2`): a DFlash2 export served by vLLM (its V2 model
    runner: GPU only) where vLLM is installed; where it is not (the GPU machine today), a record
    saying so, in a second. With vLLM it needs about two minutes: ``--steps engine-dflash2`` runs it
-   alone when the steps before it leave less.
+   alone when the steps before it leave less;
+9. ``engine-target-ranks`` (:mod:`bench.engine_target_ranks`): the real trainer with the target in
+   vLLM on a target rank feeding two drafter ranks (``--target-engine vllm --target-ranks 1``):
+   tokens/s and MiB/s on the link; like step 8, ``not run`` where vLLM is not installed.
 
 Before the steps, :func:`import_check` records, in this process, where the names of the
 repository's top-level folders resolve (``kernels``, ``train``, ``bench``, ``tests``: never to the
@@ -34,10 +37,10 @@ checkout, whose code is ``dflash_prep.*`` only) and whether ``transformers`` imp
 there fails the run at once (``--check-imports`` runs only this).
 
 The limits (seconds) of the first seven add up to :data:`TOTAL_S`; a step gets at most what is
-left of it (the engine step, last, gets the time the others did not use). A
+left of it (the engine steps, last, get the time the others did not use). A
 step's exit status, time, whether it was cut, and the files it wrote are recorded; the
 summary's ``passed`` is true when every step that ran exited 0. A step with nothing to check on
-this machine (the engine step without vLLM) exits :data:`NOT_RUN` and is recorded as ``not run``
+this machine (an engine step without vLLM) exits :data:`NOT_RUN` and is recorded as ``not run``
 (``passed: null``, listed in ``not_run``): never counted as passed, nor as a failure. ``--smoke`` passes ``--smoke`` to each
 step (CPU, Triton interpreter) under generous limits: it proves the path runs, not the speed.
 """
@@ -84,6 +87,7 @@ STEPS = (
     Step("drafter-variants", "dflash_prep.bench.drafter_variants_gpu", ("--steps", "5", "--warmup", "2", "--n", "1500"), 40),
     Step("target-workers", "dflash_prep.bench.target_workers_gpu", ("--timeout-s", "28"), 35),
     Step("engine-dflash2", "dflash_prep.bench.engine_dflash2", ("--timeout-s", "150"), 240),
+    Step("engine-target-ranks", "dflash_prep.bench.engine_target_ranks", ("--timeout-s", "150"), 200),
 )
 SMOKE_LIMIT_S = 900.0
 

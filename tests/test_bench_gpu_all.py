@@ -50,10 +50,10 @@ def test_gpu_entry_point_runs_every_step_on_cpu_without_datasets(tmp_path):
                            format="dflash-prep/gpu-all", versions=(1,))
     assert [s["name"] for s in summary["steps"]] == ["checks", "attention-causal", "attention-dflash", "attention-ttt",
                                                      "drafter-training", "drafter-variants", "target-workers",
-                                                     "engine-dflash2"]
+                                                     "engine-dflash2", "engine-target-ranks"]
     assert summary["smoke"] is True and summary["passed"] is True
     for s in summary["steps"]:
-        ok = (0, NOT_RUN) if s["name"] == "engine-dflash2" else (0,)  # the engine step: not run without vLLM
+        ok = (0, NOT_RUN) if s["name"].startswith("engine-") else (0,)  # the engine steps: not run without vLLM
         assert s["returncode"] in ok and not s["timed_out"] and s["files"], s
         assert "datasets" not in logs[f"{s['name']}.log"], logs[f"{s['name']}.log"]
     checks = json.loads((out / "checks" / "gpu_checks.json").read_text())
@@ -73,7 +73,9 @@ def test_gpu_entry_point_runs_every_step_on_cpu_without_datasets(tmp_path):
     step = next(s for s in summary["steps"] if s["name"] == "engine-dflash2")
     # without vLLM the step is recorded as not run: not passed, not failed, listed apart
     assert (step["status"], step["passed"]) == (("passed", True) if engine["status"] == "smoke" else ("not run", None))
-    assert summary["not_run"] == ([] if engine["status"] == "smoke" else ["engine-dflash2"])
+    ranks = json.loads((out / "engine-target-ranks" / "engine_target_ranks.json").read_text())
+    assert ranks["status"] == engine["status"]                     # the same engine found, or none
+    assert summary["not_run"] == ([] if engine["status"] == "smoke" else ["engine-dflash2", "engine-target-ranks"])
 
 
 def test_gpu_entry_point_runs_the_chosen_steps_only(tmp_path):

