@@ -88,7 +88,7 @@ demo: venv
 DEMO_DFLASH ?= demo-dflash
 OBJECTIVE ?= dflash
 ENGINE_EVAL ?= auto
-demo-dflash: venv $(if $(filter 0,$(ENGINE_EVAL)),,venv-vllm)
+demo-dflash: venv $(if $(filter vllm,$(TARGET_ENGINE)),venv-vllm,$(if $(filter 0,$(ENGINE_EVAL)),,venv-vllm))
 	DEMO_DFLASH=$(DEMO_DFLASH) OBJECTIVE=$(OBJECTIVE) ENGINE_EVAL=$(ENGINE_EVAL) PY=$(BIN)/python bash train/recipes/demo_dflash.sh
 
 # make test: the suite but for four marked sets, each run by a target of its own: `slow` (full-size

@@ -21,6 +21,8 @@
 # a torchrun job of K target processes + DRAFTER_RANKS drafter processes, docs/target-ranks.md),
 # DRAFTER_RANKS (drafter processes, default 1 with or without TARGET_RANKS, so that TARGET_RANKS
 # changes only where the target runs, not the data plan; the manifests are packed for it).
+# TARGET_ENGINE (hf: the transformers target; vllm: the DFlash drafter's target in vLLM, beside each
+# drafter rank or on the target ranks, one document an engine call, fp32: docs/target-ranks.md).
 # ENGINE_EVAL (auto: step 10 runs where vLLM is installed; 1: require it; 0: skip), BENCH (its shipped
 # prompt sets) and BENCH_N (prompts from each).
 # OBJECTIVE (dflash | dflash2: DFlash2 warm-started from the DFlash drafter for DRAFT2_STEPS steps,
@@ -58,6 +60,12 @@ TTT_STEPS=${TTT_STEPS:-7}
 EAGLE3_TAPS=${EAGLE3_TAPS:-"0 1 2"}
 case "$OBJECTIVE" in dflash|dflash2|eagle3) ;; *) echo "error: OBJECTIVE must be dflash, dflash2 or eagle3, got $OBJECTIVE" >&2; exit 1;; esac
 DRAFTER_RANKS=${DRAFTER_RANKS:-1}
+TARGET_ENGINE=${TARGET_ENGINE:-hf}
+case "$TARGET_ENGINE" in
+    hf) ENGINE_FLAGS="" ;;
+    vllm) ENGINE_FLAGS="--target-engine vllm --engine-tokens 1 --engine-arg dtype=float32" ;;
+    *) echo "error: TARGET_ENGINE must be hf or vllm, got $TARGET_ENGINE" >&2; exit 1 ;;
+esac
 ENGINE_EVAL=${ENGINE_EVAL:-auto}
 BENCH=${BENCH:-gsm8k,humaneval,mt-bench}
 BENCH_N=${BENCH_N:-8}
@@ -146,13 +154,13 @@ if [ $(( TARGET_RANKS + DRAFTER_RANKS )) -gt 1 ]; then   # one gloo job: K targe
         -m dflash_prep.train --device cpu --no-progress --target-ranks $TARGET_RANKS"
 fi
 if [ "$OBJECTIVE" != "eagle3" ]; then
-step "6. train the drafter on the frozen target ($DRAFT_LAYERS layer(s), B = $B, $DRAFT_STEPS steps, $DRAFTER_RANKS drafter process(es), $TARGET_RANKS target process(es))"
+step "6. train the drafter on the frozen target ($DRAFT_LAYERS layer(s), B = $B, $DRAFT_STEPS steps, $DRAFTER_RANKS drafter process(es), $TARGET_RANKS target process(es), target in $TARGET_ENGINE)"
 # the demo's small settings, passed explicitly: the trainer's dflash defaults are the full recipe
 # (B = 16, 5 draft layers, sliding window 2048, D-PACE, Muon), sized for a real target
 $DRAFT_TRAIN --objective dflash --target "$OUT/target" --draft-layers "$DRAFT_LAYERS" --block-size "$B" \
     --data "$DATA" --plan "$PLAN" --manifests "$MANIFESTS" --out "$OUT/drafter-run" \
     --epochs "$DRAFT_EPOCHS" --max-steps "$DRAFT_STEPS" --lr 3e-3 --warmup-steps 5 --max-anchors "$MAX_ANCHORS" \
-    --slot-weights "$SLOT_WEIGHTS" --loss "$LOSS" --optimizer "$OPTIMIZER" --sliding-window "$WINDOW"
+    --slot-weights "$SLOT_WEIGHTS" --loss "$LOSS" --optimizer "$OPTIMIZER" --sliding-window "$WINDOW" $ENGINE_FLAGS
 
 step "7. export it in the public DFlash format: $OUT/drafter"
 $PY -m dflash_prep.train.export "$OUT/drafter-run" --out "$OUT/drafter" --overwrite
