@@ -223,12 +223,14 @@ PYEOF
 # 10. the drafter served by vLLM, per benchmark: the table and picture users judge drafters by.
 # On this tiny target it checks the plumbing only: a target trained for minutes on a synthetic corpus
 # says nothing about a real drafter's tau on these benchmarks.
+SKIP_WHY="ENGINE_EVAL=0"
 if [ "$ENGINE_EVAL" = auto ]; then
-    if $PY -c "from dflash_prep.engine.env import engine_python; engine_python('vllm')" 2>/dev/null; then ENGINE_EVAL=1; else ENGINE_EVAL=0; fi
+    if $PY -c "from dflash_prep.engine.env import engine_python; engine_python('vllm')" 2>/dev/null; then ENGINE_EVAL=1; else
+        ENGINE_EVAL=0 SKIP_WHY="no vLLM (make venv-vllm, or ENGINE_EVAL=1 to require it)"; fi
 fi
 if [ "$ENGINE_EVAL" = 1 ] && [ "$OBJECTIVE" = dflash2 ] && ! $PY -c "from dflash_prep.engine.env import engine_version; import sys; sys.exit(0 if '+cpu' not in engine_version('vllm') else 1)" 2>/dev/null; then
     echo "(step 10 skipped: vLLM serves DFlash2 only on its V2 model runner, on a GPU; this vLLM build is CPU-only)"
-    ENGINE_EVAL=0
+    ENGINE_EVAL=0 SKIP_WHY="DFlash2 needs vLLM's V2 runner (GPU)"
 fi
 if [ "$ENGINE_EVAL" = 1 ]; then
     step "10. vLLM per benchmark ($BENCH, $BENCH_N prompts each, and the held-out set): $OUT/eval-bench.{json,md,png}"
@@ -238,6 +240,6 @@ if [ "$ENGINE_EVAL" = 1 ]; then
         --save-prompts "$OUT/eval-bench-prompts"
 else
     echo
-    echo "(step 10, vLLM per benchmark, skipped: no vLLM (make venv-vllm, or ENGINE_EVAL=1 to require it))"
+    echo "(step 10, vLLM per benchmark, skipped: $SKIP_WHY)"
 fi
 step "done: $OUT/target, $OUT/drafter, $OUT/eval.json$([ "$ENGINE_EVAL" = 1 ] && echo ", $OUT/eval-bench.{json,md,png}")"
