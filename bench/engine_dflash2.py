@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_prep.formats.fileio import atomic_write_json
+from dflash_prep.bench.gpu_all import finish_step
 
 FORMAT = "dflash-prep/bench-engine-dflash2"
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +82,7 @@ def plugin_site(folder: Path) -> Path:
     return folder
 
 
-def _cuda() -> str | None:
+def cuda_name() -> str | None:
     try:
         import torch
     except ImportError:
@@ -99,7 +99,7 @@ JSON and the engines' logs go to ``out``); the record (module docstring)."""
     target = build_target(work)
     export = build_exports(work, target, kinds=("dflash2",))["dflash2"]
     python, version = find_engine()
-    rec = dict(cuda=_cuda(), vllm=version if python else None, vllm_python=str(python) if python else None,
+    rec = dict(cuda=cuda_name(), vllm=version if python else None, vllm_python=str(python) if python else None,
                export={"architecture": json.loads((export / "config.json").read_text())["architectures"][0],
                        "built_s": round(time.monotonic() - t0, 1)})
     if python is None:
@@ -141,13 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="engine-dflash2-") as tmp:  # the models stay out of $OUT
         rec = run(Path(tmp), a.out, smoke=a.smoke, timeout_s=a.timeout_s, dtype=a.dtype)
-    atomic_write_json(a.out / "engine_dflash2.json", rec, format=FORMAT, version=1)
-    print(json.dumps(rec, indent=1))
-    if rec["passed"] is None:
-        from dflash_prep.bench.gpu_all import NOT_RUN
-
-        return NOT_RUN
-    return 0 if rec["passed"] else 1
+    return finish_step(a.out / "engine_dflash2.json", rec, format=FORMAT)
 
 
 if __name__ == "__main__":

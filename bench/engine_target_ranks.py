@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_prep.formats.fileio import atomic_write_json
+from dflash_prep.bench.gpu_all import finish_step
 
 FORMAT = "dflash-prep/bench-engine-target-ranks"
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,10 +86,10 @@ def link_tokens(manifests: Path, steps: int) -> int:
 
 def run(work: Path, out: Path, *, smoke: bool, steps: int, timeout_s: float) -> dict:
     """Build, find vLLM, train (module docstring); the record."""
-    from dflash_prep.bench.engine_dflash2 import _cuda, find_engine
+    from dflash_prep.bench.engine_dflash2 import cuda_name, find_engine
 
     python, version = find_engine()
-    cuda = _cuda()
+    cuda = cuda_name()
     rec = dict(cuda=cuda, vllm=version if python else None, vllm_python=str(python) if python else None,
                drafter_ranks=DRAFTERS, target_ranks=1)
     if python is None:
@@ -165,13 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="engine-target-ranks-") as tmp:  # the models stay out of $OUT
         rec = run(Path(tmp), a.out, smoke=a.smoke, steps=a.steps, timeout_s=a.timeout_s)
-    atomic_write_json(a.out / "engine_target_ranks.json", rec, format=FORMAT, version=1)
-    print(json.dumps(rec, indent=1))
-    if rec["passed"] is None:
-        from dflash_prep.bench.gpu_all import NOT_RUN
-
-        return NOT_RUN
-    return 0 if rec["passed"] else 1
+    return finish_step(a.out / "engine_target_ranks.json", rec, format=FORMAT)
 
 
 if __name__ == "__main__":

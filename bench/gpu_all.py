@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_prep.bare_name import origin
+from dflash_prep.formats.fileio import atomic_write_json
 
 FORMAT = "dflash-prep/gpu-all"
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,6 +119,17 @@ def import_check() -> dict:
     passed = (not shadowed and all(o and _inside(o, ROOT) for o in ours.values())
               and transformers in ("ok", "not installed"))
     return dict(bare=bare, shadowed=shadowed, ours=ours, transformers=transformers, passed=passed)
+
+
+def finish_step(path: Path, rec: dict, *, format: str) -> int:
+    """A step module's last act: ``rec`` written to ``path`` (``format`` v1, atomically), printed,
+    and the step's exit status: :data:`NOT_RUN` when nothing was checked (``passed`` None), else 0
+    or 1 as ``passed`` says."""
+    atomic_write_json(path, rec, format=format, version=1)
+    print(json.dumps(rec, indent=1))
+    if rec["passed"] is None:
+        return NOT_RUN
+    return 0 if rec["passed"] else 1
 
 
 def _write(path: Path, report: dict) -> None:

@@ -49,14 +49,6 @@ class Dist:
         return self.world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
-def uses_cuda(device: str = "auto") -> bool:
-    """Whether ``--device`` puts this process on a GPU (``cuda``, or ``auto`` with one visible)."""
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for but torch sees no CUDA GPU; use --device cpu")
-    return use_cuda
-
-
 def setup(device: str = "auto", cuda_index=None) -> Dist:
     """Join the torchrun job (if any) and pick the device: ``cuda:LOCAL_RANK``, or
     ``cuda:cuda_index(torch's GPU count)`` when given (a split job's layout,
@@ -64,7 +56,9 @@ def setup(device: str = "auto", cuda_index=None) -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = uses_cuda(device)
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but torch sees no CUDA GPU; use --device cpu")
     if use_cuda:
         index = local if cuda_index is None else int(cuda_index(torch.cuda.device_count()))
         torch.cuda.set_device(index)

@@ -67,13 +67,13 @@ def engine_devices(device: torch.device, engine_args: dict, visible: str | None 
     the engine is parallel (``tensor_parallel_size`` or ``pipeline_parallel_size`` > 1: the user
     places it, with ``CUDA_VISIBLE_DEVICES`` set for the job). ``visible``: the job's own list
     (default: the environment's)."""
-    from dflash_prep.train.split.gpus import engine_visible
+    from dflash_prep.train.split.gpus import engine_degree, engine_visible
 
     if device.type != "cuda":
         return {}
     if gpus:
         return {"CUDA_VISIBLE_DEVICES": engine_visible(tuple(gpus), visible)}
-    if int(engine_args.get("tensor_parallel_size", 1)) * int(engine_args.get("pipeline_parallel_size", 1)) > 1:
+    if engine_degree(engine_args) > 1:
         return {}
     i = torch.cuda.current_device() if device.index is None else int(device.index)
     return {"CUDA_VISIBLE_DEVICES": engine_visible((i,), visible)}

@@ -64,10 +64,13 @@ def node_gpus(*, rank: int, local_rank: int, local_world: int, target_ranks: int
 def per_target(cfg) -> int:
     """GPUs one target rank's target takes: its engine's ``tensor_parallel_size x
     pipeline_parallel_size`` (``--engine-arg``), 1 for the transformers target."""
-    if cfg.target_engine == BUILTIN:
-        return 1
-    args = dict(parse_engine_args(cfg.engine_args))
-    return int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
+    return 1 if cfg.target_engine == BUILTIN else engine_degree(dict(parse_engine_args(cfg.engine_args)))
+
+
+def engine_degree(engine_args: dict) -> int:
+    """GPUs one engine of ``--engine-arg``s ``engine_args`` spans: ``tensor_parallel_size x
+    pipeline_parallel_size``."""
+    return int(engine_args.get("tensor_parallel_size", 1)) * int(engine_args.get("pipeline_parallel_size", 1))
 
 
 def for_job(cfg, count: int, env=os.environ) -> NodeGpus:
