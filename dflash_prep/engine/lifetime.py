@@ -21,9 +21,11 @@ through :func:`spawn`, which gives it three guards:
    forked exits, so an engine started from another thread is left to the watchdog alone.
 3. **Handlers for SIGTERM and SIGINT in the driver** while at least one engine lives (installed
    from the main thread, the previous ones restored when the last engine stops): the signal stops
-   every live engine's group as in 1., SIGKILL after ``GRACE_S`` (not :meth:`Engine.stop`'s 20 s:
-   nested drivers, a trainer over its evaluation over a vLLM server, would otherwise each wait the
-   full 20 s for a server that hangs in its shutdown), then goes to the handler that was there before. SIGTERM's
+   every live engine's group as in 1., SIGKILL after ``GRACE_S`` at the top and ``GRACE_S / (1 +
+   level)`` in a driver that is itself an engine (:func:`signal_grace_s`; not :meth:`Engine.stop`'s
+   20 s: nested drivers, a trainer over its evaluation over a vLLM server, would otherwise each wait
+   the full 20 s for a server that hangs in its shutdown, and an inner one must be done before the
+   outer one's grace ends), then goes to the handler that was there before. SIGTERM's
    default then ends the driver with the signal (exit status 143 in a shell, -15 to a parent),
    SIGINT's raises ``KeyboardInterrupt`` (the CLI exits 130; the trainer keeps its checkpoint).
 
@@ -50,6 +52,25 @@ LAUNCHER = Path(launcher.__file__).resolve()
 GRACE_S = 5.0
 """Seconds the watchdog gives the group after SIGTERM before SIGKILL, when the driver is gone (no
 one waits for a clean shutdown then; the engine gets the time to release its device)."""
+LEVEL_VAR = "DFLASH_PREP_ENGINE_LEVEL"
+"""How deep in a chain of drivers this process is (unset: 0, the top; :func:`spawn` gives each engine
+its driver's level + 1)."""
+
+
+def _level() -> int:
+    try:
+        return max(0, int(os.environ.get(LEVEL_VAR, "0")))
+    except ValueError:
+        return 0
+
+
+def signal_grace_s() -> float:
+    """Seconds this driver's signal handler gives its engines before SIGKILL: ``GRACE_S`` at the top,
+    ``GRACE_S / (1 + level)`` below, so that a driver that is itself an engine (a trainer's
+    evaluation, driving a vLLM server) has stopped its own engines before its driver's grace ends."""
+    return GRACE_S / (1 + _level())
+
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """The driver's signals that stop its engines before they take effect."""
 
@@ -95,8 +116,10 @@ class Engine:
         self.command = [str(c) for c in cmd]
         self._on_stop: list = []
         self._lock = threading.RLock()                 # reentrant: the signal handler may run inside stop()
+        env = dict(popen.pop("env", None) or os.environ)
+        env[LEVEL_VAR] = str(_level() + 1)             # its own signal grace (signal_grace_s)
         try:
-            self.proc = subprocess.Popen(argv, pass_fds=(read, *pass_fds), start_new_session=True, **popen)
+            self.proc = subprocess.Popen(argv, pass_fds=(read, *pass_fds), start_new_session=True, env=env, **popen)
         except Exception:
             os.close(self._lifeline)
             raise
@@ -188,7 +211,7 @@ def _on_signal(signum: int, frame) -> None:
             os.killpg(e.pid, signal.SIGTERM)
     for e in reversed(live):
         try:
-            e.stop(timeout_s=GRACE_S)   # a signal wants the driver gone: the watchdog's grace, not stop()'s 20 s
+            e.stop(timeout_s=signal_grace_s())   # a signal wants the driver gone: not stop()'s 20 s
         except Exception as err:  # noqa: BLE001 - one engine that will not die must not keep the others alive
             print(f"error: {err}", file=sys.stderr, flush=True)
     with _STATE:

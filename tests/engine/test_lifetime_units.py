@@ -175,9 +175,10 @@ NESTED = ("import os, sys, time\n"
 
 
 def test_a_signal_stops_nested_engines_within_the_grace_not_twenty_seconds(tmp_path):
-    """SIGTERM to the outer driver: its handler gives the middle one ``GRACE_S``, the middle one gives
-    the hung innermost ``GRACE_S``; the driver is gone in about that and the whole tree well inside
-    the 20 s each plain ``stop()`` allows (before, the outer waited out 20 s, then the watchdog 5 more)."""
+    """SIGTERM to the outer driver: its handler gives the middle one ``GRACE_S``, the middle one (an
+    engine itself) gives the hung innermost ``GRACE_S / 2``, so the middle one is done first and the
+    driver ends only once the whole tree is gone, in about 3 s, well inside the 20 s each plain
+    ``stop()`` allows (before, the outer waited out 20 s, then the watchdog 5 more)."""
     code = NESTED.format(code="")
     code = NESTED.format(code=code)                 # the middle driver's source holds the innermost one's
     pids = tmp_path / "pids.txt"
@@ -196,6 +197,7 @@ def test_a_signal_stops_nested_engines_within_the_grace_not_twenty_seconds(tmp_p
         os.kill(outer, signal.SIGTERM)
         assert p.wait(timeout=30) == -signal.SIGTERM
         exit_s = time.monotonic() - t0
+        assert not _alive(tree), "the driver ended before its nested engines"   # the middle one's grace is shorter
         gone_s = _gone_within(inner, tree, 20) + exit_s
         assert exit_s < 2 * lifetime.GRACE_S + 3, exit_s
         assert gone_s < 3 * lifetime.GRACE_S, gone_s
