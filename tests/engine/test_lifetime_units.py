@@ -19,14 +19,17 @@ import pytest
 from dflash_prep.engine import lifetime
 from dflash_prep.engine.lifetime import group_members, spawn
 
-# leader -> child (ignores SIGTERM) -> grandchild; each prints its pid; all sleep
+# leader -> child (ignores SIGTERM) -> grandchild; each makes a file named by its pid in the folder
+# argv[1] (not a line in one shared file: forks share its offset, and a loaded CI machine once ran two
+# lines together); all sleep
 TREE = ("import os, signal, sys, time\n"
+        "def here(): open(os.path.join(sys.argv[1], str(os.getpid())), 'w').close()\n"
         "if os.fork() == 0:\n"
         "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         "    if os.fork() == 0:\n"
-        "        print(os.getpid(), flush=True); time.sleep(600)\n"
-        "    print(os.getpid(), flush=True); time.sleep(600)\n"
-        "print(os.getpid(), flush=True); time.sleep(600)\n")
+        "        here(); time.sleep(600)\n"
+        "    here(); time.sleep(600)\n"
+        "here(); time.sleep(600)\n")
 
 DRIVER = ("import json, os, sys, threading, time\n"
           "from dflash_prep.engine.lifetime import spawn\n"
@@ -34,7 +37,7 @@ DRIVER = ("import json, os, sys, threading, time\n"
           "code = {tree!r}\n"
           "box = {{}}\n"
           "def start():\n"
-          "    box['e'] = spawn([sys.executable, '-c', code], grace_s=2.0, stdout=open(out, 'w'))\n"
+          "    box['e'] = spawn([sys.executable, '-c', code, out], grace_s=2.0)\n"
           "if where == 'thread':\n"
           "    t = threading.Thread(target=start); t.start(); t.join()   # the starting thread ends here\n"
           "else:\n"
@@ -51,18 +54,20 @@ def _alive(pids) -> list[int]:
 def _driver(tmp_path, where: str = "main"):
     """``(driver, engine group, its members)`` of a stand-in driver; whatever is left is killed after."""
     err = open(tmp_path / "driver.err", "w")
-    p = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path / "tree.txt"), where], stdout=subprocess.PIPE,
+    here = tmp_path / "tree"
+    here.mkdir()
+    p = subprocess.Popen([sys.executable, "-c", DRIVER, str(here), where], stdout=subprocess.PIPE,
                          stderr=err, text=True, start_new_session=True)
     err.close()
     pgid = json.loads(p.stdout.readline())["pid"]
     deadline = time.monotonic() + 60
-    while len((tmp_path / "tree.txt").read_text().split()) < 3:
+    while len(os.listdir(here)) < 3:
         assert time.monotonic() < deadline, (      # what there is to see if it ever fails (once in a loaded suite)
-            f"the stand-in engine did not start in 60 s: tree {(tmp_path / 'tree.txt').read_text().split()}, group "
+            f"the stand-in engine did not start in 60 s: tree {sorted(os.listdir(here))}, group "
             f"{group_members(pgid)}, driver {'alive' if p.poll() is None else p.returncode}, its stderr: "
             f"{(tmp_path / 'driver.err').read_text()[-1500:]}")
         time.sleep(0.05)
-    tree = [int(x) for x in (tmp_path / "tree.txt").read_text().split()]
+    tree = [int(x) for x in os.listdir(here)]
     members = group_members(pgid)
     assert set(tree) <= set(members) and len(members) == 4, (tree, members)   # + the watchdog
     try:
