@@ -128,6 +128,7 @@ def _shares(out: Path, num: int) -> list[list[int]]:
     return [nodes.node_share(nodes.shard_tokens(h["plan"], lens), i, num) for i in range(num)]
 
 
+@pytest.mark.jobs   # concurrent node processes (~20 s each): `make test-jobs` (and CI), not `make test`
 def test_two_concurrent_nodes_build_the_single_build_s_cache(data, tmp_path):
     single = _done(_node(data, tmp_path / "single"))
     assert single["complete"] and single["num_nodes"] == 1 and single["shards"] >= 4, single
@@ -149,6 +150,7 @@ def test_two_concurrent_nodes_build_the_single_build_s_cache(data, tmp_path):
     assert again["up_to_date"] and again["complete"]
 
 
+@pytest.mark.jobs   # concurrent node processes (~20 s each): `make test-jobs` (and CI), not `make test`
 def test_a_node_resumes_only_its_share_and_any_node_finishes(data, tmp_path):
     out = tmp_path / "cache"
     s0 = _done(_node(data, out, node_rank=0, num_nodes=2))
@@ -194,6 +196,7 @@ def test_a_node_resumes_only_its_share_and_any_node_finishes(data, tmp_path):
     fmt.verify_states(out)
 
 
+@pytest.mark.jobs   # concurrent node processes (~20 s each): `make test-jobs` (and CI), not `make test`
 def test_nodes_of_other_options_and_overlapping_builds_are_refused(data, tmp_path):
     out = tmp_path / "cache"
     slow = _node(data, out, 60.0, node_rank=0, num_nodes=2)

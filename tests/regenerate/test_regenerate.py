@@ -171,6 +171,7 @@ def test_kill_midway_resume_equals_one_run(server, corpus, one_run, tmp_path, ta
     assert meta["counts"]["samples"] == total, meta["counts"]
 
 
+@pytest.mark.jobs   # a second server started and killed (~13 s): `make test-jobs` (and CI), not `make test`
 def test_two_servers_one_killed_midway_equals_one_run(server, corpus, one_run, tmp_path, capfd):
     """A second real ``transformers serve`` beside the session's, named first (so ties give it
     work); its process group SIGKILLed once a few records are written: its requests go to the
