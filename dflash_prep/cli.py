@@ -137,7 +137,7 @@ def tokenize_cmd(
     overwrite: Annotated[bool, typer.Option(help="Rebuild even if the output is up to date.")] = False,
     engine: Annotated[str, typer.Option(help="local (this machine's processes) or ray (a Ray cluster; byte-identical output; pip install 'dflash-prep[ray]').")] = "local",
     address: Annotated[Optional[str], typer.Option(help="--engine ray: the cluster, 'auto' (ray start on this machine) or HOST:PORT; default: a Ray started for this run.")] = None,
-    thinking: Annotated[str, typer.Option(help="Serving mode recorded in meta.json: auto (from regenerate's --reasoning per record), or on/off declared for data that does not say.")] = "auto",
+    thinking: Annotated[str, typer.Option(help="Serving mode recorded in meta.json: auto (from regenerate's --reasoning per record: keep is on where the answers hold a <think> block), or on/off declared for data that does not say.")] = "auto",
 ):
     """Tokenize a corpus into Arrow shards, lengths.npy and meta.json (ids and loss mask as transformers' chat template gives them)."""
     from dflash_prep.tokenize.chat import MaskOptions

@@ -7,9 +7,12 @@ the trainer carries it into the run, the export writes it into ``config.json`` a
 ``dflash-prep evaluate --thinking auto`` serves in it (:mod:`dflash_prep.engine.serving_mode`).
 
 Per record, from what ``dflash-prep regenerate`` wrote beside the messages
-(``regenerate.reasoning``, :data:`REASONING_MODES`): ``keep`` -> ``on`` (the target thought and
-the data keeps it), ``strip`` and ``disable`` -> ``off`` (the drafter learns answers without
-reasoning); a record without that field (or with a value this version does not know) ->
+(``regenerate.reasoning``, :data:`REASONING_MODES`): ``strip`` and ``disable`` -> ``off`` (the
+drafter learns answers without reasoning); ``keep`` -> ``on`` when a turn the target wrote
+(``regenerate.turns[].message``) holds a ``<think>`` block (or the end or start of one: a template
+may open it in the prompt, ``--max-tokens`` may cut it), else ``off``: ``keep`` is the default, and
+a target that does not think, or thinks only when asked and was not, wrote answers without
+reasoning; a record without that field (or with a value this version does not know) ->
 ``unknown``. Only records that produced samples are counted (a skipped or dropped one trains
 nothing). The dataset's mode under ``--thinking auto``: ``on`` or ``off`` when every record that
 says is of that mode (records that do not say are counted, not decisive), ``mixed`` when both
@@ -29,8 +32,12 @@ THINKING = ("auto", "on", "off")
 """``tokenize --thinking``: auto (from the records) or a declared mode."""
 MODES = ("on", "off", "mixed", "unknown")
 """The dataset modes ``serving_mode.thinking`` takes."""
-REASONING_MODES = {"keep": "on", "strip": "off", "disable": "off"}
-"""``regenerate --reasoning`` -> the mode its answers were written in."""
+REASONING_MODES = {"keep": None, "strip": "off", "disable": "off"}
+"""``regenerate --reasoning`` -> the mode its answers were written in (None: the answers say,
+:func:`record_mode`)."""
+THINK_MARKS = ("<think>", "</think>")
+"""What marks reasoning kept in an answer: ``regenerate --reasoning keep`` puts reasoning a server
+returns apart back as a leading ``<think>`` block."""
 SOURCE_RECORDS = "records (regenerate --reasoning)"
 SOURCE_NONE = "no record says (no regenerate --reasoning field)"
 SOURCE_FLAG = "--thinking"
@@ -41,7 +48,25 @@ def record_mode(record: dict) -> str:
     """``on``, ``off`` or ``unknown``: the mode one input record's answers were written in."""
     regen = record.get("regenerate")
     reasoning = regen.get("reasoning") if isinstance(regen, dict) else None
-    return REASONING_MODES.get(reasoning, "unknown") if isinstance(reasoning, str) else "unknown"
+    if not isinstance(reasoning, str) or reasoning not in REASONING_MODES:
+        return "unknown"
+    if reasoning != "keep":
+        return REASONING_MODES[reasoning]
+    return "on" if any(m in text for text in _written(record, regen) for m in THINK_MARKS) else "off"
+
+
+def _written(record: dict, regen: dict) -> list[str]:
+    """The text of the turns the target wrote (``regenerate.turns[].message``); every assistant
+    turn's where the record does not say which."""
+    msgs = record.get("messages")
+    if not isinstance(msgs, list):
+        return []
+    turns = regen.get("turns")
+    idx = [t.get("message") for t in turns if isinstance(t, dict)] if isinstance(turns, list) else []
+    picked = [msgs[i] for i in idx if isinstance(i, int) and 0 <= i < len(msgs)]
+    if not picked:
+        picked = [m for m in msgs if isinstance(m, dict) and m.get("role") == "assistant"]
+    return [m["content"] for m in picked if isinstance(m, dict) and isinstance(m.get("content"), str)]
 
 
 def zero_counts() -> dict[str, int]:
@@ -59,10 +84,11 @@ def serving_mode(counts: dict[str, int], *, declared: str, template_sha256: str 
     if declared != "auto":
         other = "off" if declared == "on" else "on"
         if counts[other]:
-            how = "keep (answers with reasoning)" if other == "on" else "strip or disable (answers without reasoning)"
-            raise ConfigError(f"--thinking {declared} contradicts the data: {counts[other]} record(s) were regenerated "
-                              f"with --reasoning {how}; drop --thinking (auto reads the records) or pass "
-                              f"--thinking {other}")
+            how = ("hold answers with reasoning (regenerate --reasoning keep, a <think> block kept)" if other == "on"
+                   else "hold answers without reasoning (regenerate --reasoning strip or disable, or keep on a "
+                        "target that wrote none)")
+            raise ConfigError(f"--thinking {declared} contradicts the data: {counts[other]} record(s) {how}; "
+                              f"drop --thinking (auto reads the records) or pass --thinking {other}")
         mode, source = declared, SOURCE_FLAG
     elif on and off:
         mode, source = "mixed", SOURCE_RECORDS

@@ -25,10 +25,14 @@ THINKING_TEMPLATE = ("{% for m in messages %}<|{{m.role}}|>{{m.content}}{% endfo
                      "{% endif %}{% endif %}")
 
 
-def _regenerated(reasoning: str | None, chats=CHATS) -> list[dict]:
-    """Records the way ``dflash-prep regenerate`` writes them (None: a record it did not write)."""
+def _regenerated(reasoning: str | None, chats=CHATS, *, thought: bool = True) -> list[dict]:
+    """Records the way ``dflash-prep regenerate`` writes them (None: a record it did not write); under
+    ``keep`` with ``thought``, the written turn opens with the target's ``<think>`` block."""
     out = []
     for i, c in enumerate(chats):
+        if reasoning == "keep" and thought:
+            c = [dict(m, content=f"<think>\nstep {i}\n</think>\n\n{m['content']}") if j == 1 else m
+                 for j, m in enumerate(c)]
         r = {"messages": c}
         if reasoning is not None:
             r["regenerate"] = {"record": i, "source": {"path": "in.jsonl", "row": i}, "target": {"model": "t"},
@@ -59,6 +63,14 @@ def test_regenerate_reasoning_gives_the_mode(tmp_path, reasoning, mode):
                   "counts": {"on": n if mode == "on" else 0, "off": n if mode == "off" else 0, "unknown": 0},
                   "chat_template_sha256": _byte_template_sha()}
     assert sm["chat_template_sha256"] == meta["tokenizer"]["chat_template"]["sha256"]
+
+
+def test_keep_on_a_target_that_wrote_no_reasoning_is_off(tmp_path):
+    """``keep`` is the default: answers without any ``<think>`` block were written without reasoning."""
+    sm = _run(tmp_path, _regenerated("keep", thought=False))["serving_mode"]
+    assert sm["thinking"] == "off" and sm["counts"] == {"on": 0, "off": len(CHATS), "unknown": 0}
+    with pytest.raises(ConfigError, match="or keep on a target that wrote none"):
+        _run(tmp_path, _regenerated("keep", thought=False), name="b", thinking="on")
 
 
 def test_records_without_regenerate_are_unknown(tmp_path):
@@ -139,7 +151,23 @@ def test_chat_template_is_hashed_with_the_one_function(tmp_path):
 
 
 def test_record_mode_of_odd_records():
-    assert record_mode({"regenerate": {"reasoning": "keep"}}) == "on"
+    thought = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>\nplan\n</think>\n\nA."}]
+    plain = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "A."}]
+    keep = {"reasoning": "keep", "turns": [{"message": 1}]}
+    assert record_mode({"messages": thought, "regenerate": keep}) == "on"
+    assert record_mode({"messages": plain, "regenerate": keep}) == "off"
+    # the template opened the block in the prompt; --max-tokens cut one: either mark is reasoning
+    for text in ("plan\n</think>\n\nA.", "<think>\nplan that was cu"):
+        msgs = [plain[0], {"role": "assistant", "content": text}]
+        assert record_mode({"messages": msgs, "regenerate": keep}) == "on"
+    # only the turns the target wrote count; a record that does not say which: every assistant turn
+    kept = [*thought, {"role": "user", "content": "q2"}, {"role": "assistant", "content": "B."}]
+    assert record_mode({"messages": kept, "regenerate": {"reasoning": "keep", "turns": [{"message": 3}]}}) == "off"
+    assert record_mode({"messages": kept, "regenerate": {"reasoning": "keep"}}) == "on"
+    assert record_mode({"messages": kept, "regenerate": {"reasoning": "keep", "turns": [{"message": 9}]}}) == "on"
+    assert record_mode({"regenerate": {"reasoning": "keep"}}) == "off"        # no messages: nothing thought
+    assert record_mode({"messages": "x", "regenerate": keep}) == "off"
+    assert record_mode({"messages": plain, "regenerate": {"reasoning": "strip", "turns": [{"message": 1}]}}) == "off"
     assert record_mode({"regenerate": {"reasoning": "later-version"}}) == "unknown"
     assert record_mode({"regenerate": None}) == "unknown"
     assert record_mode({"regenerate": "keep"}) == "unknown"
