@@ -133,8 +133,6 @@ def finish_step(path: Path, rec: dict, *, format: str) -> int:
 
 
 def _write(path: Path, report: dict) -> None:
-    from dflash_prep.formats.fileio import atomic_write_json
-
     atomic_write_json(path, report, format=FORMAT, version=1)
 
 

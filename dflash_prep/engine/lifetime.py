@@ -116,7 +116,8 @@ class Engine:
         self.command = [str(c) for c in cmd]
         self._on_stop: list = []
         self._lock = threading.RLock()                 # reentrant: the signal handler may run inside stop()
-        env = dict(popen.pop("env", None) or os.environ)
+        given = popen.pop("env", None)
+        env = dict(os.environ if given is None else given)
         env[LEVEL_VAR] = str(_level() + 1)             # its own signal grace (signal_grace_s)
         try:
             self.proc = subprocess.Popen(argv, pass_fds=(read, *pass_fds), start_new_session=True, env=env, **popen)
