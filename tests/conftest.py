@@ -9,6 +9,12 @@ process: a comparison that passed alone failed in the suite. So the baseline is 
 (one intra-op thread: the machine has 2 cores, and a fixed count makes CPU reductions reproducible),
 and after each test everything it changed is put back.
 
+Signals likewise: a shell starts a background job (``make test &`` in a script) with SIGINT
+ignored, and every process a test starts would inherit that, so a test that sends SIGINT to a
+command (Ctrl-C) would see it ignored. The suite puts Python's own SIGINT handler back once, so the
+commands it starts get SIGINT at its default as in a terminal; a test of an ignoring process sets
+that itself (tests/engine/test_lifetime_units.py).
+
 Machine dependence is a separate matter: which vector kernels ATen dispatches to follows the CPU
 (``ATEN_CPU_CAPABILITY=default|avx2|avx512`` picks one, docs/reliability.md#any-cpu), so float
 results are compared with stated bounds, never pinned as bits.
@@ -17,6 +23,7 @@ results are compared with stated bounds, never pinned as bits.
 from __future__ import annotations
 
 import random
+import signal
 
 import numpy as np
 import pytest
@@ -24,6 +31,8 @@ import torch
 
 BASELINE_THREADS = 1
 torch.set_num_threads(BASELINE_THREADS)
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:       # see the module doc
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _snapshot() -> dict:

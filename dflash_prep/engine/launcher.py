@@ -134,6 +134,8 @@ def _launch(argv: list[str]) -> int:
     os.close(lifeline)
     if pidfd is not None:
         os.close(pidfd)
+    for s in (signal.SIGTERM, signal.SIGINT):           # not an ignored one inherited from the driver
+        signal.signal(s, signal.SIG_DFL)
     try:
         os.execvp(cmd[0], cmd)
     except OSError as e:

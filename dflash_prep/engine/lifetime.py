@@ -28,6 +28,11 @@ through :func:`spawn`, which gives it three guards:
    outer one's grace ends), then goes to the handler that was there before. SIGTERM's
    default then ends the driver with the signal (exit status 143 in a shell, -15 to a parent),
    SIGINT's raises ``KeyboardInterrupt`` (the CLI exits 130; the trainer keeps its checkpoint).
+   A signal the driver ignores gets no handler (a shell starts a background job with SIGINT
+   ignored, ``nohup`` with SIGHUP): it ends nothing, so it stops no engine either, and the driver
+   goes on with its engines as it would without them. The engine itself starts with SIGTERM and
+   SIGINT at their defaults (the launcher resets them), whatever its driver inherited, so the
+   group's SIGTERM always reaches it.
 
 Measured (docs/engines.md#process-lifetime): the launcher adds one interpreter start (about 40 ms);
 a real vLLM server is gone within a few seconds of any of the three signals.
@@ -183,8 +188,9 @@ def _register(engine: Engine) -> None:
         if _PREVIOUS or not _main_thread():            # installed already, or cannot be from here
             return
         for s in SIGNALS:
-            _PREVIOUS[s] = signal.getsignal(s)
-            signal.signal(s, _on_signal)
+            _PREVIOUS[s] = previous = signal.getsignal(s)
+            if previous != signal.SIG_IGN:             # an ignored signal ends nothing: it stops no engine
+                signal.signal(s, _on_signal)
 
 
 def _unregister(engine: Engine) -> None:
@@ -219,8 +225,6 @@ def _on_signal(signum: int, frame) -> None:
         _restore()
     if prev is None:
         prev = signal.SIG_DFL
-    if prev == signal.SIG_IGN:
-        return
     if callable(prev):
         prev(signum, frame)                             # Python's SIGINT handler: KeyboardInterrupt
         return

@@ -31,9 +31,12 @@ TREE = ("import os, signal, sys, time\n"
         "    here(); time.sleep(600)\n"
         "here(); time.sleep(600)\n")
 
-DRIVER = ("import json, os, sys, threading, time\n"
+# the driver's SIGINT as argv[3] says, not as this suite was started with (a shell's background job
+# starts with SIGINT ignored, and a driver inherits that)
+DRIVER = ("import json, os, signal, sys, threading, time\n"
           "from dflash_prep.engine.lifetime import spawn\n"
           "out = sys.argv[1]; where = sys.argv[2]\n"
+          "signal.signal(signal.SIGINT, signal.SIG_IGN if sys.argv[3] == 'ignored' else signal.default_int_handler)\n"
           "code = {tree!r}\n"
           "box = {{}}\n"
           "def start():\n"
@@ -51,12 +54,13 @@ def _alive(pids) -> list[int]:
 
 
 @contextlib.contextmanager
-def _driver(tmp_path, where: str = "main"):
-    """``(driver, engine group, its members)`` of a stand-in driver; whatever is left is killed after."""
+def _driver(tmp_path, where: str = "main", sigint: str = "default"):
+    """``(driver, engine group, its members)`` of a stand-in driver whose SIGINT is ``default``
+    (Python's, as in a terminal) or ``ignored``; whatever is left is killed after."""
     err = open(tmp_path / "driver.err", "w")
     here = tmp_path / "tree"
     here.mkdir()
-    p = subprocess.Popen([sys.executable, "-c", DRIVER, str(here), where], stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-c", DRIVER, str(here), where, sigint], stdout=subprocess.PIPE,
                          stderr=err, text=True, start_new_session=True)
     err.close()
     pgid = json.loads(p.stdout.readline())["pid"]
@@ -77,6 +81,25 @@ def _driver(tmp_path, where: str = "main"):
             p.kill()
         for q in _alive(members):
             os.kill(q, signal.SIGKILL)
+
+
+def _ignores(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` ignores ``sig`` (the SigIgn mask of /proc/PID/status)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    raise AssertionError(f"no SigIgn line for {pid}")
+
+
+@contextlib.contextmanager
+def _sigint(handler):
+    """This process's SIGINT set to ``handler`` for the block, whatever this suite was started with."""
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def _gone_within(pgid: int, pids: list[int], seconds: float) -> float:
@@ -100,6 +123,22 @@ def test_a_killed_driver_leaves_no_engine_process(tmp_path, sig, rc):
         _gone_within(pgid, members, 20)
 
 
+def test_a_driver_that_ignores_sigint_keeps_its_engine_through_it(tmp_path):
+    """A shell starts a background job with SIGINT ignored: SIGINT ends neither that driver nor its
+    engine (it had stopped the engine and left the driver running without it); SIGTERM still stops
+    both. The engine does not inherit the ignored SIGINT."""
+    with _driver(tmp_path, sigint="ignored") as (p, pgid, members):
+        assert _ignores(p.pid, signal.SIGINT) and not _ignores(pgid, signal.SIGINT)
+        os.kill(p.pid, signal.SIGINT)
+        time.sleep(1.0)
+        assert p.poll() is None, "SIGINT ended a driver that ignores it"
+        assert len(_alive(members)) == 4, "SIGINT, which the driver ignores, stopped its engine"
+        os.kill(p.pid, signal.SIGTERM)
+        assert p.wait(timeout=30) == -signal.SIGTERM
+        assert not _alive(members), "the driver ended before its engine was gone"
+        _gone_within(pgid, members, 20)
+
+
 def test_an_engine_started_from_a_thread_outlives_that_thread_not_the_driver(tmp_path):
     """Linux's parent-death signal fires when the forking *thread* ends: from another thread it is
     not set, the engine lives on after that thread, and the watchdog still stops it with the driver."""
@@ -111,13 +150,18 @@ def test_an_engine_started_from_a_thread_outlives_that_thread_not_the_driver(tmp
         _gone_within(pgid, members, 20)
 
 
-def test_the_handlers_live_as_long_as_the_engine(tmp_path):
-    before = {s: signal.getsignal(s) for s in lifetime.SIGNALS}
-    with spawn([sys.executable, "-c", "import time; time.sleep(60)"]) as e:
-        assert all(signal.getsignal(s) is lifetime._on_signal for s in lifetime.SIGNALS)
-        assert group_members(e.pid)
-    assert {s: signal.getsignal(s) for s in lifetime.SIGNALS} == before
-    assert not group_members(e.pid) and e.poll() == -signal.SIGTERM
+@pytest.mark.parametrize("sigint", [signal.default_int_handler, signal.SIG_IGN], ids=["sigint", "sigint-ignored"])
+def test_the_handlers_live_as_long_as_the_engine(tmp_path, sigint):
+    """Ours for each signal while the engine lives, but for one this process ignores; then the ones
+    that were there before."""
+    with _sigint(sigint):
+        before = {s: signal.getsignal(s) for s in lifetime.SIGNALS}
+        with spawn([sys.executable, "-c", "import time; time.sleep(60)"]) as e:
+            assert signal.getsignal(signal.SIGTERM) is lifetime._on_signal
+            assert signal.getsignal(signal.SIGINT) is (lifetime._on_signal if sigint is not signal.SIG_IGN else sigint)
+            assert group_members(e.pid)
+        assert {s: signal.getsignal(s) for s in lifetime.SIGNALS} == before
+        assert not group_members(e.pid) and e.poll() == -signal.SIGTERM
 
 
 def test_an_engine_that_ends_takes_its_orphans_with_it(tmp_path):
