@@ -29,8 +29,8 @@ through :func:`spawn`, which gives it three guards:
    default then ends the driver with the signal (exit status 143 in a shell, -15 to a parent),
    SIGINT's raises ``KeyboardInterrupt`` (the CLI exits 130; the trainer keeps its checkpoint).
    A signal the driver ignores gets no handler (a shell starts a background job with SIGINT
-   ignored, ``nohup`` with SIGHUP): it ends nothing, so it stops no engine either, and the driver
-   goes on with its engines as it would without them. The engine itself starts with SIGTERM and
+   ignored): it ends nothing, so it stops no engine either, and the driver goes on with its
+   engines. The engine itself starts with SIGTERM and
    SIGINT at their defaults (the launcher resets them), whatever its driver inherited, so the
    group's SIGTERM always reaches it.
 
