@@ -30,9 +30,8 @@ through :func:`spawn`, which gives it three guards:
    SIGINT's raises ``KeyboardInterrupt`` (the CLI exits 130; the trainer keeps its checkpoint).
    A signal the driver ignores gets no handler (a shell starts a background job with SIGINT
    ignored): it ends nothing, so it stops no engine either, and the driver goes on with its
-   engines. The engine itself starts with SIGTERM and
-   SIGINT at their defaults (the launcher resets them), whatever its driver inherited, so the
-   group's SIGTERM always reaches it.
+   engines. The engine itself starts with SIGTERM and SIGINT at their defaults (the launcher
+   resets them), whatever its driver inherited, so the group's SIGTERM always reaches it.
 
 Measured (docs/engines.md#process-lifetime): the launcher adds one interpreter start (about 40 ms);
 a real vLLM server is gone within a few seconds of any of the three signals.
