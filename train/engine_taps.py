@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_prep import objectives
 from dflash_prep.engine.extract import ExtractConfig, parse_engine_args
 from dflash_prep.engine.states_stream import StatesStream
 from dflash_prep.errors import DflashError, FormatError
@@ -117,9 +118,10 @@ def engine_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torc
     else:
         embed = head = None
         read_target_config(o.target)                        # a bad target still fails in seconds
+    chosen = objectives.get(cfg.objective).fixed_states is None    # the final state is there under --loss kl
     xc = ExtractConfig(data=Path(cfg.data), target=Path(o.target), out=out, objective=cfg.objective,
                        target_layer_ids=tuple(sorted(set(int(t) for t in layer_ids))),
-                       loss="kl" if final and cfg.objective != "eagle3" else "ce", dtype=cfg.states_dtype,
+                       loss="kl" if final and chosen else "ce", dtype=cfg.states_dtype,
                        batch_tokens=cfg.engine_tokens, engine_args=parse_engine_args(cfg.engine_args),
                        timeout_s=cfg.target_timeout, engine=cfg.target_engine)
     stream = StatesStream(xc, identity=identity, log=out / f"engine-rank{rank}.log", timeout_s=cfg.target_timeout,

@@ -2,9 +2,11 @@
 cache (:mod:`dflash_prep.formats.states`) that the trainer reads every epoch instead of running
 the target (``--target-engine vllm --states CACHE``).
 
-What is extracted is what the trainer would tap (:func:`dflash_prep.objectives.target_taps.states_need`):
-DFlash and DFlash2 the layers of ``--draft-layers`` (or ``--target-layer-ids``), plus the final
-hidden state under ``--loss kl``; EAGLE-3 its three taps and the final hidden state.
+What is extracted is what the trainer would tap, as the objective's registration says
+(:meth:`dflash_prep.objectives.base.DataObjective.states_need`, rules in
+:mod:`dflash_prep.objectives.target_taps`): DFlash and DFlash2 the layers of ``--draft-layers``
+(or ``--target-layer-ids``), plus the final hidden state under ``--loss kl``; EAGLE-3 its three
+taps and the final hidden state.
 
 This process (the main venv) reads the dataset, plans the shards, and drives one engine-side
 worker (:mod:`.states_worker`, started with the engine's python, :mod:`.env`) over a pipe:
@@ -41,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_prep import objectives
 from dflash_prep.engine import backends, nodes
 from dflash_prep.engine.env import engine_python, engine_version
 from dflash_prep.engine.worker_pipe import Worker, engine_shim
@@ -50,8 +53,7 @@ from dflash_prep.formats.dataset import LENGTHS_FILE, open_dataset, read_meta
 from dflash_prep.formats.fileio import atomic_create_json, atomic_write_json, follow_link, load_npy
 from dflash_prep.formats.outputs import check_out
 from dflash_prep.formats.target import load_tokenizer, read_target_config, target_identity
-from dflash_prep.objectives.dflash import RECIPE_DRAFT_LAYERS
-from dflash_prep.objectives.target_taps import DRAFTER_OBJECTIVES, extract_command, states_need, vllm_layer_id
+from dflash_prep.objectives.target_taps import extract_command, vllm_layer_id
 from dflash_prep.progress import progress as progress_bar
 from dflash_prep.tokenize.identity import check_tokenizer
 
@@ -125,13 +127,14 @@ class ExtractConfig:
         if self.overwrite and self.num_nodes > 1:
             raise ConfigError("--overwrite with --num-nodes > 1: one node cannot replace a cache the other nodes are "
                               "filling; delete the old cache first (or choose another --out), then start every node")
-        if self.objective not in DRAFTER_OBJECTIVES:
-            raise ConfigError(f"--objective must be one of {', '.join(DRAFTER_OBJECTIVES)}, got {self.objective!r}")
+        if self.objective not in objectives.state_readers():
+            raise ConfigError(f"--objective must be one of {', '.join(objectives.state_readers())}, got "
+                              f"{self.objective!r}")
         if self.dtype not in fmt.DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(fmt.DTYPES)}, got {self.dtype!r}")
-        if self.objective == "eagle3" and (self.draft_layers is not None or self.loss != "ce"):
-            raise ConfigError("--draft-layers and --loss are DFlash's; EAGLE-3 always reads its three taps and the "
-                              "final hidden state")
+        fixed = objectives.get(self.objective).fixed_states
+        if fixed is not None and (self.draft_layers is not None or self.loss != "ce"):
+            raise ConfigError(f"--draft-layers and --loss are DFlash's; {fixed}")
         if not self.shard_mb > 0 or self.batch_tokens < 1:
             raise ConfigError(f"--shard-mb must be > 0 and --batch-tokens >= 1, got {self.shard_mb} and "
                               f"{self.batch_tokens}")
@@ -188,8 +191,9 @@ def plan_cache(cfg: ExtractConfig, identity: dict | None = None) -> dict:
     if str(tc.get("model_type", "")).startswith("gemma"):
         raise ConfigError(f"{cfg.target}: {tc['model_type']} normalises with (1 + weight); the states cache applies a "
                           "Llama-style final norm (Qwen3, Llama, Mistral)")
-    draft = cfg.draft_layers if cfg.draft_layers is not None or cfg.objective == "eagle3" else RECIPE_DRAFT_LAYERS
-    need = states_need(cfg.objective, L, draft_layers=draft, target_layer_ids=cfg.target_layer_ids, loss=cfg.loss)
+    obj = objectives.get(cfg.objective)
+    draft = cfg.draft_layers if cfg.draft_layers is not None else obj.default_draft_layers
+    need = obj.states_need(L, draft_layers=draft, target_layer_ids=cfg.target_layer_ids, loss=cfg.loss)
     key = fmt.StatesKey(dataset_fingerprint=meta["fingerprint"], target_fingerprint=ident["target_fingerprint"],
                         taps=need.slots(), final=need.final, dtype=cfg.dtype, hidden=H)
     bpt = key.bytes_per_token()

@@ -71,9 +71,9 @@ def refusal(e: EngineError, *, export: Path, target: Path, method: Method, repor
     extra = ""
     if load is not None and load.get("error"):
         extra = f" (loading the draft: {load['error']})" if load["error"] not in str(e) else ""
-    if method.kind == "dflash2" and "Model Runner V1 does not support" in str(e):
-        return EngineError(f"{export}: a DFlash2 export needs vLLM's V2 model runner (Triton; GPU), which this "
-                           f"vLLM build does not run; engine: {e}")
+    if method.serving.v2_runner_only and "Model Runner V1 does not support" in str(e):
+        return EngineError(f"{export}: a {method.serving.label} export needs vLLM's V2 model runner (Triton; GPU), "
+                           f"which this vLLM build does not run; engine: {e}")
     causes = likely_causes(export, target, method)
     hint = f" [the export: {'; '.join(causes)}]" if causes else ""
     return EngineError(f"{export}: vLLM refused the export{extra}: {e}{hint}")
@@ -100,25 +100,4 @@ def likely_causes(export: Path, target: Path, method: Method) -> list[str]:
         L = int(json.loads((target / "config.json").read_text())["num_hidden_layers"])
     except (OSError, ValueError, KeyError, TypeError):
         return []
-    out = []
-    if method.kind == "eagle3":
-        ids = c.get("eagle_aux_hidden_state_layer_ids") or []
-        bad = [j for j in ids if not 1 <= int(j) <= L - 1]
-        if bad:
-            out.append(f"eagle_aux_hidden_state_layer_ids {ids} (vLLM: inputs of layers 1..{L - 1}) reach outside the "
-                       f"target's {L} layers")
-        shapes = safetensors_shapes(export / "model.safetensors")
-        vd = c.get("draft_vocab_size")
-        for name in ("d2t", "lm_head.weight"):
-            if name in shapes and vd is not None and shapes[name][:1] != [int(vd)]:
-                out.append(f"config.json draft_vocab_size {vd} but {name} has {shapes[name][0]} rows")
-    else:
-        ids = (c.get("dflash_config") or {}).get("target_layer_ids") or []
-        bad = [j for j in ids if not 0 <= int(j) < L]
-        if bad:
-            out.append(f"dflash_config.target_layer_ids {ids} reach outside the target's {L} layers (0..{L - 1})")
-        if len(set(map(int, ids))) < len(ids):
-            out.append(f"dflash_config.target_layer_ids {ids} repeat a layer: vLLM captures each layer once, so its "
-                       f"fc gets fewer features than the drafter was trained on (train with distinct "
-                       f"--target-layer-ids)")
-    return out
+    return method.serving.problems(c, L, lambda: safetensors_shapes(export / "model.safetensors"))

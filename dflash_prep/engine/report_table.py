@@ -56,7 +56,12 @@ def report_rows(res: dict) -> list[tuple[str, str]]:
     return rows
 
 
-_KIND = {"dflash": "DFlash", "dflash2": "DFlash2", "eagle3": "EAGLE-3"}
+def _kind(name: str) -> str:
+    """An export's kind as the table names it: its objective's ``Serving.label`` (the name when unknown)."""
+    from dflash_prep import objectives
+
+    o = next((o for o in objectives.served().values() if o.name == name), None)
+    return name if o is None else o.serving.label
 
 
 def _cell_tau(c: dict) -> str:
@@ -84,7 +89,7 @@ def markdown_table(res: dict) -> str:
              "| drafter | method | " + " | ".join(sets) + " | all |",
              "|---|---|" + "---:|" * (len(sets) + 1)]
     for e in res["exports"]:
-        lines.append(f"| {e['label']} | {_KIND.get(e['kind'], e['kind'])}, k = {e['num_speculative_tokens']} | "
+        lines.append(f"| {e['label']} | {_kind(e['kind'])}, k = {e['num_speculative_tokens']} | "
                      + " | ".join(_cell_tau(e["sets"][s]) for s in sets) + f" | {_f(e['vllm']['tau'], '.2f')} |")
     counts = ", ".join(f"{s['name']} {s['prompts']} prompts" + (f" ({s['conversations']} conversations)"
                                                                 if s["prompts"] != s["conversations"] else "")

@@ -10,7 +10,8 @@ the manifest header section follow from it. Importing this package registers all
 objective calls :func:`register` with its own instance.
 """
 
-from dflash_prep.objectives.base import DataObjective, get, names, of_header, register, registered
+from dflash_prep.objectives.base import (DataObjective, get, names, of_header, register, registered, served,
+                                         state_readers)
 from dflash_prep.objectives.dflash import DFlashObjective
 from dflash_prep.objectives.dflash2 import DFlash2Objective
 from dflash_prep.objectives.eagle3 import Eagle3Objective
@@ -21,4 +22,4 @@ register(DFlashObjective())
 register(DFlash2Objective())
 register(Eagle3Objective())
 
-__all__ = ["DataObjective", "get", "names", "of_header", "register", "registered"]
+__all__ = ["DataObjective", "get", "names", "of_header", "register", "registered", "served", "state_readers"]

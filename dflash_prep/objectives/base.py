@@ -128,6 +128,26 @@ class DataObjective:
         """``analyze``'s prediction of ``pack --objective NAME`` (None: nothing beyond the plan)."""
         return None
 
+    # --- a frozen target's hidden states (extract, the states cache, a target in an engine) ---
+    #: does it train on a frozen target's hidden states (``dflash-prep extract --objective NAME``)?
+    reads_states = False
+    #: what it always reads of the target, in words (EAGLE-3: its three taps and the final state),
+    #: when ``--draft-layers`` and ``--loss`` do not choose it; None: they do (DFlash)
+    fixed_states: str | None = None
+    #: the draft layers whose taps a states cache holds when ``extract --draft-layers`` is unset
+    default_draft_layers: int | None = None
+
+    def states_need(self, num_target_layers: int, *, draft_layers: int | None = None, target_layer_ids=(),
+                    loss: str = "ce"):
+        """What it reads of an ``L``-layer target, a :class:`~.target_taps.StatesNeed`
+        (:mod:`.target_taps` has the rules); only an objective that :attr:`reads_states` has one."""
+        raise ConfigError(f"--objective {self.name} reads no target hidden states; one of "
+                          f"{', '.join(state_readers())} does")
+
+    # --- its exports in an inference engine (dflash-prep evaluate) --------------------------------
+    #: how an engine serves its exports (:class:`~.serving.Serving`; None: none is served as a drafter)
+    serving = None
+
 
 def register(objective: DataObjective) -> DataObjective:
     """Make ``objective`` findable by ``objective.name`` (a second one of a name replaces it)."""
@@ -148,6 +168,16 @@ def names() -> tuple[str, ...]:
 def registered() -> tuple["DataObjective", ...]:
     """Every registered objective, in registration order."""
     return tuple(_REGISTRY.values())
+
+
+def state_readers() -> tuple[str, ...]:
+    """The objectives trained on a frozen target's hidden states, in registration order."""
+    return tuple(o.name for o in _REGISTRY.values() if o.reads_states)
+
+
+def served() -> dict[str, "DataObjective"]:
+    """Export architecture -> the objective whose exports declare it (those an engine serves)."""
+    return {o.serving.architecture: o for o in _REGISTRY.values() if o.serving is not None}
 
 
 def of_header(header: dict) -> DataObjective:

@@ -56,7 +56,8 @@ from dflash_prep.objectives.dflash_anchors import EpochAnchors, differing_rows, 
 from dflash_prep.objectives.drafter_cost import (DrafterCostModel, cost_model_of_record, cost_shares, sample_cost,
                                                  step_flops)
 from dflash_prep.objectives.options import PACK, Flag, option
-from dflash_prep.objectives.target_taps import states_estimate
+from dflash_prep.objectives.serving import Serving, block_problems
+from dflash_prep.objectives.target_taps import dflash_need, states_estimate
 from dflash_prep.pack import metrics, steps
 from dflash_prep.pack.batch_stats import row_sums, segment_sums
 from dflash_prep.pack.bucketing import SideLoads, pack_varlen
@@ -397,12 +398,19 @@ class DFlashObjective(DataObjective):
     summary_keys = ("useful_target_tokens", "useful_anchor_slots", "token_fill", "anchor_fill", "cost_fill",
                     "anchors", "anchor_budget", "microbatches", "rank_imbalance", "world_size", "anchor_cost_share")
     rank_cost_name = "drafter"
+    reads_states = True
+    default_draft_layers = RECIPE_DRAFT_LAYERS
+    serving = Serving("DFlashDraftModel", "DFlash", block_problems)
 
     def states_estimate(self, options, tokens: int) -> str | None:
         cm = getattr(options, "cost_model", None)
         if cm is None:
             return None
         return states_estimate(self.name, cm.layers, cm.hidden, tokens, draft_layers=cm.draft_layers)
+
+    def states_need(self, num_target_layers, *, draft_layers=None, target_layer_ids=(), loss="ce"):
+        return dflash_need(self.name, num_target_layers, draft_layers=draft_layers, target_layer_ids=target_layer_ids,
+                           loss=loss)
 
     def check(self, layout, options) -> None:
         if layout == "padded":

@@ -28,10 +28,6 @@ from dataclasses import dataclass
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.states import bytes_per_token
 
-DRAFTER_OBJECTIVES = ("dflash", "dflash2", "eagle3")
-"""The objectives trained on a frozen target's hidden states."""
-
-
 def dflash_taps(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The target layers a DFlash drafter of ``num_draft_layers`` layers taps (module docstring)."""
     L, N = int(num_target_layers), int(num_draft_layers)
@@ -94,15 +90,24 @@ class StatesNeed:
 
 def states_need(objective: str, num_target_layers: int, *, draft_layers: int | None = None,
                 target_layer_ids=(), loss: str = "ce") -> StatesNeed:
-    """What ``objective`` reads of an ``L``-layer target (module docstring); ``draft_layers`` and
-    ``loss`` are DFlash's, ``target_layer_ids`` replaces the rule."""
+    """What ``objective`` reads of an ``L``-layer target (module docstring): its registration's
+    :meth:`~dflash_prep.objectives.base.DataObjective.states_need`; ``draft_layers`` and ``loss``
+    are DFlash's, ``target_layer_ids`` replaces the rule."""
+    from dflash_prep.objectives import base
+
+    if objective not in base.state_readers():
+        raise ConfigError(f"--objective {objective} reads no target hidden states; one of "
+                          f"{', '.join(base.state_readers())} does")
+    return base.get(objective).states_need(num_target_layers, draft_layers=draft_layers,
+                                           target_layer_ids=target_layer_ids, loss=loss)
+
+
+def dflash_need(objective: str, num_target_layers: int, *, draft_layers: int | None, target_layer_ids,
+                loss: str) -> StatesNeed:
+    """DFlash's and DFlash2's rule (module docstring): the taps of ``draft_layers`` (or
+    ``target_layer_ids``), the final hidden state under ``--loss kl``."""
     L = int(num_target_layers)
     given = tuple(int(i) for i in target_layer_ids)
-    if objective == "eagle3":
-        return StatesNeed(eagle3_taps(L, given), True)
-    if objective not in ("dflash", "dflash2"):
-        raise ConfigError(f"--objective {objective} reads no target hidden states; one of "
-                          f"{', '.join(DRAFTER_OBJECTIVES)} does")
     if loss not in ("ce", "kl"):
         raise ConfigError(f"--loss must be ce or kl, got {loss!r}")
     if draft_layers is None and not given:
@@ -145,12 +150,15 @@ def extract_command(*, data, target, out, objective: str, draft_layers: int | No
                     loss: str = "ce", dtype: str = "bf16") -> str:
     """The ``dflash-prep extract`` line that builds a cache for these settings (the trainer prints it
     when it refuses a cache)."""
+    from dflash_prep.objectives import base
+
+    chosen = base.get(objective).fixed_states is None      # --draft-layers and --loss choose its states
     parts = ["dflash-prep", "extract", str(data), "--target", str(target), "--objective", objective]
-    if objective != "eagle3" and draft_layers is not None and not target_layer_ids:
+    if chosen and draft_layers is not None and not target_layer_ids:
         parts += ["--draft-layers", str(draft_layers)]
     for i in target_layer_ids:
         parts += ["--target-layer-ids", str(i)]
-    if objective != "eagle3" and loss != "ce":
+    if chosen and loss != "ce":
         parts += ["--loss", loss]
     parts += ["--dtype", dtype, "--out", str(out)]
     return shlex.join(parts)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dflash_prep.errors import ConfigError
 from dflash_prep.objectives.dflash import DFlashObjective
 from dflash_prep.objectives.dflash2.options import DFlash2Options
+from dflash_prep.objectives.serving import Serving, block_problems
 
 
 class DFlash2Objective(DFlashObjective):
@@ -22,6 +23,7 @@ class DFlash2Objective(DFlashObjective):
 
     name = "dflash2"
     options_type = DFlash2Options
+    serving = Serving("DFlash2DraftModel", "DFlash2", block_problems, v2_runner_only=True)
 
     def check(self, layout, options) -> None:
         super().check(layout, options)

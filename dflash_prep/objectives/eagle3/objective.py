@@ -36,7 +36,8 @@ from dflash_prep.objectives.drafter_cost import Eagle3CostModel
 from dflash_prep.objectives.eagle3 import counts as counts_mod
 from dflash_prep.objectives.eagle3 import vocab_map
 from dflash_prep.objectives.eagle3.options import Eagle3Options
-from dflash_prep.objectives.target_taps import states_estimate
+from dflash_prep.objectives.serving import Serving
+from dflash_prep.objectives.target_taps import StatesNeed, eagle3_taps, states_estimate
 from dflash_prep.pack import bucketing, metrics, steps
 
 
@@ -65,6 +66,24 @@ def section(opts: Eagle3Options, inputs: Eagle3Inputs) -> dict:
             "vocab_coverage": vm.coverage, "cost_model": opts.step_cost_model().describe()}
 
 
+def export_problems(c: dict, L: int, shapes) -> list[str]:
+    """:attr:`~dflash_prep.objectives.serving.Serving.problems` of an EAGLE-3 export: its taps
+    (vLLM's ids, the inputs of layers 1..L-1) and its vocabulary map's rows (``d2t``, the head)
+    against ``draft_vocab_size``."""
+    out = []
+    ids = c.get("eagle_aux_hidden_state_layer_ids") or []
+    bad = [j for j in ids if not 1 <= int(j) <= L - 1]
+    if bad:
+        out.append(f"eagle_aux_hidden_state_layer_ids {ids} (vLLM: inputs of layers 1..{L - 1}) reach outside the "
+                   f"target's {L} layers")
+    rows = shapes()
+    vd = c.get("draft_vocab_size")
+    for name in ("d2t", "lm_head.weight"):
+        if name in rows and vd is not None and rows[name][:1] != [int(vd)]:
+            out.append(f"config.json draft_vocab_size {vd} but {name} has {rows[name][0]} rows")
+    return out
+
+
 class Eagle3Objective(DataObjective):
     """``pack --objective eagle3`` (module docstring)."""
 
@@ -73,6 +92,12 @@ class Eagle3Objective(DataObjective):
     options_type = Eagle3Options
     summary_keys = ("token_fill", "microbatches", "rank_imbalance", "world_size", "drafter_cost_share")
     rank_cost_name = "eagle3"
+    reads_states = True
+    fixed_states = "EAGLE-3 always reads its three taps and the final hidden state"
+    serving = Serving("LlamaForCausalLMEagle3", "EAGLE-3", export_problems, chain_k=7)
+
+    def states_need(self, num_target_layers, *, draft_layers=None, target_layer_ids=(), loss="ce"):
+        return StatesNeed(eagle3_taps(num_target_layers, tuple(int(i) for i in target_layer_ids)), True)
 
     def states_estimate(self, options, tokens: int) -> str | None:
         cm = getattr(options, "cost_model", None)
