@@ -1,9 +1,9 @@
 """One DFlash micro-batch as tensors: anchors -> blocks -> weights (docs/dflash.md).
 
 :func:`build_dflash_batch` turns a manifest micro-batch into a :class:`DFlashBatch` (steps 1-2
-of :mod:`dflash_prep.train.objectives.dflash.objective`'s docstring); :func:`anchor_spec` says
-how the anchors are drawn (a ``pack --objective dflash`` manifest's options win over the flags);
-:func:`default_gamma` and :func:`slot_weights` are the decay rule. A split job's target rank
+of :mod:`dflash_prep.train.objectives.dflash.objective`'s docstring), its anchors drawn as an
+:class:`~.options.AnchorSpec` says (:func:`~.options.anchor_spec`: the anchor options are declared
+in :mod:`.options`); :func:`default_gamma` and :func:`slot_weights` are the decay rule. A split job's target rank
 builds the same batches (:mod:`dflash_prep.train.split.worker`).
 """
 
@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dflash_prep.errors import ConfigError, FormatError
-from dflash_prep.objectives import options as opt_decl
-from dflash_prep.objectives.anchors import SAMPLER_VERSION, sample_anchors_batch
-from dflash_prep.objectives.dflash import DrafterOptions
+from dflash_prep.errors import FormatError
+from dflash_prep.objectives.anchors import sample_anchors_batch
 from dflash_prep.train.data import TensorBatch, read_documents
+from dflash_prep.train.objectives.dflash.options import AnchorSpec, anchor_spec
+
+__all__ = ["AnchorSpec", "DFlashBatch", "anchor_spec", "build_dflash_batch", "default_gamma", "slot_weights"]
 
 
 def default_gamma(block_size: int) -> float:
@@ -33,20 +34,6 @@ def slot_weights(block_size: int, gamma: float | None) -> np.ndarray:
     w = np.ones(block_size) if gamma is None else np.exp(-(r - 1.0) / float(gamma))
     w[0] = 0.0
     return w.astype(np.float32)
-
-
-@dataclass(frozen=True)
-class AnchorSpec:
-    """How anchors are drawn: part of the run contract."""
-
-    seed: int
-    max_anchors: int
-    policy: str
-    block_size: int
-
-    def to_dict(self) -> dict:
-        return {"seed": int(self.seed), "max_anchors": int(self.max_anchors), "policy": self.policy,
-                "block_size": int(self.block_size), "sampler_version": SAMPLER_VERSION}
 
 
 @dataclass
@@ -117,34 +104,3 @@ def build_dflash_batch(ds, mb, *, epoch: int, spec: AnchorSpec, gamma: float | N
     return DFlashBatch(step=int(mb.step), accum=int(mb.accum), sample_ids=sids, max_seqlen=int(lens.max()),
                        weight_sum=float(w.astype(np.float64).sum()), real_tokens=T, padded_tokens=T, n_anchors=N,
                        epoch=int(epoch), **t)
-
-
-def anchor_spec(cfg, manifest=None):
-    """``(AnchorSpec, where the seed came from)``: a ``pack --objective dflash`` manifest's anchor
-    options (its header's ``dflash``) win; a flag that contradicts them is refused, since the
-    manifest's anchor budgets and digest assume them. Otherwise the flags, with the defaults of
-    :class:`dflash_prep.objectives.dflash.DrafterOptions` (pack's), and ``--anchor-seed``
-    or else ``--seed``."""
-    header = getattr(manifest, "header", None) if manifest is not None else None
-    d = header.get("dflash") if isinstance(header, dict) else None
-    mine = cfg.options
-    if d is None:
-        seed = cfg.seed if mine.anchor_seed is None else mine.anchor_seed
-        where = "--seed (the manifests are not pack --objective dflash)" if mine.anchor_seed is None else "--anchor-seed"
-        o = DrafterOptions()                    # the pack defaults: one source
-        return AnchorSpec(seed=seed, max_anchors=mine.max_anchors or o.max_anchors,
-                          policy=mine.anchor_policy or o.anchor_policy,
-                          block_size=mine.block_size or mine.default_block_size), where
-    if int(d.get("sampler_version", -1)) != SAMPLER_VERSION:
-        raise ConfigError(f"manifest epoch {manifest.epoch} was packed with anchor sampler v{d.get('sampler_version')}, "
-                          f"this trainer draws with v{SAMPLER_VERSION}; re-pack it (`dflash-prep pack ... --overwrite`)")
-    o = opt_decl.from_header(DrafterOptions, d)
-    for flag, want, theirs in (("--block-size", mine.block_size, o.block_size),
-                               ("--max-anchors", mine.max_anchors, o.max_anchors),
-                               ("--anchor-policy", mine.anchor_policy, o.anchor_policy),
-                               ("--anchor-seed", mine.anchor_seed, o.anchor_seed)):
-        if want is not None and want != theirs:
-            raise ConfigError(f"{flag} {want} contradicts the manifest, packed with {theirs} (pack --objective "
-                              f"dflash); drop {flag} or re-pack with it")
-    return AnchorSpec(seed=int(o.anchor_seed), max_anchors=o.max_anchors, policy=o.anchor_policy,
-                      block_size=o.block_size), "the manifest"

@@ -9,6 +9,8 @@ class (:mod:`dflash_prep.train.objectives.dflash2.options`).
 
 What fixes a run beyond its data plan (the run contract, which resume checks) is the resolved
 value of these options: :meth:`~dflash_prep.train.objectives.dflash.objective.DFlashObjective.contract`.
+The anchor options (the fields of :data:`ANCHOR_OPTIONS`, pack's :class:`DrafterOptions` of the
+same names) resolve to an :class:`AnchorSpec` (:func:`anchor_spec`: a manifest's win).
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from dataclasses import dataclass
 from dflash_prep.errors import ConfigError
 from dflash_prep.objectives import anchors
 from dflash_prep.objectives.dflash import RECIPE_DRAFT_LAYERS, RECIPE_SLIDING_WINDOW, DrafterOptions
-from dflash_prep.objectives.options import TRAIN, option, shared_help
+from dflash_prep.objectives.options import TRAIN, from_header, option, shared_help
 
 SLOT_WEIGHTS = ("decay", "dpace")
 LOSSES = ("ce", "kl")
+ANCHOR_OPTIONS = ("block_size", "max_anchors", "anchor_policy", "anchor_seed")
+"""The fields that say how anchors are drawn: pack's (:class:`DrafterOptions`, recorded in the
+manifest header) and the trainer's of the same names (None: the manifest's)."""
 
 
 def _train(default, help: str, **kw):
@@ -94,3 +99,49 @@ class DFlashTrainOptions:
     @classmethod
     def objective_name(cls) -> str:
         return "dflash"
+
+
+@dataclass(frozen=True)
+class AnchorSpec:
+    """How anchors are drawn (:func:`dflash_prep.objectives.anchors.sample_anchors_batch`'s keys):
+    the anchor options resolved, part of the run contract."""
+
+    seed: int
+    max_anchors: int
+    policy: str
+    block_size: int
+
+    def to_dict(self) -> dict:
+        return {"seed": int(self.seed), "max_anchors": int(self.max_anchors), "policy": self.policy,
+                "block_size": int(self.block_size), "sampler_version": anchors.SAMPLER_VERSION}
+
+
+def anchor_spec(cfg, manifest=None):
+    """``(AnchorSpec, where the seed came from)``: a ``pack --objective dflash`` manifest's anchor
+    options (its header's ``dflash``) win; a flag that contradicts them is refused, since the
+    manifest's anchor budgets and digest assume them. Otherwise the flags, with the defaults of
+    :class:`dflash_prep.objectives.dflash.DrafterOptions` (pack's), and ``--anchor-seed``
+    or else ``--seed``."""
+    header = getattr(manifest, "header", None) if manifest is not None else None
+    d = header.get("dflash") if isinstance(header, dict) else None
+    mine = cfg.options
+    if d is None:
+        seed = cfg.seed if mine.anchor_seed is None else mine.anchor_seed
+        where = "--seed (the manifests are not pack --objective dflash)" if mine.anchor_seed is None else "--anchor-seed"
+        o = DrafterOptions()                    # the pack defaults: one source
+        return AnchorSpec(seed=seed, max_anchors=mine.max_anchors or o.max_anchors,
+                          policy=mine.anchor_policy or o.anchor_policy,
+                          block_size=mine.block_size or mine.default_block_size), where
+    if int(d.get("sampler_version", -1)) != anchors.SAMPLER_VERSION:
+        raise ConfigError(f"manifest epoch {manifest.epoch} was packed with anchor sampler v{d.get('sampler_version')}, "
+                          f"this trainer draws with v{anchors.SAMPLER_VERSION}; re-pack it "
+                          "(`dflash-prep pack ... --overwrite`)")
+    o = from_header(DrafterOptions, d)
+    for name in ANCHOR_OPTIONS:
+        want, theirs = getattr(mine, name), getattr(o, name)
+        if want is not None and want != theirs:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} {want} contradicts the manifest, packed with {theirs} (pack --objective "
+                              f"dflash); drop {flag} or re-pack with it")
+    return AnchorSpec(seed=int(o.anchor_seed), max_anchors=o.max_anchors, policy=o.anchor_policy,
+                      block_size=o.block_size), "the manifest"
