@@ -1,6 +1,7 @@
 """``dflash-prep evaluate``: exported drafters served by vLLM, with and without speculation, per prompt set.
 
-What it does, in order (:func:`evaluate_exports`); each step's own module says how:
+What it does, in order (:func:`evaluate_exports`; steps 1-3 are :func:`prepare`'s, 4-6 the engine
+runs of :mod:`dflash_prep.engine.evaluate_runs`); each step's own module says how:
 
 1. **Methods** (:mod:`dflash_prep.engine.method`): each export's ``architectures`` picks vLLM's
    method and ``k`` (``num_speculative_tokens``, ``B - 1`` for a DFlash drafter of block B). Exports
@@ -36,25 +37,20 @@ the JSON: ``<out stem>.md`` (tau per drafter and benchmark, the field's layout) 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
-from dflash_prep.engine.load_check import read_load_report, refusal, strict_load, strict_message
-from dflash_prep.engine.load_report import ENV_VAR as LOAD_REPORT_VAR
+from dflash_prep.engine.evaluate_runs import SPEEDUP_NOTE, run_base, run_export
 from dflash_prep.engine.method import Method, export_method
-from dflash_prep.engine.ours import compare_ours, decode_ours
 from dflash_prep.engine.prompt_sets import PromptSet, build_sets, save_prompts
 from dflash_prep.engine.prompts import target_tokenizer
 from dflash_prep.engine.report_plot import write_plot
 from dflash_prep.engine.report_table import markdown_table
 from dflash_prep.engine.serving_mode import mode_warnings, resolve_thinking
-from dflash_prep.engine.vllm_server import SpecCounters, VllmServer, is_cpu_build, vllm_server
-from dflash_prep.errors import ConfigError, EngineError
+from dflash_prep.errors import ConfigError
 from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json
 from dflash_prep.formats.target import read_target_config
 from dflash_prep.tokenize.identity import tokenizer_template_sha256
@@ -65,8 +61,9 @@ EVAL_VERSION = 2
 v1 was one export on one prompt file, its sections at the top level (:func:`cell` gives that shape)."""
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 THINKING = ("auto", "on", "off")
-SPEEDUP_NOTE = ("CPU and a toy target: per-step engine overhead dominates, so fewer steps look faster; this ratio says "
-                "nothing about serving on a GPU")
+
+__all__ = ["EVAL_FORMAT", "EVAL_VERSION", "SPEEDUP_NOTE", "EvaluateConfig", "Plan", "cell", "evaluate_export",
+           "evaluate_exports", "needed_model_len", "prepare"]
 
 
 @dataclass(frozen=True)
@@ -107,103 +104,6 @@ class EvaluateConfig:
         if self.max_prompts < 0 or self.n < 0 or self.timeout_s <= 0 or self.max_model_len < 0 \
                 or self.max_model_len == 1:
             raise ConfigError("--max-prompts and --n must be >= 0, --timeout > 0 and --max-model-len 0 (auto) or >= 2")
-
-
-# ----------------------------------------------------------------------------- decoding through vLLM
-def _settled(server: VllmServer, last: SpecCounters, *, tries: int = 20) -> SpecCounters:
-    """The counters once they stop moving: vLLM's front end records a step's spec-decode stats as
-    it processes that step's outputs, which may be just after the last response went out."""
-    now = server.metrics()
-    for _ in range(tries):
-        time.sleep(0.05)
-        again = server.metrics()
-        if again == now:
-            return now
-        now = again
-    return now
-
-
-def decode_all(server: VllmServer, prompts: list[list[int]], cfg: EvaluateConfig, *,
-               spec: bool, first_seed: int = 0) -> tuple[list[dict], SpecCounters]:
-    """Every prompt through ``/v1/completions``, one request at a time; per prompt: the new token
-    ids, seconds, the prompt echo check and (``spec``) the counters' deltas; and the counters'
-    delta over all of them. Prompt i is sampled with seed ``cfg.seed + first_seed + i``."""
-    rows = []
-    first = before = _settled(server, SpecCounters()) if spec else SpecCounters()
-    for i, ids in enumerate(prompts):
-        body = {"model": server.model, "prompt": ids, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
-                "seed": cfg.seed + first_seed + i, "return_token_ids": True}
-        t0 = time.perf_counter()
-        r = server.post("/v1/completions", body)
-        dt = time.perf_counter() - t0
-        try:
-            choice = r["choices"][0]
-            tokens = [int(t) for t in choice["token_ids"]]
-        except (KeyError, IndexError, TypeError, ValueError):
-            raise EngineError(f"vLLM's completion for prompt {i} has no token_ids (return_token_ids unsupported by "
-                              f"{server.version}?): {str(r)[:300]}") from None
-        echo = choice.get("prompt_token_ids") or r.get("prompt_token_ids")
-        row = {"prompt": i, "prompt_tokens": len(ids), "tokens": tokens, "finish_reason": choice.get("finish_reason"),
-               "seconds": dt, "same_prompt_tokens": None if echo is None else [int(t) for t in echo] == ids}
-        if spec:
-            after = _settled(server, before)
-            d = after - before
-            row["counters"] = d.to_dict()
-            row["tau"] = d.tau
-            before = after
-        rows.append(row)
-    return rows, before - first
-
-
-# ----------------------------------------------------------------------------- one engine
-@contextlib.contextmanager
-def _engine(target: Path, cfg: EvaluateConfig, logs: Path, *, method: Method | None, export: Path | None,
-            name: str) -> Iterator[tuple[VllmServer, dict | None]]:
-    """One engine for the run (``method`` None: without speculation): the server and, with
-    speculation, its load report, refused unless strict; the engine's own refusal of an export is
-    diagnosed (:func:`~dflash_prep.engine.load_check.refusal`)."""
-    spec_config = method.speculative_config(export) if method else None
-    report_file = logs / f"{name}.load-report.json"
-    report_file.unlink(missing_ok=True)
-    env = {LOAD_REPORT_VAR: str(report_file)} if method else {}
-    try:
-        with vllm_server(target, log=logs / f"{name}.log", speculative_config=spec_config, env=env,
-                         timeout_s=cfg.timeout_s, max_model_len=cfg.max_model_len, seed=cfg.seed, dtype=cfg.dtype,
-                         request_timeout_s=cfg.timeout_s) as server:
-            load = read_load_report(report_file, export) if method else None
-            if load is not None and not strict_load(load)["ok"]:
-                raise EngineError(strict_message(export, strict_load(load)))
-            yield server, load
-    except EngineError as e:
-        if method is None or str(e).startswith(f"{export}:"):
-            raise
-        raise refusal(e, export=export, target=target, method=method, report_file=report_file) from None
-
-
-def _facts(server: VllmServer) -> dict:
-    return {"version": server.version, "command": server.command, "start_s": server.start_s, "log": str(server.log)}
-
-
-def _tps(rows: list[dict]) -> float:
-    return sum(len(r["tokens"]) for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9)
-
-
-def compare_runs(spec_rows: list[dict], base_rows: list[dict], *, greedy: bool) -> tuple[list[dict], dict]:
-    """The report's ``per_prompt`` rows and its ``lossless`` section from the two engine runs on the
-    same prompts (:func:`decode_all`'s rows); nothing is claimed unless ``greedy``."""
-    per_prompt = []
-    for s, b in zip(spec_rows, base_rows):
-        same = s["tokens"] == b["tokens"]
-        mismatch = None if same else next((j for j, (x, y) in enumerate(zip(s["tokens"], b["tokens"])) if x != y),
-                                          min(len(s["tokens"]), len(b["tokens"])))
-        per_prompt.append({"prompt_tokens": s["prompt_tokens"], "new_tokens_spec": len(s["tokens"]),
-                           "new_tokens_base": len(b["tokens"]), "finish_reason": s["finish_reason"],
-                           "lossless": same if greedy else None, "first_mismatch": mismatch,
-                           "num_drafts": s["counters"]["num_drafts"],
-                           "num_accepted_tokens": s["counters"]["num_accepted_tokens"], "tau_vllm": s["tau"]})
-    n_equal = sum(p["lossless"] is True for p in per_prompt)
-    return per_prompt, {"checked": greedy, "equal": n_equal if greedy else None, "of": len(per_prompt),
-                        "ok": (n_equal == len(per_prompt)) if greedy else None}
 
 
 def needed_model_len(target: Path, sets: list[PromptSet], tokenizer, max_tokens: int,
@@ -323,6 +223,52 @@ def prepare(*, target: str | Path, exports: list[str | Path], benches: list[str]
                 warnings, notes)
 
 
+def _announce(plan: Plan, out: Path, say: Callable[[str], None]) -> Path:
+    """Say the plan's warnings, notes and shape; make the logs folder (``<out stem>.logs``), returned."""
+    for lines in plan.warnings.values():
+        for w in lines:
+            say(f"warning: {w}")
+    for n in plan.notes:
+        say(f"note: {n}")
+    logs = out.parent / f"{out.stem}.logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    cfg, sets = plan.cfg, plan.sets
+    say(f"evaluate: {len(plan.exports)} export(s) x {len(sets)} set(s) "
+        f"({', '.join(f'{s.name} {len(s.turns or s.ids)}' for s in sets)}), <= {cfg.max_tokens} new tokens, "
+        f"temperature {cfg.temperature:g}, thinking {plan.requested} ({plan.thinking_why}); logs: {logs}")
+    return logs
+
+
+def _report(plan: Plan, base_facts: dict, saved: list[str], runs: list[dict]) -> dict:
+    """The report's sections but its timings (module docstring)."""
+    cfg = plan.cfg
+    return {
+        "engine": {"name": "vllm", "version": base_facts["version"], "base": base_facts},
+        "target": {"path": str(plan.target), "chat_template_sha256": plan.template_sha},
+        "thinking": {"flag": cfg.thinking, "enable_thinking": plan.enable_thinking, "why": plan.thinking_why,
+                     "notes": plan.notes},
+        "prompts_sent_as": "token ids, /v1/completions",
+        "sets": [s.facts() for s in plan.sets],
+        "sampling": {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed},
+        "config": asdict(cfg),
+        "saved_prompts": saved,
+        "exports": runs,
+    }
+
+
+def _write(res: dict, out: Path, say: Callable[[str], None]) -> dict:
+    """Write the report ``out``, its table ``<out stem>.md`` and picture ``<out stem>.png``; the
+    report with its format and version."""
+    atomic_write_json(out, res, format=EVAL_FORMAT, version=EVAL_VERSION)
+    full = {"format": EVAL_FORMAT, "version": EVAL_VERSION, **res}
+    atomic_write_bytes(out.with_suffix(".md"), markdown_table(full).encode())
+    try:
+        write_plot(full, out.with_suffix(".png"))
+    except ImportError as e:              # matplotlib is a dependency, but a bare GPU image may lack it
+        say(f"note: no picture ({e}); the table is in {out.with_suffix('.md')}")
+    return full
+
+
 def evaluate_exports(*, target: str | Path, exports: list[str | Path], out: str | Path, benches: list[str] = (),
                      prompts: str | Path | None = None, save_prompts_dir: str | Path | None = None,
                      num_speculative_tokens: int | None = None, ours: bool = True,
@@ -337,131 +283,19 @@ def evaluate_exports(*, target: str | Path, exports: list[str | Path], out: str 
     out = Path(out)
     plan = prepare(target=target, exports=exports, benches=benches, prompts=prompts,
                    num_speculative_tokens=num_speculative_tokens, **config)
-    target, exports, methods, tok, sets, cfg = plan.target, plan.exports, plan.methods, plan.tokenizer, plan.sets, plan.cfg
-    enable_thinking, template_sha, warnings = plan.enable_thinking, plan.template_sha, plan.warnings
-    requested, thinking_why = plan.requested, plan.thinking_why
-    for lines in warnings.values():
-        for w in lines:
-            say(f"warning: {w}")
-    for n in plan.notes:
-        say(f"note: {n}")
-    logs = out.parent / f"{out.stem}.logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    greedy = cfg.temperature == 0
-    say(f"evaluate: {len(exports)} export(s) x {len(sets)} set(s) "
-        f"({', '.join(f'{s.name} {len(s.turns or s.ids)}' for s in sets)}), <= {cfg.max_tokens} new tokens, "
-        f"temperature {cfg.temperature:g}, thinking {requested} ({thinking_why}); logs: {logs}")
+    logs = _announce(plan, out, say)
     phases = {"prompts": time.monotonic() - t_start}
-
-    # the base engine: every set's first turns, then the second turns after the target's own answers
     t = time.monotonic()
-    base_rows: dict[str, list[dict]] = {}
-    say("engine without speculation: starting")
-    with _engine(target, cfg, logs, method=None, export=None, name="base") as (server, _):
-        base_facts = _facts(server)
-        say(f"engine without speculation: up in {server.start_s:.1f} s ({server.version})")
-        for s in sets:
-            rows, _ = decode_all(server, s.ids, cfg, spec=False)
-            if s.multi_turn:
-                second = s.add_second_turns(tok, [r["tokens"] for r in rows], enable_thinking)
-                over = max(len(p) for p in second) + cfg.max_tokens
-                if over > cfg.max_model_len:
-                    raise ConfigError(f"{s.name}: a second-turn prompt plus --max-tokens is {over} tokens, over "
-                                      f"--max-model-len {cfg.max_model_len}; raise it or lower --max-tokens")
-                more, _ = decode_all(server, second, cfg, spec=False, first_seed=len(rows))
-                rows += more
-            base_rows[s.name] = rows
-            say(f"  {s.name}: {len(rows)} prompts, {_tps(rows):.1f} tokens/s")
+    base_facts, base_rows = run_base(plan, logs, say)
     phases["base_engine"] = time.monotonic() - t
-    saved = [str(p) for p in save_prompts(sets, Path(save_prompts_dir))] if save_prompts_dir is not None else []
-
-    runs = []
-    for i, (export, method) in enumerate(zip(exports, methods)):
-        t = time.monotonic()
-        say(f"engine with {method.architecture} {export} (k = {method.k}): starting")
-        cells = {}
-        with _engine(target, cfg, logs, method=method, export=export,
-                     name="spec" if len(exports) == 1 else f"spec-{i + 1}") as (server, load):
-            spec_facts = _facts(server)
-            say(f"engine with speculation: up in {server.start_s:.1f} s, strict load: yes")
-            for s in sets:
-                rows, total = decode_all(server, s.ids, cfg, spec=True)
-                per_prompt, lossless = compare_runs(rows, base_rows[s.name], greedy=greedy)
-                echo = [r["same_prompt_tokens"] for r in rows + base_rows[s.name]]
-                cells[s.name] = {
-                    "lossless": lossless,
-                    "vllm": {"tau": total.tau, **total.to_dict(),
-                             "acceptance_per_position": total.acceptance_per_position()},
-                    "throughput": _throughput(rows, base_rows[s.name], spec_facts["version"]),
-                    "engine_saw_same_tokens": None if None in echo else all(echo),
-                    "ours": None, "per_prompt": per_prompt, "_total": total}
-                said = f"{lossless['equal']}/{lossless['of']}" if greedy else "not claimed"
-                say(f"  {s.name}: tau {_fmt(total.tau)}, lossless {said}")
-        phases[f"spec_engine_{i + 1}"] = time.monotonic() - t
-        t = time.monotonic()
-        if not ours:
-            for c in cells.values():
-                c["ours"] = {"skipped": "--no-ours"}
-        elif not greedy:
-            for c in cells.values():
-                c["ours"] = {"skipped": "temperature > 0: our evaluator decodes greedily"}
-        else:
-            say(f"our evaluator on {export}: {sum(len(s.ids) for s in sets)} prompts")
-            r = decode_ours(target, export, [p for s in sets for p in s.ids], k=method.k, max_tokens=cfg.max_tokens)
-            at = 0
-            for s in sets:
-                c = cells[s.name]
-                c["ours"] = compare_ours(r, r["per_prompt"][at:at + len(s.ids)], total=c["_total"],
-                                         per_prompt=c["per_prompt"])
-                at += len(s.ids)
-            phases[f"ours_{i + 1}"] = time.monotonic() - t
-        totals = [c.pop("_total") for c in cells.values()]
-        pooled = totals[0]
-        for t_ in totals[1:]:             # (starting from SpecCounters() would lose num_draft_tokens: None + n)
-            pooled = pooled + t_
-        runs.append({"label": _labels(exports)[i], "path": str(export), "architecture": method.architecture,
-                     "kind": method.kind, "block_size": method.block_size, "num_speculative_tokens": method.k,
-                     "speculative_config": method.speculative_config(export),
-                     "speculative_config_json": json.dumps(method.speculative_config(export), separators=(",", ":")),
-                     "engine": spec_facts, "strict_load": strict_load(load), "warnings": warnings[str(export)],
-                     "vllm": {"tau": pooled.tau, **pooled.to_dict(),
-                              "acceptance_per_position": pooled.acceptance_per_position()},
-                     "sets": cells})
-    res = {
-        "engine": {"name": "vllm", "version": base_facts["version"], "base": base_facts},
-        "target": {"path": str(target), "chat_template_sha256": template_sha},
-        "thinking": {"flag": cfg.thinking, "enable_thinking": enable_thinking, "why": thinking_why,
-                     "notes": plan.notes},
-        "prompts_sent_as": "token ids, /v1/completions",
-        "sets": [s.facts() for s in sets],
-        "sampling": {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed},
-        "config": asdict(cfg),
-        "saved_prompts": saved,
-        "exports": runs,
-    }
+    saved = [str(p) for p in save_prompts(plan.sets, Path(save_prompts_dir))] if save_prompts_dir is not None else []
+    labels = _labels(plan.exports)
+    runs = [run_export(plan, i, labels[i], base_rows, logs, phases, ours=ours, say=say)
+            for i in range(len(plan.exports))]
+    res = _report(plan, base_facts, saved, runs)
     res["seconds"] = round(time.monotonic() - t_start, 2)
     res["phases_s"] = {k: round(v, 2) for k, v in phases.items()}
-    atomic_write_json(out, res, format=EVAL_FORMAT, version=EVAL_VERSION)
-    full = {"format": EVAL_FORMAT, "version": EVAL_VERSION, **res}
-    atomic_write_bytes(out.with_suffix(".md"), markdown_table(full).encode())
-    try:
-        write_plot(full, out.with_suffix(".png"))
-    except ImportError as e:              # matplotlib is a dependency, but a bare GPU image may lack it
-        say(f"note: no picture ({e}); the table is in {out.with_suffix('.md')}")
-    return full
-
-
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"
-
-
-def _throughput(spec_rows: list[dict], base_rows: list[dict], version: str) -> dict:
-    spec_tps, base_tps = _tps(spec_rows), _tps(base_rows)
-    return {"spec_tokens_per_s": spec_tps, "base_tokens_per_s": base_tps,
-            "speedup": spec_tps / base_tps if base_tps else None,
-            "new_tokens_spec": sum(len(r["tokens"]) for r in spec_rows),
-            "new_tokens_base": sum(len(r["tokens"]) for r in base_rows),
-            "note": SPEEDUP_NOTE if is_cpu_build(version) else None}
+    return _write(res, out, say)
 
 
 def evaluate_export(*, target: str | Path, export: str | Path, prompts: str | Path, out: str | Path,
