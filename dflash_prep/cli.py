@@ -115,6 +115,21 @@ def synth_cmd(
                f"{s['target_tokens']:,} byte-level tokens ({s['profile']}, seed {s['seed']})")
 
 
+@command("prompts")
+def prompts_cmd(
+    out: Annotated[Path, typer.Option(help='JSONL to write: {"id", "messages": [{"role": "user", "content"}]} per line, what regenerate reads.')],
+    sets: Annotated[str, typer.Option("--set", help="shipped training-prompt sets, comma-separated, or 'all': train-math (GSM8K train), train-code, train-chat (GPTeacher); docs/training-prompts.md.")] = "all",
+    n: Annotated[int, typer.Option("--n", help="prompts per set, sampled deterministically from --seed (0 = the whole set).")] = 0,
+    seed: Annotated[int, typer.Option(help="the --n sample's seed.")] = 0,
+):
+    """Write the shipped, licence-clean training prompts (maths, code, chat; none from an evaluation set) as regenerate's input: the target then writes the answers."""
+    from dflash_prep.trainsets import export, parse_sets
+
+    counts = export(parse_sets(sets), out, n=n, seed=seed)
+    typer.echo(f"wrote {out}: {sum(counts.values()):,} prompts ("
+               + ", ".join(f"{k} {v:,}" for k, v in counts.items()) + f"); next: dflash-prep regenerate {out} --out DIR ...")
+
+
 @command("tokenize")
 def tokenize_cmd(
     inputs: Annotated[list[str], typer.Argument(help="JSONL/JSON/Parquet/Arrow files, globs, folders, or save_to_disk folders.")],

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NOT_SHIPPED = {"train/recipes/": "shell recipes run from a checkout (they write demo folders beside it)"}
 #: Package data: shipped files that are not modules (pyproject's [tool.setuptools.package-data]).
 DATA = ("dflash_prep/docs/*.md", "train/README.md", "train/configs/*.toml", "dflash_prep/evalsets/manifest.json",
-        "dflash_prep/evalsets/data/*.jsonl.gz", "dflash_prep/evalsets/NOTICE")
+        "dflash_prep/evalsets/data/*.jsonl.gz", "dflash_prep/evalsets/NOTICE", "dflash_prep/trainsets/manifest.json",
+        "dflash_prep/trainsets/data/*.jsonl.gz", "dflash_prep/trainsets/NOTICE")
 
 
 def _checkout_files() -> list[str]:

@@ -19,54 +19,17 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
-import io
 import json
 import sys
 from pathlib import Path
 
 from dflash_prep.errors import DflashError, InputError
 from dflash_prep.evalsets.sets import FORMAT, ROOT, VERSION
+from dflash_prep.evalsets.shipped import deterministic_gzip, field, git_blob_id, json_lines, write_set
 from dflash_prep.evalsets.sources import CONVENTION, MBPP_TEST_IDS, NOT_SHIPPED, SOURCES, SetSource
-from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json, strict_dumps
+from dflash_prep.formats.fileio import atomic_write_json
 
-
-def git_blob_id(data: bytes) -> str:
-    """The id git gives a file of these bytes (``git hash-object``), to match the upstream tree."""
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-def deterministic_gzip(data: bytes) -> bytes:
-    """gzip at level 9 with mtime 0 and no file name: the bytes depend only on ``data`` (and zlib)."""
-    buf = io.BytesIO()
-    with gzip.GzipFile(filename="", mode="wb", compresslevel=9, fileobj=buf, mtime=0) as f:
-        f.write(data)
-    return buf.getvalue()
-
-
-def _json_lines(path: Path, data: bytes) -> list[dict]:
-    """Upstream JSON lines, each an object; a blank or malformed line is refused (ids are line indices)."""
-    try:
-        lines = data.decode("utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path}: not UTF-8 text ({e}); pass the upstream file as is") from None
-    out = []
-    for i, line in enumerate(lines, 1):
-        try:
-            rec = json.loads(line)
-        except ValueError as e:
-            raise InputError(f"{path}:{i}: not a JSON object ({e}); pass the upstream file as is") from None
-        if not isinstance(rec, dict):
-            raise InputError(f"{path}:{i}: not a JSON object; pass the upstream file as is")
-        out.append(rec)
-    return out
-
-
-def _field(path: Path, where: int | str, rec: dict, key: str, kind: type) -> object:
-    value = rec.get(key)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise InputError(f"{path}: record {where} has no {kind.__name__} field {key!r}; is this the "
-                         "upstream file the option names?")
-    return value
+__all__ = ["build", "deterministic_gzip", "git_blob_id", "main", "read_upstream"]
 
 
 def read_upstream(src: SetSource, path: str | Path) -> tuple[bytes, list[dict]]:
@@ -84,23 +47,23 @@ def read_upstream(src: SetSource, path: str | Path) -> tuple[bytes, list[dict]]:
             raise InputError(f"{path}: expected a JSON list of objects (sanitized-mbpp.json)")
         recs = []
         for i, r in enumerate(rows):
-            if _field(path, i, r, "task_id", int) in MBPP_TEST_IDS:
-                recs.append({"id": str(r["task_id"]), "turns": [_field(path, i, r, "prompt", str)]})
+            if field(path, i, r, "task_id", int) in MBPP_TEST_IDS:
+                recs.append({"id": str(r["task_id"]), "turns": [field(path, i, r, "prompt", str)]})
     else:
         text = gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
-        rows = _json_lines(path, text)
+        rows = json_lines(path, text)
         if src.name == "gsm8k":
-            recs = [{"id": str(i), "turns": [_field(path, i, r, "question", str)]} for i, r in enumerate(rows)]
+            recs = [{"id": str(i), "turns": [field(path, i, r, "question", str)]} for i, r in enumerate(rows)]
         elif src.name == "humaneval":
-            recs = [{"id": _field(path, i, r, "task_id", str), "turns": [_field(path, i, r, "prompt", str)]}
+            recs = [{"id": field(path, i, r, "task_id", str), "turns": [field(path, i, r, "prompt", str)]}
                     for i, r in enumerate(rows)]
         else:  # mt-bench: two user turns
             recs = []
             for i, r in enumerate(rows):
-                turns = _field(path, i, r, "turns", list)
+                turns = field(path, i, r, "turns", list)
                 if len(turns) != src.turns or not all(isinstance(t, str) for t in turns):
                     raise InputError(f"{path}: record {i} has {len(turns)} turns, expected {src.turns} strings")
-                recs.append({"id": str(_field(path, i, r, "question_id", int)), "turns": list(turns)})
+                recs.append({"id": str(field(path, i, r, "question_id", int)), "turns": list(turns)})
     ids = [r["id"] for r in recs]
     if not recs or len(set(ids)) != len(ids):
         raise InputError(f"{path}: {len(recs)} records with {len(set(ids))} distinct ids; a set needs at least "
@@ -121,13 +84,8 @@ def build(inputs: dict[str, str | Path], *, commits: dict[str, str] | None = Non
     read = [(src, *read_upstream(src, inputs[src.name])) for src in SOURCES]  # every input checked before a write
     entries = []
     for src, upstream, recs in read:
-        lines = "".join(strict_dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in recs).encode()
-        shipped = deterministic_gzip(lines)
-        rel = f"data/{src.name}.jsonl.gz"
-        atomic_write_bytes(out / rel, shipped)
         entries.append({
-            "name": src.name, "file": rel, "count": len(recs), "sha256": hashlib.sha256(shipped).hexdigest(),
-            "content_sha256": hashlib.sha256(lines).hexdigest(), "turns": src.turns,
+            "name": src.name, **write_set(out, src.name, recs), "turns": src.turns,
             "record": {"id": src.id_from, "turns": src.text_from},
             "source": {"repo": src.repo, "path": src.path, "commit": commits.get(src.name, src.commit),
                        "git_blob": git_blob_id(upstream), "sha256": hashlib.sha256(upstream).hexdigest(),

@@ -14,14 +14,13 @@ sample of ``n + 1`` (growing a sample keeps what was measured), and another seed
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_prep.errors import ConfigError, FormatError
+from dflash_prep.evalsets.shipped import read_set
 from dflash_prep.formats.fileio import read_json
 
 FORMAT = "dflash-prep/evalsets"
@@ -95,22 +94,18 @@ def parse_benchmarks(spec: str, *, root: str | Path | None = None) -> list[str]:
     return out
 
 
-def describe(name: str, *, root: str | Path | None = None) -> dict:
-    """The manifest's entry for ``name``: file, count, hashes, source, licence, attribution, format."""
-    _, manifest = _manifest(root)
+def _entry(name: str, root: str | Path | None) -> tuple[Path, dict]:
+    """The folder and the manifest entry of ``name`` (ConfigError for a name that is not shipped)."""
+    root_dir, manifest = _manifest(root)
     entry = _entries(manifest).get(name)
     if entry is None:
         raise _unknown(name, manifest)
-    return json.loads(json.dumps(entry))  # a copy: callers may edit it
+    return root_dir, entry
 
 
-def _decode(path: Path, data: bytes) -> tuple[bytes, list]:
-    """The JSON lines inside the gzip bytes ``data`` (and those lines' bytes, for their hash)."""
-    try:
-        raw = gzip.decompress(data)
-        return raw, [json.loads(line) for line in raw.decode("utf-8").splitlines()]
-    except (OSError, EOFError, zlib.error, UnicodeDecodeError, ValueError) as e:
-        raise FormatError(f"{path}: not gzip-compressed JSON lines ({e}); {_REBUILD}") from None
+def describe(name: str, *, root: str | Path | None = None) -> dict:
+    """The manifest's entry for ``name``: file, count, hashes, source, licence, attribution, format."""
+    return json.loads(json.dumps(_entry(name, root)[1]))  # a copy: callers may edit it
 
 
 def load_benchmark(name: str, *, root: str | Path | None = None) -> list[BenchPrompt]:
@@ -119,33 +114,17 @@ def load_benchmark(name: str, *, root: str | Path | None = None) -> list[BenchPr
     ``root`` is a folder holding ``manifest.json`` and ``data/`` (default: the copy that ships
     with the package). Raises FormatError (one line) when the file is missing, its bytes or
     content differ from the manifest's sha256, or it holds another number of records."""
-    root_dir, manifest = _manifest(root)
-    entry = _entries(manifest).get(name)
-    if entry is None:
-        raise _unknown(name, manifest)
-    path = root_dir / entry["file"]
-    if not path.is_file():
-        raise FormatError(f"{path}: file not found; {_REBUILD}")
-    data = path.read_bytes()
-    got = hashlib.sha256(data).hexdigest()
-    if got != entry["sha256"]:
-        raise FormatError(f"{path}: sha256 {got[:16]}... differs from the manifest's {entry['sha256'][:16]}..., "
-                          f"so the file was changed or is corrupt; {_REBUILD}")
-    raw, records = _decode(path, data)
-    content = hashlib.sha256(raw).hexdigest()
-    if content != entry["content_sha256"] or len(records) != entry["count"]:
-        raise FormatError(f"{path}: {len(records)} records with content sha256 {content[:16]}..., the manifest "
-                          f"says {entry['count']} with {entry['content_sha256'][:16]}...; {_REBUILD}")
+    root_dir, entry = _entry(name, root)
     fmt = entry["prompt_format"]
     template, placeholder = fmt["template"], fmt["placeholder"]
-    out = []
-    for i, rec in enumerate(records):
-        ok = isinstance(rec, dict) and isinstance(rec.get("id"), str) and isinstance(rec.get("turns"), list)
-        if not ok or len(rec["turns"]) != entry["turns"] or not all(isinstance(t, str) for t in rec["turns"]):
-            raise FormatError(f"{path}: record {i} is not {{'id': str, 'turns': [{entry['turns']} str]}}; {_REBUILD}")
-        out.append(BenchPrompt(bench=name, id=rec["id"],
-                               turns=tuple(template.replace(placeholder, t) for t in rec["turns"])))
-    return out
+    return [BenchPrompt(bench=name, id=rec["id"], turns=tuple(template.replace(placeholder, t) for t in rec["turns"]))
+            for rec in read_set(root_dir, entry, _REBUILD)]
+
+
+def load_raw(name: str, *, root: str | Path | None = None) -> list[dict]:
+    """Every record of ``name`` as shipped, ``{"id", "turns"}`` with the upstream text unformatted
+    (what :mod:`dflash_prep.trainsets` compares its prompts with); checked like :func:`load_benchmark`."""
+    return read_set(*_entry(name, root), _REBUILD)
 
 
 def sample_key(name: str, id: str, seed: int) -> str:
