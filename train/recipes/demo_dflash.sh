@@ -81,7 +81,6 @@ CLI="$PY -m dflash_prep.cli"
 TRAIN="$PY -m dflash_prep.train --device cpu --no-progress"
 T0=$(date +%s)
 step() { echo; echo "== [$(( $(date +%s) - T0 )) s] $*"; }
-has_flag() { local h; h=$($1 --help 2>/dev/null || true); [[ "$h" == *"$2"* ]]; }  # does this command take this option (yet)?
 
 # start clean, but only ever delete a folder this recipe made (it leaves a marker file)
 if [ -e "$OUT" ] && [ -n "$(ls -A "$OUT" 2>/dev/null)" ] && [ ! -e "$OUT/.demo-dflash" ]; then
@@ -111,42 +110,18 @@ rm -rf "$OUT/target"
 cp -r "$OUT/lm-run/hf" "$OUT/target"
 
 step "4. regenerate the responses with the target (the drafter learns what the target says)"
-DRAFT_CORPUS="$OUT/corpus/train.jsonl"
-TRAIN_TURNS=""
-if $CLI regenerate --help >/dev/null 2>&1; then
-    # the last assistant turn of each conversation, greedy, in-process (batched generate); the
-    # earlier turns stay as context, and tokenize trains on the regenerated turn only
-    $CLI regenerate "$OUT/corpus/train.jsonl" --engine hf --target "$OUT/target" --model demo-target \
-        --turns last --max-tokens "$REGEN_TOKENS" --batch-size 32 --out "$OUT/regen"
-    DRAFT_CORPUS="$OUT/regen/chat.jsonl"
-    TRAIN_TURNS="--train-turns last"
-else
-    echo "NOTE: this dflash-prep has no 'regenerate' command yet: the drafter trains on the ORIGINAL responses"
-fi
+# the last assistant turn of each conversation, greedy, in-process (batched generate); the
+# earlier turns stay as context, and tokenize trains on the regenerated turn only
+$CLI regenerate "$OUT/corpus/train.jsonl" --engine hf --target "$OUT/target" --model demo-target \
+    --turns last --max-tokens "$REGEN_TOKENS" --batch-size 32 --out "$OUT/regen"
 
 step "5. tokenize, analyze and pack the drafter's data"
-if [ "$DRAFT_CORPUS" = "$OUT/corpus/train.jsonl" ]; then  # same text and tokenizer: the LM's dataset is it
-    DATA="$OUT/lm-data"
-else
-    DATA="$OUT/data"
-    $CLI tokenize "$DRAFT_CORPUS" --out "$DATA" --tokenizer "$OUT/target" --max-len 2048 $TRAIN_TURNS
-fi
-if has_flag "$CLI pack" "--objective"; then
-    PLAN="$OUT/plan/plan.json" MANIFESTS="$OUT/manifests"
-    $CLI analyze "$DATA" --budget "$BUDGET" --out "$OUT/plan"
-    $CLI pack "$DATA" --plan "$PLAN" --epochs 0-$(( DRAFT_EPOCHS - 1 )) --objective dflash --block-size "$B" \
-        --max-anchors "$MAX_ANCHORS" --target-config "$OUT/target" --draft-layers "$DRAFT_LAYERS" \
-        --sliding-window "$WINDOW" --world-size "$DRAFTER_RANKS" --out "$MANIFESTS"
-elif [ "$DATA" = "$OUT/lm-data" ]; then
-    echo "NOTE: this dflash-prep's pack has no --objective dflash yet, and the data is the LM's: the drafter"
-    echo "      trains on the LM's varlen manifests (token budget, no anchor budget)"
-    PLAN="$OUT/lm-plan/plan.json" MANIFESTS="$OUT/lm-manifests"
-else
-    echo "NOTE: this dflash-prep's pack has no --objective dflash yet: varlen manifests (token budget, no anchor budget)"
-    PLAN="$OUT/plan/plan.json" MANIFESTS="$OUT/manifests"
-    $CLI analyze "$DATA" --budget "$BUDGET" --out "$OUT/plan"
-    $CLI pack "$DATA" --plan "$PLAN" --epochs 0-$(( DRAFT_EPOCHS - 1 )) --layout varlen --out "$MANIFESTS"
-fi
+DATA="$OUT/data" PLAN="$OUT/plan/plan.json" MANIFESTS="$OUT/manifests"
+$CLI tokenize "$OUT/regen/chat.jsonl" --out "$DATA" --tokenizer "$OUT/target" --max-len 2048 --train-turns last
+$CLI analyze "$DATA" --budget "$BUDGET" --out "$OUT/plan"
+$CLI pack "$DATA" --plan "$PLAN" --epochs 0-$(( DRAFT_EPOCHS - 1 )) --objective dflash --block-size "$B" \
+    --max-anchors "$MAX_ANCHORS" --target-config "$OUT/target" --draft-layers "$DRAFT_LAYERS" \
+    --sliding-window "$WINDOW" --world-size "$DRAFTER_RANKS" --out "$MANIFESTS"
 
 DRAFT_TRAIN="$TRAIN"
 if [ $(( TARGET_RANKS + DRAFTER_RANKS )) -gt 1 ]; then   # one gloo job: K target + W drafter processes
