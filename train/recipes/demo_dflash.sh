@@ -203,8 +203,9 @@ if [ "$ENGINE_EVAL" = auto ]; then
     if $PY -c "from dflash_prep.engine.env import engine_python; engine_python('vllm')" 2>/dev/null; then ENGINE_EVAL=1; else
         ENGINE_EVAL=0 SKIP_WHY="no vLLM (make venv-vllm, or ENGINE_EVAL=1 to require it)"; fi
 fi
-if [ "$ENGINE_EVAL" = 1 ] && [ "$OBJECTIVE" = dflash2 ] && ! $PY -c "from dflash_prep.engine.env import engine_version; import sys; sys.exit(0 if '+cpu' not in engine_version('vllm') else 1)" 2>/dev/null; then
-    echo "(step 10 skipped: vLLM serves DFlash2 only on its V2 model runner, on a GPU; this vLLM build is CPU-only)"
+# DFlash2 needs vLLM's V2 model runner, which needs CUDA: ask the engine's own torch (engine_cuda)
+if [ "$ENGINE_EVAL" = 1 ] && [ "$OBJECTIVE" = dflash2 ] && ! $PY -c "import sys; from dflash_prep.engine.env import engine_cuda; sys.exit(0 if engine_cuda('vllm') else 1)" 2>/dev/null; then
+    echo "(step 10 skipped: vLLM serves DFlash2 only on its V2 model runner, on a GPU; this vLLM build's torch sees no CUDA)"
     ENGINE_EVAL=0 SKIP_WHY="DFlash2 needs vLLM's V2 runner (GPU)"
 fi
 if [ "$ENGINE_EVAL" = 1 ]; then
