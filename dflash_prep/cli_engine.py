@@ -94,7 +94,9 @@ _EVALUATE_EPILOG = (
     "One engine without speculation for the whole run, one with speculation per export. k: a DFlash drafter of block "
     "B is served with num_speculative_tokens = B - 1; EAGLE-3 chains 7. --thinking auto renders with the mode the "
     "drafter was trained in (its config.json), and a line warns when the mode or the target's chat template differs "
-    "from training. Writes OUT (JSON), OUT_STEM.md (the table), OUT_STEM.png (tau per set, acceptance per position) "
+    "from training; another when prompts of a set share a 13-token span with the drafters' training data "
+    "(--train-data, or each export's provenance). Writes OUT (JSON), OUT_STEM.md (the table), OUT_STEM.png (tau per "
+    "set, acceptance per position) "
     "and the engines' logs under OUT_STEM.logs/. The engine runs from .venv-vllm (or $DFLASH_PREP_VLLM_PYTHON); "
     "DFlash2 needs vLLM's V2 model runner (GPU).")
 
@@ -117,6 +119,8 @@ def evaluate_cmd(
     timeout: Annotated[float, typer.Option(help="seconds an engine start (and each request) may take before it is stopped", rich_help_panel=_ENG)] = 600.0,
     max_model_len: Annotated[int, typer.Option(help="vLLM's --max-model-len; 0: what the longest prompt needs, within the target's max_position_embeddings", rich_help_panel=_ENG)] = 0,
     dtype: Annotated[str, typer.Option(help="vLLM's --dtype: float32 (what our evaluator computes in), bfloat16, float16 or auto (the CPU build then picks bfloat16 on AVX512-BF16 CPUs)", rich_help_panel=_ENG)] = "float32",
+    train_data: Annotated[Optional[Path], typer.Option(metavar="DATA", help="the drafters' training data (a dflash-prep tokenize folder) for the contamination check: how many prompts of each set share a --contamination-n-token span with it; default: the data each export's provenance names, when it is still there")] = None,
+    contamination_n: Annotated[int, typer.Option(help="tokens a prompt must share with the training data in one span to count as seen (0: no contamination check)")] = 13,
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON (without per-prompt rows) instead of tables")] = False,
 ):
     """Serve exported drafters with vLLM (from .venv-vllm: make venv-vllm) as users would, with and without speculative decoding, on the same prompt token ids, per benchmark. Per drafter and set: strict load (every export tensor used, no draft parameter left unloaded), lossless (temperature 0: outputs equal with and without speculation), tau from vLLM's counters (1 + accepted / drafts, and per position), tokens/s both ways, the exact --speculative-config JSON to paste; with --ours, tau from our own evaluator on the same prompts and whether the two agree within 2 %. One table (rows: drafters, columns: sets) and a picture."""
@@ -130,7 +134,8 @@ def evaluate_cmd(
     res = evaluate_exports(target=target, exports=export, out=out, benches=benches, prompts=prompts,
                            save_prompts_dir=save_prompts, num_speculative_tokens=num_speculative_tokens, ours=ours,
                            max_tokens=max_tokens, temperature=temperature, max_prompts=max_prompts, n=n, seed=seed,
-                           timeout_s=timeout, max_model_len=max_model_len, dtype=dtype, thinking=thinking)
+                           timeout_s=timeout, max_model_len=max_model_len, dtype=dtype, thinking=thinking,
+                           train_data=str(train_data or ""), contamination_n=contamination_n)
     if json_out:
         slim = {**res, "exports": [{**e, "sets": {k: {kk: vv for kk, vv in c.items() if kk != "per_prompt"}
                                                   for k, c in e["sets"].items()}} for e in res["exports"]]}

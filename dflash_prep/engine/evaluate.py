@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from dflash_prep.engine.contamination import DEFAULT_N, attach, check_plan
 from dflash_prep.engine.evaluate_runs import SPEEDUP_NOTE, run_base, run_export
 from dflash_prep.engine.method import Method, export_method
 from dflash_prep.engine.prompt_sets import PromptSet, build_sets, save_prompts
@@ -58,7 +59,9 @@ from dflash_prep.tokenize.identity import tokenizer_template_sha256
 EVAL_FORMAT = "dflash-prep/engine-eval"
 EVAL_VERSION = 2
 """v2 (2026-12-06): several exports and prompt sets in one report (``sets``, ``exports[i].sets``);
-v1 was one export on one prompt file, its sections at the top level (:func:`cell` gives that shape)."""
+v1 was one export on one prompt file, its sections at the top level (:func:`cell` gives that shape).
+2026-12-07: the optional ``contamination`` sections (:mod:`~dflash_prep.engine.contamination`), no bump:
+no reader needs them."""
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 THINKING = ("auto", "on", "off")
 
@@ -91,6 +94,11 @@ class EvaluateConfig:
     greedy outputs equal with and without speculation on the CPU build (docs/engines.md)."""
     thinking: str = "auto"
     """``enable_thinking`` of the chat template: on, off, or auto (the drafters' training mode)."""
+    train_data: str = ""
+    """The drafters' training data (a tokenized folder) for the contamination check; "": each
+    export's provenance (:mod:`~dflash_prep.engine.contamination`)."""
+    contamination_n: int = DEFAULT_N
+    """Tokens a prompt must share with the training data in one span to count as seen (0: no check)."""
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -104,6 +112,8 @@ class EvaluateConfig:
         if self.max_prompts < 0 or self.n < 0 or self.timeout_s <= 0 or self.max_model_len < 0 \
                 or self.max_model_len == 1:
             raise ConfigError("--max-prompts and --n must be >= 0, --timeout > 0 and --max-model-len 0 (auto) or >= 2")
+        if self.contamination_n < 0:
+            raise ConfigError(f"--contamination-n must be >= 0 (0: no check), got {self.contamination_n}")
 
 
 def needed_model_len(target: Path, sets: list[PromptSet], tokenizer, max_tokens: int,
@@ -286,6 +296,9 @@ def evaluate_exports(*, target: str | Path, exports: list[str | Path], out: str 
     logs = _announce(plan, out, say)
     phases = {"prompts": time.monotonic() - t_start}
     t = time.monotonic()
+    contamination = check_plan(plan, say)
+    phases["contamination"] = time.monotonic() - t
+    t = time.monotonic()
     base_facts, base_rows = run_base(plan, logs, say)
     phases["base_engine"] = time.monotonic() - t
     saved = [str(p) for p in save_prompts(plan.sets, Path(save_prompts_dir))] if save_prompts_dir is not None else []
@@ -295,6 +308,7 @@ def evaluate_exports(*, target: str | Path, exports: list[str | Path], out: str 
     res = _report(plan, base_facts, saved, runs)
     res["seconds"] = round(time.monotonic() - t_start, 2)
     res["phases_s"] = {k: round(v, 2) for k, v in phases.items()}
+    attach(res, contamination)
     return _write(res, out, say)
 
 

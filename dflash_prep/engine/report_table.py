@@ -5,6 +5,7 @@ so any number of reports (one per export or prompt set) render the same way.
 
 from __future__ import annotations
 
+from dflash_prep.engine import contamination
 from dflash_prep.engine.ours import AGREE_REL
 
 
@@ -108,6 +109,7 @@ def markdown_table(res: dict) -> str:
             acc = " ".join(f"{a:.2f}" for a in c["vllm"]["acceptance_per_position"]) or "-"
             lines.append(f"| {e['label']} | {s} | {_f(c['vllm']['tau'], '.3f')} | {ours} | {agree} | {lossless} | "
                          f"{acc} | {t['spec_tokens_per_s']:.0f} / {t['base_tokens_per_s']:.0f} |")
+    lines += contamination.markdown_lines(res)
     notes = [w for e in res["exports"] for w in e.get("warnings") or []]
     notes += sorted({c["throughput"]["note"] for e in res["exports"] for c in e["sets"].values()
                      if c["throughput"]["note"]})
