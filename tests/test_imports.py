@@ -17,7 +17,7 @@ PACKAGE = ROOT / "dflash_prep"
 # lazily imported on purpose: heavy, optional, or GPU-only dependencies (pyarrow: a lengths-only
 # reader, such as analyze, does not pay for it)
 HEAVY = {"torch", "triton", "transformers", "ray", "matplotlib", "safetensors", "wandb", "jinja2", "tokenizers",
-         "datasets", "huggingface_hub", "sentencepiece", "pyarrow", "vllm"}
+         "datasets", "huggingface_hub", "sentencepiece", "pyarrow", "vllm", "gguf", "accelerate"}
 # modules whose in-function imports of dflash_prep modules are by design (start-up time)
 LAZY_OK = {"dflash_prep.cli", "dflash_prep.cli_objectives", "dflash_prep.cli_engine", "dflash_prep.train.__main__"}
 
