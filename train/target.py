@@ -199,21 +199,3 @@ def target_provider(cfg, ds, layer_ids, *, final: bool, identity: dict, device: 
         return engines.get(cfg.target_engine).taps(cfg, ds, layer_ids, final=final, identity=identity, device=device)
     return FrozenTarget(cfg.options.target, layer_ids, device=device)
 
-
-def pick_mask_token(tokenizer, vocab_size: int, requested: int | None = None) -> int:
-    """The mask id: ``requested`` when given, else the tokenizer's mask token, else a token named
-    ``<|mask|>``, else the first embedding row past the tokenizer (an id no text maps to)."""
-    if requested is not None:
-        mid = int(requested)
-    elif getattr(tokenizer, "mask_token_id", None) is not None:
-        mid = int(tokenizer.mask_token_id)
-    elif "<|mask|>" in tokenizer.get_vocab():
-        mid = int(tokenizer.convert_tokens_to_ids("<|mask|>"))
-    elif len(tokenizer) < vocab_size:
-        mid = len(tokenizer)
-    else:
-        raise ConfigError("the target's tokenizer has no mask token and no spare embedding row; pass "
-                          "--mask-token-id with an id that never occurs in the data")
-    if not 0 <= mid < vocab_size:
-        raise ConfigError(f"--mask-token-id {mid} is outside the target's embedding rows (0..{vocab_size - 1})")
-    return mid

@@ -19,7 +19,7 @@ from dflash_prep.formats.lengths import read_dataset_lengths
 from dflash_prep.objectives import options
 from dflash_prep.objectives.drafter_cost import Eagle3CostModel
 from dflash_prep.objectives.eagle3 import Eagle3Options, load_vocab_map
-from dflash_prep.objectives.eagle3 import counts as counts_mod
+from dflash_prep.formats import token_counts as counts_mod
 from dflash_prep.objectives.eagle3 import vocab_map
 from dflash_prep.pack import metrics
 from dflash_prep.pack.config import load as load_pack_config

@@ -59,12 +59,12 @@ def batch_builder(paths: dict, source):
     from dflash_prep.train.objectives.dflash.batch import build_dflash_batch, default_gamma
     from dflash_prep.train.objectives.dflash.batch import anchor_spec
     from dflash_prep.formats.target import load_tokenizer
-    from dflash_prep.train.target import pick_mask_token
+    from dflash_prep.train.objectives.dflash.mask import choose_mask_token
 
     target = paths["target"]
     spec, _ = anchor_spec(build_config(objective="dflash", target=target), source.manifest(0))
     vocab = int(json.loads((Path(target) / "config.json").read_text())["vocab_size"])
-    mask_id = pick_mask_token(load_tokenizer(target), vocab)
+    mask_id = choose_mask_token(load_tokenizer(target), vocab).id
     gamma = default_gamma(spec.block_size)
     torch.set_num_threads(1)
     return lambda mb, epoch: build_dflash_batch(source.dataset, mb, epoch=epoch, spec=spec, gamma=gamma,

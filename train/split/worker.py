@@ -172,9 +172,10 @@ def dflash_plan(cfg, manifest):
     (:func:`~dflash_prep.train.objectives.dflash.batch.build_dflash_batch` under the same anchor
     options, mask id and weights); ``final`` (``--loss kl``): the final hidden states too."""
     from dflash_prep.train.objectives.dflash.batch import build_dflash_batch, default_gamma
+    from dflash_prep.train.objectives.dflash.mask import dataset_folder
     from dflash_prep.train.objectives.dflash.objective import drafter_config
 
-    dcfg, spec, _, _ = drafter_config(cfg, manifest)
+    dcfg, spec, *_ = drafter_config(cfg, manifest, dataset_folder(data=cfg.data))   # the drafters' mask token
     gamma = None if cfg.options.slot_weights == "dpace" else (cfg.options.gamma or default_gamma(spec.block_size))
     return (lambda ds, mb, epoch: build_dflash_batch(ds, mb, epoch=epoch, spec=spec, gamma=gamma,
                                                      mask_token_id=dcfg.mask_token_id, vocab_size=dcfg.vocab_size),

@@ -1,6 +1,7 @@
 """The EAGLE-3 objective's data side: varlen packing, a step cost, and the draft vocabulary map.
 
-- :mod:`.counts`: the target-token counts of a dataset, counted once, kept in ``DATA/token_counts.npy``;
+- :mod:`dflash_prep.formats.token_counts`: the target-token counts of a dataset, counted once, kept in
+  ``DATA/token_counts.npy``;
 - :mod:`.vocab_map`: the draft vocabulary from them (``d2t``, ``t2d``); :func:`.vocab_map.load`
   reads an epoch's map for the trainer;
 - :mod:`.options`: :class:`Eagle3Options` (``--draft-vocab-size``, ``--ttt-steps``, the target sizes);

@@ -11,7 +11,7 @@ mis-price it. Its quadratic share is small at typical lengths, so no cost budget
 token-balanced micro-batches are nearly cost-balanced, and LPT does the rest.
 
 Every epoch folder adds ``d2t.npy`` (int64) and ``t2d.npy`` (bool), the draft vocabulary of
-:mod:`.vocab_map` from the dataset's token counts (:mod:`.counts`: counted once, kept in
+:mod:`.vocab_map` from the dataset's token counts (:mod:`dflash_prep.formats.token_counts`: counted once, kept in
 ``DATA/token_counts.npy``), and the header an ``eagle3`` section: ``draft_vocab_size``,
 ``ttt_steps``, ``vocab_size``, ``tie_rule``, ``counted``, ``counts_fingerprint``,
 ``map_fingerprint``, ``map_version``, ``trained_ids``, ``vocab_coverage`` and the
@@ -33,7 +33,7 @@ from dflash_prep.objectives import options as opt_decl
 from dflash_prep.objectives.base import DataObjective
 from dflash_prep.objectives.dflash import PREDICT_WORLD_SIZE
 from dflash_prep.objectives.drafter_cost import Eagle3CostModel
-from dflash_prep.objectives.eagle3 import counts as counts_mod
+from dflash_prep.formats import token_counts as counts_mod
 from dflash_prep.objectives.eagle3 import vocab_map
 from dflash_prep.objectives.eagle3.options import Eagle3Options
 from dflash_prep.objectives.serving import Serving

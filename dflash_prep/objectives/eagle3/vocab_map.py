@@ -1,7 +1,7 @@
 """EAGLE-3's draft vocabulary: which target ids the drafter's LM head predicts.
 
-Given the target-token counts (:mod:`.counts`, ``c[v]`` per id of the target vocabulary of
-``V`` ids) and ``V_d = draft_vocab_size``:
+Given the target-token counts (:mod:`dflash_prep.formats.token_counts`, ``c[v]`` per id of the
+target vocabulary of ``V`` ids) and ``V_d = draft_vocab_size``:
 
 - the draft vocabulary is the ``V_d`` ids of largest count; a tie goes to the lower id
   (count descending, then id ascending: the order vllm-project/speculators sorts by). When

@@ -2,6 +2,7 @@
 
 - :mod:`.options`: its trainer options (:class:`~.options.DFlashTrainOptions`);
 - :mod:`.drafter`: the drafter (the public DFlash architecture, packed);
+- :mod:`.mask`: the run's mask token, chosen once and checked against the data;
 - :mod:`.objective`: anchors -> blocks -> drafter -> loss, behind the loop's protocol;
 - :mod:`.export`: the public DFlash folder and :func:`~.export.load_export`.
 

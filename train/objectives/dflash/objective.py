@@ -237,7 +237,7 @@ class DFlashObjective(DrafterObjective):
     log_keys = ("tau", "acc", "slot_acc", "anchors")
 
     def __init__(self, drafter, target, cfg: TrainConfig, *, anchor_spec: AnchorSpec, gamma: float, identity: dict,
-                 anchor_source: str = "the options"):
+                 anchor_source: str = "the options", mask_line: str = ""):  # mask_line: MaskChoice.line()
         from dflash_prep.train.split.taps import provider_of
 
         super().__init__()
@@ -247,7 +247,7 @@ class DFlashObjective(DrafterObjective):
         # target: a FrozenTarget or a taps provider (:mod:`dflash_prep.train.split.taps`; RemoteTaps on a split job's drafter rank)
         self.model, self.target, self.cfg = drafter, provider_of(target), cfg
         self.spec, self.gamma, self.identity = anchor_spec, float(gamma), identity
-        self.anchor_source = anchor_source
+        self.anchor_source, self.mask_line = anchor_source, mask_line
         o = cfg.options
         self.loss_spec = LossSpec(slot_weights=o.slot_weights, dpace_alpha=float(o.dpace_alpha), loss=o.loss,
                                   kl_temperature=float(o.kl_temperature))
@@ -294,13 +294,16 @@ class DFlashObjective(DrafterObjective):
                 "anchors": self.spec.to_dict(), **self.target.contract()}
 
     def describe(self) -> str:
-        """The recipe the run resolved (defaults filled in), one line printed at start."""
+        """What the run resolved, printed at start: the mask token's line (:mod:`.mask`), then the
+        recipe (defaults filled in) on one line."""
         cfg, c, ls = self.cfg, self.model.config, self.loss_spec
         weights = f"dpace alpha={ls.dpace_alpha:g}" if ls.slot_weights == "dpace" else f"decay gamma={self.gamma:g}"
         loss = f"kl T={ls.kl_temperature:g}" if ls.loss == "kl" else "ce"
         opt = self.optimizer_text()
         window = f"window {c.sliding_window}" if c.sliding_window else "full attention"
-        return (f"{self.name} recipe: B={self.block_size}, {c.num_layers} draft layer(s), {window}, slot weights {weights}, "
+        head = f"{self.mask_line}\n" if self.mask_line else ""
+        return head + (f"{self.name} recipe: B={self.block_size}, {c.num_layers} draft layer(s), {window}, "
+                f"slot weights {weights}, "
                 f"loss {loss}, optimizer {opt}; target {cfg.options.target} ({self.target.num_layers} layers), taps "
                 f"{list(c.target_layer_ids)}, mask id {c.mask_token_id}, anchors {self.spec.policy}<="
                 f"{self.spec.max_anchors} drawn by the library sampler with seed {self.spec.seed} "
@@ -341,20 +344,21 @@ class DFlashObjective(DrafterObjective):
         return self._p_drafter
 
 
-def drafter_config(cfg: TrainConfig, manifest=None):
-    """``(DrafterConfig, AnchorSpec, where the anchor seed came from, tokenizer)`` of a run: what a
-    drafter rank builds and a target rank (:mod:`dflash_prep.train.split.worker`) needs to build the same batches."""
+def drafter_config(cfg: TrainConfig, manifest=None, data=None):
+    """``(DrafterConfig, AnchorSpec, where the anchor seed came from, tokenizer, MaskChoice)`` of a run: what a
+    drafter rank builds and a target rank (:mod:`dflash_prep.train.split.worker`) needs to build the same batches.
+    ``data``: the dataset folder the mask token is checked against (:mod:`.mask`; None: in-memory data)."""
+    from dflash_prep.train.objectives.dflash import mask
     from dflash_prep.train.objectives.dflash.drafter import DrafterConfig
-    from dflash_prep.train.target import pick_mask_token
 
     spec, source = anchor_spec(cfg, manifest)
     hc = load_target_config(cfg.options.target)
     tok = load_tokenizer(cfg.options.target)
-    mask_id = pick_mask_token(tok, int(hc.vocab_size), cfg.options.mask_token_id)
+    choice = mask.decide(cfg, tok, hc, data)
     ids = list(cfg.options.target_layer_ids) or None
-    dcfg = DrafterConfig.from_target_config(hc, cfg.options.draft_layers, spec.block_size, mask_id, target_layer_ids=ids,
-                                            sliding_window=cfg.options.sliding_window)
-    return dcfg, spec, source, tok
+    dcfg = DrafterConfig.from_target_config(hc, cfg.options.draft_layers, spec.block_size, choice.id,
+                                            target_layer_ids=ids, sliding_window=cfg.options.sliding_window)
+    return dcfg, spec, source, tok, choice
 
 
 def build(cfg: TrainConfig, ds, device: torch.device, manifest=None, place=None, *, objective_type=None,
@@ -364,15 +368,16 @@ def build(cfg: TrainConfig, ds, device: torch.device, manifest=None, place=None,
     the target rank. A variant passes its objective class and ``make_drafter(dcfg) -> module``
     (on the CPU; built after the target, with torch seeded by the caller)."""
     from dflash_prep.train.objectives.dflash.drafter import Drafter
+    from dflash_prep.train.objectives.dflash.mask import dataset_folder
     from dflash_prep.train.target import target_provider
 
     drafter_cost.check_drafter_shape(manifest, sliding_window=cfg.options.sliding_window,
                                      draft_layers=cfg.options.draft_layers, objective=cfg.objective)
-    dcfg, spec, source, tok = drafter_config(cfg, manifest)
+    dcfg, spec, source, tok, choice = drafter_config(cfg, manifest, dataset_folder(ds))
     identity = target_identity(cfg.options.target, tok)
     target = target_provider(cfg, ds, dcfg.target_layer_ids, final=cfg.options.loss == "kl", identity=identity,
                              device=device, place=place)
     drafter = (make_drafter or Drafter)(dcfg).to(device)
     gamma = cfg.options.gamma or default_gamma(spec.block_size)
     return (objective_type or DFlashObjective)(drafter, target, cfg, anchor_spec=spec, gamma=gamma,
-                                               identity=identity, anchor_source=source)
+                                               identity=identity, anchor_source=source, mask_line=choice.line())

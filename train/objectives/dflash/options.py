@@ -63,8 +63,9 @@ class DFlashTrainOptions:
     anchor_seed: int | None = _train(None, help=shared_help(
         DrafterOptions, "anchor_seed", None, "--seed; a value that contradicts the manifest is refused (its budgets "
         "assume its anchors)"))
-    mask_token_id: int | None = _train(None, help="mask token id; unset = the tokenizer's mask token, <|mask|>, or "
-                                       "the first row past the tokenizer")
+    mask_token_id: int | None = _train(None, help="mask token id, refused if it occurs in the data; unset = a resumed "
+                                       "run's, else the tokenizer's mask token, <|mask|>, the first row past the "
+                                       "tokenizer, or the lowest special token unused in the data")
 
     #: the optimizer of the recipe when ``--optimizer`` is left empty
     optimizer = "muon"
