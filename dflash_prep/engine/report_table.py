@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dflash_prep.engine import contamination
 from dflash_prep.engine.ours import AGREE_REL
+from dflash_prep import objectives
 
 
 def _f(x, spec: str = ".3f") -> str:
@@ -59,7 +60,6 @@ def report_rows(res: dict) -> list[tuple[str, str]]:
 
 def _kind(name: str) -> str:
     """An export's kind as the table names it: its objective's ``Serving.label`` (the name when unknown)."""
-    from dflash_prep import objectives
 
     o = next((o for o in objectives.served().values() if o.name == name), None)
     return name if o is None else o.serving.label

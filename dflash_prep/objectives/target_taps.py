@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.states import bytes_per_token
+from dflash_prep.objectives import base
 
 def dflash_taps(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The target layers a DFlash drafter of ``num_draft_layers`` layers taps (module docstring)."""
@@ -93,7 +94,6 @@ def states_need(objective: str, num_target_layers: int, *, draft_layers: int | N
     """What ``objective`` reads of an ``L``-layer target (module docstring): its registration's
     :meth:`~dflash_prep.objectives.base.DataObjective.states_need`; ``draft_layers`` and ``loss``
     are DFlash's, ``target_layer_ids`` replaces the rule."""
-    from dflash_prep.objectives import base
 
     if objective not in base.state_readers():
         raise ConfigError(f"--objective {objective} reads no target hidden states; one of "
@@ -150,7 +150,6 @@ def extract_command(*, data, target, out, objective: str, draft_layers: int | No
                     loss: str = "ce", dtype: str = "bf16") -> str:
     """The ``dflash-prep extract`` line that builds a cache for these settings (the trainer prints it
     when it refuses a cache)."""
-    from dflash_prep.objectives import base
 
     chosen = base.get(objective).fixed_states is None      # --draft-layers and --loss choose its states
     parts = ["dflash-prep", "extract", str(data), "--target", str(target), "--objective", objective]

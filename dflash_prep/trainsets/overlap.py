@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from dflash_prep.evalsets.sets import benchmark_names, describe, load_raw
 
 #: Words in a shared run that counts as a quotation.
 NGRAM = 13
@@ -80,7 +81,6 @@ def build_index(turns: list[str]) -> EvalIndex:
 def eval_turns(*, root: str | Path | None = None) -> tuple[list[str], dict[str, str]]:
     """Every user turn of every shipped evaluation set, unformatted, and each set's ``content_sha256``
     (recorded in the training manifest, so a changed evaluation set shows as a stale check)."""
-    from dflash_prep.evalsets.sets import benchmark_names, describe, load_raw
 
     turns, hashes = [], {}
     for name in benchmark_names(root=root):

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_prep.errors import ConfigError
+from dflash_prep.formats.token_counts import id_counts
 
 SAMPLE_CHAT = ({"role": "system", "content": "You are a helpful assistant."},
                {"role": "user", "content": "What is 2 + 2?"},
@@ -92,7 +93,6 @@ def _token(tokenizer, mid: int) -> str | None:
 
 
 def _counts(data):
-    from dflash_prep.formats.token_counts import id_counts
 
     return None if data is None else id_counts(data)
 
