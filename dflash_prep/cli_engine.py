@@ -90,6 +90,9 @@ _EVALUATE_EPILOG = (
     "(one table: one row per drafter, DFlash and EAGLE-3 alike)\n\n"
     "  dflash-prep evaluate --target T --export D --prompts heldout.jsonl --out eval.json   (your own prompts)\n\n"
     "  dflash-prep evaluate ... --temperature 0.7 --no-ours   (sampled: acceptance only)\n\n"
+    "  dflash-prep evaluate --target T --export D --baseline ngram --bench all --out eval.json   (beside vLLM's n-gram "
+    "speculator, no training needed; --baseline ngram:k=5,min=2,max=4 for other settings; no --export: the baseline "
+    "alone)\n\n"
     "Shipped sets: gsm8k, humaneval, mbpp, mt-bench (two turns, the second after the target's own first answer). "
     "One engine without speculation for the whole run, one with speculation per export. k: a DFlash drafter of block "
     "B is served with num_speculative_tokens = B - 1; EAGLE-3 chains 7. --thinking auto renders with the mode the "
@@ -103,8 +106,9 @@ _EVALUATE_EPILOG = (
 
 def evaluate_cmd(
     target: Annotated[Path, typer.Option(help="the target model folder (transformers format, with its tokenizer)")],
-    export: Annotated[list[Path], typer.Option(metavar="DIR", help="an exported drafter folder (python -m dflash_prep.train.export): DFlashDraftModel, DFlash2DraftModel or LlamaForCausalLMEagle3; repeat to compare drafters side by side on one base run")],
     out: Annotated[Path, typer.Option(help="report JSON to write; OUT_STEM.md, OUT_STEM.png and the engines' logs (OUT_STEM.logs/) go beside it")],
+    export: Annotated[Optional[list[Path]], typer.Option(metavar="DIR", help="an exported drafter folder (python -m dflash_prep.train.export): DFlashDraftModel, DFlash2DraftModel or LlamaForCausalLMEagle3; repeat to compare drafters side by side on one base run")] = None,
+    baseline: Annotated[Optional[list[str]], typer.Option(metavar="NAME[:KEY=N,...]", help="a speculator that needs no training, as a row beside the drafters on the same prompts and base run (tau, lossless, tokens/s): ngram (vLLM's prompt lookup; default k=7,min=2,max=4, e.g. ngram:k=5,min=2,max=4) or suffix (suffix decoding, k=24; needs the arctic-inference package in vLLM's venv, which has no CPU build); repeat for several")] = None,
     bench: Annotated[Optional[str], typer.Option(help="shipped prompt sets, comma-separated, or 'all': gsm8k, humaneval, mbpp, mt-bench (docs/evaluation.md: sources, licences, prompt formats)")] = None,
     prompts: Annotated[Optional[Path], typer.Option(help='your own prompts: JSONL of {"messages": [...]} (rendered with the target\'s chat template up to the first assistant turn) or {"prompt": "..."}; a set named after the file')] = None,
     n: Annotated[int, typer.Option("--n", help="prompts sampled from each --bench set, deterministically from --seed (0 = the whole set)")] = 0,
@@ -123,7 +127,7 @@ def evaluate_cmd(
     contamination_n: Annotated[int, typer.Option(help="tokens a prompt must share with the training data in one span to count as seen (0: no contamination check)")] = 13,
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON (without per-prompt rows) instead of tables")] = False,
 ):
-    """Serve exported drafters with vLLM (from .venv-vllm: make venv-vllm) as users would, with and without speculative decoding, on the same prompt token ids, per benchmark. Per drafter and set: strict load (every export tensor used, no draft parameter left unloaded), lossless (temperature 0: outputs equal with and without speculation), tau from vLLM's counters (1 + accepted / drafts, and per position), tokens/s both ways, the exact --speculative-config JSON to paste; with --ours, tau from our own evaluator on the same prompts and whether the two agree within 2 %. One table (rows: drafters, columns: sets) and a picture."""
+    """Serve exported drafters with vLLM (from .venv-vllm: make venv-vllm) as users would, with and without speculative decoding, on the same prompt token ids, per benchmark. Per drafter and set: strict load (every export tensor used, no draft parameter left unloaded), lossless (temperature 0: outputs equal with and without speculation), tau from vLLM's counters (1 + accepted / drafts, and per position), tokens/s both ways, the exact --speculative-config JSON to paste; with --ours, tau from our own evaluator on the same prompts and whether the two agree within 2 %. One table (rows: drafters, columns: sets) and a picture. --baseline ngram (or suffix) adds a speculator that needs no drafter as a row on the same prompts and base run; with no --export, the baselines alone."""
     import json
 
     from dflash_prep.engine.evaluate import cell, evaluate_exports
@@ -131,14 +135,15 @@ def evaluate_cmd(
     from dflash_prep.evalsets import parse_benchmarks
 
     benches = parse_benchmarks(bench) if bench else []
-    res = evaluate_exports(target=target, exports=export, out=out, benches=benches, prompts=prompts,
+    res = evaluate_exports(target=target, exports=export or [], baselines=baseline or [], out=out, benches=benches, prompts=prompts,
                            save_prompts_dir=save_prompts, num_speculative_tokens=num_speculative_tokens, ours=ours,
                            max_tokens=max_tokens, temperature=temperature, max_prompts=max_prompts, n=n, seed=seed,
                            timeout_s=timeout, max_model_len=max_model_len, dtype=dtype, thinking=thinking,
                            train_data=str(train_data or ""), contamination_n=contamination_n)
     if json_out:
-        slim = {**res, "exports": [{**e, "sets": {k: {kk: vv for kk, vv in c.items() if kk != "per_prompt"}
-                                                  for k, c in e["sets"].items()}} for e in res["exports"]]}
+        slim = {**res, **{key: [{**e, "sets": {k: {kk: vv for kk, vv in c.items() if kk != "per_prompt"}
+                                                 for k, c in e["sets"].items()}} for e in res[key]]
+                          for key in ("exports", "baselines")}}
         typer.echo(json.dumps(slim, indent=2, allow_nan=False))
         return
     from rich.table import Table

@@ -92,3 +92,15 @@ def engine_cuda(engine: str, python: str | os.PathLike | None = None, *, timeout
         why = (r.stderr.strip().splitlines() or ["no output"])[-1]
         raise EngineError(f"{py}: cannot import torch ({why}); rebuild it with `make {b.make_target}`")
     return r.stdout.strip() == "1"
+
+
+def engine_imports(engine: str, module: str, python: str | os.PathLike | None = None, *,
+                   timeout_s: float = 120.0) -> str | None:
+    """None when the python of the engine ``engine`` imports ``module`` (an optional package a
+    feature of the engine needs), else the import's last error line; asked in a subprocess."""
+    b = backends.get(engine)
+    py = Path(python) if python is not None else engine_python(engine)
+    r = _ask(py, [f"import {module}"], f"import {module}", b, timeout_s)
+    if r.returncode == 0:
+        return None
+    return (r.stderr.strip().splitlines() or ["no output"])[-1]

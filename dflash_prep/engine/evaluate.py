@@ -22,6 +22,9 @@ runs of :mod:`dflash_prep.engine.evaluate_runs`); each step's own module says ho
    prompt, and their change over each set).
 6. **Our evaluator** (:mod:`dflash_prep.engine.ours`; ``ours=True``, temperature 0 only): once per
    export on every prompt, with vLLM's stop rule, compared with the counters set by set.
+7. **One engine per baseline** (``--baseline ngram``, ``suffix``: :class:`~dflash_prep.engine.method.Baseline`,
+   a speculator with no drafter model): the same prompts, compared with the same base run, per set; no
+   strict load and no evaluator of ours. A run may have baselines and no export.
 
 The report (format ``dflash-prep/engine-eval`` v2, written atomically; ``exports[i].sets[<set>]``
 is one export on one set, the v1 report's sections: :func:`cell` gives it in v1's shape, printed by
@@ -39,13 +42,14 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from dflash_prep.engine.contamination import DEFAULT_N, attach, check_plan
-from dflash_prep.engine.evaluate_runs import SPEEDUP_NOTE, run_base, run_export
-from dflash_prep.engine.method import Method, export_method
+from dflash_prep.engine.env import engine_imports
+from dflash_prep.engine.evaluate_runs import SPEEDUP_NOTE, run_base, run_baseline, run_export
+from dflash_prep.engine.method import Baseline, Method, check_baselines, export_method, parse_baseline
 from dflash_prep.engine.prompt_sets import PromptSet, build_sets, save_prompts
 from dflash_prep.engine.prompts import target_tokenizer
 from dflash_prep.engine.report_plot import write_plot
@@ -61,7 +65,9 @@ EVAL_VERSION = 2
 """v2 (2026-12-06): several exports and prompt sets in one report (``sets``, ``exports[i].sets``);
 v1 was one export on one prompt file, its sections at the top level (:func:`cell` gives that shape).
 2026-12-07: the optional ``contamination`` sections (:mod:`~dflash_prep.engine.contamination`), no bump:
-no reader needs them."""
+no reader needs them. 2026-12-07: the optional ``baselines`` list (``--baseline``; rows of ``exports``' shape
+with ``kind`` "baseline", no path), no bump: ``exports`` keeps its meaning, and a reader that ignores the
+list reads what it read before."""
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 THINKING = ("auto", "on", "off")
 
@@ -191,20 +197,28 @@ class Plan:
     """Per export: the serving-mode lines (:func:`~dflash_prep.engine.serving_mode.mode_warnings`)."""
     notes: list[str]
     """Lines about the run as a whole (a thinking mode asked of a template without the switch)."""
+    baselines: list[Baseline] = field(default_factory=list)
+    """Speculators with no drafter (``--baseline``), each a row beside the exports."""
 
 
-def prepare(*, target: str | Path, exports: list[str | Path], benches: list[str] = (),
-            prompts: str | Path | None = None, num_speculative_tokens: int | None = None, **config) -> Plan:
-    """Everything but the engines: each export's method, the serving mode and its warnings, the
-    prompt sets' first-turn ids and ``--max-model-len``; every refusal here comes before an engine
-    starts, in one line."""
+def prepare(*, target: str | Path, exports: list[str | Path] = (), benches: list[str] = (),
+            prompts: str | Path | None = None, num_speculative_tokens: int | None = None,
+            baselines: list[str | Baseline] = (), imports: Callable[[str], str | None] | None = None,
+            **config) -> Plan:
+    """Everything but the engines: each export's method, each baseline (``--baseline`` specs, or
+    :class:`Baseline`) and whether the engine can run it (``imports``: the engine's import probe,
+    :func:`~dflash_prep.engine.env.engine_imports` by default), the serving mode and its warnings,
+    the prompt sets' first-turn ids and ``--max-model-len``; every refusal here comes before an
+    engine starts, in one line."""
     cfg = EvaluateConfig(**config)
     target = Path(target).resolve()
     exports = [Path(e).resolve() for e in exports]
-    if not exports:
-        raise ConfigError("pass at least one --export (an exported drafter folder)")
+    baselines = [b if isinstance(b, Baseline) else parse_baseline(b) for b in baselines]
+    if not exports and not baselines:
+        raise ConfigError("pass at least one --export (an exported drafter folder) or --baseline (ngram, suffix)")
     if len(set(exports)) != len(exports):
         raise ConfigError("the same --export is given twice")
+    check_baselines(baselines, imports or (lambda module: engine_imports("vllm", module)))
     read_target_config(target)              # an empty or partial config.json: one line, before any engine
     methods = [export_method(e, num_speculative_tokens) for e in exports]
     tok = target_tokenizer(target)
@@ -215,7 +229,7 @@ def prepare(*, target: str | Path, exports: list[str | Path], benches: list[str]
     sets = build_sets(tok, benches=list(benches), prompts=Path(prompts) if prompts is not None else None, n=cfg.n,
                       max_prompts=cfg.max_prompts, seed=cfg.seed, enable_thinking=enable_thinking)
     need, limit = needed_model_len(target, sets, tok, cfg.max_tokens, enable_thinking,
-                                   draft=max(m.k for m in methods))
+                                   draft=max(m.k for m in [*methods, *baselines]))
     if cfg.max_model_len == 0:
         if limit and need > limit:
             raise ConfigError(f"the longest prompt plus --max-tokens needs {need} tokens, over the target's "
@@ -230,7 +244,7 @@ def prepare(*, target: str | Path, exports: list[str | Path], benches: list[str]
         notes.append(f"the target's chat template has no enable_thinking switch: thinking {requested} renders the "
                      "same prompts as the template's default")
     return Plan(target, exports, methods, tok, sets, cfg, enable_thinking, requested, thinking_why, template_sha,
-                warnings, notes)
+                warnings, notes, baselines)
 
 
 def _announce(plan: Plan, out: Path, say: Callable[[str], None]) -> Path:
@@ -243,13 +257,14 @@ def _announce(plan: Plan, out: Path, say: Callable[[str], None]) -> Path:
     logs = out.parent / f"{out.stem}.logs"
     logs.mkdir(parents=True, exist_ok=True)
     cfg, sets = plan.cfg, plan.sets
-    say(f"evaluate: {len(plan.exports)} export(s) x {len(sets)} set(s) "
+    rows = f"{len(plan.exports)} export(s)" + (f" + {len(plan.baselines)} baseline(s)" if plan.baselines else "")
+    say(f"evaluate: {rows} x {len(sets)} set(s) "
         f"({', '.join(f'{s.name} {len(s.turns or s.ids)}' for s in sets)}), <= {cfg.max_tokens} new tokens, "
         f"temperature {cfg.temperature:g}, thinking {plan.requested} ({plan.thinking_why}); logs: {logs}")
     return logs
 
 
-def _report(plan: Plan, base_facts: dict, saved: list[str], runs: list[dict]) -> dict:
+def _report(plan: Plan, base_facts: dict, saved: list[str], runs: list[dict], baselines: list[dict]) -> dict:
     """The report's sections but its timings (module docstring)."""
     cfg = plan.cfg
     return {
@@ -263,6 +278,7 @@ def _report(plan: Plan, base_facts: dict, saved: list[str], runs: list[dict]) ->
         "config": asdict(cfg),
         "saved_prompts": saved,
         "exports": runs,
+        "baselines": baselines,
     }
 
 
@@ -279,20 +295,22 @@ def _write(res: dict, out: Path, say: Callable[[str], None]) -> dict:
     return full
 
 
-def evaluate_exports(*, target: str | Path, exports: list[str | Path], out: str | Path, benches: list[str] = (),
+def evaluate_exports(*, target: str | Path, out: str | Path, exports: list[str | Path] = (), benches: list[str] = (),
                      prompts: str | Path | None = None, save_prompts_dir: str | Path | None = None,
                      num_speculative_tokens: int | None = None, ours: bool = True,
-                     log: Callable[[str], None] | None = _stderr, **config) -> dict:
-    """Evaluate every export of ``exports`` on ``target`` in vLLM on the prompt sets ``benches``
-    (shipped) and ``prompts`` (a file) (module docstring); ``config``: :class:`EvaluateConfig`'s
-    fields. Writes ``out`` (JSON), ``<out stem>.md``, ``<out stem>.png`` and the engines' logs and
-    load reports under ``<out stem>.logs/``; ``log`` gets one line per step (None: quiet).
-    Returns the report dict."""
+                     baselines: list[str | Baseline] = (), log: Callable[[str], None] | None = _stderr,
+                     **config) -> dict:
+    """Evaluate every export of ``exports``, and every baseline of ``baselines`` (``--baseline``
+    specs: ``ngram``, ``ngram:k=5,min=2,max=4``, ``suffix``), on ``target`` in vLLM on the prompt sets
+    ``benches`` (shipped) and ``prompts`` (a file) (module docstring); ``config``:
+    :class:`EvaluateConfig`'s fields. Writes ``out`` (JSON), ``<out stem>.md``, ``<out stem>.png``
+    and the engines' logs and load reports under ``<out stem>.logs/``; ``log`` gets one line per step
+    (None: quiet). Returns the report dict."""
     say = log or (lambda _m: None)
     t_start = time.monotonic()
     out = Path(out)
     plan = prepare(target=target, exports=exports, benches=benches, prompts=prompts,
-                   num_speculative_tokens=num_speculative_tokens, **config)
+                   num_speculative_tokens=num_speculative_tokens, baselines=baselines, **config)
     logs = _announce(plan, out, say)
     phases = {"prompts": time.monotonic() - t_start}
     t = time.monotonic()
@@ -305,7 +323,8 @@ def evaluate_exports(*, target: str | Path, exports: list[str | Path], out: str 
     labels = _labels(plan.exports)
     runs = [run_export(plan, i, labels[i], base_rows, logs, phases, ours=ours, say=say)
             for i in range(len(plan.exports))]
-    res = _report(plan, base_facts, saved, runs)
+    rows = [run_baseline(plan, j, base_rows, logs, phases, say=say) for j in range(len(plan.baselines))]
+    res = _report(plan, base_facts, saved, runs, rows)
     res["seconds"] = round(time.monotonic() - t_start, 2)
     res["phases_s"] = {k: round(v, 2) for k, v in phases.items()}
     attach(res, contamination)

@@ -3,7 +3,9 @@
 :func:`run_base` is the one engine without speculation (every set's first turns, then the second
 turns of multi-turn sets after the target's own first answers); :func:`run_export` is one export's
 engine with speculation over every set, compared with the base rows (:func:`compare_runs`), then
-our evaluator on the same prompts, giving the report's ``exports[i]`` entry. Both decode through
+our evaluator on the same prompts, giving the report's ``exports[i]`` entry; :func:`run_baseline`
+the same for a speculator with no drafter (``--baseline``: no load report, no evaluator of ours),
+giving ``baselines[j]``. Both decode through
 :func:`decode_all`: one request at a time on ``/v1/completions``, the spec-decode counters read
 before and after each.
 """
@@ -76,27 +78,39 @@ def decode_all(server: VllmServer, prompts: list[list[int]], cfg, *,
 
 # ----------------------------------------------------------------------------- one engine
 @contextlib.contextmanager
-def _engine(target: Path, cfg, logs: Path, *, method: Method | None, export: Path | None,
-            name: str) -> Iterator[tuple[VllmServer, dict | None]]:
-    """One engine for the run (``method`` None: without speculation): the server and, with
-    speculation, its load report, refused unless strict; the engine's own refusal of an export is
-    diagnosed (:func:`~dflash_prep.engine.load_check.refusal`)."""
-    spec_config = method.speculative_config(export) if method else None
+def _engine(target: Path, cfg, logs: Path, *, name: str, spec_config: dict | None = None,
+            method: Method | None = None, export: Path | None = None) -> Iterator[tuple[VllmServer, dict | None]]:
+    """One engine for the run: without speculation (``spec_config`` None), with a speculator that
+    needs no model (a baseline), or with the drafter ``export`` (of ``method``): then the server and
+    its load report, refused unless strict; the engine's own refusal of an export is diagnosed
+    (:func:`~dflash_prep.engine.load_check.refusal`)."""
     report_file = logs / f"{name}.load-report.json"
     report_file.unlink(missing_ok=True)
-    env = {LOAD_REPORT_VAR: str(report_file)} if method else {}
+    env = {LOAD_REPORT_VAR: str(report_file)} if export else {}
     try:
         with vllm_server(target, log=logs / f"{name}.log", speculative_config=spec_config, env=env,
                          timeout_s=cfg.timeout_s, max_model_len=cfg.max_model_len, seed=cfg.seed, dtype=cfg.dtype,
                          request_timeout_s=cfg.timeout_s) as server:
-            load = read_load_report(report_file, export) if method else None
+            load = read_load_report(report_file, export) if export else None
             if load is not None and not strict_load(load)["ok"]:
                 raise EngineError(strict_message(export, strict_load(load)))
             yield server, load
     except EngineError as e:
-        if method is None or str(e).startswith(f"{export}:"):
+        if export is None or str(e).startswith(f"{export}:"):
             raise
         raise refusal(e, export=export, target=target, method=method, report_file=report_file) from None
+
+
+def _warm_up(server: VllmServer, plan) -> None:
+    """One request before the measured ones, answered and not counted (the counters are read as
+    differences from after it): a first request pays one-off costs that would land on the first
+    set's tokens/s, the most for vLLM's n-gram proposer, whose numba kernel compiles at its first
+    match (the tiny target, 2026-12-07: without it the n-gram row's first set ran at 11 tokens/s, the
+    next two at 129 and 165; with it, the first at 179 and the next at 197).
+    Its prompt is the first prompt's first 8 ids, 4 times over, so that an n-gram finds a match."""
+    ids = plan.sets[0].ids[0][:8] * 4
+    server.post("/v1/completions", {"model": server.model, "prompt": ids, "max_tokens": plan.cfg.max_tokens,
+                                    "temperature": 0.0, "seed": plan.cfg.seed})
 
 
 def _facts(server: VllmServer) -> dict:
@@ -160,7 +174,8 @@ def run_base(plan, logs: Path, say: Callable[[str], None]) -> tuple[dict, dict[s
     :class:`~dflash_prep.engine.evaluate.Plan`): its facts, and each set's rows by name."""
     base_rows: dict[str, list[dict]] = {}
     say("engine without speculation: starting")
-    with _engine(plan.target, plan.cfg, logs, method=None, export=None, name="base") as (server, _):
+    with _engine(plan.target, plan.cfg, logs, name="base") as (server, _):
+        _warm_up(server, plan)
         base_facts = _facts(server)
         say(f"engine without speculation: up in {server.start_s:.1f} s ({server.version})")
         for s in plan.sets:
@@ -213,24 +228,66 @@ def run_export(plan, i: int, label: str, base_rows: dict[str, list[dict]], logs:
     export, method = plan.exports[i], plan.methods[i]
     t = time.monotonic()
     say(f"engine with {method.architecture} {export} (k = {method.k}): starting")
-    with _engine(plan.target, plan.cfg, logs, method=method, export=export,
-                 name="spec" if len(plan.exports) == 1 else f"spec-{i + 1}") as (server, load):
-        spec_facts = _facts(server)
-        say(f"engine with speculation: up in {server.start_s:.1f} s, strict load: yes")
-        cells = {s.name: _spec_cell(server, s, plan, base_rows[s.name], spec_facts["version"], say)
-                 for s in plan.sets}
+    spec_facts, load, cells = _spec_run(plan, base_rows, logs, say, method.speculative_config(export),
+                                        name="spec" if len(plan.exports) == 1 else f"spec-{i + 1}",
+                                        method=method, export=export)
     phases[f"spec_engine_{i + 1}"] = time.monotonic() - t
     t = time.monotonic()
     if _ours(plan, export, method, cells, ours=ours, say=say):
         phases[f"ours_{i + 1}"] = time.monotonic() - t
+    return {"label": label, "path": str(export), "architecture": method.architecture,
+            "kind": method.kind, "block_size": method.block_size, "num_speculative_tokens": method.k,
+            **_config_facts(method.speculative_config(export)), "engine": spec_facts,
+            "strict_load": strict_load(load), "warnings": plan.warnings[str(export)], "vllm": _pooled(cells),
+            "sets": cells}
+
+
+# ----------------------------------------------------------------------------- one baseline
+BASELINE_NOT_OURS = "a baseline: no drafter for our evaluator to decode"
+
+
+def run_baseline(plan, j: int, base_rows: dict[str, list[dict]], logs: Path, phases: dict, *,
+                 say: Callable[[str], None]) -> dict:
+    """Baseline ``j`` of ``plan`` (a :class:`~dflash_prep.engine.method.Baseline`: a speculator with
+    no drafter model) in its engine on every set, against the same base rows as the exports: the
+    report's ``baselines[j]`` entry, of an ``exports[i]`` entry's shape with ``kind`` "baseline",
+    ``method`` (ngram, suffix), no path, no strict load and ``ours`` skipped; its seconds go to
+    ``phases`` (``baseline_<j+1>``)."""
+    b = plan.baselines[j]
+    t = time.monotonic()
+    say(f"engine with {b.label}: starting")
+    facts, _, cells = _spec_run(plan, base_rows, logs, say, b.speculative_config(), name=f"baseline-{j + 1}")
+    phases[f"baseline_{j + 1}"] = time.monotonic() - t
+    for c in cells.values():
+        c["ours"] = {"skipped": BASELINE_NOT_OURS}
+    return {"label": b.label, "kind": b.kind, "method": b.name, "path": None, "architecture": None,
+            "block_size": None, "num_speculative_tokens": b.k, "prompt_lookup_min": b.lookup_min,
+            "prompt_lookup_max": b.lookup_max, **_config_facts(b.speculative_config()), "engine": facts,
+            "strict_load": None, "warnings": [], "vllm": _pooled(cells), "sets": cells}
+
+
+# ----------------------------------------------------------------------------- shared by both
+def _spec_run(plan, base_rows: dict[str, list[dict]], logs: Path, say: Callable[[str], None], spec_config: dict, *,
+              name: str, method: Method | None = None, export: Path | None = None) -> tuple[dict, dict | None, dict]:
+    """One engine with ``spec_config`` on every set of ``plan``: its facts, its load report (an
+    export's) and each set's cell by name (:func:`_spec_cell`)."""
+    with _engine(plan.target, plan.cfg, logs, name=name, spec_config=spec_config, method=method,
+                 export=export) as (server, load):
+        _warm_up(server, plan)
+        facts = _facts(server)
+        say(f"engine with speculation: up in {server.start_s:.1f} s" + (", strict load: yes" if export else ""))
+        cells = {s.name: _spec_cell(server, s, plan, base_rows[s.name], facts["version"], say) for s in plan.sets}
+    return facts, load, cells
+
+
+def _config_facts(config: dict) -> dict:
+    return {"speculative_config": config, "speculative_config_json": json.dumps(config, separators=(",", ":"))}
+
+
+def _pooled(cells: dict) -> dict:
+    """The row's ``vllm`` section: the sets' counters (each cell's ``_total``, taken out) added up."""
     totals = [c.pop("_total") for c in cells.values()]
     pooled = totals[0]
     for t_ in totals[1:]:             # (starting from SpecCounters() would lose num_draft_tokens: None + n)
         pooled = pooled + t_
-    return {"label": label, "path": str(export), "architecture": method.architecture,
-            "kind": method.kind, "block_size": method.block_size, "num_speculative_tokens": method.k,
-            "speculative_config": method.speculative_config(export),
-            "speculative_config_json": json.dumps(method.speculative_config(export), separators=(",", ":")),
-            "engine": spec_facts, "strict_load": strict_load(load), "warnings": plan.warnings[str(export)],
-            "vllm": {"tau": pooled.tau, **pooled.to_dict(), "acceptance_per_position": pooled.acceptance_per_position()},
-            "sets": cells}
+    return {"tau": pooled.tau, **pooled.to_dict(), "acceptance_per_position": pooled.acceptance_per_position()}

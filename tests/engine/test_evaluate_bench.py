@@ -2,9 +2,10 @@
 benchmarks in one run of a real vLLM (one engine without speculation, one with per export), per
 set: tau from the counters' change over that set, lossless, our evaluator within 2 %; MT-Bench's
 second turns asked after the target's own first answers; the ids sent saved for replay; the table
-and the picture.
+and the picture; vLLM's n-gram speculator (``--baseline ngram``) as a row beside them, on the same
+base run.
 
-Three engine starts (about 30 s each on 2 loaded cores); ``make test-engines``.
+Four engine starts (about 30 s each on 2 loaded cores); ``make test-engines``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def run(built, engine_python, tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
     env = {**os.environ, "COLUMNS": "200", "DFLASH_PREP_VLLM_PYTHON": str(engine_python)}
     r = subprocess.run([sys.executable, "-m", "dflash_prep.cli", "evaluate", "--target", str(built["target"]),
-                        "--export", str(built["dflash"]), "--export", str(built["eagle3"]),
+                        "--export", str(built["dflash"]), "--export", str(built["eagle3"]), "--baseline", "ngram",
                         "--bench", ",".join(SETS), "--n", "3", "--seed", "5", "--max-tokens", "12",
                         "--save-prompts", str(d / "sent"), "--out", str(d / "r.json"), "--timeout", "300"],
                        capture_output=True, text=True, env=env, timeout=900, cwd=d)
@@ -91,3 +92,34 @@ def test_saved_prompts_are_the_ids_sent_and_the_table_and_picture_are_written(ru
     assert (d / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tau per benchmark" in r.stdout and "eagle3" in r.stdout
     assert res["saved_prompts"] == [str(d / "sent" / f"{s}.jsonl") for s in SETS]
+
+
+@pytest.mark.timeout(900)
+def test_the_ngram_baseline_is_a_row_on_the_same_base_run(run):
+    d, res, r = run
+    (b,) = res["baselines"]
+    assert (b["label"], b["kind"], b["method"], b["path"], b["strict_load"]) == \
+        ("ngram (k=7, 2-4)", "baseline", "ngram", None, None)
+    assert b["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 2,
+                                       "prompt_lookup_max": 4}
+    assert "--speculative-config" in b["engine"]["command"] and b["speculative_config_json"] in b["engine"]["command"]
+    pooled = {"num_drafts": 0, "num_accepted_tokens": 0}
+    for s in res["sets"]:
+        c, n = b["sets"][s["name"]], s["prompts"]
+        assert c["lossless"] == {"checked": True, "equal": n, "of": n, "ok": True}, (s["name"], c["per_prompt"])
+        assert c["engine_saw_same_tokens"] is True and c["ours"] == {"skipped": "a baseline: no drafter for our "
+                                                                               "evaluator to decode"}
+        v = c["vllm"]
+        assert sum(p["num_drafts"] for p in c["per_prompt"]) == v["num_drafts"]
+        assert sum(p["num_accepted_tokens"] for p in c["per_prompt"]) == v["num_accepted_tokens"]
+        assert v["tau"] == (1 + v["num_accepted_tokens"] / v["num_drafts"] if v["num_drafts"] else None)
+        # the base run is the drafters' own: the same new tokens, the same base tokens/s
+        e = res["exports"][0]["sets"][s["name"]]
+        assert c["throughput"]["base_tokens_per_s"] == e["throughput"]["base_tokens_per_s"]
+        assert [p["new_tokens_base"] for p in c["per_prompt"]] == [p["new_tokens_base"] for p in e["per_prompt"]]
+        pooled = {k: pooled[k] + v[k] for k in pooled}
+    assert pooled["num_drafts"] > 0 and b["vllm"]["tau"] >= 1.0
+    assert {k: b["vllm"][k] for k in pooled} == pooled
+    md = (d / "r.md").read_text()
+    assert sum(ln.startswith("| ngram (k=7, 2-4) |") for ln in md.splitlines()) == 1 + len(SETS)
+    assert "ngram (k=7, 2-4)" in r.stdout
