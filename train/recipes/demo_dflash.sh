@@ -79,17 +79,13 @@ TARGET_ARGS=${TARGET_ARGS:---vocab-size 512 --hidden 64 --layers 4 --heads 2 --k
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 CLI="$PY -m dflash_prep.cli"
 TRAIN="$PY -m dflash_prep.train --device cpu --no-progress"
-T0=$(date +%s)
-step() { echo; echo "== [$(( $(date +%s) - T0 )) s] $*"; }
+# step, claim_folder, vllm_installed
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # start clean, but only ever delete a folder this recipe made (it leaves a marker file)
-if [ -e "$OUT" ] && [ -n "$(ls -A "$OUT" 2>/dev/null)" ] && [ ! -e "$OUT/.demo-dflash" ]; then
-    echo "error: $OUT exists and was not made by this demo; set DEMO_DFLASH to a new folder" >&2
-    exit 1
-fi
+claim_folder "$OUT" .demo-dflash DEMO_DFLASH
 rm -rf "$OUT"
-mkdir -p "$OUT"
-touch "$OUT/.demo-dflash"
+claim_folder "$OUT" .demo-dflash DEMO_DFLASH
 
 step "1. a tiny Qwen3 target, random init, with its tokenizer and chat template: $OUT/target0"
 $PY -m dflash_prep.train.target_init --out "$OUT/target0" $TARGET_ARGS
@@ -200,7 +196,7 @@ PYEOF
 # says nothing about a real drafter's tau on these benchmarks.
 SKIP_WHY="ENGINE_EVAL=0"
 if [ "$ENGINE_EVAL" = auto ]; then
-    if $PY -c "from dflash_prep.engine.env import engine_python; engine_python('vllm')" 2>/dev/null; then ENGINE_EVAL=1; else
+    if vllm_installed; then ENGINE_EVAL=1; else
         ENGINE_EVAL=0 SKIP_WHY="no vLLM (make venv-vllm, or ENGINE_EVAL=1 to require it)"; fi
 fi
 # DFlash2 needs vLLM's V2 model runner, which needs CUDA: ask the engine's own torch (engine_cuda)
