@@ -114,7 +114,7 @@ def chats(tmp_path_factory):
     from dflash_prep.evalsets import sample_benchmark
     from dflash_prep.synth.synth import SynthConfig, synth
     from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
-    from tests.assets.fixtures import train_bpe, write_jsonl
+    from dflash_prep.tests.assets.fixtures import train_bpe, write_jsonl
 
     root = tmp_path_factory.mktemp("contam")
     tok_dir = train_bpe(root / "tok", vocab_size=600)
@@ -266,8 +266,8 @@ def test_evaluate_warns_and_reports_through_the_exports_provenance(tmp_path, mon
     from dflash_prep.engine.serving_mode import BLOCK_KEY, export_block
     from dflash_prep.evalsets import sample_benchmark
     from dflash_prep.tokenize.tokenize import TokenizeConfig, tokenize
-    from tests.assets.fixtures import write_jsonl
-    from tests.engine.test_evaluate_plan import _cell
+    from dflash_prep.tests.assets.fixtures import write_jsonl
+    from dflash_prep.tests.engine.test_evaluate_plan import _cell
 
     target = build_target(tmp_path)
     exp = build_exports(tmp_path, target, kinds=("dflash",))["dflash"]

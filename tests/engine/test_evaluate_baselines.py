@@ -166,7 +166,7 @@ def test_a_run_of_baselines_alone_against_a_stand_in_server(target, tmp_path, mo
 
 
 def test_the_table_puts_baselines_after_the_drafters():
-    from tests.engine.test_evaluate_plan import REPORT, _cell
+    from dflash_prep.tests.engine.test_evaluate_plan import REPORT, _cell
 
     row = {"label": "ngram (k=7, 2-4)", "kind": "baseline", "method": "ngram", "path": None,
            "num_speculative_tokens": 7, "strict_load": None, "warnings": [], "vllm": {"tau": 3.0},
