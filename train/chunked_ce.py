@@ -8,28 +8,52 @@
 Algorithm: one pass over chunks of ``chunk`` rows. Each chunk's logits ``[chunk, V]`` (fp32
 softmax) are formed, reduced to its loss and argmax, and immediately turned into the exact
 gradients ``dL/dhidden = (softmax - onehot) * w @ weight`` (and ``dL/dweight`` summed over
-chunks when ``weight`` requires grad), then dropped. Peak extra memory is one chunk's logits
+chunks when ``weight`` requires grad), then dropped. The softmax reuses the logits' buffer in
+5 passes over it (max with the argmax, in-place ``- max``, in-place ``exp``, sum, in-place scale
+by ``w / sum``) and no other ``[chunk, V]`` buffer; ``logsumexp``, ``argmax`` and a separate
+``exp(z - lse) * w`` took 8 passes and 3 more buffers, 3.6x the time on CPU (docs/benchmarks.md,
+"The drafter step on CPU"). Peak extra memory is one chunk's logits
 plus ``[N, H]`` (and ``[V, H]``) of saved gradient, instead of ``[N, V]`` logits and their
 softmax kept for backward: a 32K vocabulary at 8K rows is 1 GiB of fp32 logits unchunked.
 The price is computing the input gradient during the forward even when no backward follows
 (evaluation calls should use ``torch.no_grad``, which skips it).
 
 The matmul runs in ``hidden``'s compute dtype: the autocast dtype when autocast is on for its
-device, else ``weight``'s dtype; softmax and the loss are fp32 (fp64 for fp64 inputs), summed
-in chunk order (deterministic). Rows with ``w == 0`` cost compute but contribute nothing;
+device, else the dtype of an enclosing :func:`head_dtype` (the trainer's bf16 head on CPU),
+else ``weight``'s dtype; softmax and the loss are fp32 (fp64 for fp64 inputs), summed in
+chunk order (deterministic). Rows with ``w == 0`` cost compute but contribute nothing;
 callers drop them first when they are many.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
+
+_HEAD_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("head_dtype", default=None)
+
+
+@contextlib.contextmanager
+def head_dtype(dtype: torch.dtype | None):
+    """Inside it, the head matmuls of :func:`weighted_ce` and
+    :func:`dflash_prep.train.chunked_kl.row_losses` run in ``dtype`` where no autocast is on
+    (None: ``weight``'s dtype). Only the matmuls: the rest of the model keeps its dtype, and the
+    logits are widened to fp32 before the softmax. The trainer's bf16 head on CPU (``--bf16``,
+    :func:`dflash_prep.train.distributed.autocast_for`) is this context."""
+    token = _HEAD_DTYPE.set(dtype)
+    try:
+        yield
+    finally:
+        _HEAD_DTYPE.reset(token)
 
 
 def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     dev = h.device.type
     if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
-    return weight.dtype
+    return _HEAD_DTYPE.get() or weight.dtype
 
 
 class _WeightedCE(torch.autograd.Function):
@@ -47,17 +71,17 @@ class _WeightedCE(torch.autograd.Function):
             for s in range(0, N, chunk):
                 e = min(N, s + chunk)
                 h = hidden[s:e].to(dtype)                       # (c, H)
-                logits = (h @ wt.T).to(acc)                     # (c, V)
-                lse = torch.logsumexp(logits, dim=-1)           # (c,)
+                logits = (h @ wt.T).to(acc)                     # (c, V) a fresh tensor: reused in place below
                 tl = logits.gather(1, targets[s:e, None])[:, 0]
                 wc = w[s:e].to(acc)
-                loss += ((lse - tl) * wc).sum()
-                pred[s:e] = logits.argmax(dim=-1)
+                m, pred[s:e] = logits.max(dim=-1)               # (c,) max and argmax (first on ties)
+                g = logits.sub_(m[:, None]).exp_()              # (c, V) exp(z - max): the one exp pass
+                total = g.sum(dim=-1)                           # (c,)
+                loss += ((m + torch.log(total) - tl) * wc).sum()  # lse - z[target]
                 if gh is None and gw is None:
                     continue
-                g = torch.exp(logits - lse[:, None])            # softmax (c, V)
-                g.scatter_add_(1, targets[s:e, None], -torch.ones_like(tl)[:, None])
-                g *= wc[:, None]                                # dL/dlogits (c, V)
+                g.mul_((wc / total)[:, None])                   # w * softmax
+                g.scatter_add_(1, targets[s:e, None], -wc[:, None])  # dL/dlogits = w * (softmax - onehot)
                 gd = g.to(dtype)
                 if gh is not None:
                     gh[s:e] = (gd @ wt).to(hidden.dtype)        # (c, H)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_prep.errors import ConfigError, DflashError
+from dflash_prep.train.chunked_ce import head_dtype
 
 
 class CollectiveBroke(DflashError):
@@ -72,10 +73,30 @@ def setup(device: str = "auto", cuda_index=None) -> Dist:
 
 
 def autocast_for(device: torch.device, bf16: bool):
-    """The context the trainer's forwards run under: bf16 autocast on CUDA when ``bf16``, else none."""
+    """The context the trainer's forwards run under when ``bf16``: bf16 autocast on CUDA; on a CPU
+    the LM head's matmuls alone in bf16 (:func:`dflash_prep.train.chunked_ce.head_dtype`), where
+    :func:`cpu_head_dtype` says so; else none (fp32)."""
     if device.type == "cuda" and bf16:
         return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    if device.type == "cpu" and cpu_head_dtype(bf16) == torch.bfloat16:
+        return lambda: head_dtype(torch.bfloat16)
     return contextlib.nullcontext
+
+
+def bf16_native() -> bool:
+    """Whether torch runs bf16 matmuls natively on this CPU (AVX512-BF16 or AMX), not emulated."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def cpu_head_dtype(bf16: bool) -> torch.dtype:
+    """The dtype of the LM head's matmuls on CPU: bf16 when ``bf16`` and the CPU runs it natively
+    (:func:`bf16_native`), else fp32. The head is the drafter step's biggest matmul (49,152 x 576
+    for SmolLM2-135M); bf16 runs it ~2x faster on AVX512-BF16 (docs/benchmarks.md, "The drafter
+    step on CPU"). Everything else stays fp32; bf16 matmuls are deterministic, so resume stays bitwise."""
+    return torch.bfloat16 if bf16 and bf16_native() else torch.float32
 
 
 def set_determinism(device: torch.device) -> None:

@@ -20,7 +20,8 @@ fp32 summation order); ``tests/train/test_distributed.py`` and ``test_dflash_tra
 it. A step whose ``N`` is 0 (nothing to learn anywhere) leaves parameters and optimizer state
 untouched.
 
-Determinism: CPU runs use ``torch.use_deterministic_algorithms``, fp32, no dropout, and a
+Determinism: CPU runs use ``torch.use_deterministic_algorithms``, fp32 (the LM head's matmuls
+in bf16 under ``--bf16`` where the CPU has it natively: deterministic too), no dropout, and a
 loader that is a pure function of (manifest, cursor), so resume is bitwise
 (``tests/train/test_resume.py``). CUDA runs use bf16 autocast and the Triton kernels.
 """
@@ -50,6 +51,7 @@ from dflash_prep.train import split
 from dflash_prep.train.config import TrainConfig
 from dflash_prep.train.data import StepBatches
 from dflash_prep.train import engine_eval
+from dflash_prep.train import matmul_peak
 from dflash_prep.train.distributed import autocast_for as _autocast_for, set_determinism as _set_determinism  # noqa: F401 (bench imports)
 from dflash_prep.train.loader import ManifestLoader
 from dflash_prep.train.lr import Schedule
@@ -240,6 +242,7 @@ class _Run:
     resumed: bool = False
     consistent: bool = True
     evals: engine_eval.EngineEvals | None = None   # rank 0's --eval-every evaluations
+    matmul: matmul_peak.MatmulRate | None = None    # a CPU run's measured head matmul rate
 
     @property
     def ckpt_path(self) -> Path:
@@ -335,9 +338,10 @@ def _train(cfg: TrainConfig, source, d: distributed.Dist, place=None) -> dict:
         split.announce(place, epoch=run.epoch, step=run.step, global_step=run.gstep, max_steps=cfg.max_steps or None,
                        continuation=run.run_key.get("continuation"))
     out, obj = Path(cfg.out), run.obj
+    run.matmul = matmul_peak.for_run(obj, d.device, cfg.bf16, cfg.ce_chunk)
     header = {"config": cfg.flat(), "model": run.mcfg, "params": obj.num_parameters(),
               "run_key": run.run_key, "serving_mode": dataset_serving_mode(run.ds), "world_size": d.world_size,
-              "device": str(d.device),
+              "device": str(d.device), "cpu_matmul": run.matmul.to_dict() if run.matmul else None,
               "resumed_from": {"epoch": run.epoch, "step": run.step, "global_step": run.gstep} if run.resumed else None}
     log = RunLog(out / "log.jsonl", header, fresh=not run.resumed, enabled=d.is_main, keep_through=run.gstep)
     if log.dropped:
@@ -431,7 +435,8 @@ def _run_epoch(run: _Run, pf, limit: int | None, totals: dict, losses: list, log
                "efficiency": st["real_tokens"] / max(1, st["padded_tokens"]),
                "tokens_per_s": st["real_tokens"] / dt, "step_time_s": dt, "data_wait_s": wait,
                "data_wait_share": wait / dt if dt > 0 else 0.0,
-               "mfu": st["flops"] / (dt * peak * d.world_size) if peak else None}
+               "mfu": st["flops"] / (dt * peak * d.world_size) if peak else None,
+               **matmul_peak.step_rates(st["flops"], dt, d.world_size, run.matmul)}
         rec.update(obj.log_fields({**st, "epoch": run.epoch, "step": sb.step}, dt))
         if run.gstep % cfg.log_every == 0:
             log.write(rec)

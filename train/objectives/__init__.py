@@ -16,7 +16,8 @@ The training loop (:mod:`dflash_prep.train.loop`) is objective-agnostic: it buil
 - ``loss(batch, autocast)``: ``(loss_sum, stats)``; the loop backpropagates ``loss_sum / N``
   and all-reduces ``stats`` (float64, ``stats_width`` entries) once per step;
 - ``metrics(stats, N)``: the step's logged metrics; ``flops(batch)`` for MFU; ``targets(N)``:
-  the normaliser as logged;
+  the normaliser as logged; ``head_shape()``: ``(V, H)`` of the LM head the loss runs through,
+  the matmul a CPU run measures its rate on (:mod:`dflash_prep.train.matmul_peak`);
 - ``describe()``: a line for the log at the start (or None); ``check_epoch(epoch, manifest)``:
   refuse an epoch packed otherwise; ``log_fields(step, dt)``: its own entries of a step's
   log record; ``run_summary(time_s)``: its own entries of ``summary.json``;

@@ -48,6 +48,11 @@ class DrafterObjective:
         if close is not None:
             close()
 
+    def head_shape(self) -> tuple[int, int]:
+        """``(V, H)`` of the target's head, the loss's biggest matmul (a CPU run's measured matmul,
+        train/matmul_peak.py)."""
+        return tuple(self.target.lm_head.weight.shape)
+
     def optimizer_text(self) -> str:
         from dflash_prep.train.optim import muon_lr
 

@@ -78,6 +78,11 @@ class LMObjective:
     def flops(self, b) -> float:
         return 6.0 * sum(p.numel() for p in self.model.parameters()) * b.real_tokens
 
+    def head_shape(self) -> tuple[int, int]:
+        """``(V, H)`` of the head the loss runs through (a CPU run's measured matmul, train/matmul_peak.py)."""
+        head = self.model.get_output_embeddings() if self.hf else self.model.head
+        return tuple(head.weight.shape)
+
     @staticmethod
     def targets(denom: float) -> int:
         return int(denom)
