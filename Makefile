@@ -136,8 +136,13 @@ real-target: venv $(REAL_TARGET_GGUF)
 # make test: the suite but for four marked sets, each run by a target of its own: `slow` (full-size
 # and sweep tests), `jobs` (whole multi-process jobs: split jobs over gloo, the GPU script's steps),
 # `engine` (a real vLLM from .venv-vllm) and `gpu` (skipped without a GPU). CI runs jobs and engine too.
+# TEST_WORKERS pytest-xdist processes (2: both cores of the CI machine; 1 runs in this process, as a
+# debugger wants; timings in docs/benchmarks.md#demo-and-tests). Each worker keeps torch's own
+# thread count, so float results are those of a serial run.
+TEST_WORKERS ?= 2
 test: venv
-	$(BIN)/python -m pytest -q -m "not slow and not gpu and not jobs and not engine"
+	$(BIN)/python -m pytest -q $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS)) \
+		-m "not slow and not gpu and not jobs and not engine"
 
 test-jobs: venv
 	$(BIN)/python -m pytest -q -m "jobs and not gpu"
