@@ -1,7 +1,8 @@
 """``python -m dflash_prep.engine.with_server``: the command runs while the server is up, with
 ``{base_url}`` and ``{model}`` filled in, its exit status passed on; a server that fails to start is
-one line and exit 1. A stand-in replaces the server (the real one: tests/engine/test_demo_real.py
-and the vllm_server tests)."""
+one line and exit 1. A stand-in replaces the server. The server it wraps, ``vllm_server``, is the
+real-vLLM tests' (tests/engine/test_vllm.py); ``make demo-real`` at its default size regenerates through
+this command against a real vLLM, its ``DEMO_SIZE=small`` (tests/engine/test_demo_real.py) does not."""
 
 from __future__ import annotations
 
