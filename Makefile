@@ -20,7 +20,7 @@ LOCK ?= -c $(if $(GPU),$(VENV)/constraints-gpu.txt,constraints.txt)
 # they cannot here (docs/reliability.md#one-import-name), so the first screen stays the pipeline
 QUIET_INSTALL := PYTHONWARNINGS="ignore:Editable installation"
 
-.PHONY: venv venv-vllm demo demo-dflash demo-real real-target test test-jobs test-engines test-any-cpu test-slow test-latest lock train bench bench-gpu bench-convergence clean
+.PHONY: venv venv-vllm demo demo-dflash demo-real real-target test test-jobs test-engines test-any-cpu test-slow test-latest lock train bench bench-gpu bench-convergence bench-drafter-cpu clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -255,6 +255,14 @@ bench: venv
 CONVERGENCE_ARGS ?=
 bench-convergence: venv
 	$(BIN)/python -m dflash_prep.bench.convergence $(CONVERGENCE_ARGS)
+
+# The drafter step on CPU at SmolLM2-135M's head shape (bench/drafter_cpu.py,
+# docs/benchmarks.md#the-drafter-step-on-cpu): achieved FLOP/s against a same-run matmul, chunk
+# sizes, the bf16 head, EAGLE-3's draft vocabulary; ~20 min on 2 loaded cores. Not part of `make test`.
+# Writes results/bench/drafter_cpu.{json,md}.
+DRAFTER_CPU_ARGS ?=
+bench-drafter-cpu: venv
+	$(BIN)/python -m dflash_prep.bench.drafter_cpu --out results/bench $(DRAFTER_CPU_ARGS)
 
 clean:
 	rm -rf $(DEMO) $(DEMO_DFLASH) .pytest_cache .numba_cache

@@ -11,8 +11,8 @@ gradients ``dL/dhidden = (softmax - onehot) * w @ weight`` (and ``dL/dweight`` s
 chunks when ``weight`` requires grad), then dropped. The softmax reuses the logits' buffer in
 5 passes over it (max with the argmax, in-place ``- max``, in-place ``exp``, sum, in-place scale
 by ``w / sum``) and no other ``[chunk, V]`` buffer; ``logsumexp``, ``argmax`` and a separate
-``exp(z - lse) * w`` took 8 passes and 3 more buffers, 3.6x the time on CPU (docs/benchmarks.md,
-"The drafter step on CPU"). Peak extra memory is one chunk's logits
+``exp(z - lse) * w`` took 8 passes and 3 more buffers: the head + CE ran 1.25x slower in fp32,
+1.39x with the bf16 head, on CPU (docs/benchmarks.md, "The drafter step on CPU"). Peak extra memory is one chunk's logits
 plus ``[N, H]`` (and ``[V, H]``) of saved gradient, instead of ``[N, V]`` logits and their
 softmax kept for backward: a 32K vocabulary at 8K rows is 1 GiB of fp32 logits unchunked.
 The price is computing the input gradient during the forward even when no backward follows

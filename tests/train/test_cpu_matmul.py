@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash_prep.train import distributed, matmul_peak
-from dflash_prep.train.chunked_ce import head_dtype, weighted_ce
+from dflash_prep.train.chunked_ce import _compute_dtype, head_dtype, weighted_ce
 from dflash_prep.train.chunked_kl import row_losses
 from dflash_prep.train.loop import train
 
@@ -76,9 +76,15 @@ def test_bf16_head_matches_fp32_within_bound(kl):
 
 
 def test_cpu_head_dtype_follows_bf16_flag_and_the_cpu():
+    native = distributed.bf16_native()
     assert distributed.cpu_head_dtype(False) == torch.float32
-    assert distributed.cpu_head_dtype(True) == (torch.bfloat16 if distributed.bf16_native() else torch.float32)
-    assert distributed.autocast_for(torch.device("cpu"), False) is not None
+    assert distributed.cpu_head_dtype(True) == (torch.bfloat16 if native else torch.float32)
+    h, W = torch.zeros(2, 8), torch.zeros(5, 8)
+    for bf16, want in ((False, torch.float32), (True, torch.bfloat16 if native else torch.float32)):
+        with distributed.autocast_for(torch.device("cpu"), bf16)():
+            assert _compute_dtype(h, W) == want                  # the head's matmul dtype
+            assert not torch.is_autocast_enabled("cpu")          # the rest of the model is untouched
+    assert _compute_dtype(h, W) == torch.float32                 # and only inside the context
 
 
 def _run(out, bf16: bool):
