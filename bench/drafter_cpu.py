@@ -54,7 +54,6 @@ import torch
 
 from dflash_prep.bench import drafter_gpu as g
 from dflash_prep.errors import ConfigError
-from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json
 
 FORMAT = "dflash-prep/bench-drafter-cpu"
 
@@ -307,10 +306,7 @@ def main(argv=None) -> int:
                                          "warmup", "chunks", "eagle3") if (v := getattr(a, f)) is not None})
     print(f"bench.drafter_cpu: {cfg}", flush=True)
     rep = run(cfg)
-    a.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(a.out / "drafter_cpu.json", rep, format=FORMAT, version=1)
-    atomic_write_bytes(a.out / "drafter_cpu.md", (table(rep) + "\n").encode())
-    print(table(rep))
+    g.write_report(a.out, "drafter_cpu", rep, table(rep), format=FORMAT)
     return 0
 
 

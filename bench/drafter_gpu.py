@@ -341,6 +341,15 @@ def table(rep: dict) -> str:
     return "\n".join(out)
 
 
+def write_report(out: Path, stem: str, rep: dict, md: str, *, format: str) -> None:
+    """Write ``out/<stem>.json`` (``format`` v1) and ``out/<stem>.md`` (``md``), then print ``md``:
+    how :mod:`bench.drafter_cpu` and :mod:`bench.drafter_variants_gpu` end their ``main``."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / f"{stem}.json", rep, format=format, version=1)
+    atomic_write_bytes(out / f"{stem}.md", (md + "\n").encode())
+    print(md)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_prep.bench.drafter_gpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="the same code on CPU at tiny shapes (tests)")

@@ -37,7 +37,6 @@ import torch
 
 from dflash_prep.bench import drafter_gpu as g
 from dflash_prep.errors import ConfigError
-from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json
 
 FORMAT = "dflash-prep/bench-drafter-variants"
 DRAFT_VOCAB = 32000
@@ -173,10 +172,7 @@ def main(argv=None) -> int:
     if a.smoke:
         cfg = replace(cfg, layers=4, steps=1, warmup=0)
     rep = run(cfg)
-    a.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(a.out / "drafter_variants_gpu.json", rep, format=FORMAT, version=1)
-    atomic_write_bytes(a.out / "drafter_variants_gpu.md", (table(rep) + "\n").encode())
-    print(table(rep))
+    g.write_report(a.out, "drafter_variants_gpu", rep, table(rep), format=FORMAT)
     return 0
 
 

@@ -16,16 +16,25 @@ attribution and the prompt format (docs/evaluation.md#benchmark-prompt-sets).
 
 from __future__ import annotations
 
-import argparse
 import gzip
-import hashlib
-import json
 import sys
 from pathlib import Path
 
 from dflash_prep.errors import DflashError, InputError
 from dflash_prep.evalsets.sets import FORMAT, ROOT, VERSION
-from dflash_prep.evalsets.shipped import deterministic_gzip, field, git_blob_id, json_lines, write_set
+from dflash_prep.evalsets.shipped import (
+    build_parser,
+    deterministic_gzip,
+    field,
+    git_blob_id,
+    json_lines,
+    json_objects,
+    parsed_inputs,
+    read_input,
+    read_inputs,
+    upstream_identity,
+    write_set,
+)
 from dflash_prep.evalsets.sources import CONVENTION, MBPP_TEST_IDS, NOT_SHIPPED, SOURCES, SetSource
 from dflash_prep.formats.fileio import atomic_write_json
 
@@ -34,19 +43,10 @@ __all__ = ["build", "deterministic_gzip", "git_blob_id", "main", "read_upstream"
 
 def read_upstream(src: SetSource, path: str | Path) -> tuple[bytes, list[dict]]:
     """The upstream file's bytes and its records reduced to ``{"id": str, "turns": [str, ...]}``."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: file not found (--{src.name} names the upstream {src.repo}:{src.path})")
-    data = path.read_bytes()
+    path, data = read_input(src, path)
     if src.name == "mbpp":
-        try:
-            rows = json.loads(data)
-        except ValueError as e:
-            raise InputError(f"{path}: not JSON ({e}); pass the upstream sanitized-mbpp.json as is") from None
-        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise InputError(f"{path}: expected a JSON list of objects (sanitized-mbpp.json)")
         recs = []
-        for i, r in enumerate(rows):
+        for i, r in enumerate(json_objects(path, data, "sanitized-mbpp.json")):
             if field(path, i, r, "task_id", int) in MBPP_TEST_IDS:
                 recs.append({"id": str(r["task_id"]), "turns": [field(path, i, r, "prompt", str)]})
     else:
@@ -77,19 +77,14 @@ def build(inputs: dict[str, str | Path], *, commits: dict[str, str] | None = Non
     ``inputs`` maps each name of :data:`SOURCES` to its upstream file; ``commits`` overrides the
     recorded upstream commit of a set (default: the one in :data:`SOURCES`)."""
     commits = commits or {}
-    missing = [s.name for s in SOURCES if s.name not in inputs]
-    if missing:
-        raise InputError(f"no upstream file for {', '.join(missing)}; every set is rebuilt together")
     out = Path(out)
-    read = [(src, *read_upstream(src, inputs[src.name])) for src in SOURCES]  # every input checked before a write
+    read = read_inputs(SOURCES, inputs, read_upstream)
     entries = []
     for src, upstream, recs in read:
         entries.append({
             "name": src.name, **write_set(out, src.name, recs), "turns": src.turns,
             "record": {"id": src.id_from, "turns": src.text_from},
-            "source": {"repo": src.repo, "path": src.path, "commit": commits.get(src.name, src.commit),
-                       "git_blob": git_blob_id(upstream), "sha256": hashlib.sha256(upstream).hexdigest(),
-                       "subset": src.subset},
+            "source": {**upstream_identity(src, upstream, commits), "subset": src.subset},
             "license": src.license, "copyright": src.copyright, "attribution": src.attribution,
             "prompt_format": {"template": src.template, "placeholder": src.placeholder,
                               "applies_to": "each user turn", "convention": CONVENTION},
@@ -100,17 +95,10 @@ def build(inputs: dict[str, str | Path], *, commits: dict[str, str] | None = Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflash_prep.evalsets.build", description=__doc__.split("\n\n")[0])
-    for src in SOURCES:
-        ap.add_argument(f"--{src.name}", required=True, type=Path, metavar="FILE", dest=f"file:{src.name}",
-                        help=f"{src.repo}:{src.path} at --{src.name}-commit")
-        ap.add_argument(f"--{src.name}-commit", default=src.commit, metavar="SHA", dest=f"commit:{src.name}",
-                        help=f"the upstream commit to record (default {src.commit})")
-    ap.add_argument("--out", type=Path, default=ROOT, help=f"where to write manifest.json and data/ (default {ROOT})")
-    args = vars(ap.parse_args(argv))
+    args = vars(build_parser("python -m dflash_prep.evalsets.build", __doc__, SOURCES, ROOT).parse_args(argv))
+    inputs, commits = parsed_inputs(args, SOURCES)
     try:
-        manifest = build({s.name: args[f"file:{s.name}"] for s in SOURCES},
-                         commits={s.name: args[f"commit:{s.name}"] for s in SOURCES}, out=args["out"])
+        manifest = build(inputs, commits=commits, out=args["out"])
     except DflashError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

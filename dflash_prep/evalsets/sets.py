@@ -14,14 +14,13 @@ sample of ``n + 1`` (growing a sample keeps what was measured), and another seed
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_prep.errors import ConfigError, FormatError
-from dflash_prep.evalsets.shipped import read_set
-from dflash_prep.formats.fileio import read_json
+from dflash_prep.errors import ConfigError
+from dflash_prep.evalsets.shipped import read_manifest, read_set, sample
+from dflash_prep.evalsets.shipped import sample_key  # noqa: F401 (re-exported: the rule's public name here)
 
 FORMAT = "dflash-prep/evalsets"
 VERSION = 1
@@ -49,12 +48,7 @@ _ENTRY_KEYS = ("name", "file", "count", "sha256", "content_sha256", "turns", "pr
 def _manifest(root: str | Path | None) -> tuple[Path, dict]:
     """The folder and its checked manifest (a FormatError in one line if it lacks what readers use)."""
     root = ROOT if root is None else Path(root)
-    path = root / "manifest.json"
-    manifest = read_json(path, format=FORMAT, versions=(VERSION,))
-    sets = manifest.get("sets")
-    if not isinstance(sets, list) or not all(isinstance(e, dict) and all(k in e for k in _ENTRY_KEYS) for e in sets):
-        raise FormatError(f"{path}: 'sets' must list entries with {', '.join(_ENTRY_KEYS)}; {_REBUILD}")
-    return root, manifest
+    return root, read_manifest(root, format=FORMAT, version=VERSION, entry_keys=_ENTRY_KEYS, rebuild=_REBUILD)
 
 
 def _entries(manifest: dict) -> dict[str, dict]:
@@ -127,22 +121,10 @@ def load_raw(name: str, *, root: str | Path | None = None) -> list[dict]:
     return read_set(*_entry(name, root), _REBUILD)
 
 
-def sample_key(name: str, id: str, seed: int) -> str:
-    """A record's rank in every sample of ``name`` under ``seed`` (smaller is taken first)."""
-    return hashlib.sha256(f"{seed}:{name}:{id}".encode()).hexdigest()
-
-
 def sample_benchmark(name: str, n: int, seed: int, *, root: str | Path | None = None) -> list[BenchPrompt]:
     """``n`` records of ``name`` (all when ``n`` is 0 or at least the count), in upstream order.
 
-    The ``n`` records with the smallest :func:`sample_key` under ``seed``; see the module docstring
-    for why this is platform-independent and nested."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ConfigError(f"sample size must be a whole number >= 0 (0 takes every record), got {n!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"sample seed must be a whole number, got {seed!r}")
-    prompts = load_benchmark(name, root=root)
-    if n == 0 or n >= len(prompts):
-        return prompts
-    ranked = sorted(range(len(prompts)), key=lambda i: (sample_key(name, prompts[i].id, seed), i))
-    return [prompts[i] for i in sorted(ranked[:n])]
+    The ``n`` records with the smallest :func:`sample_key` under ``seed``
+    (:func:`dflash_prep.evalsets.shipped.sample`); see the module docstring for why this is
+    platform-independent and nested."""
+    return sample(name, n, seed, lambda: load_benchmark(name, root=root), lambda p: p.id)

@@ -17,15 +17,22 @@ counts at each step with the ids dropped for overlap, and both hashes of the shi
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
 import sys
 from pathlib import Path
 
 from dflash_prep.errors import DflashError, InputError
-from dflash_prep.evalsets.sets import sample_key
-from dflash_prep.evalsets.shipped import field, git_blob_id, json_lines, write_set
+from dflash_prep.evalsets.shipped import (
+    build_parser,
+    field,
+    json_lines,
+    json_objects,
+    parsed_inputs,
+    read_input,
+    read_inputs,
+    smallest,
+    upstream_identity,
+    write_set,
+)
 from dflash_prep.formats.fileio import atomic_write_json
 from dflash_prep.trainsets import overlap
 from dflash_prep.trainsets.sets import FORMAT, ROOT, VERSION
@@ -42,21 +49,13 @@ def _alpaca_prompt(path: Path, i: int, rec: dict) -> str:
 
 def read_upstream(src: TrainSource, path: str | Path) -> tuple[bytes, list[dict]]:
     """The upstream file's bytes and every record as ``{"id": str, "turns": [prompt]}``, upstream order."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: file not found (--{src.name} names the upstream {src.repo}:{src.path})")
-    data = path.read_bytes()
+    path, data = read_input(src, path)
     if src.layout == "jsonl-question":
         recs = [{"id": str(i), "turns": [field(path, i, r, "question", str)]}
                 for i, r in enumerate(json_lines(path, data))]
     else:
-        try:
-            rows = json.loads(data)
-        except ValueError as e:
-            raise InputError(f"{path}: not JSON ({e}); pass the upstream {src.path} as is") from None
-        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise InputError(f"{path}: expected a JSON list of objects ({src.path})")
-        recs = [{"id": str(i), "turns": [_alpaca_prompt(path, i, r)]} for i, r in enumerate(rows)]
+        recs = [{"id": str(i), "turns": [_alpaca_prompt(path, i, r)]}
+                for i, r in enumerate(json_objects(path, data, src.path))]
     empty = [r["id"] for r in recs if not r["turns"][0].strip()]
     if not recs or empty:
         raise InputError(f"{path}: {len(recs)} records, {len(empty)} with an empty prompt (first: {empty[:1]}); "
@@ -74,12 +73,11 @@ def select(name: str, recs: list[dict], index: overlap.EvalIndex, max_records: i
             unique.append(r)
     bad = overlap.offenders([(r["id"], r["turns"][0]) for r in unique], index)
     clean = [r for r in unique if r["id"] not in bad]
-    keep = {r["id"] for r in sorted(clean, key=lambda r: sample_key(name, r["id"], 0))[:max_records]}
     stats = {"upstream_records": len(recs), "duplicates_dropped": len(recs) - len(unique),
              "overlap_dropped": {"contains": sorted(i for i, why in bad.items() if why == "contains"),
                                  "ngram": sorted(i for i, why in bad.items() if why == "ngram")},
              "eligible": len(clean), "max_records": max_records, "rule": SUBSET_RULE}
-    return [r for r in clean if r["id"] in keep], stats
+    return smallest(name, clean, max_records, 0, lambda r: r["id"]), stats
 
 
 def build(inputs: dict[str, str | Path], *, commits: dict[str, str] | None = None, out: str | Path = ROOT,
@@ -89,11 +87,8 @@ def build(inputs: dict[str, str | Path], *, commits: dict[str, str] | None = Non
     ``inputs`` maps each name of :data:`SOURCES` to its upstream file; ``commits`` overrides a set's
     recorded upstream commit; ``eval_root`` holds the evaluation sets to keep clear of."""
     commits = commits or {}
-    missing = [s.name for s in SOURCES if s.name not in inputs]
-    if missing:
-        raise InputError(f"no upstream file for {', '.join(missing)}; every set is rebuilt together")
     out = Path(out)
-    read = [(src, *read_upstream(src, inputs[src.name])) for src in SOURCES]  # every input checked before a write
+    read = read_inputs(SOURCES, inputs, read_upstream)
     turns, eval_hashes = overlap.eval_turns(root=eval_root)
     index = overlap.build_index(turns)
     entries = []
@@ -102,8 +97,7 @@ def build(inputs: dict[str, str | Path], *, commits: dict[str, str] | None = Non
         entries.append({
             "name": src.name, "domain": src.domain, **write_set(out, src.name, kept), "turns": 1,
             "record": {"id": src.id_from, "turns": src.text_from},
-            "source": {"repo": src.repo, "path": src.path, "commit": commits.get(src.name, src.commit),
-                       "git_blob": git_blob_id(upstream), "sha256": hashlib.sha256(upstream).hexdigest()},
+            "source": upstream_identity(src, upstream, commits),
             "selection": stats, "license": src.license, "copyright": src.copyright, "attribution": src.attribution,
         })
     manifest = {"notice": "NOTICE", "sets": entries,
@@ -115,20 +109,13 @@ def build(inputs: dict[str, str | Path], *, commits: dict[str, str] | None = Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflash_prep.trainsets.build", description=__doc__.split("\n\n")[0])
-    for src in SOURCES:
-        ap.add_argument(f"--{src.name}", required=True, type=Path, metavar="FILE", dest=f"file:{src.name}",
-                        help=f"{src.repo}:{src.path} at --{src.name}-commit")
-        ap.add_argument(f"--{src.name}-commit", default=src.commit, metavar="SHA", dest=f"commit:{src.name}",
-                        help=f"the upstream commit to record (default {src.commit})")
-    ap.add_argument("--out", type=Path, default=ROOT, help=f"where to write manifest.json and data/ (default {ROOT})")
+    ap = build_parser("python -m dflash_prep.trainsets.build", __doc__, SOURCES, ROOT)
     ap.add_argument("--eval-root", type=Path, default=None, help="the evaluation sets to keep clear of (default: "
                                                                   "the package's dflash_prep/evalsets)")
     args = vars(ap.parse_args(argv))
+    inputs, commits = parsed_inputs(args, SOURCES)
     try:
-        manifest = build({s.name: args[f"file:{s.name}"] for s in SOURCES},
-                         commits={s.name: args[f"commit:{s.name}"] for s in SOURCES}, out=args["out"],
-                         eval_root=args["eval_root"])
+        manifest = build(inputs, commits=commits, out=args["out"], eval_root=args["eval_root"])
     except DflashError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -10,7 +10,7 @@ target answers them as a user would ask them.
 [{"role": "user", "content": prompt}]}``: the ``messages`` schema that ``dflash-prep regenerate``
 (and ``tokenize``) read, a conversation that ends with the user turn the target is to answer.
 Sampling ``n`` of a set ranks its records by ``sha256(f"{seed}:{name}:{id}")`` like the evaluation
-sets (:func:`dflash_prep.evalsets.sets.sample_key`): seed 0 gives the first ``n`` of the rule that
+sets (:func:`dflash_prep.evalsets.shipped.sample_key`): seed 0 gives the first ``n`` of the rule that
 chose the shipped records, and the sample of ``n`` lies inside the sample of ``n + 1``.
 """
 
@@ -19,10 +19,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash_prep.errors import ConfigError, FormatError
-from dflash_prep.evalsets.sets import sample_key
-from dflash_prep.evalsets.shipped import read_set
-from dflash_prep.formats.fileio import atomic_write_bytes, read_json, strict_dumps
+from dflash_prep.errors import ConfigError
+from dflash_prep.evalsets.shipped import read_manifest, read_set, sample
+from dflash_prep.formats.fileio import atomic_write_bytes, strict_dumps
 
 FORMAT = "dflash-prep/trainsets"
 VERSION = 1
@@ -34,12 +33,7 @@ _ENTRY_KEYS = ("name", "file", "count", "sha256", "content_sha256", "turns")
 
 def _manifest(root: str | Path | None) -> tuple[Path, dict]:
     root = ROOT if root is None else Path(root)
-    path = root / "manifest.json"
-    manifest = read_json(path, format=FORMAT, versions=(VERSION,))
-    sets = manifest.get("sets")
-    if not isinstance(sets, list) or not all(isinstance(e, dict) and all(k in e for k in _ENTRY_KEYS) for e in sets):
-        raise FormatError(f"{path}: 'sets' must list entries with {', '.join(_ENTRY_KEYS)}; {_REBUILD}")
-    return root, manifest
+    return root, read_manifest(root, format=FORMAT, version=VERSION, entry_keys=_ENTRY_KEYS, rebuild=_REBUILD)
 
 
 def set_names(*, root: str | Path | None = None) -> list[str]:
@@ -83,16 +77,8 @@ def load_set(name: str, *, root: str | Path | None = None) -> list[dict]:
 
 def sample_set(name: str, n: int, seed: int, *, root: str | Path | None = None) -> list[dict]:
     """``n`` records of ``name`` (all when ``n`` is 0 or at least the count), in upstream order: the
-    ``n`` smallest ``sha256(f"{seed}:{name}:{id}")``."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ConfigError(f"sample size must be a whole number >= 0 (0 takes every record), got {n!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"sample seed must be a whole number, got {seed!r}")
-    recs = load_set(name, root=root)
-    if n == 0 or n >= len(recs):
-        return recs
-    keep = {r["id"] for r in sorted(recs, key=lambda r: sample_key(name, r["id"], seed))[:n]}
-    return [r for r in recs if r["id"] in keep]
+    ``n`` smallest ``sha256(f"{seed}:{name}:{id}")`` (:func:`dflash_prep.evalsets.shipped.sample`)."""
+    return sample(name, n, seed, lambda: load_set(name, root=root), lambda r: r["id"])
 
 
 def export(names: list[str], out: str | Path, *, n: int = 0, seed: int = 0,

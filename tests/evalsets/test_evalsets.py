@@ -6,13 +6,11 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from dflash_prep.errors import ConfigError, FormatError, InputError
+from dflash_prep.errors import ConfigError, FormatError
 from dflash_prep.evalsets import (
     BenchPrompt,
     benchmark_names,
@@ -23,6 +21,8 @@ from dflash_prep.evalsets import (
 )
 from dflash_prep.evalsets.build import build, deterministic_gzip, main
 from dflash_prep.evalsets.sets import ROOT, sample_key
+from dflash_prep.tests.evalsets import shipped_checks as checks
+from dflash_prep.tests.evalsets.shipped_checks import one_line
 
 #: The upstream counts: GSM8K test, HumanEval, MBPP sanitized task_ids 11..510, MT-Bench.
 COUNTS = {"gsm8k": 1319, "humaneval": 164, "mbpp": 257, "mt-bench": 80}
@@ -30,22 +30,12 @@ STEP = "\nPlease reason step by step, and put your final answer within \\boxed{}
 HUMANEVAL_HEAD = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
 
 
-def _one_line(e: pytest.ExceptionInfo) -> str:
-    msg = str(e.value)
-    assert "\n" not in msg, msg
-    return msg
-
-
 # ----------------------------------------------------------------------------- the shipped files
 def test_manifest_counts_hashes_and_size_match_the_shipped_files():
-    manifest = json.loads((ROOT / "manifest.json").read_text())
-    assert (manifest["format"], manifest["version"]) == ("dflash-prep/evalsets", 1)
+    manifest = checks.check_manifest_hashes(ROOT, "dflash-prep/evalsets")
     assert benchmark_names() == ["gsm8k", "humaneval", "mbpp", "mt-bench"]
     for name in benchmark_names():
         entry = describe(name)
-        data = (ROOT / entry["file"]).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == entry["sha256"], name
-        assert hashlib.sha256(gzip.decompress(data)).hexdigest() == entry["content_sha256"], name
         assert entry["count"] == COUNTS[name] == len(load_benchmark(name)), (name, entry["count"])
         assert len({p.id for p in load_benchmark(name)}) == entry["count"], f"{name}: ids not unique"
     shipped = [ROOT / "manifest.json", ROOT / manifest["notice"], *(ROOT / "data").iterdir()]
@@ -78,7 +68,7 @@ def test_math500_is_not_shipped_and_says_why():
                  lambda: describe("math500")):
         with pytest.raises(ConfigError) as e:
             call()
-        msg = _one_line(e)
+        msg = one_line(e)
         assert "math500" in msg and "Git LFS" in msg and "--prompts FILE" in msg, msg
 
 
@@ -111,7 +101,7 @@ def test_parse_benchmarks():
     for bad in ("", " , ", "gsm9k", "gsm8k,MBPP"):
         with pytest.raises(ConfigError) as e:
             parse_benchmarks(bad)
-        msg = _one_line(e)
+        msg = one_line(e)
         assert "gsm8k, humaneval, mbpp, mt-bench, all" in msg, msg
 
 
@@ -136,7 +126,7 @@ def test_sampling_is_deterministic_nested_seeded_and_in_upstream_order():
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigError) as e:
             sample_benchmark("gsm8k", bad, 0)
-        _one_line(e)
+        one_line(e)
 
 
 def test_sample_ids_are_pinned():
@@ -149,12 +139,7 @@ def test_sample_ids_are_pinned():
 # ----------------------------------------------------------------------------- a changed or corrupt copy
 @pytest.fixture
 def copy(tmp_path) -> Path:
-    dst = tmp_path / "evalsets"
-    (dst / "data").mkdir(parents=True)
-    shutil.copy(ROOT / "manifest.json", dst / "manifest.json")
-    for f in (ROOT / "data").iterdir():
-        shutil.copy(f, dst / "data" / f.name)
-    return dst
+    return checks.copy_sets(ROOT, tmp_path / "evalsets")
 
 
 def test_an_intact_copy_loads_like_the_package(copy):
@@ -174,7 +159,7 @@ def test_a_changed_file_is_refused_in_one_line(copy, damage):
         path.unlink()
     with pytest.raises(FormatError) as e:
         load_benchmark("gsm8k", root=copy)
-    msg = _one_line(e)
+    msg = one_line(e)
     assert str(path) in msg and ("sha256" in msg or "not found" in msg) and "evalsets.build" in msg, msg
     assert len(load_benchmark("mt-bench", root=copy)) == 80  # the other sets still load
 
@@ -190,7 +175,7 @@ def test_a_manifest_that_disagrees_with_its_file_is_refused(copy):
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(FormatError) as e:
         load_benchmark("mt-bench", root=copy)
-    assert "79 records" in _one_line(e) and "says 80" in str(e.value)
+    assert "79 records" in one_line(e) and "says 80" in str(e.value)
 
 
 # ----------------------------------------------------------------------------- rebuilding
@@ -201,9 +186,7 @@ def _jsonl(rows) -> bytes:
 @pytest.fixture
 def upstream(tmp_path) -> dict[str, Path]:
     """Tiny upstream files in the upstream layouts (HumanEval gzip-compressed, MBPP one JSON list)."""
-    up = tmp_path / "upstream"
-    up.mkdir()
-    files = {
+    return checks.write_upstream(tmp_path / "upstream", {
         "gsm8k": ("test.jsonl", _jsonl([{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"}
                                         for i in range(3)])),
         "humaneval": ("HumanEval.jsonl.gz", gzip.compress(_jsonl(
@@ -213,36 +196,19 @@ def upstream(tmp_path) -> dict[str, Path]:
                                                 "turns": [f"Write {i}.", "Now shorter."]} for i in range(2)])),
         "mbpp": ("sanitized-mbpp.json", json.dumps([{"task_id": t, "prompt": f"Write task {t}.", "code": "pass"}
                                                     for t in (2, 11, 510, 511)]).encode()),
-    }
-    out = {}
-    for name, (fname, data) in files.items():
-        (up / fname).write_bytes(data)
-        out[name] = up / fname
-    return out
+    })
 
 
 def test_build_is_byte_reproducible_and_reads_back_in_format(upstream, tmp_path):
-    m1 = build(upstream, out=tmp_path / "a")
-    m2 = build(upstream, out=tmp_path / "b")
-    files = ["manifest.json"] + [e["file"] for e in m1["sets"]]
-    for f in files:
-        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
-    assert m1 == m2 == json.loads((tmp_path / "a" / "manifest.json").read_text())
-    root = tmp_path / "a"
+    manifest, root = checks.check_rebuild(build, upstream, tmp_path)
     assert load_benchmark("gsm8k", root=root)[2] == BenchPrompt("gsm8k", "2", ("What is 2 + 2?" + STEP,))
     assert load_benchmark("humaneval", root=root)[1].turns == (
         HUMANEVAL_HEAD + 'def f1():\n    """Return {1}."""\n\n```',)
     assert [(p.id, p.turns) for p in load_benchmark("mbpp", root=root)] == [
         ("11", ("Write task 11.",)), ("510", ("Write task 510.",))]
     assert load_benchmark("mt-bench", root=root)[0] == BenchPrompt("mt-bench", "81", ("Write 0.", "Now shorter."))
-    for e in m1["sets"]:  # the recorded upstream identity is the file's own: git's blob id and its sha256
-        blob = subprocess.run(["git", "hash-object", str(upstream[e["name"]])], capture_output=True, text=True,
-                              check=True, timeout=60).stdout.strip()
-        assert e["source"]["git_blob"] == blob, e["name"]
-        assert e["source"]["sha256"] == hashlib.sha256(upstream[e["name"]].read_bytes()).hexdigest()
-    # the shipped data's gzip header: no name, mtime 0, OS byte 255, so the bytes do not depend on the machine
-    head = (root / "data" / "gsm8k.jsonl.gz").read_bytes()[:10]
-    assert head[3] == 0 and head[4:8] == b"\0\0\0\0" and head[9] == 255
+    checks.check_upstream_identity(manifest, upstream)
+    checks.check_gzip_header(root / "data" / "gsm8k.jsonl.gz")
 
 
 def test_build_cli_and_its_refusals(upstream, tmp_path, capsys):
@@ -253,9 +219,5 @@ def test_build_cli_and_its_refusals(upstream, tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "o2")]) == 1
     assert "1 turns, expected 2" in capsys.readouterr().err and not (tmp_path / "o2").exists()
     upstream["gsm8k"].write_bytes(_jsonl([{"problem": "no question field"}]))
-    with pytest.raises(InputError) as e:
-        build(upstream, out=tmp_path / "o3")
-    assert "'question'" in _one_line(e)
-    with pytest.raises(InputError) as e:
-        build({"gsm8k": upstream["gsm8k"]}, out=tmp_path / "o4")
-    assert "humaneval, mbpp, mt-bench" in _one_line(e)
+    checks.check_build_refusals(build, upstream, tmp_path, why="'question'", first="gsm8k",
+                                missing="humaneval, mbpp, mt-bench")

@@ -4,19 +4,17 @@ deterministically, and export as a file regenerate reads."""
 
 from __future__ import annotations
 
-import gzip
-import hashlib
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from dflash_prep.errors import ConfigError, FormatError, InputError
+from dflash_prep.errors import ConfigError, FormatError
 from dflash_prep.evalsets import describe as describe_eval
 from dflash_prep.evalsets import benchmark_names
 from dflash_prep.evalsets.sets import load_raw, sample_key
+from dflash_prep.tests.evalsets import shipped_checks as checks
+from dflash_prep.tests.evalsets.shipped_checks import one_line
 from dflash_prep.trainsets import describe, export, load_set, parse_sets, sample_set, set_names
 from dflash_prep.trainsets import overlap
 from dflash_prep.trainsets.build import build, main, select
@@ -26,12 +24,6 @@ from dflash_prep.trainsets.sets import ROOT
 COUNTS = {"train-math": 3000, "train-code": 3000, "train-chat": 1923}
 
 
-def _one_line(e: pytest.ExceptionInfo) -> str:
-    msg = str(e.value)
-    assert "\n" not in msg, msg
-    return msg
-
-
 @pytest.fixture(scope="module")
 def index() -> overlap.EvalIndex:
     return overlap.build_index(overlap.eval_turns()[0])
@@ -39,14 +31,10 @@ def index() -> overlap.EvalIndex:
 
 # ----------------------------------------------------------------------------- the shipped files
 def test_manifest_counts_hashes_and_size_match_the_shipped_files():
-    manifest = json.loads((ROOT / "manifest.json").read_text())
-    assert (manifest["format"], manifest["version"]) == ("dflash-prep/trainsets", 1)
+    checks.check_manifest_hashes(ROOT, "dflash-prep/trainsets")
     assert set_names() == list(COUNTS)
     for name in set_names():
         e = describe(name)
-        data = (ROOT / e["file"]).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == e["sha256"], name
-        assert hashlib.sha256(gzip.decompress(data)).hexdigest() == e["content_sha256"], name
         recs = load_set(name)
         assert e["count"] == COUNTS[name] == len(recs) == len({r["id"] for r in recs}), name
         sel = e["selection"]
@@ -129,7 +117,7 @@ def test_sampling_is_deterministic_nested_and_in_upstream_order():
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigError) as e:
             sample_set("train-math", bad, 0)
-        _one_line(e)
+        one_line(e)
 
 
 def test_parse_sets():
@@ -138,7 +126,7 @@ def test_parse_sets():
     for bad in ("", " , ", "gsm8k", "train-math,Train-code"):
         with pytest.raises(ConfigError) as e:
             parse_sets(bad)
-        assert "train-math, train-code, train-chat, all" in _one_line(e)
+        assert "train-math, train-code, train-chat, all" in one_line(e)
 
 
 def test_export_is_what_regenerate_reads(tmp_path):
@@ -180,16 +168,14 @@ def test_prompts_command(tmp_path):
 
 # ----------------------------------------------------------------------------- a changed copy
 def test_a_changed_file_is_refused_in_one_line(tmp_path):
-    dst = tmp_path / "trainsets"
-    shutil.copytree(ROOT / "data", dst / "data")
-    shutil.copy(ROOT / "manifest.json", dst / "manifest.json")
+    dst = checks.copy_sets(ROOT, tmp_path / "trainsets")
     path = dst / "data" / "train-chat.jsonl.gz"
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
     with pytest.raises(FormatError) as e:
         load_set("train-chat", root=dst)
-    msg = _one_line(e)
+    msg = one_line(e)
     assert str(path) in msg and "sha256" in msg and "trainsets.build" in msg
     assert load_set("train-math", root=dst) == load_set("train-math")
 
@@ -208,24 +194,15 @@ def upstream(tmp_path) -> dict[str, Path]:
     code[2]["input"] = "n = 3"
     chat = [{"instruction": f"Imagine you are a sailor in port {i}. Describe the harbour.", "input": "",
              "response": "x"} for i in range(3)]
-    files = {"train-math": ("train.jsonl", "".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n"
-                                                   for q in questions)),
-             "train-code": ("codegen-instruct.json", json.dumps(code)),
-             "train-chat": ("roleplay.json", json.dumps(chat))}
-    out = {}
-    for name, (fname, text) in files.items():
-        (tmp_path / fname).write_text(text)
-        out[name] = tmp_path / fname
-    return out
+    return checks.write_upstream(tmp_path, {
+        "train-math": ("train.jsonl", "".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n"
+                                              for q in questions)),
+        "train-code": ("codegen-instruct.json", json.dumps(code)),
+        "train-chat": ("roleplay.json", json.dumps(chat))})
 
 
 def test_build_is_byte_reproducible_and_drops_the_planted_copies(upstream, tmp_path):
-    m1 = build(upstream, out=tmp_path / "a")
-    m2 = build(upstream, out=tmp_path / "b")
-    for f in ["manifest.json"] + [e["file"] for e in m1["sets"]]:
-        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
-    assert m1 == m2 == json.loads((tmp_path / "a" / "manifest.json").read_text())
-    root = tmp_path / "a"
+    manifest, root = checks.check_rebuild(build, upstream, tmp_path)
     assert [r["id"] for r in load_set("train-math", root=root)] == ["0", "1", "3", "5"]
     assert describe("train-math", root=root)["selection"]["overlap_dropped"] == {"contains": [], "ngram": ["2"]}
     assert describe("train-math", root=root)["selection"]["duplicates_dropped"] == 1
@@ -234,13 +211,8 @@ def test_build_is_byte_reproducible_and_drops_the_planted_copies(upstream, tmp_p
     assert code[1]["turns"] == ["Write a Python function that returns 2 squared.\n\nn = 3"]
     assert describe("train-code", root=root)["selection"]["overlap_dropped"]["contains"] == ["1"]
     assert len(load_set("train-chat", root=root)) == 3
-    for e in m1["sets"]:  # the recorded upstream identity is the file's own: git's blob id and its sha256
-        blob = subprocess.run(["git", "hash-object", str(upstream[e["name"]])], capture_output=True, text=True,
-                              check=True, timeout=60).stdout.strip()
-        assert e["source"]["git_blob"] == blob, e["name"]
-        assert e["source"]["sha256"] == hashlib.sha256(upstream[e["name"]].read_bytes()).hexdigest()
-    head = (root / "data" / "train-math.jsonl.gz").read_bytes()[:10]
-    assert head[3] == 0 and head[4:8] == b"\0\0\0\0" and head[9] == 255
+    checks.check_upstream_identity(manifest, upstream)
+    checks.check_gzip_header(root / "data" / "train-math.jsonl.gz")
 
 
 def test_select_keeps_the_smallest_keys_in_upstream_order(index):
@@ -262,9 +234,5 @@ def test_build_cli_and_its_refusals(upstream, tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "o2")]) == 1
     assert "'instruction'" in capsys.readouterr().err and not (tmp_path / "o2").exists()
     upstream["train-chat"].write_text(json.dumps([{"instruction": "  ", "input": ""}]))
-    with pytest.raises(InputError) as e:
-        build(upstream, out=tmp_path / "o3")
-    assert "empty prompt" in _one_line(e)
-    with pytest.raises(InputError) as e:
-        build({"train-math": upstream["train-math"]}, out=tmp_path / "o4")
-    assert "train-code, train-chat" in _one_line(e)
+    checks.check_build_refusals(build, upstream, tmp_path, why="empty prompt", first="train-math",
+                                missing="train-code, train-chat")
