@@ -44,6 +44,19 @@ def pytest_collection_modifyitems(config, items):
         pytest.exit(f"the engine tests need vLLM and found none ({REQUIRE_VAR}=require): {why}", returncode=1)
 
 
+
+def pytest_sessionstart(session):
+    """The same requirement with pytest-xdist workers (``make test-engines`` runs two): the controller
+    collects nothing and a worker's ``pytest.exit`` is a crash, so it is checked here, once, before
+    any worker starts."""
+    config = session.config
+    if (os.environ.get(REQUIRE_VAR) != "require" or hasattr(config, "workerinput")
+            or not getattr(config.option, "numprocesses", None)):
+        return
+    py, why = _find_engine()
+    if py is None:
+        pytest.exit(f"the engine tests need vLLM and found none ({REQUIRE_VAR}=require): {why}", returncode=1)
+
 @pytest.fixture(scope="session")
 def engine_python():
     py, why = _find_engine()

@@ -3,7 +3,8 @@ benchmarks in one run of a real vLLM (one engine without speculation, one with p
 set: tau from the counters' change over that set, lossless, our evaluator within 2 %; MT-Bench's
 second turns asked after the target's own first answers; the ids sent saved for replay; the table
 and the picture; vLLM's n-gram speculator (``--baseline ngram``) as a row beside them, on the same
-base run.
+base run. Each export's strict load, its exact ``--speculative-config`` and k tokens a draft are checked
+here too, on this run's engines, rather than on an engine pair of their own.
 
 Four engine starts (about 30 s each on 2 loaded cores); ``make test-engines``.
 """
@@ -59,6 +60,29 @@ def test_each_drafter_on_each_set_is_lossless_and_agrees_with_ours(run):
             pooled = {k: pooled[k] + v[k] for k in pooled}
         assert {k: e["vllm"][k] for k in pooled} == pooled
 
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("i, kind, k", [(0, "dflash", 3), (1, "eagle3", 7)])
+def test_each_export_loads_strictly_and_drafts_k_tokens_a_step(run, built, i, kind, k):
+    # vLLM's loader is the judge of a strict load: every tensor of the export used (EAGLE-3's t2d the
+    # one the engine skips); the exact --speculative-config; k tokens a draft, counted per position;
+    # our evaluator accepting what vLLM accepts, prompt by prompt
+    _, res, _ = run
+    assert res["format"] == "dflash-prep/engine-eval"
+    for s in SETS:
+        c = cell(res, i, s)
+        st = c["strict_load"]
+        assert st["ok"] and not st["missing"] and not st["unused"], st
+        assert st["used"] == st["tensors"] - len(st["engine_skips"])
+        assert set(st["engine_skips"]) == ({"t2d"} if kind == "eagle3" else set())
+        assert c["export"]["num_speculative_tokens"] == k
+        assert json.loads(c["engine"]["speculative_config_json"]) == {
+            "method": kind, "model": str(built[kind].resolve()), "num_speculative_tokens": k}
+        v = c["vllm"]
+        assert v["num_draft_tokens"] == k * v["num_drafts"], (v, k)
+        assert len(v["accepted_per_position"]) == k and sum(v["accepted_per_position"]) == v["num_accepted_tokens"]
+        assert c["ours"]["prompts_same_acceptance"] == c["prompts"]["n"], (s, c["ours"])
 
 @pytest.mark.timeout(900)
 def test_the_second_turn_follows_the_targets_own_first_answer(run, built):
