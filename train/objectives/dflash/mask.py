@@ -93,7 +93,6 @@ def _token(tokenizer, mid: int) -> str | None:
 
 
 def _counts(data):
-
     return None if data is None else id_counts(data)
 
 
