@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from dflash_prep.engine.lifetime import _stat
 from dflash_prep.train import checkpoint as ckpt
 
 from dflash_prep.tests.engine.conftest import dflash_inputs
@@ -24,17 +25,34 @@ pytestmark = pytest.mark.engine
 
 
 def _engine_workers() -> list[int]:
-    """Live processes running the states worker (this session's or leftovers)."""
-    pids = []
+    """Live processes running the states worker that this process started, at any depth (its
+    leftovers included: a worker it leaked is still its child). Not the machine's: under
+    pytest-xdist another worker's tests run states workers of their own at the same time."""
+    me, parent, workers = os.getpid(), {}, []
     for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if b"dflash_prep.engine.states_worker" in f.read():
-                        pids.append(int(d))
-            except OSError:
-                pass
-    return pids
+        if not d.isdigit():
+            continue
+        f = _stat(int(d))
+        if f is None or f[0] in ("Z", "X"):
+            continue
+        parent[int(d)] = int(f[1])
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as fh:
+                if b"dflash_prep.engine.states_worker" in fh.read():
+                    workers.append(int(d))
+        except OSError:
+            pass
+
+    def mine(pid: int) -> bool:
+        seen = set()
+        while pid > 1 and pid not in seen:
+            seen.add(pid)
+            pid = parent.get(pid, 0)
+            if pid == me:
+                return True
+        return False
+
+    return [w for w in workers if mine(w)]
 
 
 def test_online_run_equals_the_cached_run_bit_for_bit(world, tmp_path):
