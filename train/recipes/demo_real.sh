@@ -29,7 +29,9 @@
 # DEVICE (cpu: the trainer's and the in-process regenerate's torch device), B (block size),
 # DRAFT_LAYERS, MAX_ANCHORS, DRAFT_STEPS, DRAFT_EPOCHS, BUDGET (tokens per micro-batch),
 # BENCH, BENCH_N (prompts per set; 80 = MT-Bench whole), EVAL_TOKENS (new tokens per prompt),
-# OURS (1: also our own evaluator's tau per set), BASELINE (the untrained speculator beside the drafter).
+# OURS (1: also our own evaluator's tau per set), BASELINE (the untrained speculator beside the drafter),
+# EVAL_EVERY (the learning curve: every N steps the checkpoint is served in vLLM on EVAL_N prompts of
+# each benchmark set, beside training, and logged; 0 = off), EVAL_N.
 #
 # DEMO_SIZE=small (the CI smoke test, tests/engine/test_demo_real.py, <= 4 minutes): 2 prompts per
 # set answered in 24 tokens by the in-process transformers target (no server start), 2 drafter steps
@@ -47,10 +49,12 @@ case "$DEMO_SIZE" in
     # sized for about 90 minutes on 2 shared CPU cores from measured stage rates (docs/real-target.md):
     # regenerate ~50k tokens, extract ~70k, 240 drafter steps, 3 vLLM engines x 400 prompts x 32 tokens
     default) : "${N:=80}" "${REGEN_TOKENS:=256}" "${REGEN_ENGINE:=vllm}" "${STATES:=1}" "${DRAFT_STEPS:=240}" \
-               "${DRAFT_EPOCHS:=8}" "${MAX_ANCHORS:=64}" "${BENCH_N:=80}" "${EVAL_TOKENS:=32}" "${OURS:=0}" ;;
+               "${DRAFT_EPOCHS:=8}" "${MAX_ANCHORS:=64}" "${BENCH_N:=80}" "${EVAL_TOKENS:=32}" "${OURS:=0}" \
+               "${EVAL_EVERY:=60}" ;;
     # the CI smoke run: what is left is mostly the three engine starts of evaluate
     small)   : "${N:=2}" "${REGEN_TOKENS:=24}" "${REGEN_ENGINE:=hf}" "${STATES:=0}" "${DRAFT_STEPS:=2}" \
-               "${DRAFT_EPOCHS:=2}" "${MAX_ANCHORS:=16}" "${BENCH_N:=2}" "${EVAL_TOKENS:=12}" "${OURS:=0}" ;;
+               "${DRAFT_EPOCHS:=2}" "${MAX_ANCHORS:=16}" "${BENCH_N:=2}" "${EVAL_TOKENS:=12}" "${OURS:=0}" \
+               "${EVAL_EVERY:=0}" ;;
     *) echo "error: DEMO_SIZE must be default or small, got $DEMO_SIZE" >&2; exit 1 ;;
 esac
 REGEN_CONCURRENCY=${REGEN_CONCURRENCY:-64}
@@ -59,6 +63,10 @@ DRAFT_LAYERS=${DRAFT_LAYERS:-1}
 BUDGET=${BUDGET:-2048}
 BENCH=${BENCH:-all}
 BASELINE=${BASELINE:-ngram}
+EVAL_N=${EVAL_N:-8}
+case "$EVAL_EVERY" in ''|*[!0-9]*) echo "error: EVAL_EVERY must be a whole number of steps, got $EVAL_EVERY" >&2; exit 1;; esac
+CURVE_FLAGS=""
+[ "$EVAL_EVERY" = 0 ] || CURVE_FLAGS="--eval-every $EVAL_EVERY --eval-bench $BENCH --eval-n $EVAL_N"
 case "$REGEN_ENGINE" in vllm|hf) ;; *) echo "error: REGEN_ENGINE must be vllm or hf, got $REGEN_ENGINE" >&2; exit 1;; esac
 case "$STATES" in 0|1) ;; *) echo "error: STATES must be 0 or 1, got $STATES" >&2; exit 1;; esac
 case "$OURS" in 0) OURS_FLAG=--no-ours ;; 1) OURS_FLAG=--ours ;; *) echo "error: OURS must be 0 or 1, got $OURS" >&2; exit 1;; esac
@@ -145,7 +153,7 @@ fi
 step "5. train the $OBJECTIVE drafter ($DRAFT_STEPS steps; resumes from $OUT/drafter-run), then export it: $OUT/drafter"
 $TRAIN --objective "$OBJECTIVE" --target "$TARGET" $OBJ_FLAGS --data "$DATA" --plan "$PLAN" \
     --manifests "$MANIFESTS" --out "$OUT/drafter-run" --epochs "$DRAFT_EPOCHS" --max-steps "$DRAFT_STEPS" \
-    --lr 3e-3 --warmup-steps 5 --optimizer adamw $ENGINE_FLAGS
+    --lr 3e-3 --warmup-steps 5 --optimizer adamw $ENGINE_FLAGS $CURVE_FLAGS
 if newer "$OUT/drafter/model.safetensors" "$OUT/drafter-run/summary.json"; then
     echo "$OUT/drafter is up to date"
 else
@@ -166,4 +174,24 @@ else
     "${EVAL_CMD[@]}"
     echo "${EVAL_CMD[*]}" > "$OUT/eval-bench.cmd"
 fi
-step "done: $OUT/target, $OUT/drafter, $OUT/eval-bench.{json,md,png}"
+if [ "$EVAL_EVERY" != 0 ]; then
+    step "the learning curve: vLLM's tau per set every $EVAL_EVERY steps ($EVAL_N prompts a set, from $OUT/drafter-run/log.jsonl): $OUT/curve.md"
+    $PY - "$OUT/drafter-run/log.jsonl" "$OUT/curve.md" <<'PYEOF'
+import json, sys
+recs = [json.loads(line) for line in open(sys.argv[1])]
+evals = [r for r in recs if "eval" in r and "tau_engine" in r["eval"]]
+other = [f"step {r['global_step']}: {r['eval'].get('skipped') or r['eval'].get('failed')}" for r in recs
+         if "eval" in r and "tau_engine" not in r["eval"]]
+sets = sorted({s for r in evals for s in r["eval"]["per_set"]})
+f = lambda x: "n/a" if x is None else f"{x:.2f}"
+rows = ["| step | tau (pooled) | " + " | ".join(sets) + " | trainer's tau | lossless |",
+        "|---" * (len(sets) + 4) + "|"]
+rows += [f"| {r['global_step']} | {f(r['eval']['tau_engine'])} | "
+         + " | ".join(f(r["eval"]["per_set"].get(s, {}).get("tau_engine")) for s in sets)
+         + f" | {f(r['eval']['tau_train'])} | {r['eval']['lossless']} |" for r in evals]
+text = "\n".join(rows + [f"(not evaluated: {o})" for o in other]) + "\n"
+open(sys.argv[2], "w").write(text)
+print(text, end="")
+PYEOF
+fi
+step "done: $OUT/target, $OUT/drafter, $OUT/eval-bench.{json,md,png}$( [ "$EVAL_EVERY" = 0 ] || echo ", $OUT/curve.md" )"
