@@ -201,8 +201,7 @@ if [ "$ENGINE_EVAL" = auto ]; then
 fi
 # DFlash2 needs vLLM's V2 model runner, which needs CUDA: ask the engine's own torch (engine_cuda)
 if [ "$ENGINE_EVAL" = 1 ] && [ "$OBJECTIVE" = dflash2 ] && ! $PY -c "import sys; from dflash_prep.engine.env import engine_cuda; sys.exit(0 if engine_cuda('vllm') else 1)" 2>/dev/null; then
-    echo "(step 10 skipped: vLLM serves DFlash2 only on its V2 model runner, on a GPU; this vLLM build's torch sees no CUDA)"
-    ENGINE_EVAL=0 SKIP_WHY="DFlash2 needs vLLM's V2 runner (GPU)"
+    ENGINE_EVAL=0 SKIP_WHY="vLLM serves DFlash2 only on its V2 model runner, on a GPU; this vLLM build's torch sees no CUDA"
 fi
 if [ "$ENGINE_EVAL" = 1 ]; then
     step "10. vLLM per benchmark ($BENCH, $BENCH_N prompts each, and the held-out set): $OUT/eval-bench.{json,md,png}"
