@@ -16,8 +16,10 @@ node (shared storage), as for ``--node-rank``. ``--address``: ``auto`` joins the
 start`` runs on this machine, ``HOST:PORT`` a given one; without it a Ray is started for this run
 and shut down after (a Ray already initialised in this process is used as is).
 
-A replica's error comes back as that error, in one line naming the replica (the others are
-cancelled; whatever they wrote is resumable).
+The replicas are awaited as they finish (``ray.wait``), not in rank order: the first error comes
+back as soon as it happens, as that error, in one line naming the replica; a replica whose Ray
+worker died (``WorkerCrashedError``, ``RayActorError``) in one line naming it too. Either way the
+replicas still running are cancelled first; whatever they wrote is resumable.
 """
 
 from __future__ import annotations
@@ -53,6 +55,33 @@ def replica_resources(cfg: ExtractConfig, cluster_gpus: float) -> dict:
     return {"num_cpus": 1, "num_gpus": gpus if cluster_gpus > 0 else 0}
 
 
+def _gather(ray, refs: list) -> list[dict]:
+    """The replicas' summaries, in replica order, taken as each finishes (``ray.wait``): the first
+    to fail is seen at once, whatever its rank, and on any failure (a replica's error, its Ray
+    worker's crash, an interrupt) every replica still running is cancelled before it is raised."""
+    rank = {ref: i for i, ref in enumerate(refs)}
+    out: dict[int, dict] = {}
+    pending = list(refs)
+    try:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            i = rank[ready[0]]
+            try:
+                got = ray.get(ready[0])
+            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
+                raise DflashError(f"replica {i} of {len(refs)}: its Ray worker died ({type(e).__name__}: "
+                                  f"{(str(e).strip().splitlines() or ['no reason given'])[0]}); the shards the "
+                                  "replicas wrote are kept: rerun the same command to build the rest") from None
+            if "error" in got:
+                e = got["error"]
+                raise type(e)(f"replica {i} of {len(refs)}: {e}") from None
+            out[i] = got["summary"]
+    finally:
+        for r in pending:                        # none left when every replica finished
+            ray.cancel(r, force=True)
+    return [out[i] for i in range(len(refs))]
+
+
 def extract_on_ray(cfg: ExtractConfig, *, replicas: int, address: str | None = None, log=print) -> dict:
     """Build ``cfg.out`` with ``replicas`` engine replicas on Ray (module docstring); the summary of the
     replica that completed the cache (every replica's node report under ``replicas``)."""
@@ -72,15 +101,7 @@ def extract_on_ray(cfg: ExtractConfig, *, replicas: int, address: str | None = N
         refs = [task.remote(replace(cfg, python=python, node_rank=i, num_nodes=replicas)) for i in range(replicas)]
         log(f"extract: {replicas} engine replicas on Ray ({res['num_cpus']} CPU, {res['num_gpus']} GPU each) "
             f"building {cfg.out}")
-        out = []
-        for i, ref in enumerate(refs):
-            got = ray.get(ref)
-            if "error" in got:
-                for r in refs[i + 1:]:
-                    ray.cancel(r, force=True)
-                e = got["error"]
-                raise type(e)(f"replica {i} of {replicas}: {e}") from None
-            out.append(got["summary"])
+        out = _gather(ray, refs)
     finally:
         if started:
             ray.shutdown()
