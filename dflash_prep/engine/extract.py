@@ -26,7 +26,7 @@ A build with other options over an existing cache is refused unless ``--overwrit
 Across machines (``--node-rank i --num-nodes N``, :mod:`.nodes`): node i builds its share of the
 same plan into the same folder (:func:`.nodes.node_share`); the shards, and so the cache, are the
 same for every N. The nodes agree on one ``states.json`` (created by the first, compared by the
-others), each holds a lock and cleans debris of its own share only, and the node that finds every
+others, ``--batch-tokens`` included), each holds a lock and cleans debris of its own share only, and the node that finds every
 shard in place writes the complete header.
 """
 
@@ -150,6 +150,8 @@ class ExtractConfig:
         more = []
         if self.shard_mb != DEFAULT_SHARD_MB:         # the shard plan: a resume must be given the same
             more += ["--shard-mb", f"{self.shard_mb:g}"]
+        if self.batch_tokens != DEFAULT_BATCH_TOKENS:  # the engine's calls: every node of a build the same
+            more += ["--batch-tokens", str(self.batch_tokens)]
         if self.tensor_parallel_size != 1:
             more += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.pipeline_parallel_size != 1:
@@ -221,7 +223,8 @@ def cache_header(cfg: ExtractConfig, p: dict, out: Path, engine: dict) -> dict:
             "dataset": {"path": rel(cfg.data), "fingerprint": p["meta"]["fingerprint"], "samples": int(len(lens)),
                         "tokens": int(np.asarray(lens, np.int64).sum())},
             "target": {"path": rel(cfg.target), **p["identity"], "num_layers": p["num_layers"], "hidden": p["hidden"]},
-            "engine": engine, "shard_mb": cfg.shard_mb, "bytes_per_token": p["bytes_per_token"],
+            "engine": engine, "shard_mb": cfg.shard_mb, "batch_tokens": cfg.batch_tokens,
+            "bytes_per_token": p["bytes_per_token"],
             "plan": [list(x) for x in p["plan"]], "command": cfg.command()}
 
 
@@ -262,7 +265,7 @@ def _shared_header(out: Path, h: dict | None, mine: dict, p: dict, cfg: ExtractC
                    version: str) -> dict:
     """The ``states.json`` every node of a build across machines agrees on: created from ``mine``
     only when absent (the first node's stays), else the one in place, which must be of this build
-    (one line otherwise); a complete one whose shards are no longer all there is made incomplete
+    and of this ``--batch-tokens`` (:func:`_same_batch`; one line otherwise); a complete one whose shards are no longer all there is made incomplete
     again (each node writes the same bytes)."""
     if h is None:
         out.mkdir(parents=True, exist_ok=True)
@@ -271,10 +274,26 @@ def _shared_header(out: Path, h: dict | None, mine: dict, p: dict, cfg: ExtractC
         if not _same_build(h, p, args):
             raise _other_settings(out, h, cfg)
         _same_engine(out, h, cfg, version)
+    _same_batch(out, h, cfg)
     if h.get("complete"):
         h = {**{k: v for k, v in h.items() if k not in ("shards", "totals", "build")}, "complete": False}
         atomic_write_json(out / fmt.HEADER_FILE, h, format=fmt.FORMAT, version=fmt.VERSION)
     return h
+
+
+def _same_batch(out: Path, h: dict, cfg: ExtractConfig) -> None:
+    """Refuse a node of a build across machines whose ``--batch-tokens`` is not the one the build's
+    header ``h`` records: the engine's calls are formed from it, and vLLM's kernels are not
+    batch-invariant, so nodes of two values would fill one cache with shards of two kinds (and the
+    byte-for-byte equality with a single build of ``--batch-tokens 1`` would no longer hold). A
+    header written before the value was recorded holds none and is not compared."""
+    was = h.get("batch_tokens")
+    if was is None or int(was) == cfg.batch_tokens:
+        return
+    raise FingerprintMismatch(
+        f"{out} is being built with --batch-tokens {was} ({h.get('command', '?')}), node {cfg.node_rank} of "
+        f"{cfg.num_nodes} was started with --batch-tokens {cfg.batch_tokens}: every node of a build sends the engine "
+        f"the same calls; start node {cfg.node_rank} with --batch-tokens {was}, or choose another --out")
 
 
 def _same_engine(out: Path, h: dict, cfg: ExtractConfig, version: str) -> None:

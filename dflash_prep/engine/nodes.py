@@ -29,8 +29,8 @@ node whose ``1/N`` of the tokens holds the shard's middle token. Why contiguous 
   files and worker inputs of its share, the spool folders of nodes whose share overlaps its own),
   never another node's in flight;
 - ``states.json`` is created only when absent (:func:`dflash_prep.formats.fileio.atomic_create_json`):
-  the first node's header stays; every other node compares it (fingerprint, plan, engine arguments
-  and engine version) and refuses in one line when it was started with other options;
+  the first node's header stays; every other node compares it (fingerprint, plan, engine arguments,
+  engine version and ``--batch-tokens``) and refuses in one line when it was started with other options;
 - each node's engine log is its own, ``extract.node-i-of-N.log`` (:func:`log_name`).
 
 **Completion.** A node that has built its share reads the shard headers of the whole plan: when
