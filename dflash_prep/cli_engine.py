@@ -119,18 +119,22 @@ def evaluate_cmd(
     max_tokens: Annotated[int, typer.Option(help="new tokens per prompt, at most (vLLM and our evaluator alike)")] = 64,
     temperature: Annotated[float, typer.Option(help="0: greedy, lossless checked; > 0: sampled, acceptance only")] = 0.0,
     max_prompts: Annotated[int, typer.Option(help="the first N prompts of --prompts FILE (0 = all)")] = 0,
-    ours: Annotated[bool, typer.Option(help="also run our own evaluator (train/speculate.py, torch, this process) and compare tau per set")] = True,
+    ours: Annotated[Optional[bool], typer.Option("--ours/--no-ours", help="also run our own evaluator (train/speculate.py, torch, this process, on the CPU in float32) and compare tau per set; default: on for targets up to 1 B parameters (counted from their safetensors), off above with a note")] = None,
     timeout: Annotated[float, typer.Option(help="seconds an engine start (and each request) may take before it is stopped", rich_help_panel=_ENG)] = 600.0,
     max_model_len: Annotated[int, typer.Option(help="vLLM's --max-model-len; 0: what the longest prompt needs, within the target's max_position_embeddings", rich_help_panel=_ENG)] = 0,
-    dtype: Annotated[str, typer.Option(help="vLLM's --dtype: float32 (what our evaluator computes in), bfloat16, float16 or auto (the CPU build then picks bfloat16 on AVX512-BF16 CPUs)", rich_help_panel=_ENG)] = "float32",
+    dtype: Annotated[str, typer.Option(help="vLLM's --dtype: auto (float32 on the CPU build, what our evaluator computes in; the engine's own choice on a GPU build), float32, bfloat16 or float16", rich_help_panel=_ENG)] = "auto",
+    tensor_parallel_size: Annotated[int, typer.Option(help="vLLM --tensor-parallel-size of every engine of the run", rich_help_panel=_ENG)] = 1,
+    pipeline_parallel_size: Annotated[int, typer.Option(help="vLLM --pipeline-parallel-size of every engine of the run", rich_help_panel=_ENG)] = 1,
+    engine_arg: Annotated[Optional[list[str]], typer.Option(metavar="KEY=VALUE", help="any other vLLM server argument (JSON values), repeated, e.g. gpu_memory_utilization=0.85, max_num_seqs=64, enforce_eager=true; a GPU build serves with vLLM's defaults, the CPU build with enforce_eager=true and max_num_seqs=8, which these replace", rich_help_panel=_ENG)] = None,
     train_data: Annotated[Optional[Path], typer.Option(metavar="DATA", help="the drafters' training data (a dflash-prep tokenize folder) for the contamination check: how many prompts of each set share a --contamination-n-token span with it; default: the data each export's provenance names, when it is still there")] = None,
     contamination_n: Annotated[int, typer.Option(help="tokens a prompt must share with the training data in one span to count as seen (0: no contamination check)")] = 13,
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON (without per-prompt rows) instead of tables")] = False,
 ):
-    """Serve exported drafters with vLLM (from .venv-vllm: make venv-vllm) as users would, with and without speculative decoding, on the same prompt token ids, per benchmark. Per drafter and set: strict load (every export tensor used, no draft parameter left unloaded), lossless (temperature 0: outputs equal with and without speculation), tau from vLLM's counters (1 + accepted / drafts, and per position), tokens/s both ways, the exact --speculative-config JSON to paste; with --ours, tau from our own evaluator on the same prompts and whether the two agree within 2 %. One table (rows: drafters, columns: sets) and a picture. --baseline ngram (or suffix) adds a speculator that needs no drafter as a row on the same prompts and base run; with no --export, the baselines alone."""
+    """Serve exported drafters with vLLM (from .venv-vllm: make venv-vllm) as users would, with and without speculative decoding, on the same prompt token ids, per benchmark. Per drafter and set: strict load (every export tensor used, no draft parameter left unloaded), lossless (temperature 0: outputs equal with and without speculation), tau from vLLM's counters (1 + accepted / drafts, and per position), tokens/s both ways with what they were measured under (engine build, eager or not, dtype, max-num-seqs, parallel sizes, one request at a time), the exact --speculative-config JSON to paste; with --ours (the default up to 1 B target parameters), tau from our own evaluator on the same prompts and whether the two agree within 2 %. One table (rows: drafters, columns: sets) and a picture. --baseline ngram (or suffix) adds a speculator that needs no drafter as a row on the same prompts and base run; with no --export, the baselines alone."""
     import json
 
     from dflash_prep.engine.evaluate import cell, evaluate_exports
+    from dflash_prep.engine.extract import parse_engine_args
     from dflash_prep.engine.report_table import report_rows
     from dflash_prep.evalsets import parse_benchmarks
 
@@ -139,7 +143,9 @@ def evaluate_cmd(
                            save_prompts_dir=save_prompts, num_speculative_tokens=num_speculative_tokens, ours=ours,
                            max_tokens=max_tokens, temperature=temperature, max_prompts=max_prompts, n=n, seed=seed,
                            timeout_s=timeout, max_model_len=max_model_len, dtype=dtype, thinking=thinking,
-                           train_data=str(train_data or ""), contamination_n=contamination_n)
+                           tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                           engine_args=parse_engine_args(engine_arg), train_data=str(train_data or ""),
+                           contamination_n=contamination_n)
     if json_out:
         slim = {**res, **{key: [{**e, "sets": {k: {kk: vv for kk, vv in c.items() if kk != "per_prompt"}
                                                  for k, c in e["sets"].items()}} for e in res[key]]

@@ -20,11 +20,18 @@ runs of :mod:`dflash_prep.engine.evaluate_runs`); each step's own module says ho
    (:mod:`dflash_prep.engine.load_check`; a refused load is diagnosed there too), then every set's
    prompts, one request at a time, with the spec-decode counters read before and after each (per
    prompt, and their change over each set).
-6. **Our evaluator** (:mod:`dflash_prep.engine.ours`; ``ours=True``, temperature 0 only): once per
-   export on every prompt, with vLLM's stop rule, compared with the counters set by set.
+6. **Our evaluator** (:mod:`dflash_prep.engine.ours`; temperature 0 only): once per export on every
+   prompt, with vLLM's stop rule, compared with the counters set by set; ``ours=None`` runs it on
+   targets up to :data:`~dflash_prep.engine.ours.OURS_MAX_PARAMETERS` parameters and says, in one line
+   before any engine, that it is off above (``ours=True``, ``--ours``, runs it anyway).
 7. **One engine per baseline** (``--baseline ngram``, ``suffix``: :class:`~dflash_prep.engine.method.Baseline`,
    a speculator with no drafter model): the same prompts, compared with the same base run, per set; no
    strict load and no evaluator of ours. A run may have baselines and no export.
+
+Every engine serves with its build's settings (:func:`~dflash_prep.engine.vllm_server.server_settings`:
+the engine's defaults on a GPU build; float32, eager and 8 sequences on the CPU build), the
+``engine_args`` and parallel sizes of :class:`EvaluateConfig` on top; outputs that cannot be written
+(``--out``, ``--save-prompts``) are refused before any engine starts (:func:`check_outputs`).
 
 The report (format ``dflash-prep/engine-eval`` v2, written atomically; ``exports[i].sets[<set>]``
 is one export on one set, the v1 report's sections: :func:`cell` gives it in v1's shape, printed by
@@ -32,7 +39,9 @@ is one export on one set, the v1 report's sections: :func:`cell` gives it in v1'
 draft parameter left unloaded), lossless (temperature 0: tokens with speculation == without, per
 prompt), tau from the counters (``1 + accepted / drafts``) and the acceptance rate per position,
 tokens/s both ways and their ratio (meaningless on CPU, where the target's forward costs next to
-nothing), vLLM's version and the exact ``--speculative-config`` JSON, and ``tau_ours`` beside
+nothing) with the conditions they were measured under (``serving``: the build, eager or not, dtype,
+``--max-num-seqs``, the parallel sizes, one request at a time; read from each engine's command line),
+vLLM's version and the exact ``--speculative-config`` JSON, and ``tau_ours`` beside
 ``tau_vllm`` (pooled over blocks, as the counters pool) with whether they agree within 2 %. Beside
 the JSON: ``<out stem>.md`` (tau per drafter and benchmark, the field's layout) and ``<out stem>.png``
 (:mod:`dflash_prep.engine.report_plot`), and the engines' logs under ``<out stem>.logs/``.
@@ -41,6 +50,7 @@ the JSON: ``<out stem>.md`` (tau per drafter and benchmark, the field's layout) 
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,11 +60,13 @@ from dflash_prep.engine.contamination import DEFAULT_N, attach, check_plan
 from dflash_prep.engine.env import engine_imports
 from dflash_prep.engine.evaluate_runs import SPEEDUP_NOTE, run_base, run_baseline, run_export
 from dflash_prep.engine.method import Baseline, Method, check_baselines, export_method, parse_baseline
+from dflash_prep.engine.ours import ours_default
 from dflash_prep.engine.prompt_sets import PromptSet, build_sets, save_prompts
 from dflash_prep.engine.prompts import target_tokenizer
 from dflash_prep.engine.report_plot import write_plot
 from dflash_prep.engine.report_table import markdown_table
 from dflash_prep.engine.serving_mode import mode_warnings, resolve_thinking
+from dflash_prep.engine.vllm_server import gpu_build, server_settings, serving_conditions
 from dflash_prep.errors import ConfigError
 from dflash_prep.formats.fileio import atomic_write_bytes, atomic_write_json
 from dflash_prep.formats.target import read_target_config
@@ -67,7 +79,9 @@ v1 was one export on one prompt file, its sections at the top level (:func:`cell
 2026-12-07: the optional ``contamination`` sections (:mod:`~dflash_prep.engine.contamination`), no bump:
 no reader needs them. 2026-12-07: the optional ``baselines`` list (``--baseline``; rows of ``exports``' shape
 with ``kind`` "baseline", no path), no bump: ``exports`` keeps its meaning, and a reader that ignores the
-list reads what it read before."""
+list reads what it read before. 2026-12-07: the optional ``serving`` section (the conditions tokens/s were
+measured under; also in each row's ``engine``) and ``ours_evaluator`` (whether our evaluator ran, and
+why), no bump: additive."""
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 THINKING = ("auto", "on", "off")
 
@@ -95,9 +109,18 @@ class EvaluateConfig:
     max_model_len: int = 0
     """vLLM's ``--max-model-len`` (prompt + new tokens must fit); 0: what the run's longest prompt
     needs (:func:`needed_model_len`), within the target's ``max_position_embeddings``."""
-    dtype: str = "float32"
-    """vLLM's ``--dtype``. float32 by default: what our evaluator computes in, and what keeps
-    greedy outputs equal with and without speculation on the CPU build (docs/engines.md)."""
+    dtype: str = "auto"
+    """vLLM's ``--dtype``; auto: float32 on the CPU build (what our evaluator computes in, and what
+    keeps greedy outputs equal with and without speculation there: docs/engines.md), the engine's
+    own choice on a GPU build."""
+    engine_args: tuple = ()
+    """Further server arguments, ``((key, value), ...)`` (``--engine-arg KEY=VALUE``, parsed by
+    :func:`~dflash_prep.engine.extract.parse_engine_args`): ``enforce_eager`` and ``max_num_seqs``
+    replace the build's settings, any other key is added as ``--key-name VALUE``."""
+    tensor_parallel_size: int = 1
+    """vLLM's ``--tensor-parallel-size`` for every engine of the run."""
+    pipeline_parallel_size: int = 1
+    """vLLM's ``--pipeline-parallel-size`` for every engine of the run."""
     thinking: str = "auto"
     """``enable_thinking`` of the chat template: on, off, or auto (the drafters' training mode)."""
     train_data: str = ""
@@ -120,6 +143,13 @@ class EvaluateConfig:
             raise ConfigError("--max-prompts and --n must be >= 0, --timeout > 0 and --max-model-len 0 (auto) or >= 2")
         if self.contamination_n < 0:
             raise ConfigError(f"--contamination-n must be >= 0 (0: no check), got {self.contamination_n}")
+        server_settings(gpu=False, tensor_parallel_size=self.tensor_parallel_size,   # refused here, before any engine
+                        pipeline_parallel_size=self.pipeline_parallel_size, engine_args=self.engine_args)
+
+    def serving(self) -> dict:
+        """The serving keywords of :func:`~dflash_prep.engine.vllm_server.vllm_server` for every engine of the run."""
+        return {"dtype": self.dtype, "engine_args": self.engine_args, "tensor_parallel_size": self.tensor_parallel_size,
+                "pipeline_parallel_size": self.pipeline_parallel_size}
 
 
 def needed_model_len(target: Path, sets: list[PromptSet], tokenizer, max_tokens: int,
@@ -161,7 +191,8 @@ def cell(res: dict, export: int = 0, name: str | None = None) -> dict:
                         "engine_saw_same_tokens": c["engine_saw_same_tokens"]},
             "sampling": res["sampling"], "strict_load": e["strict_load"], "lossless": c["lossless"],
             "vllm": c["vllm"], "throughput": c["throughput"], "ours": c["ours"], "config": res["config"],
-            "per_prompt": c["per_prompt"], "seconds": res["seconds"], "phases_s": res["phases_s"]}
+            "per_prompt": c["per_prompt"], "seconds": res["seconds"], "phases_s": res["phases_s"],
+            "serving": res.get("serving")}
 
 
 def _labels(exports: list[Path]) -> list[str]:
@@ -199,17 +230,19 @@ class Plan:
     """Lines about the run as a whole (a thinking mode asked of a template without the switch)."""
     baselines: list[Baseline] = field(default_factory=list)
     """Speculators with no drafter (``--baseline``), each a row beside the exports."""
+    ours: dict = field(default_factory=dict)
+    """Whether our evaluator runs, and why (:func:`~dflash_prep.engine.ours.ours_default`)."""
 
 
 def prepare(*, target: str | Path, exports: list[str | Path] = (), benches: list[str] = (),
             prompts: str | Path | None = None, num_speculative_tokens: int | None = None,
             baselines: list[str | Baseline] = (), imports: Callable[[str], str | None] | None = None,
-            **config) -> Plan:
+            ours: bool | None = None, **config) -> Plan:
     """Everything but the engines: each export's method, each baseline (``--baseline`` specs, or
     :class:`Baseline`) and whether the engine can run it (``imports``: the engine's import probe,
     :func:`~dflash_prep.engine.env.engine_imports` by default), the serving mode and its warnings,
-    the prompt sets' first-turn ids and ``--max-model-len``; every refusal here comes before an
-    engine starts, in one line."""
+    the prompt sets' first-turn ids and ``--max-model-len``, whether our evaluator runs (``ours``:
+    None decides by the target's size); every refusal here comes before an engine starts, in one line."""
     cfg = EvaluateConfig(**config)
     target = Path(target).resolve()
     exports = [Path(e).resolve() for e in exports]
@@ -239,12 +272,47 @@ def prepare(*, target: str | Path, exports: list[str | Path] = (), benches: list
     if longest > cfg.max_model_len:
         raise ConfigError(f"the longest prompt plus --max-tokens is {longest} tokens, over --max-model-len "
                           f"{cfg.max_model_len}; raise it or lower --max-tokens")
+    facts = ours_default(target, ours)           # a baselines-only run has nothing for our evaluator to decode
     notes = []
     if enable_thinking is not None and "enable_thinking" not in (getattr(tok, "chat_template", None) or ""):
         notes.append(f"the target's chat template has no enable_thinking switch: thinking {requested} renders the "
                      "same prompts as the template's default")
     return Plan(target, exports, methods, tok, sets, cfg, enable_thinking, requested, thinking_why, template_sha,
-                warnings, notes, baselines)
+                warnings, notes, baselines, {**facts, "on": False, "line": None} if not exports else facts)
+
+
+def _writable_folder(folder: Path, what: str) -> None:
+    """Make ``folder`` (and its parents) and write a scratch file in it; :class:`ConfigError` when it cannot."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot write there ({e.strerror or e}); choose a folder you can write") from None
+
+
+def check_outputs(out: Path, save_prompts_dir: Path | None, sets: list[PromptSet]) -> None:
+    """Refuse, before any engine starts, an output the run could not write at its end: ``out`` a
+    folder or in a place that takes no file, its ``<stem>.logs`` a file, ``save_prompts_dir`` an
+    existing file (it names a folder: ``DIR/<set>.jsonl``) or unwritable, a ``<set>.jsonl`` in it a
+    folder. Makes the folders it checks (``out``'s parent, ``save_prompts_dir``)."""
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; name the report's JSON file, e.g. --out {out / 'eval.json'}")
+    _writable_folder(out.parent, f"--out {out}")
+    logs = out.parent / f"{out.stem}.logs"
+    if logs.exists() and not logs.is_dir():
+        raise ConfigError(f"--out {out}: {logs}, the engines' logs folder, is a file; move it or choose another --out")
+    if save_prompts_dir is None:
+        return
+    d = Path(save_prompts_dir)
+    if d.exists() and not d.is_dir():
+        raise ConfigError(f"--save-prompts {d} is an existing file; it names a folder (one <set>.jsonl per set): "
+                          "pass a new or existing folder")
+    _writable_folder(d, f"--save-prompts {d}")
+    for s in sets:
+        if (d / f"{s.name}.jsonl").is_dir():
+            raise ConfigError(f"--save-prompts {d}: {d / f'{s.name}.jsonl'} is a folder; remove it or choose another "
+                              "folder")
 
 
 def _announce(plan: Plan, out: Path, say: Callable[[str], None]) -> Path:
@@ -254,6 +322,8 @@ def _announce(plan: Plan, out: Path, say: Callable[[str], None]) -> Path:
             say(f"warning: {w}")
     for n in plan.notes:
         say(f"note: {n}")
+    if plan.ours.get("line"):
+        say(f"note: {plan.ours['line']}")
     logs = out.parent / f"{out.stem}.logs"
     logs.mkdir(parents=True, exist_ok=True)
     cfg, sets = plan.cfg, plan.sets
@@ -279,7 +349,26 @@ def _report(plan: Plan, base_facts: dict, saved: list[str], runs: list[dict], ba
         "saved_prompts": saved,
         "exports": runs,
         "baselines": baselines,
+        "serving": base_facts.get("serving"),
+        "ours_evaluator": plan.ours,
     }
+
+
+def serving_facts(facts: dict) -> dict:
+    """An engine's facts (a report's ``engine.base``, or a row's ``engine``) with ``serving``: the
+    conditions it served under, read from its ``command`` (:func:`~dflash_prep.engine.vllm_server.serving_conditions`;
+    the build asked of its python, the command's first word)."""
+    return {**facts, "serving": serving_conditions(facts["command"], gpu=gpu_build("vllm", facts["command"][0]))}
+
+
+def _mark_ours_off(rows: list[dict], ours: dict) -> None:
+    """Where our evaluator was turned off by the target's size, each cell's ``ours`` says so."""
+    if ours["requested"] is None and not ours["on"]:
+        why = f"off by default above {ours['limit'] / 1e9:g} B target parameters (--ours runs it)"
+        for r in rows:
+            for c in r["sets"].values():
+                if c["ours"] and "skipped" in c["ours"]:
+                    c["ours"]["skipped"] = why
 
 
 def _write(res: dict, out: Path, say: Callable[[str], None]) -> dict:
@@ -287,7 +376,11 @@ def _write(res: dict, out: Path, say: Callable[[str], None]) -> dict:
     report with its format and version."""
     atomic_write_json(out, res, format=EVAL_FORMAT, version=EVAL_VERSION)
     full = {"format": EVAL_FORMAT, "version": EVAL_VERSION, **res}
-    atomic_write_bytes(out.with_suffix(".md"), markdown_table(full).encode())
+    md = markdown_table(full)
+    if res.get("serving"):
+        md += f"\ntokens/s measured with: {res['serving']['line']}" + (f" ({res['serving']['note']})"
+                                                                      if res["serving"]["note"] else "") + ".\n"
+    atomic_write_bytes(out.with_suffix(".md"), md.encode())
     try:
         write_plot(full, out.with_suffix(".png"))
     except ImportError as e:              # matplotlib is a dependency, but a bare GPU image may lack it
@@ -297,20 +390,22 @@ def _write(res: dict, out: Path, say: Callable[[str], None]) -> dict:
 
 def evaluate_exports(*, target: str | Path, out: str | Path, exports: list[str | Path] = (), benches: list[str] = (),
                      prompts: str | Path | None = None, save_prompts_dir: str | Path | None = None,
-                     num_speculative_tokens: int | None = None, ours: bool = True,
+                     num_speculative_tokens: int | None = None, ours: bool | None = None,
                      baselines: list[str | Baseline] = (), log: Callable[[str], None] | None = _stderr,
                      **config) -> dict:
     """Evaluate every export of ``exports``, and every baseline of ``baselines`` (``--baseline``
     specs: ``ngram``, ``ngram:k=5,min=2,max=4``, ``suffix``), on ``target`` in vLLM on the prompt sets
     ``benches`` (shipped) and ``prompts`` (a file) (module docstring); ``config``:
-    :class:`EvaluateConfig`'s fields. Writes ``out`` (JSON), ``<out stem>.md``, ``<out stem>.png``
+    :class:`EvaluateConfig`'s fields; ``ours``: our evaluator on (True), off (False) or by the
+    target's size (None). Writes ``out`` (JSON), ``<out stem>.md``, ``<out stem>.png``
     and the engines' logs and load reports under ``<out stem>.logs/``; ``log`` gets one line per step
     (None: quiet). Returns the report dict."""
     say = log or (lambda _m: None)
     t_start = time.monotonic()
     out = Path(out)
     plan = prepare(target=target, exports=exports, benches=benches, prompts=prompts,
-                   num_speculative_tokens=num_speculative_tokens, baselines=baselines, **config)
+                   num_speculative_tokens=num_speculative_tokens, baselines=baselines, ours=ours, **config)
+    check_outputs(out, None if save_prompts_dir is None else Path(save_prompts_dir), plan.sets)
     logs = _announce(plan, out, say)
     phases = {"prompts": time.monotonic() - t_start}
     t = time.monotonic()
@@ -318,12 +413,18 @@ def evaluate_exports(*, target: str | Path, out: str | Path, exports: list[str |
     phases["contamination"] = time.monotonic() - t
     t = time.monotonic()
     base_facts, base_rows = run_base(plan, logs, say)
+    base_facts = serving_facts(base_facts)
     phases["base_engine"] = time.monotonic() - t
+    serving = base_facts["serving"]
+    say(f"tokens/s measured with: {serving['line']}" + (f" ({serving['note']})" if serving["note"] else ""))
     saved = [str(p) for p in save_prompts(plan.sets, Path(save_prompts_dir))] if save_prompts_dir is not None else []
     labels = _labels(plan.exports)
-    runs = [run_export(plan, i, labels[i], base_rows, logs, phases, ours=ours, say=say)
+    runs = [run_export(plan, i, labels[i], base_rows, logs, phases, ours=plan.ours["on"], say=say)
             for i in range(len(plan.exports))]
     rows = [run_baseline(plan, j, base_rows, logs, phases, say=say) for j in range(len(plan.baselines))]
+    for r in runs + rows:
+        r["engine"] = serving_facts(r["engine"])
+    _mark_ours_off(runs, plan.ours)
     res = _report(plan, base_facts, saved, runs, rows)
     res["seconds"] = round(time.monotonic() - t_start, 2)
     res["phases_s"] = {k: round(v, 2) for k, v in phases.items()}
@@ -332,7 +433,7 @@ def evaluate_exports(*, target: str | Path, out: str | Path, exports: list[str |
 
 
 def evaluate_export(*, target: str | Path, export: str | Path, prompts: str | Path, out: str | Path,
-                    num_speculative_tokens: int | None = None, ours: bool = True, **config) -> dict:
+                    num_speculative_tokens: int | None = None, ours: bool | None = None, **config) -> dict:
     """One export on one prompts file: :func:`evaluate_exports` with those, quiet; the report (v2,
     on disk) as that one :func:`cell`, in the v1 report's shape."""
     return cell(evaluate_exports(target=target, exports=[export], out=out, prompts=prompts,

