@@ -52,6 +52,10 @@ SERVER_SOFTWARE = ("vllm", "sglang")
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 BODY_EXCERPT = 300  # characters of a server's error body quoted in a message
+IDENTITY = ("root", "max_model_len")
+"""What ``GET /v1/models`` says of the model beyond its name, where the server reports it: vLLM
+puts the checkpoint it loaded (path or Hub id) in ``root`` and its context length in
+``max_model_len``; SGLang and ``transformers serve`` report neither."""
 
 
 class EngineError(errors.EngineError):
@@ -71,9 +75,11 @@ class ServerDown(EngineError):
 class RequestFailed(DflashError):
     """One request failed for a reason specific to it; counted under ``--on-error skip``."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, status: int | None = None):
         super().__init__(message)
         self.kind = kind
+        self.status = status
+        """The HTTP status of the last try, when the server answered one (``server_error``, ``refused``)."""
 
 
 @dataclass(frozen=True)
@@ -206,12 +212,16 @@ class OpenAIEngine:
         self.stop = threading.Event()  # set on a fatal error: other workers stop retrying
         self.fatal: EngineError | None = None
         self._local = threading.local()
+        self._conns: set[http.client.HTTPConnection] = set()  # every thread's connection, for abort()
+        self._conns_lock = threading.Lock()
         self._rng = random.Random()  # backoff jitter only; never touches output
         self.listed: list[str] | None = None
         self.server: dict = {"software": None, "version": None}
         """What :meth:`check` found: ``software`` (``vllm`` or ``sglang`` when the model list says
         so in ``owned_by``; None otherwise: ``transformers serve`` puts the repo's namespace there)
         and ``version`` (the server's ``GET /version``), recorded in every record's provenance."""
+        self.identity: dict = dict.fromkeys(IDENTITY)
+        """What :meth:`check` found of the model (:data:`IDENTITY`), None where not reported."""
         self._model_confirmed = False
 
     # -- transport --------------------------------------------------------------------
@@ -219,7 +229,12 @@ class OpenAIEngine:
         c = getattr(self._local, "conn", None)
         if c is None:
             cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-            c = self._local.conn = cls(self.host, self.port, timeout=self.timeout)
+            c = cls(self.host, self.port, timeout=self.timeout)
+            with self._conns_lock:
+                if self.stop.is_set():  # given up (abort): no new connection to it
+                    raise EngineError(f"{self.base_url}: stopped")
+                self._conns.add(c)
+            self._local.conn = c
         return c
 
     def _drop_conn(self) -> None:
@@ -227,6 +242,24 @@ class OpenAIEngine:
         if c is not None:
             c.close()
             self._local.conn = None
+            with self._conns_lock:
+                self._conns.discard(c)
+
+    def abort(self) -> None:
+        """Give the server up: set :attr:`stop` and shut every thread's connection down, so a
+        worker blocked reading an answer that will not come wakes now (end of stream), not after
+        ``timeout``; it then raises instead of retrying. Safe to call again (a connection opened
+        meanwhile is shut too)."""
+        self.stop.set()
+        with self._conns_lock:
+            conns = list(self._conns)
+        for c in conns:
+            sock = getattr(c, "sock", None)
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:  # already closed by its own thread
+                    pass
 
     def close(self) -> None:
         self._drop_conn()
@@ -303,7 +336,7 @@ class OpenAIEngine:
                 retry_after = headers.get("retry-after")
                 if attempt == self.retries:
                     raise RequestFailed("server_error", f"{what}: {url} answered {last} ({self.retries + 1} tries); "
-                                                        "check the server's log")
+                                                        "check the server's log", status)
             if attempt < self.retries:
                 self._backoff(attempt, retry_after)
         raise self._fatal(f"{what}: cannot reach the server at {url} ({last}; {self.retries + 1} tries). Start "
@@ -325,12 +358,16 @@ class OpenAIEngine:
         listed = [m.get("id") for m in models]
         self.listed = listed
         self._model_confirmed = self.model in listed
-        owner = next((m.get("owned_by") for m in models if m.get("id") == self.model), None)
+        entry = next((m for m in models if m.get("id") == self.model), {})
+        self.identity = {k: entry.get(k) for k in IDENTITY}
+        owner = entry.get("owned_by")
         self.server = {"software": owner if owner in SERVER_SOFTWARE else None, "version": self._server_version()}
 
-    def responds(self, timeout: float) -> bool:
-        """Whether ``GET /v1/models`` answers 200 within ``timeout`` seconds, on a connection of its
-        own, one try: tells a dead server from one that is only slow on one request."""
+    def probe(self, timeout: float) -> str | None:
+        """Why the server does not answer ``GET /v1/models`` within ``timeout`` seconds (one try,
+        on a connection of its own), or None when it answers: tells a dead server from one that
+        is only slow on one request. An answer of 5xx counts as none (a proxy whose backend is
+        gone answers 502/503); any other status is the server answering."""
         cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
         c = cls(self.host, self.port, timeout=timeout)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -338,11 +375,13 @@ class OpenAIEngine:
             c.request("GET", self.prefix + "/models", headers=headers)
             r = c.getresponse()
             r.read()
-            return r.status == 200
-        except (OSError, http.client.HTTPException):
-            return False
+        except (TimeoutError, socket.timeout):
+            return f"no answer to GET /models within {timeout:g} s"
+        except (OSError, http.client.HTTPException) as e:
+            return f"GET /models: {type(e).__name__}: {e}"
         finally:
             c.close()
+        return f"GET /models answered HTTP {r.status}" if r.status >= 500 else None
 
     def _server_version(self) -> str | None:
         """``GET /version`` at the server's root (vLLM and SGLang answer ``{"version": ...}``); None

@@ -29,17 +29,21 @@ Semantics:
 - Output: :mod:`dflash_prep.regenerate.store` (resumable, append-only, input order). Each record
   is ``{"messages": [...], "regenerate": {record, source, target, sampling, reasoning,
   turns_mode, keep_assistant, turns: [{message, finish_reason, truncated, prompt_tokens,
-  completion_tokens, seed, reasoning_removed_chars}]}}``; nothing in it depends on timing, so a resumed run is
-  byte-identical to an uninterrupted one whenever the engine is deterministic (temperature 0).
+  completion_tokens, seed, reasoning_removed_chars, server}]}}``; nothing in it depends on timing, so a resumed
+  run is byte-identical to an uninterrupted one whenever the engine is deterministic (temperature 0) and
+  its servers name the same software and version.
 - Failures: a bad record, a refused request, a timeout, a 5xx after retries, a non-UTF-8 or
   empty answer stop the run under ``--on-error fail`` (the record is not written, so a
   resume retries it) or are counted under ``skip`` (kept in ``failures.log``; a resume does
   not retry them). An unreachable server or an unknown model always stops the run.
-- Several servers (``--base-url`` repeated, :mod:`.servers`): requests go to the least busy
-  live server; one that dies midway hands its requests to the others, and the run stops only
-  when none is left. Records do not say which URL answered (a resume may use other servers),
-  only the server's software and version; ``regenerate.json``'s ``stats.last_run.servers``
-  lists each server, the requests it answered and why it died.
+- Several servers (``--base-url`` repeated, :mod:`.servers`): one that does not answer at start
+  is skipped; servers that report another checkpoint or context length are refused; requests
+  go to the least busy live server; one that dies midway (gone, 502/503/504 again and again,
+  or silent on a stuck request) hands its requests to the others, and the run stops only when
+  none is left. Records do not say which URL answered (a resume may use other servers), only
+  the software and version of the server of each turn (``turns[i].server``; the last turn's
+  also as ``target.server``); ``regenerate.json``'s ``stats.last_run.servers`` lists each
+  server, the requests it answered and why it died.
 """
 
 from __future__ import annotations
@@ -288,7 +292,8 @@ def _run(cfg, store: Store, sources, total: int, bad_lines: int, target: dict, p
 def _drive_openai(cfg, engine: ServerPool, store: Store, sources, target: dict, bar: Progress) -> None:
     """N worker threads answer whole conversations; the main thread writes them in input
     order, at most ``window`` records ahead of the oldest unwritten one (bounded memory).
-    A record names the server (software, version) that answered its last turn."""
+    Each turn names the server (software, version) that wrote it, the record's ``target`` the
+    one that wrote its last turn."""
 
     def work(conv: Conversation) -> Entry:
         served = None

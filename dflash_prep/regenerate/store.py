@@ -1,4 +1,8 @@
-"""The output folder of ``regenerate`` (format ``dflash-prep/regenerate`` v1): append-only, resumable.
+"""The output folder of ``regenerate`` (format ``dflash-prep/regenerate`` v2): append-only, resumable.
+
+Versions: v2 records name the server of each turn (``turns[i].server``); v1 records named only
+the server of the last turn. A finished v1 folder still reads as finished; an unfinished one is
+not resumed (its records and the new ones would differ in form): ``--overwrite`` starts over.
 
 Layout::
 
@@ -38,7 +42,8 @@ from dflash_prep.formats.fileio import atomic_dir, atomic_write_json, follow_lin
 from dflash_prep.regenerate.engines import FAILURE_KINDS
 
 FORMAT = "dflash-prep/regenerate"
-VERSION = 1
+VERSION = 2
+READ_VERSIONS = (1, 2)
 HEADER_FILE, CHAT_FILE, FAIL_FILE, INDEX_FILE = "regenerate.json", "chat.jsonl", "failures.log", "regenerate.idx"
 INDEX_MAGIC = b"DFREGIDX"
 INDEX_VERSION = 1
@@ -99,9 +104,13 @@ class Store:
         if out.exists() and not out.is_dir():
             raise FormatError(f"{out}: exists and is not a folder; pass a new --out")
         if hdr.is_file():
-            old = read_json(hdr, format=FORMAT, versions=(VERSION,))
+            old = read_json(hdr, format=FORMAT, versions=READ_VERSIONS)
             if overwrite:
                 shutil.rmtree(out)
+            elif old.get("version") != VERSION and not old.get("complete"):
+                raise FormatError(f"{out}: an unfinished regenerate output of format v{old.get('version')}, whose "
+                                  f"records this version (v{VERSION}: the server of every turn) cannot continue; pass "
+                                  "--overwrite to start over, or a new --out")
             elif old.get("fingerprint") != header["fingerprint"]:
                 what = _diff(old.get("settings", {}), header["settings"])
                 if old.get("inputs", {}).get("fingerprint") != header["inputs"]["fingerprint"]:

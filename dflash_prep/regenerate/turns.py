@@ -6,7 +6,9 @@
   with a user or tool message. ``--turns all`` fills them in order; ``last`` only the last.
 - :class:`Conversation` builds each request's context (the conversation up to the slot,
   earlier slots regenerated, or original with ``--keep-assistant``) and turns the replies
-  into one ``chat.jsonl`` record with its provenance.
+  into one ``chat.jsonl`` record with its provenance; each turn names the server that wrote it
+  (software and version, as the record's ``target.server``; null for the in-process engine), since
+  after a failover the turns of one conversation may come from different servers.
 - :func:`apply_reasoning` maps ``--reasoning keep|strip|disable`` onto the reply text.
 """
 
@@ -96,7 +98,7 @@ class Conversation:
         self.turns.append({"message": s, "finish_reason": reply.finish_reason,
                            "truncated": reply.finish_reason == "length", "prompt_tokens": reply.prompt_tokens,
                            "completion_tokens": reply.completion_tokens, "seed": self.request_seed(s),
-                           "reasoning_removed_chars": removed})
+                           "reasoning_removed_chars": removed, "server": reply.server})
         self.pos += 1
 
     def request_seed(self, s: int) -> int | None:

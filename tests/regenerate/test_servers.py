@@ -1,8 +1,8 @@
 """regenerate across several servers (``--base-url`` repeated, dflash_prep.regenerate.servers).
 
 Stand-in servers (``http.server`` on 127.0.0.1, in threads) where a real one cannot show the
-point exactly: which server gets which request, a server that dies at its n-th request or
-hangs. Each answers ``echo <prompt>``, a pure function of the prompt, so a run across several
+point exactly: which server gets which request, a server that dies at its n-th request, hangs,
+or answers 503 as a proxy whose backend is gone (more of the fleet: test_fleet.py). Each answers ``echo <prompt>``, a pure function of the prompt, so a run across several
 equals a run against one byte for byte. Real servers: the kill test in
 tests/regenerate/test_regenerate.py (``transformers serve`` behind a proxy that dies) and
 tests/engine/test_regenerate_failover.py (two ``vllm serve``, one SIGKILLed).
@@ -33,9 +33,9 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-    def _json(self, obj) -> None:
+    def _json(self, obj, status: int = 200) -> None:
         body = json.dumps(obj).encode()
-        self.send_response(200)
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -46,10 +46,14 @@ class _Handler(BaseHTTPRequestHandler):
         if s.hung.is_set():
             s.released.wait(30)
             return
-        if self.path == "/version":
+        if self.path != "/version":
+            s.listings += 1
+        if s.failing:
+            self._json({"error": "bad gateway"}, 503)
+        elif self.path == "/version":
             self._json({"version": s.version})
         else:
-            self._json({"object": "list", "data": [{"id": MODEL, "owned_by": "vllm"}]})
+            self._json({"object": "list", "data": [{"id": MODEL, "owned_by": "vllm", **s.identity}]})
 
     def do_POST(self):
         s = self.server.stand
@@ -60,6 +64,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if n == s.hang_at:              # the machine hangs: neither this nor any later request is answered
             s.hung.set()
+        if n == s.fail_from:            # its backend is gone: the proxy answers 503 to this and every later one
+            s.failing = True
+        if s.failing or prompt in s.fail_on:
+            self._json({"error": "service unavailable"}, 503)
+            return
         if s.hung.is_set():
             s.released.wait(30)
             return
@@ -72,11 +81,16 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class StandIn:
-    """An OpenAI-compatible server on a free port; ``die_at``/``hang_at``: the n-th chat request
-    (from 1) kills it or hangs it; ``gates[prompt]``: that request waits until the event is set."""
+    """An OpenAI-compatible server on a free port; ``die_at``/``hang_at``/``fail_from``: the n-th
+    chat request (from 1) kills it, hangs it, or starts its 503s (to GET too); ``fail_on``: prompts
+    answered 503; ``gates[prompt]``: that request waits until the event is set; ``identity``: the
+    model entry's ``root``/``max_model_len`` in ``GET /v1/models``."""
 
-    def __init__(self, *, die_at: int = 0, hang_at: int = 0, version: str = "1.0"):
-        self.die_at, self.hang_at, self.version = die_at, hang_at, version
+    def __init__(self, *, die_at: int = 0, hang_at: int = 0, fail_from: int = 0, fail_on: tuple[str, ...] = (),
+                 version: str = "1.0", identity: dict | None = None):
+        self.die_at, self.hang_at, self.fail_from, self.version = die_at, hang_at, fail_from, version
+        self.fail_on, self.identity, self.failing = set(fail_on), identity or {}, False
+        self.listings = 0  # GET /v1/models answered
         self.prompts: list[str] = []
         self.gates: dict[str, threading.Event] = {}
         self.hung, self.released = threading.Event(), threading.Event()
@@ -190,6 +204,7 @@ def test_requests_go_to_the_least_busy_server_ties_by_order(stand_ins):
     assert (a.prompts, b.prompts) == (["p0", "p2"], ["p1", "p3"])
     assert {p: r.content for p, r in replies.items()} == {p: f"echo {p}" for p in ("p0", "p1", "p2", "p3")}
     assert [(r["requests"], r["died"]) for r in pool.report()] == [(2, None), (2, None)]
+    pool.close()
 
 
 def test_one_url_is_one_server_and_both_share_the_work(stand_ins, corpus, tmp_path, reference):
@@ -266,14 +281,22 @@ def test_a_slow_request_on_a_live_server_stays_the_records_timeout(stand_ins, co
 
 
 # ----------------------------------------------------------------------------- start, records, config
-def test_a_server_down_at_start_is_refused_by_name(stand_ins, corpus, tmp_path):
-    a = stand_ins()
+def _closed_port_url() -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        down = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    with pytest.raises(EngineError, match=rf"cannot reach the server at {down}/models"):
-        run(_cfg((a.url, down), corpus, tmp_path / "o", retries=0))
-    assert entries_on_disk(tmp_path / "o") == 0 and a.prompts == []
+        return f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+
+
+def test_no_server_answering_at_start_is_refused_by_name(corpus, tmp_path):
+    down = [_closed_port_url(), _closed_port_url()]
+    with pytest.raises(EngineError, match=r"^listing models: none of the 2 servers answers: "
+                                          + "; ".join(rf"{u} \(down at start: GET /models: ConnectionRefusedError: .*\)"
+                                                      for u in down)
+                                          + r"\. Start them, or fix --base-url") as e:
+        run(_cfg(tuple(down), corpus, tmp_path / "o", retries=0))
+    assert "\n" not in str(e.value) and entries_on_disk(tmp_path / "o") == 0
+    with pytest.raises(EngineError, match=rf"^listing models: cannot reach the server at {down[0]}/models "):
+        run(_cfg(down[0], corpus, tmp_path / "one", retries=0))            # one URL: its own error, as ever
 
 
 def test_records_name_the_server_that_answered_them(stand_ins, corpus, tmp_path, capfd):
