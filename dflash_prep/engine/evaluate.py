@@ -371,16 +371,26 @@ def _mark_ours_off(rows: list[dict], ours: dict) -> None:
                     c["ours"]["skipped"] = why
 
 
+def report_markdown(full: dict) -> str:
+    """The ``<out stem>.md`` of a report: its tables (:func:`~dflash_prep.engine.report_table.markdown_table`),
+    then the conditions its tokens/s were measured under (``serving``, where it has them)."""
+    md, serving = markdown_table(full), full.get("serving")
+    if serving:
+        md += f"\n{measured_with(serving)}.\n"
+    return md
+
+
+def measured_with(serving: dict) -> str:
+    """A report's ``serving`` section as the line printed beside its tokens/s."""
+    return f"tokens/s measured with: {serving['line']}" + (f" ({serving['note']})" if serving["note"] else "")
+
+
 def _write(res: dict, out: Path, say: Callable[[str], None]) -> dict:
     """Write the report ``out``, its table ``<out stem>.md`` and picture ``<out stem>.png``; the
     report with its format and version."""
     atomic_write_json(out, res, format=EVAL_FORMAT, version=EVAL_VERSION)
     full = {"format": EVAL_FORMAT, "version": EVAL_VERSION, **res}
-    md = markdown_table(full)
-    if res.get("serving"):
-        md += f"\ntokens/s measured with: {res['serving']['line']}" + (f" ({res['serving']['note']})"
-                                                                      if res["serving"]["note"] else "") + ".\n"
-    atomic_write_bytes(out.with_suffix(".md"), md.encode())
+    atomic_write_bytes(out.with_suffix(".md"), report_markdown(full).encode())
     try:
         write_plot(full, out.with_suffix(".png"))
     except ImportError as e:              # matplotlib is a dependency, but a bare GPU image may lack it
@@ -415,8 +425,7 @@ def evaluate_exports(*, target: str | Path, out: str | Path, exports: list[str |
     base_facts, base_rows = run_base(plan, logs, say)
     base_facts = serving_facts(base_facts)
     phases["base_engine"] = time.monotonic() - t
-    serving = base_facts["serving"]
-    say(f"tokens/s measured with: {serving['line']}" + (f" ({serving['note']})" if serving["note"] else ""))
+    say(measured_with(base_facts["serving"]))
     saved = [str(p) for p in save_prompts(plan.sets, Path(save_prompts_dir))] if save_prompts_dir is not None else []
     labels = _labels(plan.exports)
     runs = [run_export(plan, i, labels[i], base_rows, logs, phases, ours=plan.ours["on"], say=say)

@@ -16,7 +16,6 @@ headers, nothing loaded: :func:`target_parameters`) it runs only when asked (``-
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -104,9 +103,11 @@ def target_parameters(target: Path) -> int:
     head_dim = int(c.get("head_dim") or h // heads)
     kv = int(c.get("num_key_value_heads") or heads)
     experts = int(c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 1)
-    tied = json.loads((Path(target) / "config.json").read_text()).get("tie_word_embeddings", False)
+    if experts > 1:                                  # a mixture of experts: each expert its own (smaller) MLP
+        inter = int(c.get("moe_intermediate_size") or inter)
     attention = h * heads * head_dim * 2 + h * kv * head_dim * 2      # q and o, k and v
-    return vocab * h * (1 if tied else 2) + L * (attention + 3 * h * inter * experts)
+    embeddings = vocab * h * (1 if c.get("tie_word_embeddings") else 2)
+    return embeddings + L * (attention + 3 * h * inter * experts)
 
 
 def ours_default(target: Path, requested: bool | None) -> dict:
@@ -118,7 +119,7 @@ def ours_default(target: Path, requested: bool | None) -> dict:
     on = requested if requested is not None else n <= OURS_MAX_PARAMETERS
     line = None
     if requested is None and not on:
-        line = (f"our evaluator is off: the target has {n / 1e9:.2f} B parameters, over {OURS_MAX_PARAMETERS / 1e9:g} B, "
-                "and it would load it in float32 in this process and decode every prompt on the CPU; pass --ours "
-                "to run it anyway")
+        line = (f"our evaluator is off: the target has {n / 1e9:.2f} B parameters, over "
+                f"{OURS_MAX_PARAMETERS / 1e9:g} B, and it would load it in float32 in this process and decode "
+                "every prompt on the CPU; pass --ours to run it anyway")
     return {"on": on, "requested": requested, "target_parameters": n, "limit": OURS_MAX_PARAMETERS, "line": line}

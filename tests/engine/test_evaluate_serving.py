@@ -1,0 +1,348 @@
+"""``dflash-prep evaluate`` serves a target as users serve it, checked without vLLM: the server's
+command line per build (a GPU build keeps vLLM's defaults, the CPU build float32, eager and 8
+sequences; ``--engine-arg`` replaces or adds, ``--tensor-parallel-size`` / ``--pipeline-parallel-size``
+reach it), ``--dtype auto``'s resolution, the build asked once per engine python, our evaluator off by
+default above :data:`~dflash_prep.engine.ours.OURS_MAX_PARAMETERS` target parameters, outputs that
+cannot be written refused before any engine starts, and the conditions tokens/s were measured under
+in the report.
+
+Stand-in engine pythons (bash scripts answering the version and CUDA probes, then failing as a
+server would) play a GPU build and the CPU build; the target and export are the tiny ones of
+:mod:`dflash_prep.bench.tiny_engine`, built offline. New names are imported inside each test, so
+that each test fails on its own on code without them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from dflash_prep.engine import backends
+from dflash_prep.errors import ConfigError, EngineError
+
+PY = Path("/engine/bin/python")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from dflash_prep.bench.tiny_engine import build_exports, build_target
+
+    root = tmp_path_factory.mktemp("serving")
+    target = build_target(root)
+    return {"root": root, "target": target, **build_exports(root, target, kinds=("dflash",))}
+
+
+def _fake_engine(folder: Path, *, cuda: bool) -> Path:
+    """A stand-in engine python: ``vllm 0.0-test`` to the version probe, ``cuda`` to the torch probe
+    (each torch probe appended to ``folder/probes``), and as a server a ValueError and exit 3."""
+    folder.mkdir(parents=True, exist_ok=True)
+    p = folder / "python"
+    p.write_text(f"""#!/bin/bash
+if [ "$1" = "-c" ]; then
+  case "$2" in
+    *torch*) echo probe >> {folder}/probes; echo {int(cuda)} ;;
+    *) echo "vllm 0.0-test" ;;
+  esac
+  exit 0
+fi
+echo "ValueError: stand-in server"; exit 3
+""")
+    p.chmod(p.stat().st_mode | stat.S_IEXEC)
+    return p
+
+
+def _flag(cmd: list[str], name: str) -> str | None:
+    """The value after the last ``name`` in ``cmd`` (None when absent)."""
+    idx = [i for i, t in enumerate(cmd) if t == name]
+    return cmd[idx[-1] + 1] if idx else None
+
+
+# ----------------------------------------------------------------------------- the command line per build
+def test_the_cpu_build_serves_float32_eager_8_and_a_gpu_build_the_engines_defaults():
+    from dflash_prep.engine.vllm_server import server_command, server_settings
+
+    def cmd(gpu, **kw):
+        return server_command(PY, "/m", server_settings(gpu=gpu, **kw), port=8000, speculative_config=None,
+                              max_model_len=64, seed=0)
+
+    cpu, gpu = cmd(False), cmd(True)
+    assert "--enforce-eager" in cpu and _flag(cpu, "--max-num-seqs") == "8" and _flag(cpu, "--dtype") == "float32"
+    assert "--enforce-eager" not in gpu and "--max-num-seqs" not in gpu and _flag(gpu, "--dtype") == "auto", gpu
+    # an explicit dtype is kept on both builds
+    assert _flag(cmd(False, dtype="bfloat16"), "--dtype") == _flag(cmd(True, dtype="bfloat16"), "--dtype") == "bfloat16"
+    # no parallelism flags at 1 (the engine's default); the sizes given reach the command
+    assert "--tensor-parallel-size" not in gpu and "--pipeline-parallel-size" not in gpu
+    tp = cmd(True, tensor_parallel_size=4, pipeline_parallel_size=2)
+    assert _flag(tp, "--tensor-parallel-size") == "4" and _flag(tp, "--pipeline-parallel-size") == "2"
+
+
+def test_engine_args_replace_the_builds_settings_and_add_flags():
+    from dflash_prep.engine.extract import parse_engine_args
+    from dflash_prep.engine.vllm_server import server_command, server_settings
+
+    args = parse_engine_args(["max_num_seqs=64", "enforce-eager=false", "gpu_memory_utilization=0.85",
+                              "enable_chunked_prefill=true", "enable_prefix_caching=false",
+                              'compilation_config={"level": 3}', "kv_cache_dtype=fp8"])
+    cpu = server_command(PY, "/m", server_settings(gpu=False, engine_args=args), port=8000, speculative_config=None,
+                         max_model_len=64, seed=0)
+    assert _flag(cpu, "--max-num-seqs") == "64" and cpu.count("--max-num-seqs") == 1 and "--enforce-eager" not in cpu
+    tail = cpu[cpu.index("--gpu-memory-utilization"):]
+    assert tail == ["--gpu-memory-utilization", "0.85", "--enable-chunked-prefill", "--no-enable-prefix-caching",
+                    "--compilation-config", '{"level":3}', "--kv-cache-dtype", "fp8"], tail
+    gpu = server_command(PY, "/m", server_settings(gpu=True, engine_args=parse_engine_args(["enforce_eager=true"])),
+                         port=8000, speculative_config=None, max_model_len=64, seed=0)
+    assert "--enforce-eager" in gpu and "--max-num-seqs" not in gpu
+
+
+@pytest.mark.parametrize("arg, match", [
+    ("dtype=bfloat16", r"--engine-arg dtype: it has its own flag; pass --dtype instead"),
+    ("tensor_parallel_size=2", r"pass --tensor-parallel-size instead"),
+    ("max_model_len=4096", r"pass --max-model-len instead"),
+    ("port=9000", r"--engine-arg port: dflash-prep sets it itself"),
+    ("speculative_config={}", r"--engine-arg speculative_config: dflash-prep sets it itself"),
+    ("enforce_eager=yes", r"enforce_eager='yes': write true or false"),
+    ("max_num_seqs=0", r"max_num_seqs=0: write a whole number >= 1"),
+])
+def test_engine_args_that_cannot_apply_are_refused_in_one_line(arg, match):
+    from dflash_prep.engine.evaluate import EvaluateConfig
+    from dflash_prep.engine.extract import parse_engine_args
+
+    with pytest.raises(ConfigError, match=match) as e:
+        EvaluateConfig(engine_args=parse_engine_args([arg]))
+    assert "\n" not in str(e.value)
+
+
+def test_dtype_defaults_to_auto_float32_on_the_cpu_build():
+    from dflash_prep.engine.evaluate import EvaluateConfig
+    from dflash_prep.engine.vllm_server import server_settings
+
+    cfg = EvaluateConfig()
+    assert cfg.dtype == "auto" and cfg.serving()["dtype"] == "auto"
+    assert server_settings(gpu=False, dtype=cfg.dtype).dtype == "float32"
+    assert server_settings(gpu=True, dtype=cfg.dtype).dtype == "auto"
+    with pytest.raises(ConfigError, match="--tensor-parallel-size and --pipeline-parallel-size must be >= 1"):
+        EvaluateConfig(tensor_parallel_size=0)
+
+
+@pytest.mark.parametrize("cuda", [True, False], ids=["gpu-build", "cpu-build"])
+def test_vllm_server_asks_the_build_once_and_serves_with_its_settings(tmp_path, monkeypatch, cuda):
+    from dflash_prep.engine.vllm_server import gpu_build, vllm_server
+
+    py = _fake_engine(tmp_path / "engine", cuda=cuda)
+    monkeypatch.setenv(backends.get("vllm").python_var, str(py))
+    gpu_build.cache_clear()
+    for run in ("a", "b"):
+        with pytest.raises(EngineError, match=r"exited with code 3 before serving: ValueError: stand-in server"):
+            with vllm_server("m", log=tmp_path / f"{run}.log", timeout_s=60, tensor_parallel_size=2,
+                             engine_args=(("gpu_memory_utilization", 0.85),)):
+                pass
+    cmd = (tmp_path / "b.log").read_text().splitlines()[0].removeprefix("$ ").split()
+    assert (tmp_path / "engine" / "probes").read_text().count("probe") == 1      # asked once for both starts
+    assert _flag(cmd, "--tensor-parallel-size") == "2" and _flag(cmd, "--gpu-memory-utilization") == "0.85"
+    if cuda:
+        assert "--enforce-eager" not in cmd and "--max-num-seqs" not in cmd and _flag(cmd, "--dtype") == "auto", cmd
+    else:
+        assert "--enforce-eager" in cmd and _flag(cmd, "--max-num-seqs") == "8" and _flag(cmd, "--dtype") == "float32"
+
+
+def test_the_cli_passes_engine_args_and_parallel_sizes_to_the_run(tiny, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import dflash_prep.engine.evaluate as evaluate
+    from dflash_prep.cli import app
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def stop(plan, logs, say):
+        seen["cfg"] = plan.cfg
+        raise Stop
+
+    monkeypatch.setattr(evaluate, "run_base", stop)
+    r = CliRunner().invoke(app, ["evaluate", "--target", str(tiny["target"]), "--export", str(tiny["dflash"]),
+                                 "--bench", "gsm8k", "--n", "2", "--out", str(tmp_path / "e.json"),
+                                 "--tensor-parallel-size", "2", "--pipeline-parallel-size", "3",
+                                 "--engine-arg", "gpu_memory_utilization=0.85", "--engine-arg", "max_num_seqs=16"])
+    assert isinstance(r.exception, Stop), r.output
+    cfg = seen["cfg"]
+    assert cfg.serving() == {"dtype": "auto", "tensor_parallel_size": 2, "pipeline_parallel_size": 3,
+                             "engine_args": (("gpu_memory_utilization", 0.85), ("max_num_seqs", 16))}
+
+
+# ----------------------------------------------------------------------------- our evaluator's size cutoff
+def _header_only_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
+    """A safetensors header naming ``shapes`` (float32) with no tensor bytes: what a parameter count
+    reads, never the weights."""
+    header, at = {}, 0
+    for name, shape in shapes.items():
+        n = 4
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw)
+
+
+@pytest.fixture(scope="module")
+def big(tiny, tmp_path_factory):
+    """The tiny target with one more weight file whose header names 1.6 B parameters."""
+    dst = tmp_path_factory.mktemp("big") / "target"
+    shutil.copytree(tiny["target"], dst)
+    _header_only_safetensors(dst / "model-extra.safetensors", {"extra.weight": [40_000, 40_000]})
+    return dst
+
+
+def test_target_parameters_are_counted_from_the_headers(tiny, big, tmp_path):
+    from safetensors import safe_open
+
+    from dflash_prep.engine.ours import target_parameters
+
+    exact = 0
+    for f in tiny["target"].glob("*.safetensors"):
+        with safe_open(str(f), "np") as s:
+            exact += sum(s.get_tensor(k).size for k in s.keys())
+    assert target_parameters(tiny["target"]) == exact > 0
+    assert target_parameters(big) == exact + 40_000 * 40_000
+    # no safetensors: estimated from config.json (Qwen3-8B's sizes: 8.19 B, as published "8.2B")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936,
+        "tie_word_embeddings": False}))
+    assert 8.15e9 < target_parameters(tmp_path) < 8.25e9
+
+
+def test_our_evaluator_is_off_by_default_above_the_cutoff_and_on_when_asked(tiny, big):
+    from dflash_prep.engine.ours import OURS_MAX_PARAMETERS, ours_default
+
+    small = ours_default(tiny["target"], None)
+    assert small["on"] and small["line"] is None and small["target_parameters"] <= OURS_MAX_PARAMETERS
+    off = ours_default(big, None)
+    assert not off["on"] and off["target_parameters"] > OURS_MAX_PARAMETERS
+    assert off["line"].startswith("our evaluator is off: the target has 1.60 B parameters, over 1 B") \
+        and off["line"].endswith("pass --ours to run it anyway"), off["line"]
+    assert ours_default(big, True)["on"] and ours_default(big, True)["line"] is None
+    assert not ours_default(tiny["target"], False)["on"]
+
+
+def test_evaluate_says_before_any_engine_that_our_evaluator_is_off(tiny, big, tmp_path, monkeypatch):
+    import dflash_prep.engine.evaluate as evaluate
+
+    plans = []
+
+    class Stop(Exception):
+        pass
+
+    def stop(plan, logs, say):
+        plans.append(plan)
+        raise Stop
+
+    monkeypatch.setattr(evaluate, "run_base", stop)
+    for ours in (None, True):
+        said: list[str] = []
+        with pytest.raises(Stop):
+            evaluate.evaluate_exports(target=big, exports=[tiny["dflash"]], benches=["gsm8k"], n=2, ours=ours,
+                                      out=tmp_path / "e.json", log=said.append, contamination_n=0)
+        offs = [s for s in said if "our evaluator is off" in s]
+        assert (len(offs) == 1 and offs[0].startswith("note: ") and "--ours" in offs[0]) if ours is None \
+            else offs == [], said
+    assert [p.ours["on"] for p in plans] == [False, True]
+
+
+# ----------------------------------------------------------------------------- outputs refused up front
+@pytest.fixture
+def no_engine(monkeypatch):
+    """Any engine start fails the test."""
+    import dflash_prep.engine.evaluate_runs as runs
+    import dflash_prep.engine.vllm_server as server
+
+    def started(*a, **k):
+        pytest.fail("an engine was started before the output was refused")
+
+    monkeypatch.setattr(runs, "vllm_server", started)
+    monkeypatch.setattr(server, "vllm_server", started)
+
+
+def test_save_prompts_onto_an_existing_file_is_refused_before_any_engine(tiny, tmp_path, no_engine):
+    from typer.testing import CliRunner
+
+    from dflash_prep.cli import app
+
+    f = tmp_path / "sent"
+    f.write_text("keep me\n")
+    r = CliRunner().invoke(app, ["evaluate", "--target", str(tiny["target"]), "--export", str(tiny["dflash"]),
+                                 "--bench", "gsm8k", "--n", "2", "--out", str(tmp_path / "e.json"),
+                                 "--save-prompts", str(f), "--contamination-n", "0"])
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 1 and len(errors) == 1 and "Traceback" not in r.output, r.output
+    assert errors[0] == (f"error: --save-prompts {f} is an existing file; it names a folder (one <set>.jsonl per "
+                         "set): pass a new or existing folder")
+    assert f.read_text() == "keep me\n" and not (tmp_path / "e.logs").exists()
+
+
+@pytest.mark.parametrize("case", ["under-a-file", "out-is-a-folder", "out-under-a-file"])
+def test_outputs_that_cannot_be_written_are_refused_before_any_engine(tiny, tmp_path, no_engine, case):
+    from dflash_prep.engine.evaluate import evaluate_exports
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    out, save = tmp_path / "e.json", None
+    if case == "under-a-file":
+        save, match = blocker / "sent", rf"--save-prompts {blocker / 'sent'}: cannot write there"
+    elif case == "out-is-a-folder":
+        out, match = tmp_path, rf"--out {tmp_path} is a folder; name the report's JSON file"
+    else:
+        out, match = blocker / "e.json", rf"--out {blocker / 'e.json'}: cannot write there"
+    with pytest.raises(ConfigError, match=match):
+        evaluate_exports(target=tiny["target"], exports=[tiny["dflash"]], benches=["gsm8k"], n=2, out=out,
+                         save_prompts_dir=save, log=None, contamination_n=0)
+
+
+# ----------------------------------------------------------------------------- the conditions in the report
+def test_the_conditions_read_back_from_a_command_are_its_settings():
+    from dflash_prep.engine.vllm_server import server_command, server_settings, serving_conditions
+
+    for s in (server_settings(gpu=False), server_settings(gpu=True),
+              server_settings(gpu=True, engine_args=(("enforce_eager", True), ("max_num_seqs", 4)),
+                              tensor_parallel_size=8, pipeline_parallel_size=2, dtype="bfloat16"),
+              server_settings(gpu=False, engine_args=(("enforce_eager", False),), dtype="bfloat16")):
+        cmd = server_command(PY, "/m", s, port=1, speculative_config={"method": "dflash"}, max_model_len=64, seed=0)
+        assert serving_conditions(cmd, gpu=s.gpu) == s.conditions(), cmd
+    gpu = server_settings(gpu=True).conditions()
+    assert {k: gpu[k] for k in ("build", "enforce_eager", "max_num_seqs", "dtype", "tensor_parallel_size",
+                                "pipeline_parallel_size", "requests", "note")} == {
+        "build": "GPU", "enforce_eager": False, "max_num_seqs": None, "dtype": "auto", "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1, "requests": "one at a time", "note": None}
+    assert gpu["line"] == ("vLLM GPU build, CUDA graphs, dtype auto, max-num-seqs the engine's default, tensor "
+                           "parallel 1, pipeline parallel 1, one request at a time")
+    eager = server_settings(gpu=True, engine_args=(("enforce_eager", True),)).conditions()
+    assert "no CUDA graphs" in eager["note"]
+    assert "CPU build" in server_settings(gpu=False).conditions()["note"]
+
+
+def test_the_report_records_the_conditions_of_the_engine_that_ran(tiny, tmp_path):
+    from dflash_prep.engine.evaluate import EVAL_FORMAT, EVAL_VERSION, _report, prepare, report_markdown, serving_facts
+    from dflash_prep.engine.vllm_server import gpu_build, server_command, server_settings
+
+    py = _fake_engine(tmp_path / "gpu-engine", cuda=True)
+    gpu_build.cache_clear()
+    plan = prepare(target=tiny["target"], exports=[tiny["dflash"]], benches=["gsm8k"], n=2, contamination_n=0,
+                   engine_args=(("max_num_seqs", 32),), tensor_parallel_size=2)
+    cmd = server_command(py, tiny["target"], server_settings(gpu=True, **plan.cfg.serving()), port=1,
+                         speculative_config=None, max_model_len=plan.cfg.max_model_len, seed=0)
+    facts = serving_facts({"version": "vllm 0.0-test", "command": cmd, "start_s": 1.0, "log": "base.log"})
+    res = _report(plan, facts, [], [], [])
+    assert res["serving"] == res["engine"]["base"]["serving"]
+    assert {k: res["serving"][k] for k in ("build", "enforce_eager", "max_num_seqs", "dtype", "tensor_parallel_size",
+                                            "requests")} == {
+        "build": "GPU", "enforce_eager": False, "max_num_seqs": 32, "dtype": "auto", "tensor_parallel_size": 2,
+        "requests": "one at a time"}
+    assert res["ours_evaluator"]["on"] is True and res["config"]["tensor_parallel_size"] == 2
+    md = report_markdown({"format": EVAL_FORMAT, "version": EVAL_VERSION, **res, "seconds": 1.0, "phases_s": {}})
+    assert md.endswith(f"\ntokens/s measured with: {res['serving']['line']}.\n"), md
