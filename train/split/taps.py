@@ -150,7 +150,9 @@ def step_tag(epoch: int, step: int) -> Tag:
     return Tag.of(epoch, step, -1, [])
 
 
-def _weights_file(path: Path, key: str) -> Path:
+def weights_file(path: Path, key: str) -> Path:
+    """The safetensors file of the target folder ``path`` that holds tensor ``key`` (its index's
+    ``weight_map``, else the one ``model.safetensors``)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         wm = json.loads(index.read_text()).get("weight_map", {})
@@ -192,7 +194,7 @@ def _heads(path: Path, keys: dict, tied: bool, device: torch.device, dtype: torc
 
     got = {}
     for name, key in keys.items():
-        f = _weights_file(path, key)
+        f = weights_file(path, key)
         with safe_open(str(f), "pt") as fh:
             if key not in fh.keys():
                 raise FormatError(f"{f}: no tensor {key}; the target is not a Llama-style causal LM")

@@ -291,7 +291,8 @@ class DFlashObjective(DrafterObjective):
         return {"objective": self.name, **self.identity, "target_layer_ids": list(c.target_layer_ids),
                 "mask_token_id": c.mask_token_id, "block_size": self.block_size,
                 "sliding_window": c.sliding_window, **self.recipe_fields(),
-                "anchors": self.spec.to_dict(), **self.target.contract()}
+                "anchors": self.spec.to_dict(), **self.target.contract(),
+                **({"init_layers": "target"} if self.cfg.options.init_layers == "target" else {})}
 
     def describe(self) -> str:
         """What the run resolved, printed at start: the mask token's line (:mod:`.mask`), then the
@@ -378,6 +379,11 @@ def build(cfg: TrainConfig, ds, device: torch.device, manifest=None, place=None,
     target = target_provider(cfg, ds, dcfg.target_layer_ids, final=cfg.options.loss == "kl", identity=identity,
                              device=device, place=place)
     drafter = (make_drafter or Drafter)(dcfg).to(device)
+    warm = ""
+    if cfg.options.init_layers == "target":
+        from dflash_prep.train.objectives.dflash.warm_start import copy_target_layers
+        warm = copy_target_layers(drafter, cfg.options.target)
     gamma = cfg.options.gamma or default_gamma(spec.block_size)
     return (objective_type or DFlashObjective)(drafter, target, cfg, anchor_spec=spec, gamma=gamma,
-                                               identity=identity, anchor_source=source, mask_line=choice.line())
+                                               identity=identity, anchor_source=source,
+                                               mask_line="\n".join(x for x in (choice.line(), warm) if x))

@@ -24,6 +24,7 @@ from dflash_prep.objectives.dflash import RECIPE_DRAFT_LAYERS, RECIPE_SLIDING_WI
 from dflash_prep.objectives.options import TRAIN, from_header, option, shared_help
 
 SLOT_WEIGHTS = ("decay", "dpace")
+INIT_LAYERS = ("random", "target")
 LOSSES = ("ce", "kl")
 ANCHOR_OPTIONS = ("block_size", "max_anchors", "anchor_policy", "anchor_seed")
 """The fields that say how anchors are drawn: pack's (:class:`DrafterOptions`, recorded in the
@@ -63,6 +64,9 @@ class DFlashTrainOptions:
     anchor_seed: int | None = _train(None, help=shared_help(
         DrafterOptions, "anchor_seed", None, "--seed; a value that contradicts the manifest is refused (its budgets "
         "assume its anchors)"))
+    init_layers: str = _train("random", help="how the draft layers start: random (N(0, 0.02), the public init) or "
+                              "target (copies of the target's last N layers and final norm, fc the mean of the "
+                              "taps: docs/real-target.md#what-moves-tau)")
     mask_token_id: int | None = _train(None, help="mask token id, refused if it occurs in the data; unset = a resumed "
                                        "run's, else the tokenizer's mask token, <|mask|>, the first row past the "
                                        "tokenizer, or the lowest special token unused in the data")
@@ -87,7 +91,8 @@ class DFlashTrainOptions:
             raise ConfigError(f"--mask-token-id must be >= 0 (unset = the tokenizer's), got {self.mask_token_id}")
         if self.sliding_window < 0:
             raise ConfigError(f"--sliding-window must be >= 0 (0 = full attention), got {self.sliding_window}")
-        for flag, v, ok in (("--slot-weights", self.slot_weights, SLOT_WEIGHTS), ("--loss", self.loss, LOSSES)):
+        for flag, v, ok in (("--slot-weights", self.slot_weights, SLOT_WEIGHTS), ("--loss", self.loss, LOSSES),
+                            ("--init-layers", self.init_layers, INIT_LAYERS)):
             if v not in ok:
                 raise ConfigError(f"{flag} must be one of {', '.join(ok)}, got {v!r}")
         if isinstance(self.dpace_alpha, bool) or not isinstance(self.dpace_alpha, (int, float)) \

@@ -69,6 +69,8 @@ class DFlash2TrainOptions(DFlashTrainOptions):
                               f"got {self.selector_missing!r}")
         if self.selector_init not in INIT_MODES:
             raise ConfigError(f"--selector-init must be one of {', '.join(INIT_MODES)}, got {self.selector_init!r}")
+        if self.init_from_drafter and self.init_layers != "random":
+            raise ConfigError("--init-from-drafter and --init-layers target both set the starting weights; pass one")
 
     @classmethod
     def objective_name(cls) -> str:
