@@ -258,15 +258,19 @@ def test_evaluate_says_before_any_engine_that_our_evaluator_is_off(tiny, big, tm
 # ----------------------------------------------------------------------------- outputs refused up front
 @pytest.fixture
 def no_engine(monkeypatch):
-    """Any engine start fails the test."""
-    import dflash_prep.engine.evaluate_runs as runs
-    import dflash_prep.engine.vllm_server as server
+    """Any engine start fails the test: the server factory replaced wherever evaluate's modules import it."""
+    import importlib
 
     def started(*a, **k):
         pytest.fail("an engine was started before the output was refused")
 
-    monkeypatch.setattr(runs, "vllm_server", started)
-    monkeypatch.setattr(server, "vllm_server", started)
+    for name in ("vllm_server", "evaluate", "evaluate_runs"):
+        try:
+            module = importlib.import_module(f"dflash_prep.engine.{name}")
+        except ModuleNotFoundError:       # evaluate_runs: split out of evaluate after fb56586
+            continue
+        if hasattr(module, "vllm_server"):
+            monkeypatch.setattr(module, "vllm_server", started)
 
 
 def test_save_prompts_onto_an_existing_file_is_refused_before_any_engine(tiny, tmp_path, no_engine):
@@ -278,7 +282,7 @@ def test_save_prompts_onto_an_existing_file_is_refused_before_any_engine(tiny, t
     f.write_text("keep me\n")
     r = CliRunner().invoke(app, ["evaluate", "--target", str(tiny["target"]), "--export", str(tiny["dflash"]),
                                  "--bench", "gsm8k", "--n", "2", "--out", str(tmp_path / "e.json"),
-                                 "--save-prompts", str(f), "--contamination-n", "0"])
+                                 "--save-prompts", str(f)])
     errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
     assert r.exit_code == 1 and len(errors) == 1 and "Traceback" not in r.output, r.output
     assert errors[0] == (f"error: --save-prompts {f} is an existing file; it names a folder (one <set>.jsonl per "
@@ -301,7 +305,7 @@ def test_outputs_that_cannot_be_written_are_refused_before_any_engine(tiny, tmp_
         out, match = blocker / "e.json", rf"--out {blocker / 'e.json'}: cannot write there"
     with pytest.raises(ConfigError, match=match):
         evaluate_exports(target=tiny["target"], exports=[tiny["dflash"]], benches=["gsm8k"], n=2, out=out,
-                         save_prompts_dir=save, log=None, contamination_n=0)
+                         save_prompts_dir=save, log=None)
 
 
 # ----------------------------------------------------------------------------- the conditions in the report
