@@ -25,14 +25,33 @@ cast), so a run is bit for bit the same with or without it. The host memory it h
 ``summary.json`` reports how many micro-batches were read ahead and how long the step loop spent
 reading the others (``states_read``).
 
-**Verified on first read.** Opening a cache checks every shard's header against ``states.json``
-(cheap); the rows themselves are re-hashed (:func:`dflash_prep.formats.states.verify_shard`, the
-SHA-256 ``dflash-prep verify`` checks) the first time this run reads a shard, on the prefetch
-thread before the batch that needs it is handed over, several shards in parallel: a shard whose
-bytes changed after ``extract`` stops the run in one line naming it and the command that rebuilds
-it, before any step trains on it. Its cost is one extra read of the cache per run (measured in
-docs/states.md); ``--no-check-states`` skips it, and the log header and ``summary.json``
-(``states_check``) record that.
+**Verified on first read, once for all ranks.** Opening a cache checks every shard's header
+against ``states.json`` (cheap); the rows themselves are re-hashed
+(:func:`dflash_prep.formats.states.verify_shard`, the SHA-256 ``dflash-prep verify`` checks) the
+first time the run reads a shard, on the prefetch thread before the batch that needs it is handed
+over, several shards in parallel: a shard whose bytes changed after ``extract`` stops the run in
+one line naming it and the command that rebuilds it, before any step trains on it.
+
+Samples are shuffled, so every rank reads nearly every shard: were each rank to re-hash what it
+reads, W ranks would read the whole cache W extra times before their first steps. Instead the
+ranks share the check through the run folder (:class:`ShardChecks`, ``RUN/states-check/``): the
+first rank to need shard k takes the shard's ``flock`` (``.shard-k.json.lock``), re-hashes it and
+writes ``shard-k.json`` atomically, a marker holding the cache's fingerprint, the shard's digest
+(that of its header, which holds every array's SHA-256) and its file's path, size, inode, mtime and
+ctime as they were before the hash; a rank that needs it next waits for the lock and trusts the
+marker while the file still matches it. A shard whose file changed since (rewritten, written into,
+replaced, touched: writes move the ctime, which no one can set back) is re-hashed, and a shard that
+fails writes no marker, so every rank that reads it stops on it. As for the target's digests
+(:mod:`dflash_prep.formats.target`), a file modified less than ``RACY_S`` before its hash, or whose
+stamp changed while it was read, is hashed but not marked (its bytes may still be moving). The
+device number is left out of the stamp, so ranks on several machines that mount one shared folder
+trust one another's markers. So the check reads the cache once per run, whatever W, and a resumed
+run re-hashes only the shards that changed (delete ``RUN/states-check/`` to re-hash all). Ranks
+that do not share a run folder share nothing and each checks as one; where the file system refuses
+``flock`` (Lustre mounted without ``-o flock``), the markers still serve, and ranks that race for
+the same unmarked shard may both hash it. Its cost is one extra read of the cache per run
+(measured in docs/states.md); ``--no-check-states`` skips it, and the log header and
+``summary.json`` (``states_check``) record that.
 
 Checked when the run starts, each refused in one line naming the ``dflash-prep extract`` command
 that builds the right cache: the cache was built for this ``--data`` (dataset fingerprint) and
@@ -45,7 +64,11 @@ checkpoint resumes only on a cache of the same dtype.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -56,25 +79,109 @@ import torch
 
 from dflash_prep.engine import backends
 from dflash_prep.errors import FingerprintMismatch, FormatError
+from dflash_prep.formats.fileio import atomic_write_json
+from dflash_prep.formats.outputs import lock_path
 from dflash_prep.formats.states import decode_torch, open_states, verify_shard
+from dflash_prep.formats.target import RACY_S
 from dflash_prep.objectives.target_taps import extract_command
 
 
 VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
 """Shards re-hashed at once when a micro-batch first reads several (hashlib releases the GIL)."""
+CHECKS_DIR = "states-check"
+"""The run folder's subfolder of shard markers, shared by the run's ranks (module docstring)."""
+MARKER_FORMAT, MARKER_VERSION = "dflash-prep/states-check", 1
+
+
+def shard_stamp(cache, k: int) -> dict:
+    """What a marker of shard ``k`` of ``cache`` must hold to be trusted: the cache, the shard's
+    digest, and its file as it is now (module docstring)."""
+    sh = cache.shards[k]
+    st = os.stat(sh.path)
+    return {"cache_fingerprint": cache.fingerprint, "shard": int(k), "sha256": cache.header["shards"][k]["sha256"],
+            "file": str(Path(sh.path).resolve()), "bytes": st.st_size, "inode": st.st_ino,
+            "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
+def _marked(path: Path, stamp: dict) -> bool:
+    """Whether the marker ``path`` exists and records ``stamp`` (an unreadable one is not trusted)."""
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(m, dict) and (m.get("format"), m.get("version")) == (MARKER_FORMAT, MARKER_VERSION)
+            and all(m.get(k) == v for k, v in stamp.items()))
+
+
+class ShardChecks:
+    """Each shard of ``cache`` re-hashed once for every rank that shares ``folder`` (the run's
+    ``states-check``; None: this process alone), module docstring. Thread-safe for distinct shards."""
+
+    def __init__(self, cache, folder: Path | None):
+        self.cache, self.folder = cache, None if folder is None else Path(folder)
+        self.hashed = 0                         # shards this process re-hashed (the rest: another rank's marker)
+        self._count = threading.Lock()          # the checking threads each add theirs
+        self._no_flock = False
+
+    def check(self, k: int) -> None:
+        """Shard ``k`` re-hashed here, or its marker trusted; :class:`FormatError` when it is corrupt."""
+        if self.folder is None:
+            self._hash(k)
+            return
+        marker = self.folder / f"shard-{k:05d}.json"
+        if _marked(marker, shard_stamp(self.cache, k)):
+            return
+        with self._lock(lock_path(marker)):
+            stamp = shard_stamp(self.cache, k)
+            if _marked(marker, stamp):           # written by the rank that held the lock before us
+                return
+            t0, start = time.perf_counter(), time.time_ns()
+            self._hash(k)
+            if stamp["mtime_ns"] >= start - int(RACY_S * 1e9) or shard_stamp(self.cache, k) != stamp:
+                return                           # the file may still be moving: hashed, not marked
+            atomic_write_json(marker, {**stamp, "checked_by": f"pid {os.getpid()} on {socket.gethostname()}",
+                                       "rank": int(os.environ.get("RANK", "0")),
+                                       "seconds": round(time.perf_counter() - t0, 3)},
+                              format=MARKER_FORMAT, version=MARKER_VERSION)
+
+    def _hash(self, k: int) -> None:
+        verify_shard(self.cache.shards[k], self.cache.command)
+        with self._count:
+            self.hashed += 1
+
+    @contextlib.contextmanager
+    def _lock(self, path: Path):
+        """Hold ``path``'s ``flock`` (waiting for the rank that holds it); without one where the
+        file system refuses ``flock`` (module docstring)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:
+                if not self._no_flock:
+                    self._no_flock = True
+                    print(f"{path.parent}: the file system refuses flock ({e.strerror}): ranks may re-hash a "
+                          "shard twice; its markers still serve", flush=True)
+            yield
+        finally:
+            os.close(fd)                         # releases the lock
 
 
 class CachedTaps:
     """Taps read from a :class:`dflash_prep.formats.states.StatesCache` (module docstring);
     ``verify``: re-hash each shard on its first read (True), not (False), or None for a provider
-    that reads no cache (:class:`~.engine_taps.EngineTaps`)."""
+    that reads no cache (:class:`~.engine_taps.EngineTaps`); ``checks``: the folder whose markers
+    the run's ranks share (:class:`ShardChecks`; None: this process re-hashes what it reads)."""
 
     remote = False
 
     def __init__(self, cache, taps, *, final: bool, embed_tokens, lm_head, num_layers: int, device: torch.device,
-                 verify: bool | None = None, engine: str = backends.DEFAULT, dtype: torch.dtype | None = None):
+                 verify: bool | None = None, engine: str = backends.DEFAULT, dtype: torch.dtype | None = None,
+                 checks: Path | None = None):
         self.cache, self.device, self.verify, self.engine = cache, device, verify, engine
-        self._verified: set[int] = set()        # shards re-hashed by this run
+        self._verified: set[int] = set()        # shards checked by this process: re-hashed, or another rank's marker
+        self.checks = ShardChecks(cache, checks) if verify else None
         self._verify_lock = threading.Lock()    # the prefetch thread, and the step for a batch not read ahead
         self.verify_s = 0.0
         self.embed_tokens, self.lm_head, self.num_layers = embed_tokens, lm_head, int(num_layers)
@@ -90,14 +197,14 @@ class CachedTaps:
         self.on_step_s = 0.0
 
     def _check_shards(self, sids) -> None:
-        """Re-hash the shards holding ``sids`` that this run has not read yet (module docstring)."""
+        """Check the shards holding ``sids`` that this process has not read yet (module docstring)."""
         with self._verify_lock:
             todo = sorted({self.cache.shard_of(int(s)) for s in sids} - self._verified)
             if not todo:
                 return
             t0 = time.perf_counter()
             with ThreadPoolExecutor(min(len(todo), VERIFY_THREADS)) as ex:
-                list(ex.map(lambda k: verify_shard(self.cache.shards[k], self.cache.command), todo))
+                list(ex.map(self.checks.check, todo))
             self._verified.update(todo)
             self.verify_s += time.perf_counter() - t0
 
@@ -149,10 +256,12 @@ class CachedTaps:
 
     def summary(self) -> dict:
         """``summary.json``'s ``states_read``: micro-batches read ahead, and those read in the step loop;
-        for a cache, ``states_check``: the shards re-hashed and the seconds it took, or that it was off."""
+        for a cache, ``states_check``: the shards this rank checked, those it re-hashed itself (the rest
+        trusted from another rank's marker), the seconds it took, or that it was off."""
         out = {"states_read": {"ahead": self.ahead, "on_step": self.on_step, "on_step_s": round(self.on_step_s, 3)}}
         if self.verify is not None:
-            out["states_check"] = ({"shards": len(self._verified), "of": len(self.cache.shards),
+            out["states_check"] = ({"shards": len(self._verified), "hashed": self.checks.hashed,
+                                     "of": len(self.cache.shards),
                                      "seconds": round(self.verify_s, 3)} if self.verify
                                     else "off (--no-check-states): shards were not re-hashed")
         return out
@@ -201,4 +310,4 @@ def cached_taps(cfg, ds, layer_ids, *, final: bool, identity: dict, device: torc
         print(f"--no-check-states: the shards of {cfg.states} are read without re-hashing them", flush=True)
     return CachedTaps(cache, layer_ids, final=final, embed_tokens=embed, lm_head=head,
                       num_layers=int(hc.num_hidden_layers), device=device, verify=bool(cfg.check_states),
-                      engine=cfg.target_engine)
+                      engine=cfg.target_engine, checks=Path(cfg.out) / CHECKS_DIR)
