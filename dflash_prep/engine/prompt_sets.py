@@ -12,6 +12,11 @@ Multi-turn sets (MT-Bench): the first turns are sent first; the second turn of e
 rendered after the target's **own** first answer, which the engine **without** speculation gives
 (:meth:`PromptSet.add_second_turns`). Every drafter is then evaluated on the same second-turn
 prompts; at temperature 0 that answer is also what any lossless speculative run decodes.
+As published (FastChat's ``gen_model_answer``), that first answer is a **complete** one: a first
+answer cut by ``--max-tokens`` (``finish_reason`` "length") is asked again, unmeasured, under its own
+cap, :func:`first_answer_cap` (up to :data:`FIRST_ANSWER_TOKENS`, within what ``--max-model-len``
+leaves); an answer still cut there is counted (:attr:`PromptSet.first_answers`, in the report's set
+facts), since its second turn rests on a fragment (with thinking on, a cut ``<think>``).
 
 ``--save-prompts DIR`` writes each set's ids as sent (:func:`save_prompts`): ``DIR/<set>.jsonl``,
 one ``{"prompt_token_ids": [...]}`` a line, in the order sent, for replay in another tool.
@@ -26,6 +31,14 @@ from pathlib import Path
 from dflash_prep.errors import ConfigError
 from dflash_prep.evalsets import describe, sample_benchmark
 from dflash_prep.formats.fileio import atomic_write_bytes, fingerprint_json
+
+FIRST_ANSWER_TOKENS = 1024
+"""The most new tokens a first answer of a multi-turn set may take before its second turn is asked:
+FastChat's ``gen_model_answer --max-new-token`` default, under which MT-Bench's published answers
+were made (a shorter ``--max-model-len`` lowers it: :func:`first_answer_cap`)."""
+REENCODE_SLACK = 2
+"""A first answer's ids, decoded to text and rendered into the second turn, may encode to more ids
+than were generated; the second-turn bound counts each answer token this many times."""
 
 
 @dataclass
@@ -43,6 +56,10 @@ class PromptSet:
     answered them) every second turn."""
     turn_of: list[int] = field(default_factory=list)
     """1 or 2: the turn each prompt of :attr:`ids` asks."""
+    first_answers: dict | None = None
+    """Multi-turn sets, once :meth:`add_second_turns` ran: ``cap`` (the first answers' own cap),
+    ``asked_again`` (first answers cut by ``--max-tokens``, asked again under ``cap``) and
+    ``truncated`` (second turns resting on an answer still cut at ``cap``)."""
 
     @property
     def multi_turn(self) -> bool:
@@ -51,35 +68,64 @@ class PromptSet:
     def first_turn_count(self) -> int:
         return sum(1 for t in self.turn_of if t == 1)
 
-    def add_second_turns(self, tokenizer, answers: list[list[int]], enable_thinking: bool | None) -> list[list[int]]:
+    def add_second_turns(self, tokenizer, answers: list[list[int]], enable_thinking: bool | None, *,
+                         cap: int = 0, truncated: list[bool] | None = None, asked_again: int = 0) -> list[list[int]]:
         """Render every second turn after the target's own first answer (``answers``: the new token
-        ids of each first-turn prompt, in order), append them to :attr:`ids`; the new prompts."""
+        ids of each first-turn prompt, in order), append them to :attr:`ids`; the new prompts.
+        ``truncated`` (per answer: its ``finish_reason`` was "length"), ``cap`` and ``asked_again``
+        are recorded in :attr:`first_answers`."""
         from dflash_prep.train.prompts import render_messages
 
         if not self.multi_turn:
             return []
         if len(answers) != len(self.turns):
             raise ValueError(f"{self.name}: {len(answers)} first answers for {len(self.turns)} conversations")
-        new = []
-        for turns, answer in zip(self.turns, answers):
+        cut = truncated or [False] * len(answers)
+        new, on_cut = [], 0
+        for turns, answer, was_cut in zip(self.turns, answers, cut):
             if len(turns) < 2:
                 continue
             text = tokenizer.decode(answer, skip_special_tokens=True)
             msgs = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": text},
                     {"role": "user", "content": turns[1]}]
             new.append(render_messages(tokenizer, msgs, enable_thinking=enable_thinking))
+            on_cut += bool(was_cut)
         self.ids += new
         self.turn_of += [2] * len(new)
+        self.first_answers = {"cap": cap, "asked_again": asked_again, "truncated": on_cut, "of": len(new)}
         return new
+
+    def second_turn_floor(self, tokenizer, enable_thinking: bool | None) -> int:
+        """The longest second-turn prompt rendered around an empty first answer (0: no second turn):
+        what a second turn is known to need before any answer exists."""
+        from dflash_prep.train.prompts import render_messages
+
+        floor = 0
+        for turns in (self.turns or []):
+            if len(turns) > 1:
+                msgs = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": ""},
+                        {"role": "user", "content": turns[1]}]
+                floor = max(floor, len(render_messages(tokenizer, msgs, enable_thinking=enable_thinking)))
+        return floor
 
     def facts(self) -> dict:
         """The report's record of the set."""
         return {"name": self.name, **self.source, "prompts": len(self.ids),
                 "conversations": len(self.turns) if self.turns is not None else len(self.ids),
                 "turns": max(self.turn_of, default=1),
+                **({"first_answers": dict(self.first_answers)} if self.first_answers is not None else {}),
                 "tokens_fingerprint": fingerprint_json(self.ids),
                 "prompt_tokens": {"min": min(map(len, self.ids)), "max": max(map(len, self.ids)),
                                   "mean": round(sum(map(len, self.ids)) / len(self.ids), 1)} if self.ids else None}
+
+
+def first_answer_cap(model_len: int, floor: int, max_tokens: int, margin: int) -> int:
+    """The new tokens a first answer of a multi-turn set may take: :data:`FIRST_ANSWER_TOKENS`, or
+    less where ``model_len`` would not hold its second turn: the prompt around an empty answer
+    (``floor``), the answer counted :data:`REENCODE_SLACK` times, ``max_tokens`` and ``margin`` (the
+    most tokens a step drafts, plus its bonus). Below ``max_tokens`` even a measured answer may not
+    fit: that is the caller's refusal to make."""
+    return min(FIRST_ANSWER_TOKENS, (model_len - floor - max_tokens - margin) // REENCODE_SLACK)
 
 
 def shipped_set(name: str, tokenizer, *, n: int, seed: int, enable_thinking: bool | None) -> PromptSet:

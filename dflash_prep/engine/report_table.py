@@ -88,20 +88,44 @@ def _cell_tau(c: dict) -> str:
     return tau + marks
 
 
+def _partial_lines(res: dict) -> list[str]:
+    """A partial report's heading (a run that stopped: what it completed, what it did not run)."""
+    p = res.get("partial")
+    if not p:
+        return []
+    done = (["the base run"] if p["base_run"] else []) + p["exports_done"] + p["baselines_done"]
+    missing = ([] if p["base_run"] else ["the base run"]) + p["exports_not_done"] + p["baselines_not_done"]
+    return [f"# PARTIAL: the run stopped on {p['error']}", "",
+            f"Completed: {', '.join(done) or 'nothing'}. Not run: {', '.join(missing) or 'nothing'}.", ""]
+
+
+def first_answer_notes(res: dict) -> list[str]:
+    """One line per multi-turn set whose second turns rest on first answers cut at their cap."""
+    out = []
+    for s in res["sets"]:
+        f = s.get("first_answers") or {}
+        if f.get("truncated"):
+            out.append(f"{s['name']}: {f['truncated']} of {f['of']} second turns rest on a first answer cut at its "
+                       f"{f['cap']}-token cap (finish_reason length)")
+    return out
+
+
 def markdown_table(res: dict) -> str:
     """A v2 report as markdown: tau per drafter (rows: the exports, then the baselines) and prompt set
     (columns) in the layout drafter cards use, then one detail row per drafter and set (the ``<out
-    stem>.md`` beside the report)."""
+    stem>.md`` beside the report); a partial report (a run that stopped) opens with what it holds."""
     rows = table_rows(res)
     sets = [s["name"] for s in res["sets"]]
     smp = res["sampling"]
     think = res["thinking"]
     mode = {None: "template default", True: "on", False: "off"}[think["enable_thinking"]]
-    lines = [f"# tau per benchmark: vLLM {res['engine']['version']}, temperature {smp['temperature']:g}, "
-             f"thinking {mode}, <= {smp['max_tokens']} new tokens", "",
-             "tau = 1 + accepted / drafts, from vLLM's spec-decode counters over each set.", "",
-             "| drafter | method | " + " | ".join(sets) + " | all |",
-             "|---|---|" + "---:|" * (len(sets) + 1)]
+    lines = _partial_lines(res)
+    version = res["engine"]["version"] or "(never served)"
+    lines += [f"# tau per benchmark: vLLM {version}, temperature {smp['temperature']:g}, "
+              f"thinking {mode}, <= {smp['max_tokens']} new tokens", "",
+              "tau = 1 + accepted / drafts, from vLLM's spec-decode counters over each set.", "",
+              "| drafter | method | " + " | ".join(sets) + " | all |",
+              "|---|---|" + "---:|" * (len(sets) + 1)]
     for e in rows:
         lines.append(f"| {e['label']} | {_kind(e['kind'])}, k = {e['num_speculative_tokens']} | "
                      + " | ".join(_cell_tau(e["sets"][s]) for s in sets) + f" | {_f(e['vllm']['tau'], '.2f')} |")
@@ -123,7 +147,7 @@ def markdown_table(res: dict) -> str:
             lines.append(f"| {e['label']} | {s} | {_f(c['vllm']['tau'], '.3f')} | {ours} | {agree} | {lossless} | "
                          f"{acc} | {t['spec_tokens_per_s']:.0f} / {t['base_tokens_per_s']:.0f} |")
     lines += contamination.markdown_lines(res)
-    notes = [w for e in rows for w in e.get("warnings") or []]
+    notes = [w for e in rows for w in e.get("warnings") or []] + first_answer_notes(res)
     if res.get("baselines"):
         notes.append(BASELINE_NOTE)
     notes += sorted({c["throughput"]["note"] for e in rows for c in e["sets"].values()
