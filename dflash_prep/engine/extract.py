@@ -26,8 +26,8 @@ A build with other options over an existing cache is refused unless ``--overwrit
 Across machines (``--node-rank i --num-nodes N``, :mod:`.nodes`): node i builds its share of the
 same plan into the same folder (:func:`.nodes.node_share`); the shards, and so the cache, are the
 same for every N. The nodes agree on one ``states.json`` (created by the first, compared by the
-others, ``--batch-tokens`` included), each holds a lock and cleans debris of its own share only, and the node that finds every
-shard in place writes the complete header.
+others, ``--batch-tokens`` included), each holds a lock and cleans debris of its own share only,
+and the node that finds every shard in place writes the complete header.
 """
 
 from __future__ import annotations
@@ -265,8 +265,8 @@ def _shared_header(out: Path, h: dict | None, mine: dict, p: dict, cfg: ExtractC
                    version: str) -> dict:
     """The ``states.json`` every node of a build across machines agrees on: created from ``mine``
     only when absent (the first node's stays), else the one in place, which must be of this build
-    and of this ``--batch-tokens`` (:func:`_same_batch`; one line otherwise); a complete one whose shards are no longer all there is made incomplete
-    again (each node writes the same bytes)."""
+    and of this ``--batch-tokens`` (:func:`_same_batch`; one line otherwise); a complete one whose
+    shards are no longer all there is made incomplete again (each node writes the same bytes)."""
     if h is None:
         out.mkdir(parents=True, exist_ok=True)
         atomic_create_json(out / fmt.HEADER_FILE, mine, format=fmt.FORMAT, version=fmt.VERSION)
