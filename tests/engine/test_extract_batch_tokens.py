@@ -11,8 +11,10 @@ import sys
 
 import pytest
 
+from dflash_prep.engine.extract import ExtractConfig, extract
 from dflash_prep.errors import FingerprintMismatch
 from dflash_prep.formats import states as fmt
+from dflash_prep.formats.fileio import atomic_write_json
 
 from dflash_prep.tests.train.dflash_fixtures import tiny_target
 
@@ -42,8 +44,6 @@ def fake_engine(monkeypatch):
 
 
 def _node(data, out, engine: str, **kw) -> dict:
-    from dflash_prep.engine.extract import ExtractConfig, extract
-
     cfg = ExtractConfig(data=data["data"], target=data["target"], out=out, objective="dflash", draft_layers=1,
                         dtype="fp32", shard_mb=0.1, timeout_s=120.0, engine=engine, python=sys.executable, **kw)
     return extract(cfg, progress=False)
@@ -70,8 +70,6 @@ def test_a_node_of_another_batch_tokens_is_refused_in_one_line(data, fake_engine
 
 
 def test_a_header_of_an_older_build_records_no_batch_tokens_and_is_not_compared(data, fake_engine, tmp_path):
-    from dflash_prep.formats.fileio import atomic_write_json
-
     out = tmp_path / "cache"
     _node(data, out, fake_engine, batch_tokens=64, node_rank=0, num_nodes=2)
     old = {k: v for k, v in fmt.read_header(out).items() if k != "batch_tokens"}

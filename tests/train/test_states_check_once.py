@@ -15,13 +15,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from dflash_prep.errors import FormatError
 from dflash_prep.formats import states as fmt
 from dflash_prep.formats.fileio import atomic_write_json
-from dflash_prep.train.cached_taps import CHECKS_DIR, CachedTaps
+from dflash_prep.train.cached_taps import CHECKS_DIR, CachedTaps, ShardChecks
 
 W = 4
 KEY = fmt.StatesKey(dataset_fingerprint="d" * 32, target_fingerprint="t" * 32, taps=(1, 2), final=False,
@@ -163,8 +162,6 @@ def test_a_marker_of_a_changed_shard_is_not_trusted(tmp_path, monkeypatch):
 
 
 def test_a_shard_written_in_the_last_seconds_is_hashed_but_not_marked(tmp_path):
-    from dflash_prep.train.cached_taps import ShardChecks
-
     _cache(tmp_path / "cache", settled=False)
     folder = tmp_path / "run" / CHECKS_DIR
     for _ in range(2):
