@@ -350,3 +350,46 @@ def test_the_report_records_the_conditions_of_the_engine_that_ran(tiny, tmp_path
     assert res["ours_evaluator"]["on"] is True and res["config"]["tensor_parallel_size"] == 2
     md = report_markdown({"format": EVAL_FORMAT, "version": EVAL_VERSION, **res, "seconds": 1.0, "phases_s": {}})
     assert md.endswith(f"\ntokens/s measured with: {res['serving']['line']}.\n"), md
+
+
+# ----------------------------------------------------------------------------- a whole run, on a stand-in engine
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu-build", "gpu-build"])
+def test_a_run_serves_every_engine_with_its_settings_and_reports_them(tiny, tmp_path, monkeypatch, cuda):
+    """``evaluate_exports`` end to end on ``standin_engine.py`` (a stdlib OpenAI-style server started
+    by the real ``vllm_server``), its CUDA probe answered as a GPU or the CPU build: every engine's
+    command carries the run's settings, and the report, the printed line and the .md say them."""
+    import sys
+
+    from dflash_prep.engine.evaluate import evaluate_exports, measured_with
+    from dflash_prep.engine.vllm_server import gpu_build
+
+    standin = Path(__file__).with_name("standin_engine.py")
+    py = tmp_path / "standin-python"
+    py.write_text(f"""#!/bin/bash
+if [ "$1" = "-c" ] && [[ "$2" == *torch.cuda* ]]; then echo {int(cuda)}; exit 0; fi
+exec "{sys.executable}" "{standin}" "$@"
+""")
+    py.chmod(0o755)
+    (tmp_path / "standin").mkdir()
+    monkeypatch.setenv(backends.get("vllm").python_var, str(py))
+    monkeypatch.setenv("STANDIN_DIR", str(tmp_path / "standin"))
+    gpu_build.cache_clear()
+    said: list[str] = []
+    res = evaluate_exports(target=tiny["target"], exports=[tiny["dflash"]], benches=["gsm8k"], n=2, ours=False,
+                           out=tmp_path / "e.json", log=said.append, contamination_n=0, tensor_parallel_size=2,
+                           engine_args=(("gpu_memory_utilization", 0.85),))
+    starts = [json.loads(x)["argv"] for x in (tmp_path / "standin" / "starts.jsonl").read_text().splitlines()]
+    assert len(starts) == 2                                      # the base engine and the export's
+    for argv in starts:
+        assert _flag(argv, "--tensor-parallel-size") == "2" and _flag(argv, "--gpu-memory-utilization") == "0.85"
+        if cuda:
+            assert "--enforce-eager" not in argv and "--max-num-seqs" not in argv and _flag(argv, "--dtype") == "auto"
+        else:
+            assert "--enforce-eager" in argv and _flag(argv, "--max-num-seqs") == "8" \
+                and _flag(argv, "--dtype") == "float32"
+    serving = res["serving"]
+    assert serving["build"] == ("GPU" if cuda else "CPU") and serving["tensor_parallel_size"] == 2
+    assert serving["enforce_eager"] is (not cuda) and serving["max_num_seqs"] == (None if cuda else 8)
+    assert res["exports"][0]["engine"]["serving"] == serving and res["ours_evaluator"]["requested"] is False
+    assert said.count(measured_with(serving)) == 1, said
+    assert (tmp_path / "e.md").read_text().endswith(measured_with(serving) + ".\n")
