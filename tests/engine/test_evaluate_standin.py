@@ -129,10 +129,9 @@ def test_a_run_counts_per_set_and_asks_second_turns_after_complete_first_answers
     plan = ev.prepare(target=tiny["target"], exports=[tiny["dflash"]], benches=["mt-bench"], n=3, seed=0)
     tok, turns = plan.tokenizer, plan.sets[0].turns
     base = standin.requests(None)
-    firsts = [r for r in base if r["max_tokens"] == 6][3:6]             # after gsm8k's three
-    assert [r["prompt"] for r in firsts] == plan.sets[0].ids
+    firsts = [next(r for r in base if r["prompt"] == ids and r["max_tokens"] == 6) for ids in plan.sets[0].ids]
     assert any(len(r["full"]) > 6 for r in firsts), "no first answer is cut at 6 tokens: pick another seed"
-    seconds = [r["prompt"] for r in base if r["max_tokens"] == 6][6:]
+    seconds = [r["prompt"] for r in base if r["max_tokens"] == 6][-3:]
     # each second turn carries the target's whole first answer, not the 6 tokens measured
     for (u1, u2), first, second in zip(turns, firsts, seconds):
         msgs = [{"role": "user", "content": u1}, {"role": "assistant", "content": tok.decode(first["full"])},
@@ -162,9 +161,21 @@ def test_a_run_counts_per_set_and_asks_second_turns_after_complete_first_answers
         assert row["vllm"]["num_drafts"] == sum(t["counters"]["num_drafts"] for t in truth)
 
 
+def _floor(plan, s) -> int:
+    """The longest second turn of set ``s`` rendered around an empty first answer, counted here."""
+    from dflash_prep.train.prompts import render_messages
+
+    def around_empty(a: str, b: str) -> list[dict]:
+        return [{"role": "user", "content": a}, {"role": "assistant", "content": ""}, {"role": "user", "content": b}]
+
+    return max(len(render_messages(plan.tokenizer, around_empty(a, b), enable_thinking=plan.enable_thinking))
+               for a, b in s.turns)
+
+
 def test_first_answers_still_cut_at_their_cap_are_counted_and_said(tiny, standin, tmp_path):
     plan = ev.prepare(target=tiny["target"], baselines=["ngram:k=3"], benches=["mt-bench"], n=3, seed=0)
-    floor = plan.sets[0].second_turn_floor(plan.tokenizer, None)
+    floor = _floor(plan, plan.sets[0])
+    assert floor == plan.sets[0].second_turn_floor(plan.tokenizer, plan.enable_thinking)
     lines = []                                     # a cap of 7 (2 x 7 for the answer, 6, k + 1 = 4)
     res = _run(tiny, tmp_path, lines, baselines=["ngram:k=3"], benches=["mt-bench"], max_tokens=6,
                max_model_len=floor + 2 * 7 + 6 + 4)
@@ -183,7 +194,7 @@ def test_first_answers_still_cut_at_their_cap_are_counted_and_said(tiny, standin
 def test_lengths_are_refused_before_any_engine_with_room_for_k_plus_one(tiny, standin, tmp_path):
     plan = ev.prepare(target=tiny["target"], exports=[tiny["dflash"]], benches=["gsm8k", "mt-bench"], n=3, seed=0)
     longest = max(len(p) for p in plan.sets[0].ids)                  # gsm8k's
-    floor = plan.sets[1].second_turn_floor(plan.tokenizer, None)
+    floor = _floor(plan, plan.sets[1])
     assert floor > max(len(p) for p in plan.sets[1].ids)
     # every prompt fits with its 6 new tokens, but not with the draft's k + 1 = 4 beside them
     with pytest.raises(ConfigError, match=r"plus the largest k \+ 1 \(4: vLLM drafts fewer tokens near the length"):
