@@ -24,6 +24,12 @@ Both return a :class:`Reply` per request. What can go wrong is split in two:
   ``--on-error`` says, since every further record would fail the same way. A resumed run
   continues where it stopped. An unreachable server is its subclass :class:`ServerDown`:
   with several servers (:mod:`.servers`) the others take its requests instead.
+
+For that pool, :meth:`OpenAIEngine.check` also notes the model's :data:`IDENTITY` (what it
+loaded, its context length), :meth:`OpenAIEngine.probe` asks ``GET /v1/models`` once with a
+short timeout, :class:`RequestFailed` carries the HTTP status of a 5xx, and
+:meth:`OpenAIEngine.abort` shuts every worker's connection, so a server given up is left at
+once, not after ``timeout``.
 """
 
 from __future__ import annotations

@@ -182,10 +182,11 @@ class ServerPool:
             raise EngineError(f"listing models: none of the {len(self.servers)} servers answers: "
                               + "; ".join(f"{s.engine.base_url} ({s.died})" for s in self.servers)
                               + ". Start them, or fix --base-url (e.g. http://127.0.0.1:8000/v1)")
+        others = f"{len(live)} other{'s' if len(live) > 1 else ''}: " + ", ".join(x.engine.base_url for x in live)
         for s in self.servers:
             if s.died is not None:
-                self.warn(f"regenerate: warning: server {s.engine.base_url} is {s.died}; the run starts on the "
-                          f"{len(live)} other{'s' if len(live) > 1 else ''}: " + ", ".join(x.engine.base_url for x in live))
+                self.warn(f"regenerate: warning: server {s.engine.base_url} is {s.died}; the run starts on "
+                          f"the {others}")
         self._same_model(live)
         ids = {(s.engine.server["software"], s.engine.server["version"]) for s in live}
         if len(ids) > 1:
@@ -236,10 +237,11 @@ class ServerPool:
                 err = s.engine.fatal if len(self.servers) == 1 and isinstance(s.engine.fatal, ServerDown) else None
                 self._fatal = err or EngineError(
                     f"no server left: all {len(self.servers)} died; the last, {s.engine.base_url}: {message}")
+        if len(self.servers) > 1:  # one server stops as it always has: its fatal error sets its stop
+            s.engine.abort()  # its workers stop retrying or waiting, and come back here
         if not live:
             self.stop.set()
             return
-        s.engine.abort()  # its workers stop retrying or waiting, and come back here
         self.warn(f"regenerate: warning: server {s.engine.base_url} is down ({why}); its requests go to the "
                   f"{len(live)} other{'s' if len(live) > 1 else ''}: " + ", ".join(x.engine.base_url for x in live))
 

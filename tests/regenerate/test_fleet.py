@@ -43,14 +43,14 @@ def test_one_of_two_servers_down_at_start_runs_on_the_other(stand_ins, corpus, t
 
 
 def test_a_server_silent_at_start_is_skipped_after_the_probe(stand_ins, corpus, tmp_path, reference, monkeypatch):
-    monkeypatch.setattr(servers, "PROBE_S", 0.3)
+    monkeypatch.setattr(servers, "PROBE_S", 1.0)
     a, b = stand_ins(), stand_ins()
     a.hung.set()                                              # accepts connections, answers nothing
     t0 = time.monotonic()
     run(_cfg((a.url, b.url), corpus, tmp_path / "o", timeout=30))
     assert time.monotonic() - t0 < 10, "waited on the silent server"
     assert (tmp_path / "o" / "chat.jsonl").read_bytes() == reference
-    assert _last_run(tmp_path / "o")["servers"][0]["died"] == "down at start: no answer to GET /models within 0.3 s"
+    assert _last_run(tmp_path / "o")["servers"][0]["died"] == "down at start: no answer to GET /models within 1 s"
 
 
 # ----------------------------------------------------------------------------- same model
@@ -111,7 +111,7 @@ def quick_watch(monkeypatch):
     """The watchdog's limits scaled down from minutes to a fraction of a second."""
     monkeypatch.setattr(servers, "STALL_FLOOR_S", 0.3)
     monkeypatch.setattr(servers, "WATCH_S", 0.05)
-    monkeypatch.setattr(servers, "PROBE_S", 0.5)
+    monkeypatch.setattr(servers, "PROBE_S", 2.0)          # generous: a loaded machine must not fail a live probe
 
 
 def test_a_hung_server_is_noticed_well_before_the_timeout(stand_ins, corpus, tmp_path, reference, capfd, quick_watch):
@@ -125,7 +125,7 @@ def test_a_hung_server_is_noticed_well_before_the_timeout(stand_ins, corpus, tmp
     stuck = a.prompts[1]
     assert stuck in b.prompts and len(b.prompts) == len(set(b.prompts))   # handed on, answered once
     died = {v["url"]: v for v in _last_run(out)["servers"]}[a.url]["died"]
-    assert died.startswith("a request in flight ") and died.endswith("and no answer to GET /models within 0.5 s")
+    assert died.startswith("a request in flight ") and died.endswith("and no answer to GET /models within 2 s")
     lines = _warnings(capfd.readouterr().err)
     assert len(lines) == 1 and f"server {a.url} is down (a request in flight" in lines[0]
 

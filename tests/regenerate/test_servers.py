@@ -2,8 +2,9 @@
 
 Stand-in servers (``http.server`` on 127.0.0.1, in threads) where a real one cannot show the
 point exactly: which server gets which request, a server that dies at its n-th request, hangs,
-or answers 503 as a proxy whose backend is gone (more of the fleet: test_fleet.py). Each answers ``echo <prompt>``, a pure function of the prompt, so a run across several
-equals a run against one byte for byte. Real servers: the kill test in
+or answers 503 as a proxy whose backend is gone (more of the fleet: test_fleet.py). Each answers
+``echo <prompt>``, a pure function of the prompt, so a run across several equals a run against
+one byte for byte. Real servers: the kill test in
 tests/regenerate/test_regenerate.py (``transformers serve`` behind a proxy that dies) and
 tests/engine/test_regenerate_failover.py (two ``vllm serve``, one SIGKILLed).
 """
