@@ -401,6 +401,12 @@ def _take(it: Iterator, n: int) -> list:
     return out
 
 
+def _fate(died: str | None) -> str:
+    if died is None:
+        return ""
+    return " (down at start)" if died.startswith("down at start") else " (died)"
+
+
 def summary_rows(s: dict) -> list[tuple[str, str]]:
     """Rows the CLI prints after a run."""
     st = s["stats"]
@@ -410,7 +416,7 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
     if st.get("failed"):
         rows.append(("failed", ", ".join(f"{k} {v:,}" for k, v in st["failed"].items())))
     if len(s.get("servers", ())) > 1:
-        rows.append(("servers", "; ".join(f"{v['url']} {v['requests']:,} requests" + (" (died)" if v["died"] else "")
+        rows.append(("servers", "; ".join(f"{v['url']} {v['requests']:,} requests" + _fate(v["died"])
                                           for v in s["servers"])))
     if not s["up_to_date"]:
         rows.append(("this run", f"{s['records']:,} records, {s['requests']:,} requests in {s['elapsed_s']:.1f} s: "

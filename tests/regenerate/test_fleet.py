@@ -42,6 +42,19 @@ def test_one_of_two_servers_down_at_start_runs_on_the_other(stand_ins, corpus, t
     assert second["died"] is None and second["requests"] == N
 
 
+def test_cli_names_the_server_skipped_at_start(stand_ins, corpus, tmp_path, reference):
+    from typer.testing import CliRunner
+
+    from dflash_prep.cli import app
+
+    down, b = _closed_port_url(), stand_ins()
+    r = CliRunner().invoke(app, ["regenerate", *corpus, "--out", str(tmp_path / "o"), "--base-url", down,
+                                 "--base-url", b.url, "--model", "stand-in", "--max-tokens", "4"])
+    assert r.exit_code == 0, r.output
+    assert f"{down} 0 requests (down at start); {b.url} {N} requests" in r.output
+    assert (tmp_path / "o" / "chat.jsonl").read_bytes() == reference
+
+
 def test_a_server_silent_at_start_is_skipped_after_the_probe(stand_ins, corpus, tmp_path, reference, monkeypatch):
     monkeypatch.setattr(servers, "PROBE_S", 1.0)
     a, b = stand_ins(), stand_ins()
