@@ -1,7 +1,9 @@
 """``dflash-prep evaluate``: exported drafters served by vLLM, with and without speculation, per prompt set.
 
-What it does, in order (:func:`evaluate_exports`; steps 1-3 are :func:`prepare`'s, 4-6 the engine
-runs of :mod:`dflash_prep.engine.evaluate_runs`); each step's own module says how:
+What it does, in order (:func:`evaluate_exports`; steps 1-3 are :func:`prepare`'s, 4-7 the engine
+runs of :mod:`dflash_prep.engine.evaluate_runs`, :func:`~dflash_prep.engine.evaluate_runs.run_engines`,
+which on a failure hands what completed to a report written partial before the error goes on);
+each step's own module says how:
 
 1. **Methods** (:mod:`dflash_prep.engine.method`): each export's ``architectures`` picks vLLM's
    method and ``k`` (``num_speculative_tokens``, ``B - 1`` for a DFlash drafter of block B). Exports
@@ -58,7 +60,7 @@ from typing import Callable
 
 from dflash_prep.engine.contamination import DEFAULT_N, attach, check_plan
 from dflash_prep.engine.env import engine_imports
-from dflash_prep.engine.evaluate_runs import SPEEDUP_NOTE, run_base, run_baseline, run_export
+from dflash_prep.engine.evaluate_runs import SPEEDUP_NOTE, Progress, partial_facts, run_engines
 from dflash_prep.engine.method import Baseline, Method, check_baselines, export_method, parse_baseline
 from dflash_prep.engine.ours import ours_default
 from dflash_prep.engine.prompt_sets import PromptSet, build_sets, save_prompts
@@ -386,11 +388,14 @@ def measured_with(serving: dict) -> str:
 
 
 def _write(res: dict, out: Path, say: Callable[[str], None]) -> dict:
-    """Write the report ``out``, its table ``<out stem>.md`` and picture ``<out stem>.png``; the
-    report with its format and version."""
+    """Write the report ``out``, its table ``<out stem>.md`` and picture ``<out stem>.png`` (none
+    for a partial report without a row); the report with its format and version."""
     atomic_write_json(out, res, format=EVAL_FORMAT, version=EVAL_VERSION)
     full = {"format": EVAL_FORMAT, "version": EVAL_VERSION, **res}
     atomic_write_bytes(out.with_suffix(".md"), report_markdown(full).encode())
+    if not res["exports"] and not res["baselines"]:
+        out.with_suffix(".png").unlink(missing_ok=True)      # not an older run's picture beside this report
+        return full
     try:
         write_plot(full, out.with_suffix(".png"))
     except ImportError as e:              # matplotlib is a dependency, but a bare GPU image may lack it
@@ -421,24 +426,39 @@ def evaluate_exports(*, target: str | Path, out: str | Path, exports: list[str |
     t = time.monotonic()
     contamination = check_plan(plan, say)
     phases["contamination"] = time.monotonic() - t
-    t = time.monotonic()
-    base_facts, base_rows = run_base(plan, logs, say)
-    base_facts = serving_facts(base_facts)
-    phases["base_engine"] = time.monotonic() - t
-    say(measured_with(base_facts["serving"]))
-    saved = [str(p) for p in save_prompts(plan.sets, Path(save_prompts_dir))] if save_prompts_dir is not None else []
-    labels = _labels(plan.exports)
-    runs = [run_export(plan, i, labels[i], base_rows, logs, phases, ours=plan.ours["on"], say=say)
-            for i in range(len(plan.exports))]
-    rows = [run_baseline(plan, j, base_rows, logs, phases, say=say) for j in range(len(plan.baselines))]
-    for r in runs + rows:
+    saved: list[str] = []
+
+    def save() -> None:            # once the base run is done: MT-Bench's second turns exist then
+        if save_prompts_dir is not None:
+            saved.extend(str(p) for p in save_prompts(plan.sets, Path(save_prompts_dir)))
+
+    def write_partial(done: Progress, error: BaseException) -> None:
+        res = _assemble(plan, done, saved, t_start, phases, contamination)
+        res.update(partial_facts(plan, done, error))
+        _write(res, out, say)
+        say(f"partial report (what completed): {out}")
+
+    done = run_engines(plan, logs, phases, _labels(plan.exports), ours=plan.ours["on"], say=say, after_base=save,
+                       on_failure=write_partial)
+    res = _assemble(plan, done, saved, t_start, phases, contamination)
+    say(measured_with(res["serving"]))
+    return _write(res, out, say)
+
+
+def _assemble(plan: Plan, done: Progress, saved: list[str], t_start: float, phases: dict, contamination) -> dict:
+    """The report of what ``done`` holds (the whole run, or what completed before a failure): each
+    engine's facts with the conditions it served under, the timings and the contamination sections."""
+    base = done.engine_facts()
+    if base.get("command"):
+        base = serving_facts(base)
+    for r in done.exports + done.baselines:
         r["engine"] = serving_facts(r["engine"])
-    _mark_ours_off(runs, plan.ours)
-    res = _report(plan, base_facts, saved, runs, rows)
+    _mark_ours_off(done.exports, plan.ours)
+    res = _report(plan, base, saved, done.exports, done.baselines)
     res["seconds"] = round(time.monotonic() - t_start, 2)
     res["phases_s"] = {k: round(v, 2) for k, v in phases.items()}
     attach(res, contamination)
-    return _write(res, out, say)
+    return res
 
 
 def evaluate_export(*, target: str | Path, export: str | Path, prompts: str | Path, out: str | Path,

@@ -149,30 +149,36 @@ def test_vllm_server_asks_the_build_once_and_serves_with_its_settings(tmp_path, 
         assert "--enforce-eager" in cmd and _flag(cmd, "--max-num-seqs") == "8" and _flag(cmd, "--dtype") == "float32"
 
 
-def test_the_cli_passes_engine_args_and_parallel_sizes_to_the_run(tiny, tmp_path, monkeypatch):
-    from typer.testing import CliRunner
+class Stop(Exception):
+    """Raised by a stand-in server factory: the run ends where an engine would start."""
 
-    import dflash_prep.engine.evaluate as evaluate
-    from dflash_prep.cli import app
 
-    seen = {}
+def _stop_at_engine(monkeypatch, calls: list):
+    """Replace the server factory the engine runs use: each call is recorded in ``calls``, then stops the run."""
+    import dflash_prep.engine.evaluate_runs as runs
 
-    class Stop(Exception):
-        pass
-
-    def stop(plan, logs, say):
-        seen["cfg"] = plan.cfg
+    def factory(model, **kw):
+        calls.append(kw)
         raise Stop
 
-    monkeypatch.setattr(evaluate, "run_base", stop)
+    monkeypatch.setattr(runs, "vllm_server", factory)
+
+
+def test_the_cli_passes_engine_args_and_parallel_sizes_to_the_engine(tiny, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from dflash_prep.cli import app
+
+    calls: list[dict] = []
+    _stop_at_engine(monkeypatch, calls)
     r = CliRunner().invoke(app, ["evaluate", "--target", str(tiny["target"]), "--export", str(tiny["dflash"]),
                                  "--bench", "gsm8k", "--n", "2", "--out", str(tmp_path / "e.json"),
                                  "--tensor-parallel-size", "2", "--pipeline-parallel-size", "3",
                                  "--engine-arg", "gpu_memory_utilization=0.85", "--engine-arg", "max_num_seqs=16"])
     assert isinstance(r.exception, Stop), r.output
-    cfg = seen["cfg"]
-    assert cfg.serving() == {"dtype": "auto", "tensor_parallel_size": 2, "pipeline_parallel_size": 3,
-                             "engine_args": (("gpu_memory_utilization", 0.85), ("max_num_seqs", 16))}
+    assert {k: calls[0][k] for k in ("dtype", "tensor_parallel_size", "pipeline_parallel_size", "engine_args")} == {
+        "dtype": "auto", "tensor_parallel_size": 2, "pipeline_parallel_size": 3,
+        "engine_args": (("gpu_memory_utilization", 0.85), ("max_num_seqs", 16))}
 
 
 # ----------------------------------------------------------------------------- our evaluator's size cutoff
@@ -232,27 +238,21 @@ def test_our_evaluator_is_off_by_default_above_the_cutoff_and_on_when_asked(tiny
 
 
 def test_evaluate_says_before_any_engine_that_our_evaluator_is_off(tiny, big, tmp_path, monkeypatch):
-    import dflash_prep.engine.evaluate as evaluate
+    from dflash_prep.engine.evaluate import evaluate_exports
 
-    plans = []
-
-    class Stop(Exception):
-        pass
-
-    def stop(plan, logs, say):
-        plans.append(plan)
-        raise Stop
-
-    monkeypatch.setattr(evaluate, "run_base", stop)
     for ours in (None, True):
         said: list[str] = []
+        calls: list[dict] = []
+        _stop_at_engine(monkeypatch, calls)
         with pytest.raises(Stop):
-            evaluate.evaluate_exports(target=big, exports=[tiny["dflash"]], benches=["gsm8k"], n=2, ours=ours,
-                                      out=tmp_path / "e.json", log=said.append, contamination_n=0)
+            evaluate_exports(target=big, exports=[tiny["dflash"]], benches=["gsm8k"], n=2, ours=ours,
+                             out=tmp_path / f"e-{ours}.json", log=said.append, contamination_n=0)
+        assert len(calls) == 1
         offs = [s for s in said if "our evaluator is off" in s]
         assert (len(offs) == 1 and offs[0].startswith("note: ") and "--ours" in offs[0]) if ours is None \
             else offs == [], said
-    assert [p.ours["on"] for p in plans] == [False, True]
+        report = json.loads((tmp_path / f"e-{ours}.json").read_text())      # partial: the run stopped at its engine
+        assert report["ours_evaluator"]["on"] is (ours is True) and report["partial"]["base_run"] is False
 
 
 # ----------------------------------------------------------------------------- outputs refused up front
@@ -353,14 +353,11 @@ def test_the_report_records_the_conditions_of_the_engine_that_ran(tiny, tmp_path
 
 
 # ----------------------------------------------------------------------------- a whole run, on a stand-in engine
-@pytest.mark.parametrize("cuda", [False, True], ids=["cpu-build", "gpu-build"])
-def test_a_run_serves_every_engine_with_its_settings_and_reports_them(tiny, tmp_path, monkeypatch, cuda):
-    """``evaluate_exports`` end to end on ``standin_engine.py`` (a stdlib OpenAI-style server started
-    by the real ``vllm_server``), its CUDA probe answered as a GPU or the CPU build: every engine's
-    command carries the run's settings, and the report, the printed line and the .md say them."""
+def _standin(tmp_path: Path, monkeypatch, *, cuda: bool) -> None:
+    """``standin_engine.py`` as the engine's python, its CUDA probe answered ``cuda``; it records
+    each engine start's argv in ``tmp_path/standin/starts.jsonl``."""
     import sys
 
-    from dflash_prep.engine.evaluate import evaluate_exports, measured_with
     from dflash_prep.engine.vllm_server import gpu_build
 
     standin = Path(__file__).with_name("standin_engine.py")
@@ -374,6 +371,16 @@ exec "{sys.executable}" "{standin}" "$@"
     monkeypatch.setenv(backends.get("vllm").python_var, str(py))
     monkeypatch.setenv("STANDIN_DIR", str(tmp_path / "standin"))
     gpu_build.cache_clear()
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu-build", "gpu-build"])
+def test_a_run_serves_every_engine_with_its_settings_and_reports_them(tiny, tmp_path, monkeypatch, cuda):
+    """``evaluate_exports`` end to end on ``standin_engine.py`` (a stdlib OpenAI-style server started
+    by the real ``vllm_server``), its CUDA probe answered as a GPU or the CPU build: every engine's
+    command carries the run's settings, and the report, the printed line and the .md say them."""
+    from dflash_prep.engine.evaluate import evaluate_exports, measured_with
+
+    _standin(tmp_path, monkeypatch, cuda=cuda)
     said: list[str] = []
     res = evaluate_exports(target=tiny["target"], exports=[tiny["dflash"]], benches=["gsm8k"], n=2, ours=False,
                            out=tmp_path / "e.json", log=said.append, contamination_n=0, tensor_parallel_size=2,
@@ -393,3 +400,24 @@ exec "{sys.executable}" "{standin}" "$@"
     assert res["exports"][0]["engine"]["serving"] == serving and res["ours_evaluator"]["requested"] is False
     assert said.count(measured_with(serving)) == 1, said
     assert (tmp_path / "e.md").read_text().endswith(measured_with(serving) + ".\n")
+
+
+def test_a_run_that_fails_after_its_base_run_writes_a_partial_report_with_its_conditions(tiny, tmp_path, monkeypatch):
+    """``evaluate_exports`` hands its engine runs a failure hook: the export's engine refuses to start,
+    and the report on disk holds the base run, the prompts saved after it, and the conditions."""
+    from dflash_prep.engine.evaluate import evaluate_exports
+
+    _standin(tmp_path, monkeypatch, cuda=False)
+    monkeypatch.setenv("STANDIN_FAIL_START", str(tiny["dflash"]))
+    said: list[str] = []
+    with pytest.raises(EngineError, match="vLLM refused the export"):
+        evaluate_exports(target=tiny["target"], exports=[tiny["dflash"]], benches=["gsm8k"], n=2, ours=False,
+                         out=tmp_path / "e.json", save_prompts_dir=tmp_path / "sent", log=said.append,
+                         contamination_n=0, max_tokens=6)
+    res = json.loads((tmp_path / "e.json").read_text())
+    assert res["partial"]["base_run"] is True and res["partial"]["exports_not_done"] == [str(tiny["dflash"])]
+    assert res["exports"] == [] and res["serving"]["build"] == "CPU" and res["serving"]["max_num_seqs"] == 8
+    assert res["saved_prompts"] == [str(tmp_path / "sent" / "gsm8k.jsonl")]
+    assert len((tmp_path / "sent" / "gsm8k.jsonl").read_text().splitlines()) == 2
+    assert said[-1] == f"partial report (what completed): {tmp_path / 'e.json'}", said
+    assert (tmp_path / "e.md").exists() and not (tmp_path / "e.png").exists()     # no row: no picture
