@@ -1,0 +1,66 @@
+"""The README's ``make demo-dflash`` variants, each run whole by CI at the smallest size that takes
+every step, the engine's included: ``OBJECTIVE=eagle3`` to its vLLM step, ``OBJECTIVE=dflash2`` to
+the one line that says why vLLM cannot serve it on this build (or, on a GPU build, through it).
+
+The plain ``OBJECTIVE=dflash`` run is ``test_vllm.py::test_a_trained_demo_drafter_agrees_with_our_evaluator``.
+A regression in a variant's own branch of the recipe (its pack, train, export, the step 9 targets or the
+step 10 decision) fails here; ``test_engine_cuda.py`` checks the step 10 decision alone, without training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+ROOT = Path(__file__).resolve().parents[2]
+# the smallest demo whose step 9 targets (tau >= 2 on held-out prompts, lossless, loss falling) still
+# hold: the target must be trained enough to be predictable (the DFlash test's knobs)
+SMALL = {"N": "600", "HELD": "8", "LM_STEPS": "200", "DRAFT_STEPS": "150", "MAX_NEW": "32", "OMP_NUM_THREADS": "1",
+         "BENCH": "gsm8k", "BENCH_N": "2"}
+
+
+def _demo(tmp_path: Path, engine_python, **knobs) -> tuple[subprocess.CompletedProcess, Path]:
+    demo = tmp_path / "demo"
+    env = {**os.environ, **SMALL, **knobs, "DEMO_DFLASH": str(demo), "PY": sys.executable,
+           "DFLASH_PREP_VLLM_PYTHON": str(engine_python)}
+    r = subprocess.run(["bash", str(ROOT / "train/recipes/demo_dflash.sh")], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=1300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "tau >= 2.0: ok  lossless: ok" in r.stdout, r.stdout[-2000:]
+    return r, demo
+
+
+@pytest.mark.timeout(1500)
+def test_demo_eagle3_runs_every_step_and_vllm_serves_its_export(engine_python, tmp_path):
+    from dflash_prep.engine.evaluate import cell
+
+    r, demo = _demo(tmp_path, engine_python, OBJECTIVE="eagle3", ENGINE_EVAL="1")
+    assert "loss fell: ok" in r.stdout
+    assert json.loads((demo / "drafter" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    report = json.loads((demo / "eval-bench.json").read_text())
+    assert [s["name"] for s in report["sets"]] == ["gsm8k", "heldout"]
+    for name in ("gsm8k", "heldout"):
+        c = cell(report, 0, name)
+        assert c["strict_load"]["ok"] and c["lossless"]["ok"], (name, c["strict_load"], c["lossless"])
+        assert c["vllm"]["num_draft_tokens"] == 7 * c["vllm"]["num_drafts"] > 0   # chains of TTT_STEPS = 7
+    assert not any("step 10" in x and "skipped" in x for x in r.stdout.splitlines())
+
+
+@pytest.mark.timeout(1500)
+def test_demo_dflash2_trains_both_drafters_and_says_why_vllm_cannot_serve_it_here(engine_python, engine_build, tmp_path):
+    r, demo = _demo(tmp_path, engine_python, OBJECTIVE="dflash2", DRAFT2_STEPS="20")   # ENGINE_EVAL=auto, as make runs it
+    assert json.loads((demo / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    assert json.loads((demo / "drafter-v1" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    skipped = [x for x in r.stdout.splitlines() if "step 10" in x and "skipped" in x]
+    if engine_build["cuda"]:
+        assert not skipped and (demo / "eval-bench.json").is_file()
+    else:
+        assert skipped == ["(step 10, vLLM per benchmark, skipped: vLLM serves DFlash2 only on its V2 model runner, "
+                           "on a GPU; this vLLM build's torch sees no CUDA)"], skipped   # one line, saying why
+        assert not (demo / "eval-bench.json").exists()
