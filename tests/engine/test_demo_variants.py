@@ -1,6 +1,8 @@
 """The README's ``make demo-dflash`` variants, each run whole by CI at the smallest size that takes
 every step, the engine's included: ``OBJECTIVE=eagle3`` to its vLLM step, ``OBJECTIVE=dflash2`` to
-the one line that says why vLLM cannot serve it on this build (or, on a GPU build, through it).
+the one line that says why vLLM cannot serve it on this build (or, on a GPU build, through it):
+``test_demo_dflash2.py``, a file of its own so that the engine suite's two workers (``--dist loadfile``)
+can run the two at once.
 
 The plain ``OBJECTIVE=dflash`` run is ``test_vllm.py::test_a_trained_demo_drafter_agrees_with_our_evaluator``.
 A regression in a variant's own branch of the recipe (its pack, train, export, the step 9 targets or the
@@ -50,17 +52,3 @@ def test_demo_eagle3_runs_every_step_and_vllm_serves_its_export(engine_python, t
         assert c["strict_load"]["ok"] and c["lossless"]["ok"], (name, c["strict_load"], c["lossless"])
         assert c["vllm"]["num_draft_tokens"] == 7 * c["vllm"]["num_drafts"] > 0   # chains of TTT_STEPS = 7
     assert not any("step 10" in x and "skipped" in x for x in r.stdout.splitlines())
-
-
-@pytest.mark.timeout(1500)
-def test_demo_dflash2_trains_both_drafters_and_says_why_vllm_cannot_serve_it_here(engine_python, engine_build, tmp_path):
-    r, demo = _demo(tmp_path, engine_python, OBJECTIVE="dflash2", DRAFT2_STEPS="20")   # ENGINE_EVAL=auto, as make runs it
-    assert json.loads((demo / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
-    assert json.loads((demo / "drafter-v1" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
-    skipped = [x for x in r.stdout.splitlines() if "step 10" in x and "skipped" in x]
-    if engine_build["cuda"]:
-        assert not skipped and (demo / "eval-bench.json").is_file()
-    else:
-        assert skipped == ["(step 10, vLLM per benchmark, skipped: vLLM serves DFlash2 only on its V2 model runner, "
-                           "on a GPU; this vLLM build's torch sees no CUDA)"], skipped   # one line, saying why
-        assert not (demo / "eval-bench.json").exists()
