@@ -117,6 +117,7 @@ def evaluate_cmd(
     save_prompts: Annotated[Optional[Path], typer.Option(help='write DIR/<set>.jsonl: the exact token ids sent, one {"prompt_token_ids": [...]} a line, to replay in another tool')] = None,
     num_speculative_tokens: Annotated[Optional[int], typer.Option(help="k for every export: DFlash: default block_size - 1 (vLLM runs the bonus token + k mask queries); EAGLE-3: default 7", rich_help_panel=_ENG)] = None,
     max_tokens: Annotated[int, typer.Option(help="new tokens per prompt, at most (vLLM and our evaluator alike)")] = 64,
+    first_answer_tokens: Annotated[int, typer.Option(help="MT-Bench (multi-turn sets): the most new tokens the target's first answer may take before the second turn is asked (FastChat's 1024, as published); a first answer cut by --max-tokens is asked again under this cap, unmeasured, and answers still cut are counted in the report")] = 1024,
     temperature: Annotated[float, typer.Option(help="0: greedy, lossless checked; > 0: sampled, acceptance only")] = 0.0,
     max_prompts: Annotated[int, typer.Option(help="the first N prompts of --prompts FILE (0 = all)")] = 0,
     ours: Annotated[Optional[bool], typer.Option("--ours/--no-ours", help="also run our own evaluator (train/speculate.py, torch, this process, on the CPU in float32) and compare tau per set; default: on for targets up to 1 B parameters (counted from their safetensors), off above with a note")] = None,
@@ -141,7 +142,7 @@ def evaluate_cmd(
     benches = parse_benchmarks(bench) if bench else []
     res = evaluate_exports(target=target, exports=export or [], baselines=baseline or [], out=out, benches=benches, prompts=prompts,
                            save_prompts_dir=save_prompts, num_speculative_tokens=num_speculative_tokens, ours=ours,
-                           max_tokens=max_tokens, temperature=temperature, max_prompts=max_prompts, n=n, seed=seed,
+                           max_tokens=max_tokens, first_answer_tokens=first_answer_tokens, temperature=temperature, max_prompts=max_prompts, n=n, seed=seed,
                            timeout_s=timeout, max_model_len=max_model_len, dtype=dtype, thinking=thinking,
                            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                            engine_args=parse_engine_args(engine_arg), train_data=str(train_data or ""),

@@ -60,10 +60,10 @@ from typing import Callable
 
 from dflash_prep.engine.contamination import DEFAULT_N, attach, check_plan
 from dflash_prep.engine.env import engine_imports
-from dflash_prep.engine.evaluate_runs import SPEEDUP_NOTE, Progress, partial_facts, run_engines
+from dflash_prep.engine.evaluate_runs import SPEEDUP_NOTE, Progress, check_lengths, partial_facts, run_engines
 from dflash_prep.engine.method import Baseline, Method, check_baselines, export_method, parse_baseline
 from dflash_prep.engine.ours import ours_default
-from dflash_prep.engine.prompt_sets import PromptSet, build_sets, save_prompts
+from dflash_prep.engine.prompt_sets import FIRST_ANSWER_TOKENS, REENCODE_SLACK, PromptSet, build_sets, save_prompts
 from dflash_prep.engine.prompts import target_tokenizer
 from dflash_prep.engine.report_plot import write_plot
 from dflash_prep.engine.report_table import markdown_table
@@ -97,6 +97,11 @@ class EvaluateConfig:
 
     max_tokens: int = 64
     """New tokens per prompt, at most (the same cap for vLLM and our evaluator)."""
+    first_answer_tokens: int = FIRST_ANSWER_TOKENS
+    """Multi-turn sets (MT-Bench): the most new tokens the target's first answer may take before the
+    second turn is asked (FastChat's 1024, under which the published answers were made); a first
+    answer cut by ``--max-tokens`` is asked again under this cap, unmeasured. Answers still cut are
+    counted in the report."""
     temperature: float = 0.0
     """0: greedy, lossless checked. > 0: sampled, acceptance only (no lossless claim; our greedy
     evaluator is skipped)."""
@@ -134,6 +139,8 @@ class EvaluateConfig:
     def __post_init__(self):
         if self.max_tokens < 1:
             raise ConfigError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        if self.first_answer_tokens < 1:
+            raise ConfigError(f"--first-answer-tokens must be >= 1, got {self.first_answer_tokens}")
         if not 0.0 <= self.temperature <= 10.0:
             raise ConfigError(f"--temperature must be in [0, 10], got {self.temperature}")
         if self.dtype not in DTYPES:
@@ -155,25 +162,35 @@ class EvaluateConfig:
 
 
 def needed_model_len(target: Path, sets: list[PromptSet], tokenizer, max_tokens: int,
-                     enable_thinking: bool | None, *, draft: int = 0) -> tuple[int, int]:
+                     enable_thinking: bool | None, *, draft: int = 0,
+                     first_answer_tokens: int = FIRST_ANSWER_TOKENS) -> tuple[int, int]:
     """(the ``--max-model-len`` the run needs, the target's ``max_position_embeddings``): the longest
     first-turn prompt plus ``max_tokens``; a second turn is bounded by its prompt rendered around an
-    empty first answer plus twice ``max_tokens`` (the answer's ids, re-encoded from text, may come back
-    longer) plus ``max_tokens``; plus ``draft + 1`` (the most tokens a step drafts, and its bonus:
-    vLLM drafts fewer near the length limit, which would change tau), rounded up to 16."""
+    empty first answer plus the answer, counted :data:`~dflash_prep.engine.prompt_sets.REENCODE_SLACK`
+    times (its ids, re-encoded from text, may come back longer), plus ``max_tokens``; plus ``draft + 1``
+    (the most tokens a step drafts, and its bonus: vLLM drafts fewer near the length limit, which would
+    change tau), rounded up to 16. The answer is ``first_answer_tokens`` (complete first answers) where
+    that fits the target's limit, else as much as fits, and at least ``max_tokens``."""
     from dflash_prep.train.prompts import render_messages
 
-    need = max(len(p) for s in sets for p in s.ids) + max_tokens
+    first = max(len(p) for s in sets for p in s.ids) + max_tokens + draft + 1
+    floor = 0
     for s in sets:
         for turns in (s.turns or []):
             if len(turns) > 1:
                 msgs = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": ""},
                         {"role": "user", "content": turns[1]}]
-                need = max(need, len(render_messages(tokenizer, msgs, enable_thinking=enable_thinking))
-                           + 3 * max_tokens)
-    need += draft + 1
+                floor = max(floor, len(render_messages(tokenizer, msgs, enable_thinking=enable_thinking)))
     limit = int(read_target_config(target).get("max_position_embeddings") or 0)
-    return -(-need // 16) * 16, limit
+    up = lambda x: -(-x // 16) * 16  # noqa: E731
+    if not floor:
+        return up(first), limit
+    second = floor + max_tokens + draft + 1
+    least, full = second + REENCODE_SLACK * max_tokens, second + REENCODE_SLACK * max(first_answer_tokens, max_tokens)
+    need = up(max(first, full))
+    if limit and need > limit:    # room for as much of the first answers as the target holds
+        need = max(up(max(first, least)), limit)
+    return need, limit
 
 
 def cell(res: dict, export: int = 0, name: str | None = None) -> dict:
@@ -264,23 +281,22 @@ def prepare(*, target: str | Path, exports: list[str | Path] = (), benches: list
     sets = build_sets(tok, benches=list(benches), prompts=Path(prompts) if prompts is not None else None, n=cfg.n,
                       max_prompts=cfg.max_prompts, seed=cfg.seed, enable_thinking=enable_thinking)
     need, limit = needed_model_len(target, sets, tok, cfg.max_tokens, enable_thinking,
-                                   draft=max(m.k for m in [*methods, *baselines]))
+                                   draft=max(m.k for m in [*methods, *baselines]),
+                                   first_answer_tokens=cfg.first_answer_tokens)
     if cfg.max_model_len == 0:
         if limit and need > limit:
             raise ConfigError(f"the longest prompt plus --max-tokens needs {need} tokens, over the target's "
                               f"max_position_embeddings {limit}; lower --max-tokens or --n, or drop the longest set")
         cfg = EvaluateConfig(**{**asdict(cfg), "max_model_len": need})
-    longest = max(len(p) for s in sets for p in s.ids) + cfg.max_tokens
-    if longest > cfg.max_model_len:
-        raise ConfigError(f"the longest prompt plus --max-tokens is {longest} tokens, over --max-model-len "
-                          f"{cfg.max_model_len}; raise it or lower --max-tokens")
     facts = ours_default(target, ours)           # a baselines-only run has nothing for our evaluator to decode
     notes = []
     if enable_thinking is not None and "enable_thinking" not in (getattr(tok, "chat_template", None) or ""):
         notes.append(f"the target's chat template has no enable_thinking switch: thinking {requested} renders the "
                      "same prompts as the template's default")
-    return Plan(target, exports, methods, tok, sets, cfg, enable_thinking, requested, thinking_why, template_sha,
+    plan = Plan(target, exports, methods, tok, sets, cfg, enable_thinking, requested, thinking_why, template_sha,
                 warnings, notes, baselines, {**facts, "on": False, "line": None} if not exports else facts)
+    check_lengths(plan)    # every turn, with the draft's room, explicit --max-model-len too: before any engine
+    return plan
 
 
 def _writable_folder(folder: Path, what: str) -> None:
@@ -359,7 +375,10 @@ def _report(plan: Plan, base_facts: dict, saved: list[str], runs: list[dict], ba
 def serving_facts(facts: dict) -> dict:
     """An engine's facts (a report's ``engine.base``, or a row's ``engine``) with ``serving``: the
     conditions it served under, read from its ``command`` (:func:`~dflash_prep.engine.vllm_server.serving_conditions`;
-    the build asked of its python, the command's first word)."""
+    the build asked of its python, the command's first word). Facts with no command (an engine that
+    never started) are returned as they are."""
+    if not facts.get("command"):
+        return facts
     return {**facts, "serving": serving_conditions(facts["command"], gpu=gpu_build("vllm", facts["command"][0]))}
 
 
@@ -441,16 +460,15 @@ def evaluate_exports(*, target: str | Path, out: str | Path, exports: list[str |
     done = run_engines(plan, logs, phases, _labels(plan.exports), ours=plan.ours["on"], say=say, after_base=save,
                        on_failure=write_partial)
     res = _assemble(plan, done, saved, t_start, phases, contamination)
-    say(measured_with(res["serving"]))
+    if res.get("serving"):
+        say(measured_with(res["serving"]))
     return _write(res, out, say)
 
 
 def _assemble(plan: Plan, done: Progress, saved: list[str], t_start: float, phases: dict, contamination) -> dict:
     """The report of what ``done`` holds (the whole run, or what completed before a failure): each
     engine's facts with the conditions it served under, the timings and the contamination sections."""
-    base = done.engine_facts()
-    if base.get("command"):
-        base = serving_facts(base)
+    base = serving_facts(done.engine_facts())
     for r in done.exports + done.baselines:
         r["engine"] = serving_facts(r["engine"])
     _mark_ours_off(done.exports, plan.ours)

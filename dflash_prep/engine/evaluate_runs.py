@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -33,7 +34,7 @@ from dflash_prep.engine.load_check import read_load_report, refusal, strict_load
 from dflash_prep.engine.load_report import ENV_VAR as LOAD_REPORT_VAR
 from dflash_prep.engine.method import Method
 from dflash_prep.engine.ours import compare_ours, decode_ours
-from dflash_prep.engine.prompt_sets import FIRST_ANSWER_TOKENS, REENCODE_SLACK, first_answer_cap
+from dflash_prep.engine.prompt_sets import REENCODE_SLACK, first_answer_cap
 from dflash_prep.engine.vllm_server import SpecCounters, VllmServer, is_cpu_build, vllm_server
 from dflash_prep.errors import ConfigError, EngineError
 
@@ -256,30 +257,40 @@ def check_lengths(plan) -> int:
                 default=0)
     if not floor:
         return 0
-    cap = first_answer_cap(cfg.max_model_len, floor, cfg.max_tokens, margin)
+    cap = first_answer_cap(cfg.max_model_len, floor, cfg.max_tokens, margin, cfg.first_answer_tokens)
     if cap < cfg.max_tokens:
         least = floor + (REENCODE_SLACK + 1) * cfg.max_tokens + margin
         raise ConfigError(f"a second turn may need {least} tokens (its prompt around an empty first answer, {floor}; "
                           f"the first answer, {REENCODE_SLACK} x --max-tokens; --max-tokens; the largest k + 1, "
                           f"{margin}), over --max-model-len {cfg.max_model_len}; raise it to {least} (to "
-                          f"{least + REENCODE_SLACK * (FIRST_ANSWER_TOKENS - cfg.max_tokens)} for complete first "
+                          f"{least + REENCODE_SLACK * max(0, cfg.first_answer_tokens - cfg.max_tokens)} for complete first "
                           "answers) or lower --max-tokens")
     return cap
 
 
 # ----------------------------------------------------------------------------- the base engine
+REASK_IN_FLIGHT = 8
+"""First answers asked again at once (:func:`_first_answers`): they are not measured, so the engine
+may batch them (the CPU build serves 8 sequences at a time)."""
+
+
 def _first_answers(server: VllmServer, s, rows: list[dict], plan, cap: int, where: str) -> tuple[list[dict], int]:
     """Each conversation's first answer for its second turn: the measured row where it ended within
-    ``--max-tokens``, else the same prompt asked again (the same seed, unmeasured) under ``cap``;
-    and how many were asked again."""
-    out, again = [], 0
-    for i, r in enumerate(rows):
-        if r["finish_reason"] == "length" and cap > plan.cfg.max_tokens:
-            (r,), _ = decode_all(server, [s.ids[i]], plan.cfg, spec=False, first_seed=i, max_tokens=cap,
-                                 where=f"{where}, a first answer asked again under its {cap}-token cap")
-            again += 1
-        out.append(r)
-    return out, again
+    ``--max-tokens``, else the same prompt asked again (the same seed, unmeasured) under ``cap``, up to
+    :data:`REASK_IN_FLIGHT` at once; and how many were asked again."""
+    again = [i for i, r in enumerate(rows) if r["finish_reason"] == "length" and cap > plan.cfg.max_tokens]
+
+    def ask(i: int) -> dict:
+        (r,), _ = decode_all(server, [s.ids[i]], plan.cfg, spec=False, first_seed=i, max_tokens=cap,
+                             where=f"{where}, a first answer asked again under its {cap}-token cap")
+        return r
+
+    out = list(rows)
+    if again:
+        with ThreadPoolExecutor(max_workers=min(REASK_IN_FLIGHT, len(again))) as pool:
+            for i, r in zip(again, pool.map(ask, again)):
+                out[i] = r
+    return out, len(again)
 
 
 def _base_set(server: VllmServer, s, plan, cap: int, say: Callable[[str], None]) -> list[dict]:
@@ -296,7 +307,8 @@ def _base_set(server: VllmServer, s, plan, cap: int, say: Callable[[str], None])
         if cut:
             say(f"warning: {s.name}: {cut} of {len(second)} second turns rest on a first answer cut at its {cap}-token "
                 "cap (finish_reason length)" + (", a cut <think>" if plan.enable_thinking else "")
-                + f"; a larger --max-model-len raises the cap, up to {FIRST_ANSWER_TOKENS}")
+                + (f"; a larger --max-model-len raises the cap, up to --first-answer-tokens {plan.cfg.first_answer_tokens}"
+                   if cap < plan.cfg.first_answer_tokens else "; --first-answer-tokens raises it"))
         over = max(len(p) for p in second) + cfg.max_tokens + _margin(plan)
         if over > cfg.max_model_len:
             raise ConfigError(f"{s.name}: a second-turn prompt plus --max-tokens plus the largest k + 1 is {over} "

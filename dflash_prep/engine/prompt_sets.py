@@ -119,13 +119,13 @@ class PromptSet:
                                   "mean": round(sum(map(len, self.ids)) / len(self.ids), 1)} if self.ids else None}
 
 
-def first_answer_cap(model_len: int, floor: int, max_tokens: int, margin: int) -> int:
-    """The new tokens a first answer of a multi-turn set may take: :data:`FIRST_ANSWER_TOKENS`, or
+def first_answer_cap(model_len: int, floor: int, max_tokens: int, margin: int, most: int = FIRST_ANSWER_TOKENS) -> int:
+    """The new tokens a first answer of a multi-turn set may take: ``most`` (``--first-answer-tokens``), or
     less where ``model_len`` would not hold its second turn: the prompt around an empty answer
     (``floor``), the answer counted :data:`REENCODE_SLACK` times, ``max_tokens`` and ``margin`` (the
     most tokens a step drafts, plus its bonus). Below ``max_tokens`` even a measured answer may not
     fit: that is the caller's refusal to make."""
-    return min(FIRST_ANSWER_TOKENS, (model_len - floor - max_tokens - margin) // REENCODE_SLACK)
+    return min(most, (model_len - floor - max_tokens - margin) // REENCODE_SLACK)
 
 
 def shipped_set(name: str, tokenizer, *, n: int, seed: int, enable_thinking: bool | None) -> PromptSet:

@@ -294,11 +294,8 @@ def server_command(python: str | os.PathLike, model: str | os.PathLike, settings
     then ``extra_args`` after it."""
     cmd = backends.get(engine).server_command(
         python, model, port=port, speculative_config=speculative_config, max_model_len=max_model_len,
-        dtype=settings.dtype, max_num_seqs=settings.max_num_seqs or CPU_MAX_NUM_SEQS,
+        dtype=settings.dtype, max_num_seqs=settings.max_num_seqs,
         enforce_eager=settings.enforce_eager, seed=seed, extra_args=settings.args() + tuple(extra_args))
-    if settings.max_num_seqs is None:   # the backend always writes a cap; the engine's own default is no flag
-        i = cmd.index("--max-num-seqs")
-        del cmd[i:i + 2]
     return cmd
 
 

@@ -298,8 +298,10 @@ def test_evaluate_warns_and_reports_through_the_exports_provenance(tmp_path, mon
                 "engine": {"version": "0.32.0+cpu", "start_s": 1.0}, "strict_load": {"ok": True}, "warnings": [],
                 "vllm": {"tau": 2.5}, "sets": {s.name: _cell((4, 6)) for s in plan.sets}}
 
-    monkeypatch.setattr(ev, "run_base", base)
-    monkeypatch.setattr(ev, "run_export", spec)
+    from dflash_prep.engine import evaluate_runs
+
+    monkeypatch.setattr(evaluate_runs, "run_base", base)      # run_engines' steps, where it looks them up
+    monkeypatch.setattr(evaluate_runs, "run_export", spec)
     lines = []
     res = ev.evaluate_exports(target=target, exports=[exp, bare], out=tmp_path / "eval.json", benches=["gsm8k"], n=3,
                               log=lines.append)

