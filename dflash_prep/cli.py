@@ -179,7 +179,7 @@ def regenerate_cmd(
     inputs: Annotated[list[str], typer.Argument(help="Chat corpus: JSONL/JSON/Parquet/Arrow files, globs, folders (as for tokenize); prompt-only records welcome.")],
     out: Annotated[Path, typer.Option(help="Output folder: chat.jsonl (what tokenize reads) + regenerate.json + index.")],
     engine: Annotated[str, typer.Option(help="openai (an OpenAI-compatible server: vLLM, SGLang, transformers serve) or hf (in-process transformers).")] = "openai",
-    base_url: Annotated[Optional[list[str]], typer.Option(metavar="URL", help="openai: the server, e.g. http://127.0.0.1:8000/v1; repeat it for several (balanced by requests in flight; one that dies hands its requests to the others).")] = None,
+    base_url: Annotated[Optional[list[str]], typer.Option(metavar="URL", help="openai: the server, e.g. http://127.0.0.1:8000/v1; repeat it for several (balanced by requests in flight; one down at the start is skipped with a line, and the run refuses only when none answers; all must serve the same model, root and max_model_len, or the run is refused; one that dies, answers 502/503/504 again and again, or stops answering hands its requests to the others).")] = None,
     model: Annotated[Optional[str], typer.Option(help="openai: the model name the server serves (GET /v1/models).")] = None,
     target: Annotated[Optional[Path], typer.Option(help="hf: local model folder.")] = None,
     revision: Annotated[Optional[str], typer.Option(help="Recorded as the target's revision (hf: computed by default).")] = None,
@@ -202,7 +202,8 @@ def regenerate_cmd(
     overwrite: Annotated[bool, typer.Option(help="Start over in an output written with other settings.")] = False,
 ):
     """Have the target model write the assistant turns of a corpus (resumable; reruns do nothing).
-    Several --base-url: requests balanced over them; one that dies hands its requests to the others."""
+    Several --base-url: requests balanced over them, all checked to serve the same model; one down at the start
+    is skipped, and one that dies, keeps answering 5xx or stops answering hands its requests to the others."""
     import json
 
     from dflash_prep.regenerate.engines import Sampling
