@@ -348,7 +348,8 @@ def _spec_cell(server: VllmServer, s, plan, base: list[dict], version: str, say:
     said = f"{lossless['equal']}/{lossless['of']}" if greedy else "not claimed"
     say(f"  {s.name}: tau {_fmt(total.tau)}, lossless {said}")
     return {"lossless": lossless,
-            "vllm": {"tau": total.tau, **total.to_dict(), "acceptance_per_position": total.acceptance_per_position()},
+            "vllm": {"tau": total.tau, **total.to_dict(), "acceptance_per_position": total.acceptance_per_position(),
+                     "tokens_per_step": tokens_per_step(per_prompt)},
             "throughput": _throughput(rows, base, version),
             "engine_saw_same_tokens": None if None in echo else all(echo),
             "ours": None, "per_prompt": per_prompt, "_total": total}
@@ -439,13 +440,25 @@ def _config_facts(config: dict) -> dict:
     return {"speculative_config": config, "speculative_config_json": json.dumps(config, separators=(",", ":"))}
 
 
+def tokens_per_step(per_prompt: list[dict]) -> float | None:
+    """New tokens per forward pass of the target in decoding, over ``per_prompt`` rows: the prefill
+    gives each answer's first token and every later step gives one token plus the draft tokens it
+    accepted, so ``sum(new - 1) / (sum(new - 1) - accepted)``. A drafter that drafts at every step
+    has this equal to its tau; a speculator that drafts only where it finds a match (n-gram, suffix)
+    has its tau over the matched steps only, and this is what decoding gains. None without a step."""
+    after_first = sum(max(p["new_tokens_spec"] - 1, 0) for p in per_prompt)
+    steps = after_first - sum(p["num_accepted_tokens"] for p in per_prompt)
+    return after_first / steps if steps > 0 else None
+
+
 def _pooled(cells: dict) -> dict:
     """The row's ``vllm`` section: the sets' counters (each cell's ``_total``, taken out) added up."""
     totals = [c.pop("_total") for c in cells.values()]
     pooled = totals[0]
     for t_ in totals[1:]:             # (starting from SpecCounters() would lose num_draft_tokens: None + n)
         pooled = pooled + t_
-    return {"tau": pooled.tau, **pooled.to_dict(), "acceptance_per_position": pooled.acceptance_per_position()}
+    return {"tau": pooled.tau, **pooled.to_dict(), "acceptance_per_position": pooled.acceptance_per_position(),
+            "tokens_per_step": tokens_per_step([p for c in cells.values() for p in c["per_prompt"]])}
 
 
 # ----------------------------------------------------------------------------- the whole run, and its failure

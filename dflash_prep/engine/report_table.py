@@ -129,6 +129,13 @@ def markdown_table(res: dict) -> str:
     for e in rows:
         lines.append(f"| {e['label']} | {_kind(e['kind'])}, k = {e['num_speculative_tokens']} | "
                      + " | ".join(_cell_tau(e["sets"][s]) for s in sets) + f" | {_f(e['vllm']['tau'], '.2f')} |")
+    lines += ["", "New tokens per target step (what decoding gains: equal to tau where every step drafts; below "
+              "it where a speculator drafts only on a match).", "",
+              "| drafter | " + " | ".join(sets) + " | all |", "|---|" + "---:|" * (len(sets) + 1)]
+    for e in rows:
+        lines.append(f"| {e['label']} | " + " | ".join(_f(e["sets"][s]["vllm"].get("tokens_per_step"), ".2f")
+                                                      for s in sets)
+                     + f" | {_f(e['vllm'].get('tokens_per_step'), '.2f')} |")
     counts = ", ".join(f"{s['name']} {s['prompts']} prompts" + (f" ({s['conversations']} conversations)"
                                                                 if s["prompts"] != s["conversations"] else "")
                        for s in res["sets"])

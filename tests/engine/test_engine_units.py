@@ -269,3 +269,16 @@ def test_the_online_engine_gets_its_ranks_gpu():
     assert engine_devices(cuda(1), {}, visible="4,5,6") == {"CUDA_VISIBLE_DEVICES": "5"}
     assert engine_devices(cuda(0), {"tensor_parallel_size": 2}, visible="4,5") == {}
     assert engine_devices(cuda(0), {"pipeline_parallel_size": 2}) == {}
+
+
+def test_tokens_per_target_step_counts_the_steps_without_a_draft():
+    """An n-gram speculator drafting on 2 of 6 decode steps: its tau (over drafted steps) is 4, what
+    decoding gains is 10 tokens in 4 steps; a drafter drafting at every step has the two equal."""
+    from dflash_prep.engine.evaluate_runs import tokens_per_step
+
+    ngram = [{"new_tokens_spec": 11, "num_drafts": 2, "num_accepted_tokens": 6}]
+    assert 1 + 6 / 2 == 4.0 and tokens_per_step(ngram) == 10 / 4
+    every_step = [{"new_tokens_spec": 13, "num_drafts": 4, "num_accepted_tokens": 8},   # 12 after the first, 4 steps
+                  {"new_tokens_spec": 1, "num_drafts": 0, "num_accepted_tokens": 0}]    # the prefill's token alone
+    assert tokens_per_step(every_step) == 1 + 8 / 4 == 3.0
+    assert tokens_per_step([{"new_tokens_spec": 1, "num_drafts": 0, "num_accepted_tokens": 0}]) is None

@@ -155,6 +155,7 @@ def test_a_run_of_baselines_alone_against_a_stand_in_server(target, tmp_path, mo
         assert c["ours"] == {"skipped": evaluate_runs.BASELINE_NOT_OURS} and "contamination" not in c
         assert c["throughput"]["new_tokens_spec"] == c["throughput"]["new_tokens_base"] == 6 * prompts
     assert b["vllm"]["num_drafts"] == 12 and b["vllm"]["acceptance_per_position"] == [1.0, 0.5]
+    assert b["vllm"]["tokens_per_step"] == 5 / 2 == b["sets"]["gsm8k"]["vllm"]["tokens_per_step"]  # 6 new, 3 accepted
     assert res["contamination"] == {"n": 13, "rule": res["contamination"]["rule"], "checks": [], "skipped": []}
     assert set(res["phases_s"]) >= {"base_engine", "baseline_1", "baseline_2"}
     on_disk = json.loads((tmp_path / "eval.json").read_text())
