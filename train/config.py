@@ -29,6 +29,7 @@ ATTN_BACKENDS = ("auto", "reference", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("adamw", "muon")
 STATES_DTYPES = ("bf16", "fp8", "fp32")     # dflash_prep.formats.states.DTYPES, without importing numpy here
+EVAL_OURS = ("auto", "on", "off")
 
 
 def _positive_finite(name: str, v, *, zero_ok: bool = False) -> None:
@@ -201,6 +202,10 @@ class TrainConfig:
     as ``dflash-prep evaluate --bench``): tau per set is logged beside the trainer's."""
     eval_n: int = opt(8, panel=RUN)
     """Prompts sampled from each ``--eval-bench`` set (small: an evaluation runs while training goes on)."""
+    eval_ours: str = opt("auto", panel=RUN)
+    """``--eval-every``'s own evaluator beside vLLM (``tau_ours``): auto (as ``dflash-prep evaluate``: on up to
+    1 B target parameters), on, or off (vLLM's tau alone: on a CPU it decodes every prompt in this
+    process's torch, far slower than the engine, so fewer evaluations fit between steps)."""
     progress: bool = opt(True, panel=RUN)
     """Show a progress bar on rank 0."""
     wandb: str = opt("", panel=RUN)
@@ -297,6 +302,8 @@ class TrainConfig:
                               "--prompts` takes) and/or --eval-bench SETS (e.g. gsm8k,mt-bench)")
         if self.eval_n < 0:
             raise ConfigError(f"--eval-n must be >= 0 (0: whole sets), got {self.eval_n}")
+        if self.eval_ours not in EVAL_OURS:
+            raise ConfigError(f"--eval-ours must be one of {', '.join(EVAL_OURS)}, got {self.eval_ours!r}")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

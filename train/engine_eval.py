@@ -73,9 +73,10 @@ def check(cfg, spec) -> None:
 class EngineEvals:
     """Rank 0's evaluations of checkpoints in the engine, one background process at a time."""
 
-    def __init__(self, out: Path, *, target: str, prompts: str, every: int, bench: str = "", n: int = 8):
+    def __init__(self, out: Path, *, target: str, prompts: str, every: int, bench: str = "", n: int = 8,
+                 ours: str = "auto"):
         self.root, self.target, self.prompts, self.every = Path(out) / "evals", target, prompts, every
-        self.bench, self.n = bench, n
+        self.bench, self.n, self.ours = bench, n, ours
         self.proc: subprocess.Popen | None = None
         self.engine: Engine | None = None
         self.running: dict | None = None   # {"global_step", "dir", "tau_train", "t0"}
@@ -99,7 +100,7 @@ class EngineEvals:
             shutil.copy2(checkpoint, d / "checkpoint.pt")
         cmd = [sys.executable, "-m", "dflash_prep.train.engine_eval", str(d), "--target", str(self.target),
                *(["--prompts", str(self.prompts)] if self.prompts else []),
-               *(["--bench", self.bench, "--n", str(self.n)] if self.bench else [])]
+               *(["--bench", self.bench, "--n", str(self.n)] if self.bench else []), "--ours", self.ours]
         with open(d / "engine_eval.log", "wb") as log:
             self.engine = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.proc = self.engine.proc
@@ -160,11 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=Path, help="a held-out prompts file (dflash-prep evaluate --prompts)")
     ap.add_argument("--bench", default="", help="shipped sets, comma-separated (dflash-prep evaluate --bench)")
     ap.add_argument("--n", type=int, default=8, help="prompts sampled from each --bench set")
+    ap.add_argument("--ours", choices=("auto", "on", "off"), default="auto",
+                    help="our own evaluator beside vLLM: auto (evaluate's default, by the target's size), on, off")
     a = ap.parse_args(argv)
     try:
         export(a.dir / "checkpoint.pt", a.dir / "export", overwrite=True)
         evaluate_exports(target=a.target, exports=[a.dir / "export"], prompts=a.prompts, out=a.dir / "eval.json",
-                         benches=parse_benchmarks(a.bench) if a.bench else [], n=a.n, log=print)
+                         benches=parse_benchmarks(a.bench) if a.bench else [], n=a.n, log=print,
+                         ours={"auto": None, "on": True, "off": False}[a.ours])
     except DflashError as e:
         print(f"error: {e}", flush=True)
         return 1

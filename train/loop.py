@@ -296,7 +296,8 @@ def _setup(cfg: TrainConfig, source, d: distributed.Dist, place=None) -> _Run:
         _resume(run, state)
     if cfg.eval_every and d.is_main:
         run.evals = engine_eval.EngineEvals(Path(cfg.out), target=cfg.options.target, prompts=cfg.eval_prompts,
-                                            every=cfg.eval_every, bench=cfg.eval_bench, n=cfg.eval_n)
+                                            every=cfg.eval_every, bench=cfg.eval_bench, n=cfg.eval_n,
+                                            ours=cfg.eval_ours)
     return run
 
 

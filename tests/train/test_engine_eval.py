@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from dflash_prep.errors import ConfigError, EngineError
@@ -53,3 +55,22 @@ def test_shipped_sets_alone_are_enough_and_an_unknown_one_is_refused(tmp_path, m
 def test_the_background_command_names_the_sets(tmp_path):
     evals = engine_eval.EngineEvals(tmp_path, target="T", prompts="", every=2, bench="gsm8k", n=3)
     assert evals.bench == "gsm8k" and evals.n == 3 and evals.due(4) and not evals.due(3)
+
+
+def test_our_evaluator_is_passed_on_or_refused(tmp_path, monkeypatch):
+    """--eval-ours reaches the background command (off: vLLM's tau alone); a bad value is one line."""
+    import subprocess
+
+    from dflash_prep.train import engine_eval as ee
+
+    started = []
+    monkeypatch.setattr(ee, "spawn", lambda cmd, **kw: started.append(cmd) or type("E", (), {"proc": None})())
+    ckpt = tmp_path / "checkpoint.pt"
+    ckpt.write_bytes(b"x")
+    for ours in ("auto", "off"):
+        ee.EngineEvals(tmp_path / ours, target="T", prompts="", every=2, bench="gsm8k", n=3, ours=ours).start(2, ckpt, None)
+    assert [c[c.index("--ours") + 1] for c in started] == ["auto", "off"]
+    with pytest.raises(ConfigError, match="--eval-ours must be one of auto, on, off"):
+        build_config(out="x", objective="dflash", target=str(tmp_path), eval_every=2, eval_bench="gsm8k", eval_ours="no")
+    r = subprocess.run([sys.executable, "-m", "dflash_prep.train.engine_eval", "--help"], capture_output=True, text=True)
+    assert "--ours {auto,on,off}" in r.stdout

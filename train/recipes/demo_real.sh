@@ -68,7 +68,7 @@ BASELINE=${BASELINE:-ngram}
 EVAL_N=${EVAL_N:-8}
 case "$EVAL_EVERY" in ''|*[!0-9]*) echo "error: EVAL_EVERY must be a whole number of steps, got $EVAL_EVERY" >&2; exit 1;; esac
 CURVE_FLAGS=""
-[ "$EVAL_EVERY" = 0 ] || CURVE_FLAGS="--eval-every $EVAL_EVERY --eval-bench $BENCH --eval-n $EVAL_N"
+[ "$EVAL_EVERY" = 0 ] || CURVE_FLAGS="--eval-every $EVAL_EVERY --eval-bench $BENCH --eval-n $EVAL_N --eval-ours off"
 case "$REGEN_ENGINE" in vllm|hf) ;; *) echo "error: REGEN_ENGINE must be vllm or hf, got $REGEN_ENGINE" >&2; exit 1;; esac
 case "$STATES" in 0|1) ;; *) echo "error: STATES must be 0 or 1, got $STATES" >&2; exit 1;; esac
 case "$OURS" in 0) OURS_FLAG=--no-ours ;; 1) OURS_FLAG=--ours ;; *) echo "error: OURS must be 0 or 1, got $OURS" >&2; exit 1;; esac
