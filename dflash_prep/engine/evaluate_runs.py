@@ -154,11 +154,14 @@ def decode_all(server: VllmServer, prompts: list[list[int]], cfg, *, spec: bool,
 # ----------------------------------------------------------------------------- one engine
 @contextlib.contextmanager
 def _engine(target: Path, cfg, logs: Path, *, name: str, spec_config: dict | None = None,
-            method: Method | None = None, export: Path | None = None) -> Iterator[tuple[VllmServer, dict | None]]:
+            method: Method | None = None, export: Path | None = None,
+            warm_up: Callable[[VllmServer], None] | None = None) -> Iterator[tuple[VllmServer, dict | None]]:
     """One engine for the run: without speculation (``spec_config`` None), with a speculator that
     needs no model (a baseline), or with the drafter ``export`` (of ``method``): then the server and
     its load report, refused unless strict; the engine's own refusal of an export is diagnosed
-    (:func:`~dflash_prep.engine.load_check.refusal`)."""
+    (:func:`~dflash_prep.engine.load_check.refusal`). ``warm_up`` (the first request) belongs to the
+    start: an engine that loads an export and then fails its first forward (taps out of range) has
+    refused it too."""
     report_file = logs / f"{name}.load-report.json"
     report_file.unlink(missing_ok=True)
     env = {LOAD_REPORT_VAR: str(report_file)} if export else {}
@@ -170,6 +173,8 @@ def _engine(target: Path, cfg, logs: Path, *, name: str, spec_config: dict | Non
             load = read_load_report(report_file, export) if export else None
             if load is not None and not strict_load(load)["ok"]:
                 raise EngineError(strict_message(export, strict_load(load)))
+            if warm_up is not None:
+                warm_up(server)
         except EngineError as e:
             if export is None or str(e).startswith(f"{export}:"):
                 raise
@@ -326,8 +331,8 @@ def run_base(plan, logs: Path, say: Callable[[str], None]) -> tuple[dict, dict[s
     cap = check_lengths(plan)
     base_rows: dict[str, list[dict]] = {}
     say("engine without speculation: starting")
-    with _engine(plan.target, plan.cfg, logs, name="base") as (server, _):
-        _warm_up(server, plan, "the engine without speculation")
+    with _engine(plan.target, plan.cfg, logs, name="base",
+                 warm_up=lambda server: _warm_up(server, plan, "the engine without speculation")) as (server, _):
         base_facts = _facts(server)
         say(f"engine without speculation: up in {server.start_s:.1f} s ({server.version})")
         for s in plan.sets:
@@ -426,9 +431,8 @@ def _spec_run(plan, base_rows: dict[str, list[dict]], logs: Path, say: Callable[
     """One engine with ``spec_config`` on every set of ``plan``: its facts, its load report (an
     export's) and each set's cell by name (:func:`_spec_cell`)."""
     who = str(export) if export else f"baseline {spec_config.get('method')}"
-    with _engine(plan.target, plan.cfg, logs, name=name, spec_config=spec_config, method=method,
-                 export=export) as (server, load):
-        _warm_up(server, plan, f"the engine with {who}")
+    with _engine(plan.target, plan.cfg, logs, name=name, spec_config=spec_config, method=method, export=export,
+                 warm_up=lambda server: _warm_up(server, plan, f"the engine with {who}")) as (server, load):
         facts = _facts(server)
         say(f"engine with speculation: up in {server.start_s:.1f} s" + (", strict load: yes" if export else ""))
         cells = {s.name: _spec_cell(server, s, plan, base_rows[s.name], facts["version"], say, who=who)
