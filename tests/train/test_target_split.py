@@ -196,10 +196,11 @@ def test_a_silent_target_times_the_drafters_out_with_one_line(pipe, tmp_path):
 
 @pytest.mark.timeout(240)
 def test_sigkill_of_the_target_stops_the_drafters_within_the_timeout(pipe, tmp_path):
-    timeout = 8.0
+    timeout = 15.0           # no healthy step of a loaded CI machine outlasts it (8 s once did, in the drafter-kill twin)
     recs = _job(tmp_path, pipe, 1, 2, {"steps": 6, "timeout": timeout, "drafter_sleep": 0.3, "compare": False},
                 kill=(0, 0, 2))
-    assert recs["killed_at"] is not None and recs[0]["exit"] == -signal.SIGKILL
+    assert recs["killed_at"] is not None, {r: (recs[r].get("exit"), recs[r].get("error")) for r in range(3)}
+    assert recs[0]["exit"] == -signal.SIGKILL
     for i in (0, 1):
         r = recs[1 + i]
         assert r["exit"] == 1 and r["error_type"] == "LinkError", r.get("trace")
