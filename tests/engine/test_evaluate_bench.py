@@ -124,8 +124,11 @@ def test_saved_prompts_are_the_ids_sent_and_the_table_and_picture_are_written(ru
     md = (d / "r.md").read_text()
     head = next(ln for ln in md.splitlines() if ln.startswith("| drafter | method"))
     assert head == "| drafter | method | gsm8k | humaneval | mt-bench | all |"
-    rows = [ln for ln in md.splitlines() if ln.startswith("| dflash |") or ln.startswith("| eagle3 |")]
-    assert len(rows) == 2 + 2 * len(SETS)                      # the tau row, then one detail row per set
+    for label in ("dflash", "eagle3"):                         # per drafter: its tau row, its new-tokens-per-step
+        rows = [ln for ln in md.splitlines() if ln.startswith(f"| {label} |")]      # row, one detail row per set
+        assert len(rows) == 2 + len(SETS), rows
+        assert rows[0].count("|") == rows[1].count("|") + 1 == len(SETS) + 4, rows[:2]
+        assert [r.split(" | ")[1] for r in rows[2:]] == list(SETS), rows[2:]
     assert (d / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tau per benchmark" in r.stdout and "eagle3" in r.stdout
     assert res["saved_prompts"] == [str(d / "sent" / f"{s}.jsonl") for s in SETS]
@@ -158,5 +161,5 @@ def test_the_ngram_baseline_is_a_row_on_the_same_base_run(run):
     assert pooled["num_drafts"] > 0 and b["vllm"]["tau"] >= 1.0
     assert {k: b["vllm"][k] for k in pooled} == pooled
     md = (d / "r.md").read_text()
-    assert sum(ln.startswith("| ngram (k=7, 2-4) |") for ln in md.splitlines()) == 1 + len(SETS)
+    assert sum(ln.startswith("| ngram (k=7, 2-4) |") for ln in md.splitlines()) == 2 + len(SETS)   # tau, tokens/step, sets
     assert "ngram (k=7, 2-4)" in r.stdout
