@@ -27,7 +27,9 @@
 # set), REGEN_TOKENS (most tokens per answer), REGEN_CONCURRENCY, REGEN_ENGINE (vllm | hf),
 # STATES (1: extract, then train from the cache; 0: the transformers target in the trainer),
 # DEVICE (cpu: the trainer's and the in-process regenerate's torch device), B (block size),
-# DRAFT_LAYERS, MAX_ANCHORS, DRAFT_STEPS, DRAFT_EPOCHS, BUDGET (tokens per micro-batch),
+# DRAFT_LAYERS, MAX_ANCHORS, DRAFT_STEPS, DRAFT_EPOCHS, BUDGET (tokens per micro-batch), LR (the drafter's
+# peak learning rate: 1e-3 for DFlash, the best of five measured on this target, docs/real-target.md#what-moves-tau;
+# 3e-3 for EAGLE-3, not yet measured here),
 # BENCH, BENCH_N (prompts per set; 80 = MT-Bench whole), EVAL_TOKENS (new tokens per prompt),
 # OURS (1: also our own evaluator's tau per set), BASELINE (the untrained speculator beside the drafter),
 # EVAL_EVERY (the learning curve: every N steps the checkpoint is served in vLLM on EVAL_N prompts of
@@ -63,6 +65,7 @@ case "$DEMO_SIZE" in
 esac
 REGEN_CONCURRENCY=${REGEN_CONCURRENCY:-64}
 B=${B:-8}
+case "$OBJECTIVE" in eagle3) LR=${LR:-3e-3} ;; *) LR=${LR:-1e-3} ;; esac
 DRAFT_LAYERS=${DRAFT_LAYERS:-1}
 BUDGET=${BUDGET:-2048}
 BENCH=${BENCH:-all}
@@ -154,10 +157,10 @@ else
     echo "(step 4, extract, skipped: STATES=0, the trainer runs the transformers target itself)"
 fi
 
-step "5. train the $OBJECTIVE drafter ($DRAFT_STEPS steps; resumes from $OUT/drafter-run), then export it: $OUT/drafter"
+step "5. train the $OBJECTIVE drafter ($DRAFT_STEPS steps at peak lr $LR; resumes from $OUT/drafter-run), then export it: $OUT/drafter"
 $TRAIN --objective "$OBJECTIVE" --target "$TARGET" $OBJ_FLAGS --data "$DATA" --plan "$PLAN" \
     --manifests "$MANIFESTS" --out "$OUT/drafter-run" --epochs "$DRAFT_EPOCHS" --max-steps "$DRAFT_STEPS" \
-    --lr 3e-3 --warmup-steps 5 --optimizer adamw $ENGINE_FLAGS $CURVE_FLAGS
+    --lr "$LR" --warmup-steps 5 --optimizer adamw $ENGINE_FLAGS $CURVE_FLAGS
 if newer "$OUT/drafter/model.safetensors" "$OUT/drafter-run/summary.json"; then
     echo "$OUT/drafter is up to date"
 else
