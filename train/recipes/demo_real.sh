@@ -29,7 +29,7 @@
 # DEVICE (cpu: the trainer's and the in-process regenerate's torch device), B (block size),
 # DRAFT_LAYERS, MAX_ANCHORS, DRAFT_STEPS, DRAFT_EPOCHS, BUDGET (tokens per micro-batch), LR (the drafter's
 # peak learning rate: 1e-3 for DFlash, the best of five measured on this target, docs/real-target.md#what-moves-tau;
-# 3e-3 for EAGLE-3, not yet measured here),
+# 3e-3 for EAGLE-3 and DFlash2, not yet measured here),
 # BENCH, BENCH_N (prompts per set; 80 = MT-Bench whole), EVAL_TOKENS (new tokens per prompt),
 # OURS (1: also our own evaluator's tau per set), BASELINE (the untrained speculator beside the drafter),
 # EVAL_EVERY (the learning curve: every N steps the checkpoint is served in vLLM on EVAL_N prompts of
@@ -65,7 +65,7 @@ case "$DEMO_SIZE" in
 esac
 REGEN_CONCURRENCY=${REGEN_CONCURRENCY:-64}
 B=${B:-8}
-case "$OBJECTIVE" in eagle3) LR=${LR:-3e-3} ;; *) LR=${LR:-1e-3} ;; esac
+case "$OBJECTIVE" in dflash) LR=${LR:-1e-3} ;; *) LR=${LR:-3e-3} ;; esac   # measured for DFlash only
 DRAFT_LAYERS=${DRAFT_LAYERS:-1}
 BUDGET=${BUDGET:-2048}
 BENCH=${BENCH:-all}
