@@ -53,6 +53,7 @@ class _Handler(BaseHTTPRequestHandler):
                            "usage": {"prompt_tokens": len(prompt), "completion_tokens": 2}}).encode()
         if mode == "ok":
             self._send(200, good, length=len(good))
+            srv.sent(prompt)
         elif mode == "crash":                 # the server dies while this request is in flight
             srv.die()
         elif mode == "not_json":
@@ -71,6 +72,8 @@ class FakeServer:
 
     def __init__(self, port: int, modes=lambda n, prompt: "ok"):
         self.port, self._modes, self._n, self._lock = port, modes, 0, threading.Lock()
+        self._sent: set[str] = set()
+        self._sent_cv = threading.Condition(self._lock)
         self.httpd = None
         self.start()
 
@@ -83,6 +86,17 @@ class FakeServer:
 
     def mode(self, n: int, prompt: str) -> str:
         return self._modes(n, prompt)
+
+    def sent(self, prompt: str) -> None:
+        """The whole answer to ``prompt`` has been written to its connection."""
+        with self._sent_cv:
+            self._sent.add(prompt)
+            self._sent_cv.notify_all()
+
+    def wait_sent(self, prompts: set[str], timeout: float = 30.0) -> bool:
+        """Block until every prompt of ``prompts`` has been answered whole (False after ``timeout``)."""
+        with self._sent_cv:
+            return self._sent_cv.wait_for(lambda: prompts <= self._sent, timeout)
 
     def answer(self, modes) -> None:
         """From now on answer with ``modes``, counting requests from 1 again."""
@@ -160,7 +174,10 @@ def reference(corpus, tmp_path, port) -> bytes:
 
 
 def test_server_dies_mid_run_then_resume_equals_one_run(corpus, tmp_path, port, reference):
-    srv = FakeServer(port, lambda n, _: "crash" if n == 4 else "ok")
+    # The server dies on prompt 4, once it has answered prompts 0-3 (with two workers, a worker
+    # starved under load could otherwise send prompt 0 after three others: nothing finished)
+    before = {f"prompt {i}" for i in range(4)}
+    srv = FakeServer(port, lambda n, p: "crash" if p == "prompt 4" and srv.wait_sent(before) else "ok")
     out = tmp_path / "o"
     try:
         with pytest.raises(EngineError, match=r"cannot reach the server at http://127\.0\.0\.1:\d+/v1/chat/"
