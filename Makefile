@@ -19,6 +19,9 @@ LOCK ?= -c $(if $(GPU),$(VENV)/constraints-gpu.txt,constraints.txt)
 # setuptools says once per editable install that folders named like the package may shadow it:
 # they cannot here (docs/reliability.md#one-import-name), so the first screen stays the pipeline
 QUIET_INSTALL := PYTHONWARNINGS="ignore:Editable installation"
+# An editable install writes dflash_prep.egg-info/ into the checkout: the two venvs' installs take
+# turns (a lock on the checkout's folder), so both may be built at once (.ci/run does)
+EDITABLE := $(if $(shell command -v flock 2>/dev/null),flock "$(CURDIR)")
 
 .PHONY: venv venv-vllm demo demo-dflash demo-real real-target test test-jobs test-engines test-any-cpu test-slow test-latest lock train bench bench-gpu bench-convergence bench-drafter-cpu clean
 
@@ -28,7 +31,7 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	$(BIN)/pip install -q $(LOCK) --upgrade pip setuptools
 	@if [ -n "$(TORCH_SPEC)" ] && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
 		echo "installing $(TORCH_SPEC)"; $(BIN)/pip install -q $(LOCK) "$(TORCH_SPEC)"; fi
-	$(QUIET_INSTALL) $(BIN)/pip install -q $(LOCK) --no-build-isolation -e ".[$(EXTRAS)]"
+	$(QUIET_INSTALL) $(EDITABLE) $(BIN)/pip install -q $(LOCK) --no-build-isolation -e ".[$(EXTRAS)]"
 	touch $@
 
 venv: $(BIN)/.installed
@@ -56,7 +59,7 @@ $(VLLM_BIN)/.installed: pyproject.toml constraints-vllm.txt
 	@for m in torchvision torchaudio torchcodec; do \
 		if $(VLLM_BIN)/pip show -q $$m >/dev/null 2>&1 && ! $(VLLM_BIN)/python -c "import $$m" >/dev/null 2>&1; then \
 			echo "removing $$m (does not import against this torch)"; $(VLLM_BIN)/pip uninstall -q -y $$m; fi; done
-	$(QUIET_INSTALL) $(VLLM_BIN)/pip install -q --no-deps -e .
+	$(QUIET_INSTALL) $(EDITABLE) $(VLLM_BIN)/pip install -q --no-deps -e .
 	$(VLLM_BIN)/pip install -q $(VLLM_LOCK) numpy "safetensors>=0.4"
 	$(VLLM_BIN)/python -c "import vllm, dflash_prep.engine.load_report"
 	touch $@

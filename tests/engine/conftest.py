@@ -12,15 +12,22 @@ with exit 1 and one line naming it, so a broken ``.venv-vllm`` can never pass as
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 
 REQUIRE_VAR = "DFLASH_PREP_ENGINE_TESTS"
+ROOT = Path(__file__).resolve().parents[2]
+DEMO_BASE_KNOBS = {"N": "600", "HELD": "8", "LM_STEPS": "200", "OMP_NUM_THREADS": "1"}
+"""The ``make demo-dflash`` tests' steps 1-5: the smallest whose step 9 targets (tau >= 2 on held-out
+prompts, lossless, loss falling) still hold, the target trained enough to be predictable."""
 
 
 def _find_engine():
@@ -146,3 +153,24 @@ def dflash_inputs(world, folder: Path) -> dict:
                 target=str(world["target"]), progress=False, device="cpu", lr=3e-3, warmup_steps=1,
                 pack_missing=False, objective="dflash", block_size=4, max_anchors=8, sliding_window=0,
                 optimizer="adamw")
+
+
+@pytest.fixture(scope="session")
+def demo_base(tmp_path_factory) -> Path:
+    """Steps 1-5 of ``train/recipes/demo_dflash.sh`` at :data:`DEMO_BASE_KNOBS`, run by the recipe
+    itself (``BASE_ONLY=1``) once for the whole session, whichever xdist worker asks first (the
+    others wait on a lock): the three ``make demo-dflash`` tests run the rest of the recipe on it
+    with ``BASE_FROM``, so the tiny target, its LM steps and its regenerated answers are made once,
+    not three times."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent           # this session's folder, above every worker's own
+    base = shared / "demo-dflash-base"
+    with open(shared / "demo-dflash-base.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (base / "base.knobs").is_file():
+            env = {**os.environ, **DEMO_BASE_KNOBS, "BASE_ONLY": "1", "DEMO_DFLASH": str(base), "PY": sys.executable}
+            r = subprocess.run(["bash", str(ROOT / "train/recipes/demo_dflash.sh")], env=env, cwd=shared,
+                               capture_output=True, text=True, timeout=900)
+            assert r.returncode == 0 and (base / "base.knobs").is_file(), r.stdout[-3000:] + r.stderr[-3000:]
+    return base

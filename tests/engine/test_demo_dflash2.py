@@ -15,8 +15,9 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.mark.timeout(1500)
-def test_demo_dflash2_trains_both_drafters_and_says_why_vllm_cannot_serve_it_here(engine_python, engine_build, tmp_path):
-    r, demo = _demo(tmp_path, engine_python, OBJECTIVE="dflash2", DRAFT2_STEPS="20")   # ENGINE_EVAL=auto, as make runs it
+def test_demo_dflash2_trains_both_drafters_and_says_why_vllm_cannot_serve_it_here(engine_python, engine_build, demo_base,
+                                                                                    tmp_path):
+    r, demo = _demo(tmp_path, engine_python, demo_base, OBJECTIVE="dflash2", DRAFT2_STEPS="20")   # ENGINE_EVAL=auto, as make runs it
     assert json.loads((demo / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
     assert json.loads((demo / "drafter-v1" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     skipped = [x for x in r.stdout.splitlines() if "step 10" in x and "skipped" in x]

@@ -8,14 +8,16 @@ counters are that prompt's own (not the neighbour's) and the set's change matche
 read of ``/metrics``; the counters per set of a whole run; MT-Bench's second turn asked after the
 target's complete first answer (a cut one asked again under its own cap, one still cut counted in
 the report); lengths refused before any engine starts, with the k + 1 margin; a request timeout
-said as a timeout (a failed start still diagnosed as a refused load); and the partial report a
-failed run leaves. No vLLM: a few seconds each.
+said as a timeout (a failed start still diagnosed as a refused load); the partial report a
+failed run leaves; and Ctrl-C on the CLI (exit 130 once nothing of its engine is left). No vLLM: a
+few seconds each.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import signal
 import sys
 import time
 import urllib.request
@@ -284,3 +286,28 @@ def test_a_base_run_that_fails_leaves_a_partial_report_too(tiny, standin, tmp_pa
     assert (p["base_run"], p["exports_done"], p["exports_not_done"]) == (False, [], [str(tiny["dflash"])])
     assert res["exports"] == [] and res["engine"]["version"] is None
     assert md.startswith("# PARTIAL: ")
+
+
+def test_sigint_ends_the_cli_with_130_once_its_engine_is_gone(tiny, standin, tmp_path, monkeypatch):
+    """Ctrl-C on ``dflash-prep evaluate`` as a user runs it: exit 130, and only once nothing of its
+    engine is left (group, recorded pids, port). The real vLLM meets SIGTERM and SIGKILL
+    (test_engine_lifetime.py); SIGINT runs the same handler, so here it meets the stand-in, held
+    mid-run by a request that never answers."""
+    from dflash_prep.tests.engine.test_engine_lifetime import _child, _cmdline, _healthy, _kill_and_check, _start
+
+    monkeypatch.setenv("STANDIN_HANG", "none:2")          # the base run's first measured request
+    log = tmp_path / "evaluate.log"
+    driver = _start([sys.executable, "-m", "dflash_prep.cli", "evaluate", "--target", str(tiny["target"]),
+                     "--export", str(tiny["dflash"]), "--bench", "gsm8k", "--n", "2", "--max-tokens", "6",
+                     "--out", str(tmp_path / "eval.json"), "--no-ours", "--timeout", "300"], log, {})
+    server = _child(driver.pid, "vllm.entrypoints.openai.api_server", log)
+    port = int(re.search(r"--port (\d+)", _cmdline(server))[1])
+    deadline = time.monotonic() + 120
+    while not (standin.dir / "requests.jsonl").exists():  # the warm-up answered: the hung request is next
+        assert driver.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+    assert _healthy(port)
+    got = _kill_and_check(driver, signal.SIGINT, server, f"--port {port}", port=port)
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+    print(f"evaluate SIGINT (stand-in): {got}")
+

@@ -1,10 +1,17 @@
-"""``dflash-prep extract --node-rank i --num-nodes 2`` with the real vLLM engine (marked ``engine``):
-two node processes at once into one folder, on the tiny target and data of test_extract.py, give
-the single-engine build's cache bit for bit (``--batch-tokens 1``: each sample's states a function
-of the sample alone), which ``dflash-prep verify`` passes; a node's rerun rebuilds only its own
-lost shard and touches none of the other node's; a node of other options is refused in one line.
-Five engine starts (about a minute each on 2 cores, two of them at once). The driver's logic
-without vLLM: test_nodes.py."""
+"""A states cache built by several engines at once equals the single-engine build's bit for bit
+(``--batch-tokens 1``: each sample's states a function of the sample alone), with the real vLLM
+engine (marked ``engine``), on the tiny target and data of test_extract.py. One single-engine
+build (the module fixture) is the reference of both ways to spread a build:
+
+- ``extract --node-rank i --num-nodes 2``: two node processes at once into one folder; ``dflash-prep
+  verify`` passes the cache; a node's rerun rebuilds only its own lost shard and touches none of
+  the other node's; a node of other options is refused in one line. The driver's logic without
+  vLLM: test_nodes.py.
+- ``extract --engine ray --replicas 2``: two engine replicas as tasks of a local Ray, each building
+  its share of the one cache (dflash_prep/engine/ray_replicas.py). Resources without an engine:
+  test_extract_ray.py, test_ray_replicas.py.
+
+Eight engine starts in all (about a minute each on 2 cores, two at a time in each test)."""
 
 from __future__ import annotations
 
@@ -46,22 +53,36 @@ def _stamps(out, names):
     return {n: ((out / n).stat().st_ino, (out / n).stat().st_mtime_ns) for n in names}
 
 
-def test_two_nodes_at_once_build_the_single_engine_cache_bit_for_bit(world, tmp_path):
-    single, out = tmp_path / "single", tmp_path / "cache"
-    _run(world, single)
+@pytest.fixture(scope="module")
+def single(world, tmp_path_factory):
+    """The single-engine build: the reference both ways of spreading a build must equal."""
+    out = tmp_path_factory.mktemp("single") / "cache"
+    _run(world, out)
+    return out
+
+
+def _same_shards(out, single):
+    """``out`` is complete and holds the single build's shard table and bytes."""
+    h, h1 = fmt.read_header(out), fmt.read_header(single)
+    assert h["complete"] and len(h["plan"]) >= 4 and h["shards"] == h1["shards"], \
+        "the shard table differs from the single build's"
+    for e in h1["shards"]:
+        assert (out / e["file"]).read_bytes() == (single / e["file"]).read_bytes(), e["file"]
+    return h, h1
+
+
+def test_two_nodes_at_once_build_the_single_engine_cache_bit_for_bit(world, single, tmp_path):
+    out = tmp_path / "cache"
     procs = [subprocess.Popen(_cmd(world, out, *_node(i)), env=_env(world), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in (0, 1)]
     outs = [p.communicate(timeout=900) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
     said = " ".join(o[0] for o in outs)
     assert f"wrote {out} (node " in said and "the cache complete" in said, said
-    h, h1 = fmt.read_header(out), fmt.read_header(single)
+    h, h1 = _same_shards(out, single)
     lens = np.load(world["data"] / "lengths.npy")
     share0, share1 = (nodes.node_share(nodes.shard_tokens(h["plan"], lens), i, 2) for i in (0, 1))
-    assert share0 and share1 and len(h["plan"]) >= 4, h["plan"]
-    assert h["complete"] and h["shards"] == h1["shards"], "the shard table differs from the single build's"
-    for e in h1["shards"]:
-        assert (out / e["file"]).read_bytes() == (single / e["file"]).read_bytes(), e["file"]
+    assert share0 and share1, h["plan"]
     v = subprocess.run([sys.executable, "-m", "dflash_prep.cli", "verify", str(out)], capture_output=True, text=True)
     assert v.returncode == 0 and "verified" in v.stderr + v.stdout, v.stderr[-2000:]
     assert not [f.name for f in out.iterdir() if f.name.startswith(".")], "temp files left behind"
@@ -101,3 +122,18 @@ def test_two_nodes_at_once_build_the_single_engine_cache_bit_for_bit(world, tmp_
     assert f"wrote {out} (node 1 of 2: 1 shard(s) now, the cache complete)" in r.stdout, r.stdout
     assert fmt.read_header(out)["shards"] == h1["shards"] and (out / lost1).read_bytes() == (single / lost1).read_bytes()
     fmt.verify_states(out)
+
+
+@pytest.mark.timeout(1200)
+def test_two_ray_replicas_build_the_single_engine_cache_bit_for_bit(world, single, tmp_path):
+    out = tmp_path / "cache"
+    env = {**_env(world), "RAY_DISABLE_USAGE_STATS": "1"}
+    r = subprocess.run(_cmd(world, out, "--engine", "ray", "--replicas", "2"), env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    assert "2 engine replicas on Ray" in r.stdout + r.stderr, r.stdout[-2000:]
+    _same_shards(out, single)
+    logs = sorted(f.name for f in out.glob("*.log"))
+    assert len(logs) >= 2, logs                        # one engine per replica, each its own log
+    v = subprocess.run([sys.executable, "-m", "dflash_prep.cli", "verify", str(out)], capture_output=True, text=True)
+    assert v.returncode == 0, v.stderr[-2000:]

@@ -3,7 +3,7 @@ part of Ray's API it uses, with a clock: each replica finishes at a set time, wi
 error returned as a value, or a crash that ``ray.get`` raises. The driver must see the first
 failure when it happens, whatever the replica's rank, and cancel every replica still running then,
 for a replica's error and for a Ray worker's crash alike. The real Ray and vLLM build is
-test_extract_ray.py."""
+test_extract_nodes.py's Ray test."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from dflash_prep.engine.evaluate import evaluate_export
 from dflash_prep.engine.vllm_server import group_members, vllm_server
 from dflash_prep.errors import EngineError
 
-from dflash_prep.tests.engine.conftest import broken_copy
+from dflash_prep.tests.engine.conftest import DEMO_BASE_KNOBS, broken_copy
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,16 +152,16 @@ def test_the_server_group_is_gone_after_the_block(built, tmp_path):
 
 
 @pytest.mark.timeout(1500)
-def test_a_trained_demo_drafter_agrees_with_our_evaluator(engine_python, tmp_path):
-    """The DFlash demo recipe (small knobs), to its last step: a trained drafter served by vLLM on
-    three shipped benchmarks and the held-out set in one run. Acceptance is high on the held-out
-    prompts, so every position counts; there vLLM's per-prompt drafts and acceptances must equal
+def test_a_trained_demo_drafter_agrees_with_our_evaluator(engine_python, demo_base, tmp_path):
+    """The DFlash demo recipe (small knobs; steps 1-5 the session's ``demo_base``), to its last step:
+    a trained drafter served by vLLM on three shipped benchmarks and the held-out set in one run.
+    Acceptance is high on the held-out prompts, so every position counts; there vLLM's per-prompt drafts and acceptances must equal
     our evaluator's; on every set, lossless and tau within 2 % of ours."""
     from dflash_prep.engine.evaluate import cell
 
     demo = tmp_path / "demo"
-    env = {**os.environ, "DEMO_DFLASH": str(demo), "PY": sys.executable, "N": "600", "HELD": "8", "LM_STEPS": "200",
-           "DRAFT_STEPS": "150", "MAX_NEW": "32", "OMP_NUM_THREADS": "1", "ENGINE_EVAL": "1", "BENCH_N": "4",
+    env = {**os.environ, **DEMO_BASE_KNOBS, "DEMO_DFLASH": str(demo), "PY": sys.executable, "BASE_FROM": str(demo_base),
+           "DRAFT_STEPS": "150", "MAX_NEW": "32", "ENGINE_EVAL": "1", "BENCH_N": "4",
            "DFLASH_PREP_VLLM_PYTHON": str(engine_python)}
     r = subprocess.run(["bash", str(ROOT / "train/recipes/demo_dflash.sh")], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=1300)

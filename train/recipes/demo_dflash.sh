@@ -25,6 +25,11 @@
 # drafter rank or on the target ranks, one document an engine call, fp32: docs/target-ranks.md).
 # ENGINE_EVAL (auto: step 10 runs where vLLM is installed; 1: require it; 0: skip), BENCH (its shipped
 # prompt sets) and BENCH_N (prompts from each).
+# BASE_ONLY=1 stops after steps 1-5's shared part (the target, corpus, regenerated answers, tokenized
+# and planned drafter data; DEMO_DFLASH/base.knobs names the knobs they were made with); BASE_FROM=DIR
+# copies that part from such a folder instead of remaking it, when its knobs (N, HELD, LM_STEPS,
+# LM_EPOCHS, REGEN_TOKENS, BUDGET, TARGET_ARGS) are this run's: the three objectives on one target
+# for the cost of one (refused in one line otherwise).
 # OBJECTIVE (dflash | dflash2: DFlash2 warm-started from the DFlash drafter for DRAFT2_STEPS steps,
 # on manifests packed for dflash2, with SELECTOR_MISSING (drop|inject) and SELECTOR_ALPHA; eagle3:
 # an EAGLE-3 drafter over a DRAFT_VOCAB-id draft vocabulary (64: fewer than the ~90 ids its data trains on, so the
@@ -70,10 +75,18 @@ ENGINE_EVAL=${ENGINE_EVAL:-auto}
 BENCH=${BENCH:-gsm8k,humaneval,mt-bench}
 BENCH_N=${BENCH_N:-8}
 case "$ENGINE_EVAL" in auto|0|1) ;; *) echo "error: ENGINE_EVAL must be auto, 0 or 1, got $ENGINE_EVAL" >&2; exit 1;; esac
+BASE_FROM=${BASE_FROM:-}
+BASE_ONLY=${BASE_ONLY:-0}
+case "$BASE_ONLY" in 0|1) ;; *) echo "error: BASE_ONLY must be 0 or 1, got $BASE_ONLY" >&2; exit 1;; esac
 # The target's shape: small enough that one LM step on 2,048 tokens takes about a second on a
 # loaded 2-core machine (the LM head dominates: keep the vocabulary small). 4 layers: a
 # 1-layer drafter taps layer L//2 = 2.
 TARGET_ARGS=${TARGET_ARGS:---vocab-size 512 --hidden 64 --layers 4 --heads 2 --kv-heads 1 --head-dim 32 --intermediate 192}
+# what steps 1-5's shared part depends on: a BASE_FROM folder must have been made with exactly these
+# (one per line, as base.knobs holds them)
+BASE_KNOBS=$(printf '%s\n' "N=$N" "HELD=$HELD" "LM_STEPS=$LM_STEPS" "LM_EPOCHS=$LM_EPOCHS" "REGEN_TOKENS=$REGEN_TOKENS" \
+    "BUDGET=$BUDGET" "TARGET_ARGS=$TARGET_ARGS")
+BASE_PARTS="target0 corpus target regen data plan"
 # one thread per process: on a small shared machine torch's default (one per core) mostly adds
 # contention; set OMP_NUM_THREADS to override
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -82,10 +95,37 @@ TRAIN="$PY -m dflash_prep.train --device cpu --no-progress"
 # step, claim_folder, vllm_installed
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
+if [ -n "$BASE_FROM" ]; then   # checked before anything of $OUT is touched
+    if [ ! -f "$BASE_FROM/base.knobs" ]; then
+        echo "error: BASE_FROM=$BASE_FROM holds no finished steps 1-5 of this recipe (no base.knobs); run it" \
+            "there first (BASE_ONLY=1 stops after them)" >&2; exit 1
+    fi
+    differ=()
+    while IFS= read -r knob; do   # each of this run's knobs against the line base.knobs holds for it
+        there=$(grep -m1 "^${knob%%=*}=" "$BASE_FROM/base.knobs" || true)
+        [ -n "$there" ] && there=${there#*=} || there=none
+        [ "${knob%%=*}=$there" = "$knob" ] || differ+=("${knob%%=*}: $there there, ${knob#*=} here")
+    done <<< "$BASE_KNOBS"
+    if [ ${#differ[@]} -gt 0 ]; then
+        echo "error: BASE_FROM=$BASE_FROM was made with other knobs: $(IFS=';'; echo "${differ[*]}" | sed 's/;/; /g')." \
+            "Set them alike, or leave BASE_FROM out" >&2; exit 1
+    fi
+    if [ "$(cd "$BASE_FROM" && pwd -P)" = "$(mkdir -p "$OUT" && cd "$OUT" && pwd -P)" ]; then
+        echo "error: BASE_FROM=$BASE_FROM is DEMO_DFLASH=$OUT itself, which the run starts by emptying;" \
+            "point one of them at another folder" >&2; exit 1
+    fi
+fi
+
 # start clean, but only ever delete a folder this recipe made (it leaves a marker file)
 claim_folder "$OUT" .demo-dflash DEMO_DFLASH
 rm -rf "$OUT"
 claim_folder "$OUT" .demo-dflash DEMO_DFLASH
+
+DATA="$OUT/data" PLAN="$OUT/plan/plan.json" MANIFESTS="$OUT/manifests"
+if [ -n "$BASE_FROM" ]; then
+step "1-5. the target, corpus, regenerated answers and drafter data of $BASE_FROM (made with this run's knobs)"
+for part in $BASE_PARTS; do cp -r "$BASE_FROM/$part" "$OUT/$part"; done
+else
 
 step "1. a tiny Qwen3 target, random init, with its tokenizer and chat template: $OUT/target0"
 $PY -m dflash_prep.train.target_init --out "$OUT/target0" $TARGET_ARGS
@@ -112,9 +152,14 @@ $CLI regenerate "$OUT/corpus/train.jsonl" --engine hf --target "$OUT/target" --m
     --turns last --max-tokens "$REGEN_TOKENS" --batch-size 32 --out "$OUT/regen"
 
 step "5. tokenize, analyze and pack the drafter's data"
-DATA="$OUT/data" PLAN="$OUT/plan/plan.json" MANIFESTS="$OUT/manifests"
 $CLI tokenize "$OUT/regen/chat.jsonl" --out "$DATA" --tokenizer "$OUT/target" --max-len 2048 --train-turns last
 $CLI analyze "$DATA" --budget "$BUDGET" --out "$OUT/plan"
+echo "$BASE_KNOBS" > "$OUT/base.knobs"   # written last: steps 1-5's shared part is whole
+if [ "$BASE_ONLY" = 1 ]; then
+    step "done (BASE_ONLY=1): $OUT holds steps 1-5's shared part; BASE_FROM=$OUT runs an objective on it"
+    exit 0
+fi
+fi
 $CLI pack "$DATA" --plan "$PLAN" --epochs 0-$(( DRAFT_EPOCHS - 1 )) --objective dflash --block-size "$B" \
     --max-anchors "$MAX_ANCHORS" --target-config "$OUT/target" --draft-layers "$DRAFT_LAYERS" \
     --sliding-window "$WINDOW" --world-size "$DRAFTER_RANKS" --out "$MANIFESTS"
