@@ -156,13 +156,11 @@ test-jobs: venv
 # A missing or broken engine fails this target, naming it (DFLASH_PREP_ENGINE_TESTS=require; a plain
 # pytest run skips the engine tests instead).
 # ENGINE_WORKERS pytest-xdist processes, each test file whole on one (its module fixtures are built
-# once): an engine start keeps about one core busy, so two workers keep the machine's two busy. The
-# costliest files go out first (tests/engine/conftest.py COSTLIEST_FIRST), in that order.
+# once): an engine start keeps about one core busy, so two workers keep the machine's two busy.
 ENGINE_WORKERS ?= 2
 test-engines: venv venv-vllm
 	DFLASH_PREP_ENGINE_TESTS=require $(BIN)/python -m pytest -q \
-		$(if $(filter-out 1,$(ENGINE_WORKERS)),-n $(ENGINE_WORKERS) --dist loadfile --no-loadscope-reorder) \
-		-m "engine and not gpu" tests/engine
+		$(if $(filter-out 1,$(ENGINE_WORKERS)),-n $(ENGINE_WORKERS) --dist loadfile) -m "engine and not gpu" tests/engine
 
 # The golden and float-numerics tests under the CPU's other vector-kernel levels (ATen's dispatch
 # follows the CPU; docs/reliability.md#any-cpu): what a fresh clone on a CPU without AVX-512 runs.

@@ -42,33 +42,8 @@ def _find_engine():
         return None, str(e)
 
 
-COSTLIEST_FIRST = ("test_vllm.py", "test_engine_lifetime.py", "test_target_ranks_engine.py", "test_demo_real.py",
-                   "test_extract_nodes.py", "test_evaluate_bench.py", "test_demo_variants.py", "test_regenerate_vllm.py",
-                   "test_extract.py", "test_demo_dflash2.py", "test_eval_every.py", "test_online_states.py",
-                   "test_regenerate_failover.py")
-"""This folder's costliest files, most seconds first (each file's tests summed, ``make test-engines``
-alone, 2026-12-07): about 600, 245, 220, 217, 156, 141, 140, 117, 101, 100, 77, 64 and 60 s; the rest
-take under 25 s each. ``make test-engines`` hands whole files to two workers (``--dist loadfile
---no-loadscope-reorder``) in this order, so the long ones start first and the two end together
-(xdist's own order, most tests first, left the one-test demos for last: a minutes-long tail on one
-worker)."""
-
-
-def _costliest_first(items) -> None:
-    """Reorder this folder's tests by :data:`COSTLIEST_FIRST` (a file's tests stay in their order),
-    each in a place this folder's tests held; other tests keep theirs."""
-    here = Path(__file__).parent
-    places = [i for i, it in enumerate(items) if Path(str(it.path)).parent == here]
-    rank = {name: k for k, name in enumerate(COSTLIEST_FIRST)}
-    ours = sorted((items[i] for i in places), key=lambda it: rank.get(Path(str(it.path)).name, len(rank)))
-    for i, it in zip(places, ours):
-        items[i] = it
-
-
 def pytest_collection_modifyitems(config, items):
-    """This folder's costliest files first (:data:`COSTLIEST_FIRST`); and under
-    ``DFLASH_PREP_ENGINE_TESTS=require``, no engine is a failure of the run, not a skip."""
-    _costliest_first(items)
+    """Under ``DFLASH_PREP_ENGINE_TESTS=require``: no engine is a failure of the run, not a skip."""
     if os.environ.get(REQUIRE_VAR) != "require" or not any(i.get_closest_marker("engine") for i in items):
         return
     py, why = _find_engine()
